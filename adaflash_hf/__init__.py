@@ -6,6 +6,8 @@ Importing the package registers the drafter with `AutoConfig` / `AutoModel` (mod
 from transformers import AutoConfig, AutoModel
 
 from .export import export_dflash
+from .generation import GenerationStats, adaflash_decoding, speculative_generate
+from .generation.hf_integration import install_generate_hook
 from .modeling import AdaFlashConfig, AdaFlashDrafter, default_target_layer_ids
 
 __version__ = "0.1.0"
@@ -16,5 +18,15 @@ AutoModel.register(AdaFlashConfig, AdaFlashDrafter, exist_ok=True)
 # loads with trust_remote_code=True where adaflash-hf is not installed.
 AdaFlashConfig.register_for_auto_class()
 AdaFlashDrafter.register_for_auto_class("AutoModel")
+install_generate_hook()
 
-__all__ = ["AdaFlashConfig", "AdaFlashDrafter", "default_target_layer_ids", "export_dflash", "__version__"]
+__all__ = [
+    "AdaFlashConfig",
+    "AdaFlashDrafter",
+    "GenerationStats",
+    "adaflash_decoding",
+    "default_target_layer_ids",
+    "export_dflash",
+    "speculative_generate",
+    "__version__",
+]
