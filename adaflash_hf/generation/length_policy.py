@@ -1,0 +1,148 @@
+"""Verify-length policies: how many block slots each row sends to the target (SPEC section 2).
+
+A verify length ``k_hat`` always counts the bonus slot (slot 0, the last verified token), so a
+row verifies ``k_hat - 1`` draft tokens and ``k_hat`` lies in ``[1, B]`` for block size ``B``.
+All policies return ``LongTensor[b]`` so the engine can pack ``sum(k_hat)`` tokens per verify.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "adaptive_verify_length",
+    "expected_gain_verify_length",
+    "fixed_verify_length",
+    "load_scaled_rate",
+]
+
+
+def _check_len_bounds(block_size: int, min_len: int) -> None:
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if not 1 <= min_len <= block_size:
+        raise ValueError(f"min_len must be in [1, block_size={block_size}], got {min_len}")
+
+
+def adaptive_verify_length(
+    accept_ratio: torch.Tensor,
+    block_size: int,
+    rate: float = 1.0,
+    min_len: int = 1,
+) -> torch.Tensor:
+    """Length-head policy: ``k_hat = clamp(round(a * B * rate), min_len, B)``.
+
+    ``a`` is the head's predicted acceptance ratio per row (``[b]`` or ``[b, 1]``); ``rate`` is
+    the load scale (see :func:`load_scaled_rate`). ``round`` is round-half-to-even (torch and
+    Python agree). A NaN prediction maps to ``min_len``: the shortest verify is always lossless,
+    so a broken head costs speed, never correctness or a crash.
+
+    Example:
+        >>> adaptive_verify_length(torch.tensor([0.0, 0.4, 1.0]), block_size=16).tolist()
+        [1, 6, 16]
+    """
+    _check_len_bounds(block_size, min_len)
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate must be a finite number > 0, got {rate}")
+    a = accept_ratio.detach().float()
+    if a.dim() == 2 and a.shape[1] == 1:
+        a = a.squeeze(1)
+    if a.dim() != 1:
+        raise ValueError(f"accept_ratio must be [b] or [b, 1], got shape {tuple(accept_ratio.shape)}")
+    a = torch.nan_to_num(a, nan=0.0)
+    k_hat = torch.round(a * (block_size * rate)).clamp(min_len, block_size)
+    return k_hat.long()
+
+
+def fixed_verify_length(batch: int, block_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """DFlash baseline: every row verifies its full block.
+
+    Example:
+        >>> fixed_verify_length(2, 16).tolist()
+        [16, 16]
+    """
+    _check_len_bounds(block_size, 1)
+    if batch < 0:
+        raise ValueError(f"batch must be >= 0, got {batch}")
+    return torch.full((batch,), block_size, dtype=torch.long, device=device)
+
+
+def expected_gain_verify_length(
+    position_accept_probs: torch.Tensor,
+    cost_per_token: float | torch.Tensor,
+    base_cost: float = 1.0,
+    min_len: int = 1,
+) -> torch.Tensor:
+    """DSpark-style policy: pick the draft prefix with most expected tokens per unit verify cost.
+
+    ``position_accept_probs[i, j-1] = c_j`` is row ``i``'s probability that draft position ``j``
+    is accepted given positions ``< j`` were (``[b, B-1]``, so ``B`` is inferred). Verifying
+    ``k`` draft tokens then yields, in expectation,
+    ``gain(k) = 1 + sum_{m=1..k} prod_{j<=m} c_j`` tokens (the 1 is the target's own token), and
+    costs ``cost(k) = base_cost + cost_per_token * (k + 1)``: a fixed per-round cost (weights
+    read, launch) plus a per-verified-token cost for the ``k + 1`` slots sent (bonus included),
+    matching the shape of SPEC section 6's latency table. ``cost_per_token`` may be a float or a
+    ``[b]`` tensor (e.g. larger under load). The ``k`` maximising ``gain / cost`` wins, ties to
+    the shortest (same speed, less compute); returns ``clamp(k + 1, min_len, B)``.
+
+    Example:
+        >>> c = torch.tensor([[0.9, 0.9, 0.1], [0.05, 0.05, 0.05]])
+        >>> expected_gain_verify_length(c, cost_per_token=0.1).tolist()
+        [3, 1]
+    """
+    if position_accept_probs.dim() != 2:
+        raise ValueError(
+            f"position_accept_probs must be [b, B-1], got shape {tuple(position_accept_probs.shape)}"
+        )
+    block_size = position_accept_probs.shape[1] + 1
+    _check_len_bounds(block_size, min_len)
+    cpt = torch.as_tensor(cost_per_token, dtype=torch.float32, device=position_accept_probs.device)
+    if bool((cpt < 0).any()) or base_cost < 0:
+        raise ValueError(f"costs must be >= 0, got cost_per_token={cost_per_token}, base_cost={base_cost}")
+    if bool((cpt + base_cost <= 0).any()):
+        raise ValueError("base_cost + cost_per_token must be > 0 (a verify cannot be free)")
+
+    c = torch.nan_to_num(position_accept_probs.detach().float(), nan=0.0).clamp(0.0, 1.0)
+    b = c.shape[0]
+    # survive[:, m] = P(first m drafts all accepted); gain[:, k] = sum_{m=0..k} survive[:, m].
+    survive = torch.cat([c.new_ones(b, 1), torch.cumprod(c, dim=1)], dim=1)  # [b, B]
+    gain = torch.cumsum(survive, dim=1)
+    k = torch.arange(block_size, dtype=torch.float32, device=c.device)
+    cost = base_cost + cpt.reshape(-1, 1) * (k + 1)[None, :]
+    # argmax returns the first maximum, i.e. the shortest k among ties.
+    best_k = torch.argmax(gain / cost, dim=1)
+    return (best_k + 1).clamp(min_len, block_size).long()
+
+
+def load_scaled_rate(
+    base_rate: float,
+    batch_size: int,
+    halving_batch: int = 64,
+    min_rate: float = 0.25,
+) -> float:
+    """Shrink the verify-length ``rate`` as the batch grows (monotone non-increasing in batch).
+
+    ``rate = max(floor, base_rate / (1 + log2(batch) / log2(halving_batch)))`` with
+    ``floor = min(min_rate, base_rate)``: ``base_rate`` at batch ``<= 1``, half of it at
+    ``halving_batch``. Why log-shaped: per SPEC section 6 a verify of ``q`` tokens per request
+    stays near the cost of a plain step at small batch and grows steeply once the target is
+    compute-bound (~5x for 16 tokens at 128 requests), so long verifies should get rarer
+    gradually, not at a cliff. The floor keeps the head able to verify a few tokens even at huge
+    batch (``k_hat`` is also clamped to ``>= min_len`` downstream).
+
+    Example:
+        >>> load_scaled_rate(1.0, 1), load_scaled_rate(1.0, 64)
+        (1.0, 0.5)
+    """
+    if not (math.isfinite(base_rate) and base_rate > 0):
+        raise ValueError(f"base_rate must be a finite number > 0, got {base_rate}")
+    if halving_batch < 2:
+        raise ValueError(f"halving_batch must be >= 2, got {halving_batch}")
+    if not min_rate > 0:
+        raise ValueError(f"min_rate must be > 0, got {min_rate}")
+    if batch_size <= 1:
+        return float(base_rate)
+    rate = base_rate / (1.0 + math.log2(batch_size) / math.log2(halving_batch))
+    return float(max(min(min_rate, base_rate), rate))

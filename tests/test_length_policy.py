@@ -1,0 +1,184 @@
+"""Verify-length policies: adaptive (length head), fixed, expected-gain (DSpark-style), load rate."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from adaflash_hf.generation.length_policy import (
+    adaptive_verify_length,
+    expected_gain_verify_length,
+    fixed_verify_length,
+    load_scaled_rate,
+)
+
+# --------------------------------------------------------------------------------------------
+# adaptive_verify_length: k_hat = clamp(round(a * B * rate), min_len, B)
+
+A_GRID = torch.linspace(0, 1, 41)
+
+ADAPTIVE_CASES = [
+    # block_size, rate, min_len
+    (16, 1.0, 1),
+    (16, 0.5, 1),
+    (16, 1.0, 4),
+    (16, 2.0, 1),
+    (8, 0.75, 2),
+    (1, 1.0, 1),
+]
+
+
+@pytest.mark.parametrize("B,rate,min_len", ADAPTIVE_CASES)
+def test_adaptive_verify_length(B, rate, min_len):
+    k_hat = adaptive_verify_length(A_GRID, B, rate=rate, min_len=min_len)
+    assert k_hat.dtype == torch.long and k_hat.shape == A_GRID.shape
+    assert ((k_hat >= min_len) & (k_hat <= B)).all()
+    assert (k_hat[1:] >= k_hat[:-1]).all()  # more confident head -> never shorter
+    ref = [min(B, max(min_len, round(float(a) * B * rate))) for a in A_GRID.tolist()]
+    assert k_hat.tolist() == ref
+    # extremes: a = 0 verifies the minimum; a = 1 at rate >= 1 verifies the full block
+    assert k_hat[0].item() == min_len
+    if rate >= 1.0:
+        assert k_hat[-1].item() == B
+    # column-vector head output and NaN predictions are handled
+    assert torch.equal(adaptive_verify_length(A_GRID[:, None], B, rate, min_len), k_hat)
+    assert adaptive_verify_length(torch.tensor([float("nan")]), B, rate, min_len).item() == min_len
+
+
+def test_adaptive_rate_scales_length():
+    a = torch.tensor([1.0, 0.5])
+    full = adaptive_verify_length(a, 16, rate=1.0)
+    half = adaptive_verify_length(a, 16, rate=0.5)
+    assert torch.equal(half * 2, full)  # exact here: a*B is even for both rows
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(rate=0.0), "rate must be"),
+        (dict(rate=-1.0), "rate must be"),
+        (dict(rate=float("inf")), "rate must be"),
+        (dict(min_len=0), "min_len must be in"),
+        (dict(min_len=17), "min_len must be in"),
+        (dict(block_size=0, min_len=1), "block_size must be"),
+    ],
+)
+def test_adaptive_validation(kwargs, match):
+    args = dict(block_size=16) | kwargs
+    with pytest.raises(ValueError, match=match):
+        adaptive_verify_length(torch.tensor([0.5]), **args)
+
+
+def test_fixed_verify_length():
+    k = fixed_verify_length(3, 16)
+    assert k.dtype == torch.long and k.tolist() == [16] * 3
+    with pytest.raises(ValueError, match="block_size"):
+        fixed_verify_length(3, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# expected_gain_verify_length against a brute-force loop over every prefix length.
+
+
+def _brute_force(c: torch.Tensor, cost_per_token: float, base_cost: float, min_len: int) -> list[int]:
+    out = []
+    B = c.shape[1] + 1
+    for row in c.tolist():
+        best_k, best = 0, -1.0
+        for k in range(B):
+            gain = 1.0 + sum(math.prod(row[:m]) for m in range(1, k + 1))
+            value = gain / (base_cost + cost_per_token * (k + 1))
+            if value > best * (1 + 1e-6):  # strict: ties go to the shorter prefix
+                best_k, best = k, value
+        out.append(min(B, max(min_len, best_k + 1)))
+    return out
+
+
+GAIN_CASES = [
+    # name, B, cost_per_token, base_cost, min_len
+    ("cheap_tokens", 16, 0.02, 1.0, 1),
+    ("mid_cost", 16, 0.2, 1.0, 1),
+    ("expensive_tokens", 16, 1.0, 1.0, 1),
+    ("small_base_cost", 8, 0.1, 0.5, 1),
+    ("min_len", 16, 1.0, 1.0, 3),
+    ("small_block", 2, 1.0, 1.0, 1),
+]
+
+
+@pytest.mark.parametrize("name,B,cpt,base,min_len", GAIN_CASES, ids=[c[0] for c in GAIN_CASES])
+def test_expected_gain_matches_brute_force(name, B, cpt, base, min_len):
+    g = torch.Generator().manual_seed(B)
+    # decaying per-position acceptance, like a real drafter (SPEC: ~0.9 -> ~0.1 across a block)
+    c = torch.rand(32, B - 1, generator=g) ** 0.3 * torch.linspace(1.0, 0.2, B - 1)
+    k_hat = expected_gain_verify_length(c, cpt, base_cost=base, min_len=min_len)
+    assert k_hat.dtype == torch.long and k_hat.shape == (32,)
+    assert k_hat.tolist() == _brute_force(c, cpt, base, min_len)
+    # a higher per-token price never lengthens the verify
+    pricier = expected_gain_verify_length(c, cpt * 2 + 0.1, base_cost=base, min_len=min_len)
+    assert (pricier <= k_hat).all()
+
+
+def test_expected_gain_extremes():
+    B = 16
+    c = torch.full((2, B - 1), 0.7)
+    assert expected_gain_verify_length(c, cost_per_token=0.0).tolist() == [B, B]  # free tokens
+    assert expected_gain_verify_length(c, cost_per_token=1.0, base_cost=0.0).tolist() == [1, 1]
+    assert expected_gain_verify_length(torch.ones(2, B - 1), cost_per_token=1.0).tolist() == [B, B]
+    assert expected_gain_verify_length(torch.zeros(2, B - 1), cost_per_token=0.0).tolist() == [1, 1]
+    # per-row cost tensor: a loaded row gets a shorter verify than an idle one
+    k = expected_gain_verify_length(c, cost_per_token=torch.tensor([0.01, 1.0]))
+    assert k[0] > k[1]
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        ((torch.rand(4),), dict(cost_per_token=0.1), r"\[b, B-1\]"),
+        ((torch.rand(2, 3),), dict(cost_per_token=-0.1), "costs must be"),
+        ((torch.rand(2, 3),), dict(cost_per_token=0.0, base_cost=0.0), "cannot be free"),
+        ((torch.rand(2, 3),), dict(cost_per_token=0.1, min_len=5), "min_len must be in"),
+    ],
+)
+def test_expected_gain_validation(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        expected_gain_verify_length(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# load_scaled_rate
+
+RATE_CASES = [
+    # base_rate, halving_batch, min_rate
+    (1.0, 64, 0.25),
+    (1.5, 16, 0.5),
+    (1.0, 2, 0.1),
+    (0.2, 64, 0.25),  # base below the floor: the floor must not raise the rate
+]
+
+
+@pytest.mark.parametrize("base,halving,floor", RATE_CASES)
+def test_load_scaled_rate(base, halving, floor):
+    batches = list(range(0, 4097))
+    rates = [load_scaled_rate(base, n, halving_batch=halving, min_rate=floor) for n in batches]
+    assert all(later <= earlier for earlier, later in zip(rates, rates[1:]))  # monotone
+    assert rates[0] == rates[1] == base
+    assert all(min(base, floor) <= r <= base for r in rates)
+    half = load_scaled_rate(base, halving, halving_batch=halving, min_rate=floor)
+    assert half == pytest.approx(max(base / 2, min(base, floor)))
+    assert rates[-1] < base or base <= floor  # it really shrinks under load
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(base_rate=0.0), "base_rate"),
+        (dict(halving_batch=1), "halving_batch"),
+        (dict(min_rate=0.0), "min_rate"),
+    ],
+)
+def test_load_scaled_rate_validation(kwargs, match):
+    args = dict(base_rate=1.0, batch_size=8) | kwargs
+    with pytest.raises(ValueError, match=match):
+        load_scaled_rate(**args)
