@@ -1,0 +1,422 @@
+"""Train an AdaFlash drafter offline for a target, on the target's own answers (SPEC section 5).
+
+    python -m adaflash_hf.training.train_drafter --target DIR --out DIR --domains chat,prose --minutes 6
+    python -m adaflash_hf.training.train_drafter --target DIR --out DIR --device cpu --steps 3 \\
+        --num-prompts 8 --max-new-tokens 16 --eval-per-domain 0          # CPU smoke test
+
+Three stages, one command:
+
+1. **Regeneration.** ``--num-prompts`` prompts (split evenly over ``--domains``, drawn with
+   ``--seed`` from the training split of ``adaflash_hf.training.data``) are answered by the target
+   itself with batched, left-padded ``target.generate`` (greedy unless ``--temperature > 0``,
+   ``--max-new-tokens``, stop at ``<|im_end|>`` / eos). Chat-style domains use the first user turn
+   through the chat template; prose uses the first ``--prose-prefix`` tokens of a chunk as the
+   prompt. The drafter learns the target's distribution, not the data's. ``--regen-cache FILE``
+   stores (or reuses) the regenerated samples as jsonl.
+2. **Training** with :class:`~adaflash_hf.training.trainer.DrafterTrainer`: a fresh drafter
+   (``--num-layers`` 2, ``--block-size`` 16, mask token from the tokenizer), AdamW lr 6e-4,
+   warmup 4 % then cosine, grad clip 1.0, bf16 autocast on CUDA, length head trained jointly on
+   detached features. ``--minutes`` is the *training* wall-clock budget and the LR schedule runs
+   over that time; ``--steps N`` fixes a step count instead (step-based cosine; ``--minutes``
+   then only acts as a safety stop). ``--length-head-steps`` adds an offline length-head pass on
+   the frozen drafter afterwards.
+3. **Outputs** in ``--out``: the drafter in the native layout (bf16 safetensors shards of at most
+   ``--max-shard-size``; ``AdaFlashDrafter.from_pretrained(out)`` loads it), ``train_log.jsonl``
+   (step, loss, lr, ce_loss, length_loss, accuracy, accept_len, elapsed_s) and
+   ``train_summary.json`` (arguments, timings, regeneration stats, and a held-out *acceptance
+   proxy* per domain: mean ``accepted + 1`` over all block anchors of the target's own greedy answers
+   to ``--eval-per-domain`` eval-split prompts of every domain, the teacher-forced analogue of
+   tau).
+
+Several GPUs: ``accelerate launch --num_processes N -m adaflash_hf.training.train_drafter ...``
+trains data-parallel (DDP through the Trainer). Regeneration is not split across processes (every
+process would repeat it): run it once single-process with ``--regen-cache FILE --regen-only``, then launch the multi-GPU run with the same
+``--regen-cache FILE``, which every process then just reads. (Not testable on the CPU machines.)
+"""
+
+from __future__ import annotations
+
+import time
+
+_T_START = time.time()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+CHAT_DOMAINS = ("math", "code", "chat")
+
+
+# ------------------------------------------------------------------------------ prompts
+
+
+def _chat_prompt_ids(tok, messages: list[dict]) -> list[int]:
+    enc = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+    return list(enc["input_ids"])
+
+
+def build_prompts(
+    tok,
+    domains: list[str],
+    num_prompts: int,
+    split: str = "train",
+    seed: int = 0,
+    prose_prefix: int = 32,
+    max_prompt_tokens: int = 384,
+    data_dir=None,
+) -> list[dict]:
+    """``num_prompts`` prompts split evenly over ``domains``: ``{"domain", "prompt_ids"}``."""
+    from . import data as D
+
+    rng = random.Random(seed)
+    per = [num_prompts // len(domains) + (1 if i < num_prompts % len(domains) else 0) for i in range(len(domains))]
+    out = []
+    for d, k in zip(domains, per):
+        if k <= 0:
+            continue
+        samples = D.chat_samples(d, split, data_dir=data_dir)
+        picked = rng.sample(samples, min(k, len(samples)))
+        for s in picked:
+            if "messages" in s:
+                first_user = next((m for m in s["messages"] if m["role"] == "user"), None)
+                if first_user is None:
+                    continue
+                ids = _chat_prompt_ids(tok, [first_user])
+                ids = ids[-max_prompt_tokens:]
+            else:
+                # a prefix of the chunk is plenty for `prose_prefix` tokens (avoids tokenising 2k chars)
+                ids = tok(s["text"][: 16 * prose_prefix], add_special_tokens=False)["input_ids"][:prose_prefix]
+            if len(ids) >= 1:
+                out.append({"domain": d, "prompt_ids": ids})
+    return out
+
+
+@torch.no_grad()
+def regenerate(
+    target,
+    tok,
+    prompts: list[dict],
+    max_new_tokens: int = 256,
+    batch_size: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    progress: bool = True,
+    min_response_tokens: int = 2,
+) -> list[dict]:
+    """Answer every prompt with the target (batched, left padded). Returns pre-tokenised samples
+    ``{"input_ids": prompt + response, "loss_mask": [0]*P + [1]*R, "domain"}``; the response ends
+    with the stop token when one was produced."""
+    from tqdm.auto import tqdm
+
+    from .tokenizer import STOP_TOKENS
+
+    stops = [i for i in (tok.convert_tokens_to_ids(t) for t in STOP_TOKENS) if i is not None and i != tok.unk_token_id]
+    if not stops and tok.eos_token_id is not None:
+        stops = [tok.eos_token_id]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (stops[0] if stops else 0)
+    device = next(target.parameters()).device
+    target.eval()
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]["prompt_ids"]))
+    results: list[dict | None] = [None] * len(prompts)
+    gen_kw = dict(max_new_tokens=max_new_tokens, eos_token_id=stops or None, pad_token_id=pad)
+    if temperature > 0:
+        gen_kw.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    else:
+        gen_kw.update(do_sample=False)
+    bar = tqdm(total=len(prompts), desc="regenerate", unit="prompt", disable=not progress)
+    for s in range(0, len(order), batch_size):
+        idx = order[s : s + batch_size]
+        plens = [len(prompts[i]["prompt_ids"]) for i in idx]
+        P = max(plens)
+        ids = torch.full((len(idx), P), pad, dtype=torch.long)
+        am = torch.zeros(len(idx), P, dtype=torch.long)
+        for r, i in enumerate(idx):
+            p = prompts[i]["prompt_ids"]
+            ids[r, P - len(p) :] = torch.tensor(p)
+            am[r, P - len(p) :] = 1
+        y = target.generate(input_ids=ids.to(device), attention_mask=am.to(device), **gen_kw)
+        gen = y[:, P:].tolist()
+        for r, i in enumerate(idx):
+            resp = []
+            for t in gen[r]:
+                resp.append(t)
+                if t in stops:
+                    break
+            p = list(prompts[i]["prompt_ids"])
+            results[i] = {
+                "input_ids": p + resp,
+                "loss_mask": [0] * len(p) + [1] * len(resp),
+                "domain": prompts[i]["domain"],
+            }
+        bar.update(len(idx))
+    bar.close()
+    return [r for r in results if r is not None and sum(r["loss_mask"]) >= min_response_tokens]
+
+
+# ------------------------------------------------------------------------------ evaluation
+
+
+@torch.no_grad()
+def acceptance_proxy(model, samples: list[dict], collator, batch_size: int = 16, autocast_dtype=None) -> dict:
+    """Mean ``accepted + 1`` per block (every response anchor) and slot-1 accuracy, per domain."""
+    device = model.base_drafter.fc.weight.device
+    was = model.training
+    model.eval()
+    by_domain: dict[str, list[dict]] = {}
+    for s in samples:
+        by_domain.setdefault(s.get("domain", "all"), []).append(s)
+    res = {}
+    for d, ss in by_domain.items():
+        tot_len, tot_blocks, tot_acc, tot_first = 0.0, 0, 0.0, 0
+        for i in range(0, len(ss), batch_size):
+            batch = {k: v.to(device) for k, v in collator(ss[i : i + batch_size]).items()}
+            ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                   else torch.autocast(device.type, enabled=False))
+            with ctx:
+                out = model(**batch)
+            nb = int(out["num_blocks"])
+            tot_len += float(out["accept_len"]) * nb
+            tot_blocks += nb
+            tot_acc += float(out["accuracy"]) * nb
+            tot_first += nb
+        res[d] = {
+            "accept_len": round(tot_len / max(tot_blocks, 1), 4),
+            "accuracy": round(tot_acc / max(tot_first, 1), 4),
+            "blocks": tot_blocks,
+            "samples": len(ss),
+        }
+    model.train(was)
+    return res
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, help="target model folder (tokenizer inside unless --tokenizer)")
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--out", required=True, help="output folder for the drafter checkpoint and logs")
+    ap.add_argument("--data", default=None, help="shared/data folder (default: $ADAFLASH_DATA or ../shared/data)")
+    ap.add_argument("--domains", default="chat,prose", help="training domains, comma separated")
+    ap.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    # regeneration
+    ap.add_argument("--num-prompts", type=int, default=2000, help="prompts to regenerate (all domains)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--gen-batch-size", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy regeneration")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--prose-prefix", type=int, default=32, help="prompt tokens of a prose chunk")
+    ap.add_argument("--max-prompt-tokens", type=int, default=384)
+    ap.add_argument("--regen-cache", default=None, help="jsonl of regenerated samples: reused if it exists, else written")
+    ap.add_argument("--regen-only", action="store_true", help="stop after regeneration (with --regen-cache)")
+    # drafter
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--mask-token-id", type=int, default=None, help="default: tokenizer.mask_token_id")
+    ap.add_argument("--max-anchors", type=int, default=512)
+    ap.add_argument("--gamma", type=float, default=None, help="position-weight decay (default from block size)")
+    ap.add_argument("--length-head-weight", type=float, default=1.0)
+    ap.add_argument("--length-head-steps", type=int, default=0, help="extra offline length-head steps, frozen drafter")
+    ap.add_argument("--length-head-lr", type=float, default=2e-4)
+    # optimisation
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--warmup-ratio", type=float, default=0.04)
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--max-length", type=int, default=1024)
+    ap.add_argument("--minutes", type=float, default=6.0, help="training wall-clock budget (minutes)")
+    ap.add_argument("--steps", type=int, default=None, help="fixed number of optimizer steps (step-based schedule)")
+    ap.add_argument("--logging-steps", type=int, default=10)
+    ap.add_argument("--num-workers", type=int, default=0)
+    # outputs / eval
+    ap.add_argument("--eval-per-domain", type=int, default=32, help="held-out prompts per domain for the acceptance proxy")
+    ap.add_argument("--eval-domains", default="math,code,chat,prose")
+    ap.add_argument("--max-shard-size", default="15MB")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def _load_target(path: str, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return target.to(device).eval().requires_grad_(False)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    from transformers import AutoTokenizer, PrinterCallback, TrainingArguments, set_seed
+
+    from ..modeling import AdaFlashDrafter
+    from .trainer import (
+        DrafterDataCollator,
+        DrafterTrainer,
+        DrafterTrainingModel,
+        JsonlLogCallback,
+        WallClockCallback,
+        train_length_head,
+        wall_clock_cosine_schedule,
+    )
+
+    progress = not a.no_progress
+    if a.device == "auto":
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(a.device)
+    if device.type == "cuda" and device.index is None:  # one process per GPU under accelerate launch
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    main_process = int(os.environ.get("RANK", 0)) == 0
+    use_bf16 = device.type == "cuda"
+    set_seed(a.seed)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    domains = [d.strip() for d in a.domains.split(",") if d.strip()]
+    eval_domains = [d.strip() for d in a.eval_domains.split(",") if d.strip()]
+
+    tok = AutoTokenizer.from_pretrained(a.tokenizer or a.target)
+    target = _load_target(a.target, device)
+    print(f"[train_drafter] target {a.target}: {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params "
+          f"on {device} ({time.time() - _T_START:.1f}s)", flush=True)
+
+    # ---- 1. regeneration
+    t = time.time()
+    cache = Path(a.regen_cache) if a.regen_cache else None
+    if cache is not None and cache.is_file():
+        samples = [json.loads(line) for line in cache.read_text().splitlines() if line.strip()]
+        print(f"[train_drafter] reusing {len(samples)} regenerated samples from {cache}", flush=True)
+    else:
+        prompts = build_prompts(tok, domains, a.num_prompts, "train", a.seed, a.prose_prefix, a.max_prompt_tokens, a.data)
+        samples = regenerate(target, tok, prompts, a.max_new_tokens, a.gen_batch_size, a.temperature, a.top_p, progress)
+        if cache is not None and main_process:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    timings["regenerate_s"] = round(time.time() - t, 1)
+    resp_tokens = sum(sum(s["loss_mask"]) for s in samples)
+    regen_stats = {
+        "samples": len(samples),
+        "response_tokens": resp_tokens,
+        "per_domain": {d: sum(1 for s in samples if s.get("domain") == d) for d in domains},
+    }
+    print(f"[train_drafter] {len(samples)} samples, {resp_tokens} response tokens ({timings['regenerate_s']}s)", flush=True)
+    if not samples:
+        raise SystemExit("no training samples after regeneration")
+    if a.regen_only:
+        return 0
+
+    eval_samples = []
+    if a.eval_per_domain > 0 and main_process:
+        t = time.time()
+        eprompts = build_prompts(tok, eval_domains, a.eval_per_domain * len(eval_domains), "eval", a.seed,
+                                 a.prose_prefix, a.max_prompt_tokens, a.data)
+        eval_samples = regenerate(target, tok, eprompts, a.max_new_tokens, a.gen_batch_size, 0.0, 1.0, progress)
+        timings["eval_regenerate_s"] = round(time.time() - t, 1)
+
+    # ---- 2. drafter + training
+    mask_id = a.mask_token_id if a.mask_token_id is not None else tok.mask_token_id
+    if mask_id is None:
+        raise SystemExit("the tokenizer has no mask token: pass --mask-token-id")
+    drafter = AdaFlashDrafter.from_target(target, num_layers=a.num_layers, block_size=a.block_size, mask_token_id=mask_id)
+    drafter = drafter.float()  # fp32 master weights; bf16 autocast on CUDA
+    model = DrafterTrainingModel(target, drafter, max_anchors=a.max_anchors, gamma=a.gamma,
+                                 length_head_weight=a.length_head_weight)
+    n_params = sum(p.numel() for p in drafter.parameters())
+    print(f"[train_drafter] drafter: {a.num_layers} layers, block {a.block_size}, target layers "
+          f"{drafter.config.target_layer_ids}, {n_params / 1e6:.2f}M params", flush=True)
+    collator = DrafterDataCollator(tok, max_length=a.max_length)
+
+    log_path = out / "train_log.jsonl"
+    if log_path.exists():
+        log_path.unlink()
+    clock = WallClockCallback(a.minutes * 60.0)
+    timed = a.steps is None  # LR schedule over wall-clock time; tqdm would show a meaningless total
+    callbacks = [JsonlLogCallback(log_path, verbose=timed or not progress, budget_s=a.minutes * 60.0), clock]
+    work = tempfile.mkdtemp(prefix="adaflash_trainer_")
+    targs = TrainingArguments(
+        output_dir=work,
+        per_device_train_batch_size=a.batch_size,
+        learning_rate=a.lr,
+        weight_decay=a.weight_decay,
+        max_grad_norm=a.grad_clip,
+        lr_scheduler_type="cosine",
+        warmup_steps=a.warmup_ratio,
+        max_steps=a.steps if a.steps is not None else 10**9,
+        logging_steps=a.logging_steps,
+        logging_first_step=True,
+        save_strategy="no",
+        report_to=[],
+        bf16=use_bf16,
+        use_cpu=device.type == "cpu",
+        seed=a.seed,
+        dataloader_num_workers=a.num_workers,
+        remove_unused_columns=False,
+        disable_tqdm=timed or not progress,
+    )
+    optimizers = (None, None)
+    if a.steps is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay, fused=device.type == "cuda")
+        optimizers = (opt, wall_clock_cosine_schedule(opt, clock, a.warmup_ratio))
+    trainer = DrafterTrainer(model=model, args=targs, train_dataset=samples, data_collator=collator,
+                             callbacks=callbacks, optimizers=optimizers)
+    trainer.remove_callback(PrinterCallback)  # JsonlLogCallback prints compact lines instead
+    t = time.time()
+    result = trainer.train()
+    timings["train_s"] = round(time.time() - t, 1)
+    steps_done = trainer.state.global_step
+    print(f"[train_drafter] trained {steps_done} steps in {timings['train_s']}s "
+          f"(final train loss {result.training_loss:.4f})", flush=True)
+
+    lh_losses = []
+    autocast_dtype = torch.bfloat16 if use_bf16 else None
+    if a.length_head_steps > 0:
+        t = time.time()
+        loader = torch.utils.data.DataLoader(samples, batch_size=a.batch_size, shuffle=True, collate_fn=collator)
+        lh_losses = train_length_head(model.drafter, target, loader, a.length_head_steps, a.length_head_lr,
+                                      a.max_anchors, autocast_dtype=autocast_dtype, progress=progress)
+        timings["length_head_s"] = round(time.time() - t, 1)
+
+    eval_res = {}
+    if eval_samples:
+        t = time.time()
+        eval_res = acceptance_proxy(model, eval_samples, collator, batch_size=a.batch_size, autocast_dtype=autocast_dtype)
+        timings["eval_s"] = round(time.time() - t, 1)
+        for d, r in eval_res.items():
+            print(f"[train_drafter] held-out {d:<6} accept_len {r['accept_len']:.3f}  slot-1 acc {r['accuracy']:.3f}", flush=True)
+
+    # ---- 3. save
+    if not trainer.is_world_process_zero():
+        return 0
+    if a.length_head_weight > 0 or a.length_head_steps > 0:
+        model.base_drafter.config.length_head_trained = True
+    model.save_pretrained(out, dtype=torch.bfloat16, max_shard_size=a.max_shard_size)
+    timings["total_s"] = round(time.time() - _T_START, 1)
+    last = [r for r in trainer.state.log_history if "loss" in r]
+    summary = {
+        "args": vars(a),
+        "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+        "drafter_params": n_params,
+        "target_layer_ids": list(model.base_drafter.config.target_layer_ids),
+        "steps": steps_done,
+        "final_log": last[-1] if last else None,
+        "regeneration": regen_stats,
+        "length_head_losses": lh_losses[-5:],
+        "eval_accept_proxy": eval_res,
+        "timings": timings,
+    }
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    print(f"[train_drafter] saved drafter to {out} (total {timings['total_s']}s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
