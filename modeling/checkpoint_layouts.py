@@ -173,6 +173,12 @@ def load_drafter_state_dict(cls, path, *args, **kwargs):
     if config_file is not None:
         with open(config_file, encoding="utf-8") as f:
             config_dict = json.load(f)
+    # Refuse a config that is not a drafter's before looking for weights, so the error names the real problem.
+    if config is None and not is_dflash_layout(config_dict) and config_dict.get("model_type") != AdaFlashConfig.model_type:
+        raise ValueError(
+            f"{path}: config.json is not a drafter config (model_type={config_dict.get('model_type')!r}, "
+            "no dflash_config). Expected an AdaFlash, DFlash (z-lab) or released AdaFlash checkpoint."
+        )
     files = _weight_files(path, hub_kwargs)
     found = read_safetensors_shapes(files)
 
@@ -183,11 +189,6 @@ def load_drafter_state_dict(cls, path, *args, **kwargs):
         return _load_renamed(cls, config, files, rename, kwargs)
 
     if config is None:
-        if config_dict.get("model_type") != AdaFlashConfig.model_type:
-            raise ValueError(
-                f"{path}: config.json is not a drafter config (model_type={config_dict.get('model_type')!r}, "
-                "no dflash_config). Expected an AdaFlash, DFlash (z-lab) or released AdaFlash checkpoint."
-            )
         config = AdaFlashConfig.from_pretrained(path, **hub_kwargs)
     check_tensors(found, expected_shapes(cls, config), path)
     from transformers.modeling_utils import PreTrainedModel

@@ -1,0 +1,192 @@
+"""Shared factories for the CPU test suite: tiny seeded targets, drafters, drafter inputs, tokenizers.
+
+Everything is tiny (hidden 32, vocab 128, 4 target layers) so the whole suite runs in seconds on
+two cores. The factories are plain functions (importable as `from conftest import ...`) and are
+also exposed as fixtures of the same name, so other test files can use whichever reads better:
+
+    def test_something(tiny_target, make_drafter):
+        target = tiny_target("llama", seed=3)
+        drafter = make_drafter(target, num_layers=2, block_size=8)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Tiny models: one intra-op thread is faster than two (no OpenMP hand-off per op), and far faster
+# when the two cores are shared with other processes (spinning OpenMP workers oversubscribe them).
+torch.set_num_threads(1)
+
+FAMILIES = ("qwen3", "llama")
+
+# One place for the tiny sizes, so tests can derive shapes instead of repeating numbers.
+TINY = dict(hidden=32, intermediate=64, heads=4, kv_heads=2, vocab=128, layers=4)
+
+
+def build_tiny_target(
+    family: str = "qwen3",
+    seed: int = 0,
+    vocab: int = TINY["vocab"],
+    layers: int = TINY["layers"],
+    hidden: int = TINY["hidden"],
+    heads: int = TINY["heads"],
+    kv_heads: int = TINY["kv_heads"],
+    intermediate: int = TINY["intermediate"],
+    attn_implementation: str = "sdpa",
+    **config_overrides,
+):
+    """A randomly initialised (seeded) tiny `Qwen3ForCausalLM` or `LlamaForCausalLM`, in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    fields = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        attn_implementation=attn_implementation,
+    )
+    fields.update(config_overrides)
+    torch.manual_seed(seed)
+    if family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**fields))
+    elif family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**fields))
+    else:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    return model.eval()
+
+
+def build_drafter(target, num_layers: int = 2, block_size: int = 8, seed: int = 0, mask_token_id=None, **kw):
+    """`AdaFlashDrafter.from_target(target, ...)` with a seeded init; the mask defaults to the last vocab id."""
+    from adaflash_hf import AdaFlashDrafter
+
+    if mask_token_id is None and kw.get("tokenizer") is None:
+        mask_token_id = target.get_input_embeddings().weight.shape[0] - 1
+    torch.manual_seed(seed)
+    drafter = AdaFlashDrafter.from_target(
+        target, num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id, **kw
+    )
+    return drafter.eval()
+
+
+def target_context(drafter, target, input_ids):
+    """Raw drafter context features `[b, T, K*H]` of `input_ids` (target layers `target_layer_ids`)."""
+    with torch.no_grad():
+        out = target(input_ids, output_hidden_states=True)
+    return drafter.select_context(out.hidden_states)
+
+
+def block_embeds(drafter, bonus_ids):
+    """Embedded block `[b, B, H]`: the bonus token in slot 0, `mask_token_id` in slots 1..B-1."""
+    b = bonus_ids.shape[0]
+    masks = torch.full((b, drafter.config.block_size - 1), drafter.config.mask_token_id, dtype=torch.long)
+    with torch.no_grad():
+        return drafter.embed(torch.cat([bonus_ids.view(b, 1), masks], dim=1))
+
+
+def drafter_inputs(drafter, target, batch: int = 2, ctx_len: int = 6, seed: int = 0):
+    """A ready forward input dict (`noise_embeds`, `context_hidden_states`, `position_ids`) for `drafter`."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = drafter.config.vocab_size
+    ids = torch.randint(0, vocab - 1, (batch, ctx_len + 1), generator=g)
+    ctx = target_context(drafter, target, ids[:, :ctx_len])
+    noise = block_embeds(drafter, ids[:, ctx_len])
+    positions = torch.arange(ctx_len + drafter.config.block_size).unsqueeze(0).expand(batch, -1)
+    return dict(noise_embeds=noise, context_hidden_states=ctx, position_ids=positions)
+
+
+def build_word_tokenizer(num_words: int = 100, mask_token: str | None = None):
+    """A tiny `PreTrainedTokenizerFast` (WordLevel, whitespace split) with `num_words` tokens incl. `[UNK]`."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, num_words)}}
+    tok = Tokenizer(WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    kwargs = {"mask_token": mask_token} if mask_token else {}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", **kwargs)
+
+
+def spec_dflash_keys(num_layers: int) -> list[str]:
+    """SPEC.md section 1's DFlash (z-lab) weight list, written out from the spec text, not from our code."""
+    keys = ["fc.weight", "hidden_norm.weight", "norm.weight"]
+    for i in range(num_layers):
+        keys += [f"layers.{i}.input_layernorm.weight", f"layers.{i}.post_attention_layernorm.weight"]
+        keys += [f"layers.{i}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+        keys += [f"layers.{i}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    return keys
+
+
+def spec_head_keys(prefix: str) -> list[str]:
+    """The length head's six tensors (SPEC section 1, AdaFlash format) under `prefix`."""
+    return [f"{prefix}{m}.{t}" for m in ("down", "res.0", "out") for t in ("weight", "bias")]
+
+
+def spec_shapes(H, inter, n_layers, n_heads, n_kv, head_dim, K, head_dim_len=None, head_prefix=None):
+    """Shapes of every SPEC tensor (Qwen3 layer shapes; fc is `[H, K*H]`; head `[d, 2H]`, `[d, d]`, `[1, d]`)."""
+    shapes = {"fc.weight": (H, K * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (H,),
+                p + "post_attention_layernorm.weight": (H,),
+                p + "self_attn.q_proj.weight": (n_heads * head_dim, H),
+                p + "self_attn.k_proj.weight": (n_kv * head_dim, H),
+                p + "self_attn.v_proj.weight": (n_kv * head_dim, H),
+                p + "self_attn.o_proj.weight": (H, n_heads * head_dim),
+                p + "self_attn.q_norm.weight": (head_dim,),
+                p + "self_attn.k_norm.weight": (head_dim,),
+                p + "mlp.gate_proj.weight": (inter, H),
+                p + "mlp.up_proj.weight": (inter, H),
+                p + "mlp.down_proj.weight": (H, inter),
+            }
+        )
+    if head_prefix is not None:
+        d = head_dim_len
+        shapes.update(
+            {
+                f"{head_prefix}down.weight": (d, 2 * H),
+                f"{head_prefix}down.bias": (d,),
+                f"{head_prefix}res.0.weight": (d, d),
+                f"{head_prefix}res.0.bias": (d,),
+                f"{head_prefix}out.weight": (1, d),
+                f"{head_prefix}out.bias": (1,),
+            }
+        )
+    return shapes
+
+
+@pytest.fixture
+def tiny_target():
+    """Factory fixture: `tiny_target(family="qwen3"|"llama", seed=0, vocab=128, layers=4, ...)`."""
+    return build_tiny_target
+
+
+@pytest.fixture
+def make_drafter():
+    """Factory fixture: `make_drafter(target, num_layers=2, block_size=8, **from_target_kwargs)`."""
+    return build_drafter
+
+
+@pytest.fixture
+def tiny_tokenizer():
+    """Factory fixture: `tiny_tokenizer(num_words=100, mask_token=None)`."""
+    return build_word_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_cpu():
+    """Tests compare tensors; keep kernels deterministic and the global RNG seeded per test."""
+    torch.manual_seed(0)
+    yield
