@@ -183,6 +183,10 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
     def has_target(self) -> bool:
         return bool(self._target_refs)
 
+    def is_bound_to(self, target: nn.Module) -> bool:
+        """True when the shared embedding / LM head are `target`'s own modules."""
+        return bool(self._target_refs) and self._target_refs["embed"] is target.get_input_embeddings()
+
     def _target_ref(self, name: str) -> nn.Module:
         if not self._target_refs:
             raise RuntimeError("this drafter is not bound to a target: call drafter.bind_target(target) first")

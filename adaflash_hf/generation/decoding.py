@@ -11,6 +11,7 @@ processors, on the same prefix, as plain decoding would use.
 """
 
 import time
+from contextlib import nullcontext
 
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -65,11 +66,13 @@ class _Rows:
         self.index = torch.arange(b, device=input_ids.device)  # original row of each active row
         self.seqs = [input_ids[i] for i in range(b)]  # padded prompt + generated, as plain generate sees it
         self.prompt_len = p
+        self.prompt_mask = attention_mask.bool()  # real (non-padding) prompt columns
         self.valid = attention_mask.bool()  # target cache columns that hold real tokens
         self.pos = attention_mask.long().sum(dim=1)  # position of each row's next input token
 
     def select(self, keep: torch.Tensor) -> None:
         self.index, self.valid, self.pos = self.index[keep], self.valid[keep], self.pos[keep]
+        self.prompt_mask = self.prompt_mask[keep]
 
 
 def adaflash_decoding(
@@ -94,6 +97,9 @@ def adaflash_decoding(
         >>> out = target.generate(ids, custom_generate=adaflash_decoding, drafter=drafter)  # doctest: +SKIP
     """
     _check_call(model, drafter, generation_config, model_kwargs)
+    if round_sink is None:
+        # An online adapter attached to the drafter (`OnlineAdapter.attach()`) receives every round.
+        round_sink = getattr(drafter, "_round_sink", None)
     cfg = drafter.config
     if length_policy is None:
         length_policy = "adaptive" if (cfg.use_length_head and cfg.length_head_trained) else "fixed"
@@ -166,7 +172,9 @@ def adaflash_decoding(
         # 1. Draft one block per row; the policy picks each row's verify length.
         t0 = clock()
         budget = torch.tensor([max_length - s.shape[0] - 1 for s in rows.seqs], device=bonus.device)
-        block = generator.propose(bonus, rows.pos, ctx, ctx_valid, ctx_pos, budget)
+        # An online adapter swaps new weights in only between rounds: it takes this lock exclusively.
+        with getattr(drafter, "_weights_lock", None) or nullcontext():
+            block = generator.propose(bonus, rows.pos, ctx, ctx_valid, ctx_pos, budget)
         stats.fallback_rounds += int((~block.finite).sum())
         k = int(block.draft_len.max())
         draft = block.tokens[:, :k]
@@ -206,7 +214,7 @@ def adaflash_decoding(
         for i in range(n):
             stats.record(int(rows.index[i]), int(block.draft_len[i]) + 1, int(acc[i]))
             if round_sink is not None:
-                round_sink.on_round(_verified_round(rows, i, bonus, block, target_logits, acc))
+                round_sink.on_round(_verified_round(rows, i, bonus, block, draft, target_logits, acc))
         new = [torch.cat([draft[i, : acc[i]], res.next_tokens[i : i + 1]]) for i in range(n)]
         done = _commit(rows, new, [target_logits[i, : acc[i] + 1] for i in range(n)], logits_processor, stopping_criteria, scores, raw, want_scores, want_logits, finished_seqs, streamer, pad, processed=[processed[i, : acc[i] + 1] for i in range(n)])
         cols = torch.arange(k + 1, device=bonus.device)[None, :]
@@ -263,13 +271,14 @@ def _commit(rows, new_tokens, logits, logits_processor, stopping_criteria, score
     return torch.tensor(done, device=rows.valid.device)
 
 
-def _verified_round(rows, i, bonus, block, target_logits, acc) -> VerifiedRound:
+def _verified_round(rows, i, bonus, block, draft, target_logits, acc) -> VerifiedRound:
     verify_len = int(block.draft_len[i]) + 1
     return VerifiedRound(
         row=int(rows.index[i]),
-        context_ids=rows.seqs[i][:-1].clone(),  # called before this round's tokens are committed
+        # Called before this round's tokens are committed; prompt padding removed (as documented).
+        context_ids=torch.cat([rows.seqs[i][: rows.prompt_len][rows.prompt_mask[i]], rows.seqs[i][rows.prompt_len : -1]]),
         bonus_token=int(bonus[i]),
-        draft_tokens=block.tokens[i, : verify_len - 1].clone(),
+        draft_tokens=draft[i, : verify_len - 1].clone(),  # the tokens verified (sampled ones when sampling)
         draft_logits=block.logits[i, : verify_len - 1].clone(),
         target_logits=target_logits[i, :verify_len].clone(),
         verify_len=verify_len,

@@ -13,6 +13,7 @@ import functools
 import inspect
 
 import transformers
+from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
 from ..modeling import AdaFlashDrafter
@@ -33,18 +34,48 @@ def check_transformers_version(version: str = transformers.__version__) -> None:
         )
 
 
+def _is_our_loop(custom_generate) -> bool:
+    while isinstance(custom_generate, functools.partial):
+        custom_generate = custom_generate.func
+    return custom_generate is adaflash_decoding
+
+
+def _stop_strings_to_criteria(self, generation_config, kwargs) -> None:
+    """transformers gives a callable `custom_generate` no `tokenizer` (it builds the generation-mode
+    kwargs from the callable's own new parameters only), so `stop_strings` would fail with "could not
+    locate a tokenizer": build the `StopStringCriteria` here and pass it as a stopping criterion."""
+    tokenizer = kwargs.pop("tokenizer", None)
+    config = generation_config if generation_config is not None else self.generation_config
+    stop = kwargs["stop_strings"] if "stop_strings" in kwargs else getattr(config, "stop_strings", None)
+    if stop is None or tokenizer is None:  # without a tokenizer transformers raises its own clear error
+        return
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(stop_strings=stop, tokenizer=tokenizer))
+    kwargs["stopping_criteria"] = criteria
+    kwargs["stop_strings"] = None
+
+
 def _speculative_generate_method(generate):
     @functools.wraps(generate)
     def wrapper(self, inputs=None, generation_config=None, *args, assistant_model=None, streamer=None, **kwargs):
         native = kwargs.get("speculation_type", getattr(generation_config, "speculation_type", None)) == "dflash"
+        if _is_our_loop(kwargs.get("custom_generate")) and not isinstance(assistant_model, AdaFlashDrafter):
+            # Direct `custom_generate=adaflash_decoding`: transformers would drop the streamer and the
+            # tokenizer on the way to a callable; hand them over as the hook does.
+            _stop_strings_to_criteria(self, generation_config, kwargs)
+            if streamer is not None:
+                kwargs["custom_generate"] = functools.partial(kwargs["custom_generate"], streamer=streamer)
+            return generate(self, inputs, generation_config, *args, assistant_model=assistant_model, streamer=streamer, **kwargs)
         if not isinstance(assistant_model, AdaFlashDrafter) or native:
             if any(k in kwargs for k in _OPTIONS):
                 raise ValueError(f"{', '.join(k for k in _OPTIONS if k in kwargs)} need an AdaFlash drafter as assistant_model")
             return generate(self, inputs, generation_config, *args, assistant_model=assistant_model, streamer=streamer, **kwargs)
         if kwargs.get("custom_generate") is not None:
             raise ValueError("pass either assistant_model=<AdaFlash drafter> or custom_generate, not both")
-        if not assistant_model.has_target:
+        if not assistant_model.is_bound_to(self):
+            # Draft with the embedding / LM head of the target being decoded, not a look-alike's.
             assistant_model.bind_target(self)
+        _stop_strings_to_criteria(self, generation_config, kwargs)
         decode = functools.partial(adaflash_decoding, drafter=assistant_model, streamer=streamer)
         options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
         if options:

@@ -1,0 +1,150 @@
+"""Tripwires for the transformers seams adaflash-hf relies on (docs/transformers_internals.md).
+
+If a transformers release changes one of these, this file fails first, naming the seam, instead of
+the speculative loop failing somewhere obscure.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from generation_helpers import CollectingStreamer, char_tokenizer, make_drafter, make_target
+from transformers.cache_utils import DFlashCache, DynamicCache
+from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers.generation.utils import GenerationMixin
+
+import adaflash_hf  # noqa: F401  (installs the generate hook)
+from adaflash_hf.generation.hf_integration import TESTED_TRANSFORMERS, check_transformers_version
+
+
+def test_generate_has_the_parameters_the_hook_uses():
+    params = inspect.signature(GenerationMixin.generate).parameters  # follows __wrapped__ to transformers' own
+    for name in ("inputs", "generation_config", "custom_generate", "assistant_model", "streamer"):
+        assert name in params, name
+    assert getattr(GenerationMixin.generate, "__adaflash_hook__", False)
+    assert GenerationMixin.generate.__wrapped__ is not GenerationMixin.generate
+
+
+def _probe_call(**generate_kwargs):
+    got = {}
+
+    def probe(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, my_option=None, **model_kwargs):
+        got.update(model=model, input_ids=input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                   generation_config=generation_config, my_option=my_option, model_kwargs=model_kwargs)
+        return input_ids
+
+    target = make_target("qwen3", seed=0)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    mask = generate_kwargs.pop("attention_mask", torch.ones_like(ids))
+    target.generate(ids, attention_mask=mask, custom_generate=probe, **generate_kwargs)
+    return target, got
+
+
+def test_callable_custom_generate_receives_prepared_processors_criteria_config_and_custom_kwargs():
+    target, got = _probe_call(my_option=7, max_new_tokens=3, repetition_penalty=1.2)
+    assert got["model"] is target and got["input_ids"].shape == (2, 3)
+    assert isinstance(got["logits_processor"], LogitsProcessorList)
+    assert any(isinstance(p, RepetitionPenaltyLogitsProcessor) for p in got["logits_processor"])
+    assert isinstance(got["stopping_criteria"], StoppingCriteriaList)
+    assert any(isinstance(c, MaxLengthCriteria) for c in got["stopping_criteria"])
+    assert got["generation_config"].max_length == 6 and got["generation_config"].repetition_penalty == 1.2
+    assert got["my_option"] == 7  # a parameter of the callable, not of `_sample`, is passed through
+    mk = got["model_kwargs"]
+    # an all-ones mask may arrive as None (the loop treats None as all ones)
+    assert mk.get("attention_mask") is None or bool(mk["attention_mask"].all())
+    assert isinstance(mk["past_key_values"], DynamicCache) and mk["past_key_values"].get_seq_length() == 0
+
+
+def test_callable_custom_generate_receives_the_padding_mask_and_positions():
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    _, got = _probe_call(max_new_tokens=2, attention_mask=mask)
+    assert torch.equal(got["model_kwargs"]["attention_mask"], mask)
+    position_ids = got["model_kwargs"].get("position_ids")
+    assert position_ids is None or torch.equal(position_ids[:, 1:], torch.tensor([[0, 1], [1, 2]]))
+
+
+def test_callable_custom_generate_gets_neither_streamer_nor_tokenizer():
+    """Why the hook binds the streamer to our loop and builds stop-string criteria itself.
+
+    If transformers starts passing these through, this tripwire fails: the workaround in
+    `hf_integration` can then be simplified (it stays correct either way).
+    """
+    streamer = CollectingStreamer()
+    _, got = _probe_call(max_new_tokens=2, streamer=streamer)
+    assert "streamer" not in got["model_kwargs"]
+    assert streamer.puts == [[1, 2, 3, 4, 5, 6]] and streamer.ends == 0  # generate itself only streams the prompt
+    tok, chars = char_tokenizer()
+    with pytest.raises(ValueError, match="could not locate a tokenizer"):
+        _probe_call(max_new_tokens=2, stop_strings=chars[5], tokenizer=tok)
+
+
+def test_stop_string_criteria_accepts_a_char_tokenizer():
+    tok, chars = char_tokenizer()
+    crit = StopStringCriteria(stop_strings=chars[3] + chars[4], tokenizer=tok)
+    ids = torch.tensor([[1, 2, 3, 4], [1, 3, 4, 2]])
+    assert crit(ids, None).tolist() == [True, False]
+
+
+def test_dflash_cache_and_candidate_generator_exist_and_crop_the_block():
+    from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator  # noqa: F401
+
+    assert hasattr(DFlashCache, "set_previous_accepted_tokens")
+    target = make_target("qwen3", seed=1)
+    drafter = make_drafter(target, block_size=4)
+    cache = DFlashCache(config=drafter.config)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        ctx = drafter.select_context(target(ids, output_hidden_states=True).hidden_states)
+        block = torch.tensor([[9] + [drafter.config.mask_token_id] * 3])
+        drafter(noise_embeds=drafter.embed(block), context_hidden_states=ctx, position_ids=torch.arange(9)[None],
+                past_key_values=cache)
+    assert cache.get_seq_length() == 5 + 4  # context and block K/V appended
+    cache.crop(-4)
+    assert cache.get_seq_length() == 5  # the block is discarded, the context stays
+
+
+def test_dynamic_cache_crop_and_batch_select():
+    target = make_target("llama", seed=2)
+    ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]])
+    with torch.no_grad():
+        cache = target(ids, use_cache=True).past_key_values
+    assert isinstance(cache, DynamicCache) and cache.get_seq_length() == 5
+    keys = cache.layers[0].keys.clone()
+    cache.crop(0)  # the loop crops -(rejected) which may be -0: must be a no-op
+    assert cache.get_seq_length() == 5
+    cache.crop(-2)
+    assert cache.get_seq_length() == 3 and torch.equal(cache.layers[0].keys, keys[:, :, :3])
+    cache.batch_select_indices(torch.tensor([0, 2]))
+    assert torch.equal(cache.layers[0].keys, keys[[0, 2], :, :3])
+    with pytest.raises(ValueError):
+        cache.crop(2)  # positive sizes (the old absolute form) are refused in 5.x
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_output_hidden_states_list_returns_listed_layers_at_their_indices(family):
+    target = make_target(family, seed=3, layers=4)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        full = target(ids, output_hidden_states=True).hidden_states
+        picked = target(ids, output_hidden_states=[1, 3]).hidden_states
+    assert len(full) == len(picked) == 5
+    for i in range(5):
+        if i in (1, 3):
+            assert torch.equal(picked[i], full[i])
+        else:
+            assert picked[i] is None
+
+
+@pytest.mark.parametrize("version", ["6.0.0", "4.57.1", "7.1.0.dev0"])
+def test_untested_major_version_is_refused_by_name(version):
+    with pytest.raises(ImportError, match=rf"found {version}.*untested major"):
+        check_transformers_version(version)
+
+
+@pytest.mark.parametrize("version", ["5.23.0", "5.23.1", "5.30.0.dev0"])
+def test_tested_major_version_passes(version):
+    check_transformers_version(version)
+    assert 5 in {major for major, _ in TESTED_TRANSFORMERS}
