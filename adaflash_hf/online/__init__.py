@@ -1,0 +1,37 @@
+"""Online adaptation: distil the serving drafter from verification feedback, hot-swap, publish.
+
+- :class:`OnlineAdapter` (``adapter.py``): the `RoundSink` that buffers verified rounds and trains
+  a shadow drafter in the background, swapping weights in between rounds.
+- :class:`ReplayBuffer` (``buffer.py``): bounded by samples and bytes; what a sample costs.
+- :class:`VersionStore` / :func:`latest_version` (``versions.py``): atomic numbered versions.
+- :class:`HubPublisher` (``hub.py``): background, retried, token-safe Hub uploads + model card.
+- :class:`OnlineAdapterCallback` (``callback.py``): the same versions / pushes from a
+  ``transformers.Trainer`` run.
+- :func:`adapt_from_jsonl` (``external.py``): adapt from SGLang / vLLM traffic logs.
+"""
+
+from .adapter import NonFiniteLossError, OnlineAdapter, RoundLock, UpdateRecord
+from .buffer import ReplayBuffer, Sample, estimate_sample_bytes
+from .callback import OnlineAdapterCallback
+from .external import adapt_from_jsonl, rounds_from_response
+from .hub import HubPublisher, redact, render_card
+from .versions import VersionStore, latest_version, list_versions
+
+__all__ = [
+    "HubPublisher",
+    "NonFiniteLossError",
+    "OnlineAdapter",
+    "OnlineAdapterCallback",
+    "ReplayBuffer",
+    "RoundLock",
+    "Sample",
+    "UpdateRecord",
+    "VersionStore",
+    "adapt_from_jsonl",
+    "estimate_sample_bytes",
+    "latest_version",
+    "list_versions",
+    "redact",
+    "render_card",
+    "rounds_from_response",
+]

@@ -1,0 +1,255 @@
+"""Numbered, atomically written drafter versions with a rolling window (SPEC section 4, hot reload).
+
+Layout of an output directory::
+
+    out/
+      v00001/            complete versions (config.json, model.safetensors, README.md,
+      v00002/            adaflash_version.json, ...)
+      LATEST             "v00002": the version marker, written last
+      latest -> v00002   convenience symlink for engines that reload from a fixed path
+
+Each version is written into a hidden temporary directory inside ``out/``, renamed into place
+with ``os.replace`` (atomic on POSIX), and only then is ``LATEST`` replaced (itself written into
+a temporary file and renamed). A crash at any point therefore leaves ``LATEST`` naming a
+complete, loadable version: before the rename the new version does not exist; between the rename
+and the marker the old marker still names the previous version. Leftover temporary directories
+are removed by the next write. Only the newest ``keep_versions`` versions are kept (the one
+``LATEST`` names never goes).
+
+Example:
+    >>> store = VersionStore("out/drafter", keep_versions=3)  # doctest: +SKIP
+    >>> path = store.write(drafter.save_pretrained, metadata={"tau_before": 3.1})  # doctest: +SKIP
+    >>> AdaFlashDrafter.from_pretrained(latest_version("out/drafter"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = [
+    "LATEST_MARKER",
+    "METADATA_FILE",
+    "VersionStore",
+    "latest_version",
+    "list_versions",
+    "version_name",
+    "write_text_atomic",
+]
+
+logger = logging.getLogger("adaflash_hf.online")
+
+LATEST_MARKER = "LATEST"
+LATEST_LINK = "latest"
+METADATA_FILE = "adaflash_version.json"
+_VERSION_RE = re.compile(r"^v(\d{5,})$")
+_TMP_PREFIX = ".tmp-adaflash-"
+
+
+def version_name(n: int) -> str:
+    """``v00007`` for 7."""
+    return f"v{n:05d}"
+
+
+def list_versions(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete version directories under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _VERSION_RE.match(p.name)
+        if m and p.is_dir() and not p.is_symlink():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_version(root: str | os.PathLike) -> Path | None:
+    """The directory of the newest complete version: the one ``LATEST`` names.
+
+    Without a (valid) marker, falls back to the highest-numbered version directory; ``None`` when
+    there is none.
+    """
+    root = Path(root)
+    marker = root / LATEST_MARKER
+    try:
+        name = marker.read_text(encoding="utf-8").strip()
+    except OSError:
+        name = ""
+    if _VERSION_RE.match(name) and (root / name).is_dir():
+        return root / name
+    versions = list_versions(root)
+    return versions[-1][1] if versions else None
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (``os.umask`` would race with other threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def _publishable(path: Path, directory: bool) -> None:
+    """Temporary files / directories are created private (0600 / 0700); give the published ones
+    the permissions a plain ``mkdir`` / ``open`` would have, so an engine under another user can
+    read them."""
+    try:
+        os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+    except OSError:
+        pass
+
+
+def _fsync_path(path: Path, directory: bool = False) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write a small text file atomically: temporary file in the same directory, fsync, rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        _publishable(Path(tmp), directory=False)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_path(path.parent, directory=True)
+
+
+class VersionStore:
+    """Writes numbered versions into ``root`` (module docstring); keeps the newest ``keep_versions``.
+
+    Args:
+        root: the output directory (created when missing).
+        keep_versions: rolling window size (>= 1).
+        link_latest: also maintain a ``latest`` symlink to the newest version (best effort).
+    """
+
+    def __init__(self, root: str | os.PathLike, keep_versions: int = 3, link_latest: bool = True):
+        if keep_versions < 1:
+            raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
+        self.root = Path(root)
+        self.keep_versions = int(keep_versions)
+        self.link_latest = link_latest
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------ reading
+    def latest(self) -> Path | None:
+        return latest_version(self.root)
+
+    def versions(self) -> list[tuple[int, Path]]:
+        return list_versions(self.root)
+
+    def next_number(self) -> int:
+        versions = self.versions()
+        return versions[-1][0] + 1 if versions else 1
+
+    # ------------------------------------------------------------------ writing
+    def _remove_stale_temporaries(self) -> None:
+        for p in self.root.iterdir():
+            if p.name.startswith(_TMP_PREFIX):
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    try:
+                        p.unlink()
+                    except OSError:
+                        pass
+
+    def write(
+        self,
+        save_fn: Callable[[str], object],
+        metadata: dict | None = None,
+        files: dict[str, str] | None = None,
+    ) -> Path:
+        """Write one version: ``save_fn(tmp_dir)`` writes the weights, then ``files`` (name -> text)
+        and ``adaflash_version.json`` are added; the directory is renamed to ``vNNNNN`` and the
+        ``LATEST`` marker written last. Returns the version directory. On error nothing of the
+        new version remains and the previous one stays the latest.
+        """
+        self._remove_stale_temporaries()
+        n = self.next_number()
+        name = version_name(n)
+        final = self.root / name
+        tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX + name + "-", dir=self.root))
+        try:
+            save_fn(str(tmp))
+            for fname, text in (files or {}).items():
+                if os.path.basename(fname) != fname or fname in ("", ".", ".."):
+                    raise ValueError(f"version file names must be plain names, got {fname!r}")
+                (tmp / fname).write_text(text, encoding="utf-8")
+            meta = {"version": n, "name": name, "created_unix": time.time(), **(metadata or {})}
+            (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str), encoding="utf-8")
+            for p in tmp.rglob("*"):
+                if p.is_file() and not p.is_symlink():
+                    _publishable(p, directory=False)
+                    _fsync_path(p)
+                elif p.is_dir() and not p.is_symlink():
+                    _publishable(p, directory=True)
+            _publishable(tmp, directory=True)
+            _fsync_path(tmp, directory=True)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _fsync_path(self.root, directory=True)
+        write_text_atomic(self.root / LATEST_MARKER, name + "\n")
+        if self.link_latest:
+            self._update_link(name)
+        self.prune()
+        return final
+
+    def _update_link(self, name: str) -> None:
+        link = self.root / LATEST_LINK
+        if link.exists() and not link.is_symlink():
+            return  # a user's own file or directory: leave it alone
+        tmp = self.root / f"{_TMP_PREFIX}link-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            os.symlink(name, tmp, target_is_directory=True)
+            os.replace(tmp, link)
+        except OSError as e:  # e.g. no symlink permission (Windows): the marker is the authority anyway
+            logger.debug("could not update the latest symlink: %s", type(e).__name__)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+    def prune(self) -> list[Path]:
+        """Remove versions beyond the rolling window (never the one ``LATEST`` names)."""
+        latest = self.latest()
+        versions = self.versions()
+        removed = []
+        for _, path in versions[: max(len(versions) - self.keep_versions, 0)]:
+            if latest is not None and path.resolve() == latest.resolve():
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        return removed

@@ -1,0 +1,430 @@
+"""Loaders for the plain-file datasets in ``shared/data`` (see ``shared/data/README.md``).
+
+Two kinds of record come out of here:
+
+* training samples (``chat_samples``): ``{"messages": [{"role": "user", ...}, {"role": "assistant", ...},
+  ...], "domain": d}`` for the chat-style domains (math, code, chat), and ``{"text": ..., "domain":
+  "prose"}`` plain-text chunks for prose;
+* evaluation prompts (``eval_prompts``): ``{"messages": [{"role": "user", "content": ...}], "dataset":
+  name, "reference": str | None, ...}``.
+
+The data folder is ``$ADAFLASH_DATA`` if set, else ``../shared/data`` relative to the repository root
+(the folder holding ``pyproject.toml``), else ``../shared/data`` / ``shared/data`` relative to the
+current directory. Every function takes an optional ``data_dir`` to override that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from pathlib import Path
+from typing import Iterable
+
+ENV_VAR = "ADAFLASH_DATA"
+
+TRAIN_DOMAINS = ("math", "code", "chat", "prose")
+
+# Source files of each training domain, relative to the data folder (for documentation and checks).
+TRAIN_SOURCES: dict[str, tuple[str, ...]] = {
+    "math": ("gsm8k/train.jsonl", "math_train4500/train.jsonl"),
+    "code": ("codealpaca/new_codealpaca.jsonl", "mbpp/mbpp.jsonl"),  # mbpp: task_id 601-974 only
+    "chat": ("sharegpt/sharegpt_train.jsonl",),
+    "prose": (
+        "gutenberg_novels/12_years_a_slave.txt",
+        "gutenberg_novels/frankenstein.txt",
+        "gutenberg_novels/huckleberry_finn.txt",
+        "gutenberg_novels/picture_of_dorian_gray.txt",
+        "gutenberg_novels/pride_and_prejudice.txt",
+        "gutenberg_novels/sherlock.txt",
+        "gutenberg_novels/tom_sawyer.txt",
+        "tinyshakespeare/input.txt",
+        "us_speeches/us_speeches.jsonl",
+    ),
+}
+
+# Held-out ("eval" split) samples with full answers, per domain. Prose has no separate file: the
+# last PROSE_EVAL_FRACTION of each prose source is held out of the train split.
+EVAL_SOURCES: dict[str, tuple[str, ...]] = {
+    "math": ("gsm8k/test.jsonl",),
+    "code": ("codealpaca/code_alpaca_2k.jsonl",),
+    "chat": ("sharegpt/sharegpt_eval500.jsonl",),
+    "prose": TRAIN_SOURCES["prose"],
+}
+PROSE_EVAL_FRACTION = 0.02
+PROSE_CHUNK_CHARS = 1500  # target chunk size; chunks are 1k-2k chars, cut at paragraph / line ends
+
+MBPP_TEST_IDS = (11, 510)
+MBPP_TRAIN_IDS = (601, 974)
+
+EVAL_DATASETS = (
+    "gsm8k",
+    "mathqa",
+    "math500",
+    "aime2025",
+    "aime2024",
+    "mbpp",
+    "humaneval",
+    "codealpaca",
+    "sharegpt",
+    "alpaca_eval",
+    "mt_bench",
+    "spec_bench",
+    "eagle_bench",
+    "blend",
+)
+EAGLE_TASKS = ("alpaca", "gsm8k", "humaneval", "qa", "sum")
+BLEND_PARTS = ("gsm8k", "mathqa", "codealpaca", "sharegpt")
+
+
+# --------------------------------------------------------------------------------------- paths
+
+
+def _repo_root() -> Path | None:
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        if (parent / "pyproject.toml").is_file() and (parent / "adaflash_hf").is_dir():
+            return parent
+    return None
+
+
+def data_dir(path: str | os.PathLike | None = None) -> Path:
+    """Resolve the data folder: ``path`` > ``$ADAFLASH_DATA`` > ``<repo>/../shared/data``.
+
+    Raises ``FileNotFoundError`` (with a hint) when the folder does not exist.
+    """
+    if path is not None:
+        cand = [Path(path)]
+    elif os.environ.get(ENV_VAR):
+        cand = [Path(os.environ[ENV_VAR])]
+    else:
+        cand = []
+        root = _repo_root()
+        if root is not None:
+            cand.append(root.parent / "shared" / "data")
+        cand += [Path.cwd().parent / "shared" / "data", Path.cwd() / "shared" / "data"]
+    for c in cand:
+        if c.is_dir():
+            return c.resolve()
+    raise FileNotFoundError(
+        f"AdaFlash data folder not found (tried: {', '.join(str(c) for c in cand)}). "
+        f"Set the environment variable {ENV_VAR} to the folder holding the datasets "
+        f"(shared/data, with gsm8k/, sharegpt/, ...)."
+    )
+
+
+def _file(rel: str, data_dir_: str | os.PathLike | None = None) -> Path:
+    p = data_dir(data_dir_) / rel
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"data file not found: {p}. Set {ENV_VAR} to the shared/data folder that holds {rel}."
+        )
+    return p
+
+
+def load_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Read a JSON-lines file (blank lines skipped). Raises FileNotFoundError with a hint."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"data file not found: {p}. Set {ENV_VAR} to the shared/data folder.")
+    with open(p, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _jsonl(rel: str, data_dir_=None) -> list[dict]:
+    return load_jsonl(_file(rel, data_dir_))
+
+
+# ------------------------------------------------------------------------------- formatting
+
+
+_CALC = re.compile(r"<<[^<>]*>>")
+
+
+def clean_gsm8k_answer(answer: str) -> str:
+    """Drop GSM8K's ``<<a*b=c>>`` calculator annotations (the ``#### N`` final line is kept)."""
+    return _CALC.sub("", answer)
+
+
+def gsm8k_final_answer(answer: str) -> str:
+    return answer.rsplit("####", 1)[-1].strip().replace(",", "")
+
+
+def _alpaca_user(instruction: str, inp: str | None) -> str:
+    instruction = instruction.strip()
+    inp = (inp or "").strip()
+    return f"{instruction}\n\n{inp}" if inp else instruction
+
+
+def _mbpp_user(text: str, tests: Iterable[str]) -> str:
+    tests = "\n".join(tests)
+    return f"{text.strip()}\nYour code should pass these tests:\n\n{tests}"
+
+
+def _mbpp_code(code: str) -> str:
+    return "```python\n" + code.replace("\r\n", "\n").strip("\n") + "\n```"
+
+
+def _mathqa_user(r: dict) -> str:
+    return f"{r['problem'].strip()}\nOptions: {r['options'].strip()}"
+
+
+def _mathqa_answer(r: dict) -> str:
+    rationale = r["rationale"].strip()
+    if len(rationale) >= 2 and rationale[0] == rationale[-1] == '"':
+        rationale = rationale[1:-1]
+    return rationale
+
+
+def _sharegpt_messages(conv: list[dict]) -> list[dict]:
+    """ShareGPT turns -> alternating user/assistant messages starting with user, ending with assistant.
+
+    Empty turns are dropped and consecutive same-role turns merged.
+    """
+    role_map = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+                "bard": "assistant", "assistant": "assistant"}
+    msgs: list[dict] = []
+    for turn in conv:
+        role = role_map.get(turn.get("from", ""))
+        text = (turn.get("value") or "").strip()
+        if role is None or not text:
+            continue
+        if msgs and msgs[-1]["role"] == role:
+            msgs[-1]["content"] += "\n\n" + text
+        else:
+            msgs.append({"role": role, "content": text})
+    while msgs and msgs[0]["role"] != "user":
+        msgs.pop(0)
+    while msgs and msgs[-1]["role"] != "assistant":
+        msgs.pop()
+    return msgs
+
+
+def _pair(user: str, assistant: str, domain: str) -> dict:
+    return {
+        "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}],
+        "domain": domain,
+    }
+
+
+def chunk_text(text: str, target: int = PROSE_CHUNK_CHARS) -> list[str]:
+    """Split text into chunks of about ``target`` chars (between 2/3 and 4/3 of it), cutting at a
+    paragraph break, else a line break, else a space."""
+    text = text.replace("\r\n", "\n").strip()
+    lo, hi = (2 * target) // 3, (4 * target) // 3
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        if n - i <= hi:
+            out.append(text[i:].strip())
+            break
+        window = text[i : i + hi]
+        cut = -1
+        for sep in ("\n\n", "\n", ". ", " "):
+            j = window.rfind(sep, lo)
+            if j != -1:
+                cut = j + len(sep)
+                break
+        if cut == -1:
+            cut = target
+        out.append(text[i : i + cut].strip())
+        i += cut
+    return [c for c in out if c]
+
+
+def _prose_documents(data_dir_=None) -> list[tuple[str, str]]:
+    """(source name, text) for each prose document, in a fixed order."""
+    docs: list[tuple[str, str]] = []
+    for rel in TRAIN_SOURCES["prose"]:
+        if rel.endswith(".jsonl"):
+            for r in _jsonl(rel, data_dir_):
+                docs.append((rel, r["text"]))
+        else:
+            docs.append((rel, _file(rel, data_dir_).read_text(encoding="utf-8")))
+    return docs
+
+
+def _prose_samples(split: str, data_dir_=None) -> list[dict]:
+    by_source: dict[str, list[str]] = {}
+    for src, text in _prose_documents(data_dir_):
+        by_source.setdefault(src, []).extend(chunk_text(text))
+    out = []
+    for src, chunks in by_source.items():
+        n_eval = max(1, round(len(chunks) * PROSE_EVAL_FRACTION))
+        part = chunks[:-n_eval] if split == "train" else chunks[-n_eval:]
+        out.extend({"text": c, "domain": "prose", "source": src} for c in part)
+    return out
+
+
+# ----------------------------------------------------------------------------- train samples
+
+
+def chat_samples(domain: str, split: str = "train", limit: int | None = None, data_dir=None) -> list[dict]:
+    """Samples of one training domain.
+
+    ``split="train"``: the training files (TRAIN_SOURCES). ``split="eval"``: held-out samples of the
+    same kind with full answers (gsm8k test, code_alpaca_2k, sharegpt eval500, last 2% of each prose
+    source). Math/code/chat samples are ``{"messages": [...], "domain": d}``; prose samples are
+    ``{"text": chunk, "domain": "prose"}`` (chunks of ~1-2k characters).
+    """
+    if domain not in TRAIN_DOMAINS:
+        raise ValueError(f"unknown training domain {domain!r}; known: {', '.join(TRAIN_DOMAINS)}")
+    if split not in ("train", "eval"):
+        raise ValueError(f"unknown split {split!r} for domain {domain!r}; use 'train' or 'eval'")
+    out: list[dict] = []
+    if domain == "math":
+        gsm = "gsm8k/train.jsonl" if split == "train" else "gsm8k/test.jsonl"
+        for r in _jsonl(gsm, data_dir):
+            out.append(_pair(r["question"].strip(), clean_gsm8k_answer(r["answer"]).strip(), "math"))
+        if split == "train":
+            for r in _jsonl("math_train4500/train.jsonl", data_dir):
+                out.append(_pair(r["problem"].strip(), r["solution"].strip(), "math"))
+    elif domain == "code":
+        src = "codealpaca/new_codealpaca.jsonl" if split == "train" else "codealpaca/code_alpaca_2k.jsonl"
+        for r in _jsonl(src, data_dir):
+            out.append(_pair(_alpaca_user(r["instruction"], r.get("input")), r["output"].strip(), "code"))
+        if split == "train":
+            lo, hi = MBPP_TRAIN_IDS
+            for r in _jsonl("mbpp/mbpp.jsonl", data_dir):
+                if lo <= int(r["task_id"]) <= hi:
+                    out.append(_pair(_mbpp_user(r["text"], r["test_list"]), _mbpp_code(r["code"]), "code"))
+    elif domain == "chat":
+        src = "sharegpt/sharegpt_train.jsonl" if split == "train" else "sharegpt/sharegpt_eval500.jsonl"
+        for r in _jsonl(src, data_dir):
+            msgs = _sharegpt_messages(r["conversations"])
+            if msgs:
+                out.append({"messages": msgs, "domain": "chat"})
+    else:
+        out = _prose_samples(split, data_dir)
+    return out[:limit] if limit is not None else out
+
+
+def all_train_samples(limit_per_domain: int | None = None, data_dir=None) -> dict[str, list[dict]]:
+    return {d: chat_samples(d, "train", limit_per_domain, data_dir) for d in TRAIN_DOMAINS}
+
+
+# ------------------------------------------------------------------------------ eval prompts
+
+
+def _prompt(user: str, dataset: str, reference: str | None = None, **extra) -> dict:
+    rec = {"messages": [{"role": "user", "content": user}], "dataset": dataset, "reference": reference}
+    rec.update(extra)
+    return rec
+
+
+def _turns_prompts(rows: list[dict], dataset: str, **extra) -> list[dict]:
+    out = []
+    for r in rows:
+        ref = r.get("reference")
+        ref = ref[0] if isinstance(ref, list) and ref else (ref or None)
+        out.append(_prompt(r["turns"][0], dataset, ref, category=r.get("category", ""),
+                           question_id=r.get("question_id"), turns=list(r["turns"]), **extra))
+    return out
+
+
+def _load_eval(name: str, data_dir_=None) -> list[dict]:
+    if name == "gsm8k":
+        return [_prompt(r["question"].strip(), name, gsm8k_final_answer(r["answer"]),
+                        solution=clean_gsm8k_answer(r["answer"]).strip())
+                for r in _jsonl("gsm8k/test.jsonl", data_dir_)]
+    if name == "mathqa":
+        return [_prompt(_mathqa_user(r), name, r["correct"], solution=_mathqa_answer(r), category=r.get("type"))
+                for r in _jsonl("mathqa/test_1000.jsonl", data_dir_)]
+    if name == "math500":
+        return [_prompt(r["problem"].strip(), name, r["answer"], solution=r["solution"], category=r.get("subject"),
+                        level=r.get("level")) for r in _jsonl("math500/test.jsonl", data_dir_)]
+    if name in ("aime2025", "aime2024"):
+        rel = f"{name}/{name}.jsonl"
+        return [_prompt(r["problem"].strip(), name, str(r["answer"]), id=r.get("id"))
+                for r in _jsonl(rel, data_dir_)]
+    if name == "mbpp":
+        lo, hi = MBPP_TEST_IDS
+        return [_prompt(_mbpp_user(r["prompt"], r["test_list"]), name, _mbpp_code(r["code"]), task_id=r["task_id"],
+                        test_list=r["test_list"], test_imports=r.get("test_imports", []))
+                for r in _jsonl("mbpp/sanitized-mbpp.jsonl", data_dir_) if lo <= int(r["task_id"]) <= hi]
+    if name == "humaneval":
+        rows = _jsonl("humaneval/" + _only_jsonl("humaneval", data_dir_), data_dir_)
+        return [_prompt(r["prompt"], name, r.get("canonical_solution"), task_id=r.get("task_id")) for r in rows]
+    if name == "codealpaca":
+        return [_prompt(_alpaca_user(r["instruction"], r.get("input")), name, r["output"])
+                for r in _jsonl("codealpaca/code_alpaca_2k.jsonl", data_dir_)]
+    if name == "sharegpt":
+        out = []
+        for r in _jsonl("sharegpt/sharegpt_eval500.jsonl", data_dir_):
+            msgs = _sharegpt_messages(r["conversations"])
+            if msgs:
+                out.append(_prompt(msgs[0]["content"], name, msgs[1]["content"], id=r["id"]))
+        return out
+    if name == "alpaca_eval":
+        return [_prompt(r["instruction"].strip(), name, r.get("output"), category=r.get("dataset"))
+                for r in _jsonl("alpaca_eval/alpaca_eval.jsonl", data_dir_)]
+    if name == "mt_bench":
+        return _turns_prompts(_jsonl("mt_bench/question.jsonl", data_dir_), name)
+    if name == "spec_bench":
+        return _turns_prompts(_jsonl("spec_bench/question.jsonl", data_dir_), name)
+    if name == "eagle_bench" or name.startswith("eagle_bench:"):
+        tasks = EAGLE_TASKS if name == "eagle_bench" else (name.split(":", 1)[1],)
+        out = []
+        for t in tasks:
+            if t not in EAGLE_TASKS:
+                raise ValueError(f"unknown eagle_bench task {t!r} in {name!r}; known: {', '.join(EAGLE_TASKS)}")
+            out += _turns_prompts(_jsonl(f"eagle_bench/{t}.jsonl", data_dir_), "eagle_bench", task=t)
+        return out
+    raise ValueError(f"unknown eval dataset {name!r}; known: {', '.join(EVAL_DATASETS)} (and eagle_bench:<task>)")
+
+
+def _only_jsonl(folder: str, data_dir_=None) -> str:
+    files = sorted(p.name for p in (data_dir(data_dir_) / folder).glob("*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no .jsonl file in {data_dir(data_dir_) / folder}; set {ENV_VAR}.")
+    return files[0]
+
+
+def eval_prompts(dataset_name: str, limit: int | None = None, seed: int = 0, data_dir=None) -> list[dict]:
+    """Evaluation prompts of one dataset (first ``limit`` records, in file order).
+
+    Names: gsm8k, mathqa, math500, aime2025, aime2024, mbpp (sanitized test ids 11-510), humaneval,
+    codealpaca (code_alpaca_2k), sharegpt (first human turn of eval500), alpaca_eval, mt_bench,
+    spec_bench, eagle_bench (all 5 tasks, or ``eagle_bench:<task>``), and ``blend``: an equal mix of
+    gsm8k, mathqa, codealpaca and sharegpt drawn with ``random.Random(seed)`` and interleaved
+    round-robin, so any prefix is balanced. Each record: ``{"messages": [{"role": "user", ...}],
+    "dataset": name, "reference": str | None, ...}``; blend records also carry ``"source"``.
+    Multi-turn sets (mt_bench, spec_bench, eagle_bench) keep all user turns under ``"turns"``.
+    """
+    if not isinstance(dataset_name, str):
+        raise ValueError(f"dataset name must be a string, got {dataset_name!r}")
+    name = dataset_name.strip().lower()
+    if name == "blend":
+        pools = {p: _load_eval(p, data_dir) for p in BLEND_PARTS}
+        per = min(len(v) for v in pools.values())
+        if limit is not None:
+            per = min(per, -(-limit // len(BLEND_PARTS)))
+        rng = random.Random(seed)
+        picked = {p: rng.sample(pools[p], per) for p in BLEND_PARTS}
+        out = []
+        for i in range(per):
+            for p in BLEND_PARTS:
+                rec = dict(picked[p][i])
+                rec["source"] = p
+                rec["dataset"] = "blend"
+                out.append(rec)
+        return out[:limit] if limit is not None else out
+    rows = _load_eval(name, data_dir)
+    return rows[:limit] if limit is not None else rows
+
+
+__all__ = [
+    "ENV_VAR",
+    "TRAIN_DOMAINS",
+    "TRAIN_SOURCES",
+    "EVAL_DATASETS",
+    "data_dir",
+    "load_jsonl",
+    "chat_samples",
+    "all_train_samples",
+    "eval_prompts",
+    "chunk_text",
+    "gsm8k_final_answer",
+    "clean_gsm8k_answer",
+]

@@ -1,0 +1,234 @@
+"""`adaflash bench` harness on tiny random models (CPU): fields, tables, correctness flagging, skips, plots."""
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+import torch
+from conftest import build_drafter, build_tiny_target
+
+from adaflash_hf import bench
+from adaflash_hf.bench import METHODS, BenchCell, BenchConfig, Method, MethodOutput, run_bench
+
+VOCAB = 128
+SPECIALS = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<unk>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+MAX_NEW = 10
+
+
+def make_tokenizer():
+    """A WordLevel tokenizer over w5..w126 plus specials, with a chat template; id 127 is the mask."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIALS), VOCAB - 1)})
+    vocab["<|mask|>"] = VOCAB - 1
+    tok = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>", mask_token="<|mask|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def write_prompts(path, n, seed, use_messages):
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            length = 2 + (i * 3) % 7  # varied lengths: left padding is exercised at concurrency > 1
+            words = " ".join(f"w{int(t)}" for t in torch.randint(len(SPECIALS), VOCAB - 1, (length,), generator=g))
+            rec = {"messages": [{"role": "user", "content": words}]} if use_messages else {"prompt": words}
+            f.write(json.dumps(rec) + "\n")
+    return f"jsonl:{path}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread is faster, and immune to a loaded machine's thread stalls."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def setup(_one_thread, tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench_data")
+    target = build_tiny_target("qwen3", seed=1)
+    drafter = build_drafter(target, num_layers=1, block_size=4, seed=2)
+    assistant = build_tiny_target("qwen3", seed=3, layers=1)
+    datasets = [write_prompts(d / "alpha.jsonl", 3, 0, False), write_prompts(d / "beta.jsonl", 3, 1, True)]
+    return dict(target=target, drafter=drafter, assistant=assistant, tokenizer=make_tokenizer(), datasets=datasets)
+
+
+def _config(setup, out, **kw):
+    base = dict(
+        target=setup["target"], drafter=setup["drafter"], tokenizer=setup["tokenizer"], assistant=setup["assistant"],
+        datasets=setup["datasets"], num_prompts=3, max_new_tokens=MAX_NEW, concurrency=[1, 2], warmup=1,
+        device="cpu", out=str(out), verbose=False, command="pytest",
+    )  # fmt: skip
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def full_run(setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_out")
+    return run_bench(_config(setup, out)), out
+
+
+SPECULATIVE = ("fixed", "adaptive", "expected_gain")
+
+
+def test_json_has_every_field_for_each_method(full_run):
+    result, out = full_run
+    data = json.loads((out / "bench.json").read_text())
+    assert data["ok"] is True and data["failures"] == []
+    fields = {f.name for f in dataclasses.fields(BenchCell)}
+    env = data["environment"]
+    for key in ("date_utc", "hardware", "torch", "transformers", "adaflash_hf", "command"):
+        assert env[key], key
+    assert env["command"] == "pytest" and "cores" in env["hardware"]
+    assert data["hardware"]["target_weight_bytes"] > 0
+    assert data["hardware"]["copy_bandwidth_bytes_per_s"] is None  # CPU: no bandwidth floor
+    cells = {(r["method"], r["dataset"], r["concurrency"]): r for r in data["results"]}
+    for m in bench.DEFAULT_METHODS:
+        for ds in ("alpha", "beta"):
+            for c in (1, 2):
+                r = cells[(m, ds, c)]
+                assert set(r) == fields, (m, ds, c)
+                if r["skipped"]:
+                    continue
+                assert r["error"] is None
+                assert r["new_tokens"] == 3 * MAX_NEW or r["new_tokens"] > 0
+                assert r["tokens_per_s"] > 0 and r["wall_time_s"] > 0
+                assert r["ttft_s"] > 0 and r["tpot_s"] > 0
+                assert r["peak_memory_bytes"] is None and r["floor_share"] is None
+                assert r["identical"] is True, (m, ds, c)
+                assert set(r["speedup"]) == {"plain", "plain_static"}
+                if m in SPECULATIVE:
+                    assert r["tau"] >= 1 and r["rounds"] > 0
+                    assert 1 <= r["mean_verify_length"] <= 4
+                    assert len(r["position_acceptance"]) == 3
+                    hist = r["tau_histogram"]
+                    assert set(hist) == {"1", "2", "3", "4"} and sum(hist.values()) == r["rounds"]
+                    assert r["draft_time_s"] > 0 and r["verify_time_s"] > 0
+    assert cells[("plain", "alpha", 1)]["speedup"]["plain"] == pytest.approx(1.0)
+    for m in ("dflash_native", "hf_assisted"):  # tau estimated from target verify forwards
+        est = cells[(m, "alpha", 1)]
+        assert not est["skipped"] and est["tau_estimated"] and est["tau"] >= 1 and est["rounds"] > 0
+
+
+def test_skipped_methods_carry_a_reason(full_run, setup, tmp_path):
+    result, _ = full_run
+    for m in ("hf_assisted", "dflash_native"):
+        assert not result.cell(m, "alpha", 1).skipped
+        cell = result.cell(m, "alpha", 2)
+        assert cell.skipped and "batch size 1" in cell.skip_reason and cell.tokens_per_s is None
+    # No length head -> adaptive skipped; no assistant -> hf_assisted skipped; both reported, not dropped.
+    drafter = build_drafter(setup["target"], num_layers=1, block_size=4, seed=2, use_length_head=False)
+    res = run_bench(
+        _config(setup, tmp_path, drafter=drafter, assistant=None, concurrency=[1], datasets=setup["datasets"][:1],
+                methods=["plain", "adaptive", "hf_assisted", "fixed"], num_prompts=2, plots=False)
+    )  # fmt: skip
+    assert "length head" in res.cell("adaptive", "alpha", 1).skip_reason
+    assert "--assistant" in res.cell("hf_assisted", "alpha", 1).skip_reason
+    assert res.cell("fixed", "alpha", 1).identical is True and res.ok
+    md = (tmp_path / "bench.md").read_text()
+    assert "skipped: the drafter has no length head" in md
+
+
+def test_markdown_has_a_row_per_cell(full_run):
+    result, out = full_run
+    md = (out / "bench.md").read_text()
+    assert md == result.to_markdown()
+    table = md.split("| dataset | concurrency | method | tok/s |")[1].split("\n\n")[0]
+    rows = [line.split("|")[1:4] for line in table.strip().splitlines()[2:]]
+    keys = [(d.strip(), int(c), m.strip()) for d, c, m in rows]
+    expected = {(ds, c, m) for ds in ("alpha", "beta") for c in (1, 2) for m in bench.DEFAULT_METHODS}
+    assert sorted(keys) == sorted(expected)
+    assert "command: `pytest`" in md
+
+
+def test_plots_written(full_run, tmp_path):
+    result, out = full_run
+    for name in ("tau_per_domain.png", "acceptance_by_position.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "tau_online.png").exists()  # no online data -> no placeholder plot
+    result.online = [(0, 1.5), (1, 1.8), (2, 2.2)]
+    files = bench.write_plots(result, tmp_path)
+    assert str(tmp_path / "tau_online.png") in files
+    assert (tmp_path / "tau_online.png").read_bytes()[:4] == b"\x89PNG"
+    result.online = []
+
+
+def _lossy(ctx, input_ids, attention_mask, streamer):
+    out = ctx.target.generate(input_ids, attention_mask=attention_mask, streamer=streamer, **ctx.generate_kwargs)
+    out = out.clone()
+    p = input_ids.shape[1]
+    out[0, p + 2] = (out[0, p + 2] + 1) % 100 + 5  # one wrong token in the first prompt of each batch
+    return MethodOutput(out)
+
+
+def test_lossy_method_flagged_and_cli_fails(setup, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(METHODS, "lossy", Method("lossy", _lossy, "test-only lossy decoding"))
+    target_dir, drafter_dir = tmp_path / "target", tmp_path / "drafter"
+    setup["target"].save_pretrained(target_dir)
+    setup["tokenizer"].save_pretrained(target_dir)
+    setup["drafter"].save_pretrained(drafter_dir)
+    out = tmp_path / "out"
+    argv = [
+        "--target", str(target_dir), "--drafter", str(drafter_dir), "--datasets", setup["datasets"][0],
+        "--num-prompts", "3", "--max-new-tokens", str(MAX_NEW), "--concurrency", "1,2", "--methods", "plain,lossy,fixed",
+        "--device", "cpu", "--warmup", "0", "--out", str(out), "--no-plots", "--quiet",
+    ]  # fmt: skip
+    rc = bench.main(argv)
+    assert rc != 0
+    captured = capsys.readouterr()
+    assert "BENCH FAILURE" in captured.err and "lossy" in captured.err
+    data = json.loads((out / "bench.json").read_text())
+    assert data["ok"] is False
+    bad = [f for f in data["failures"]]
+    assert bad and all(f["method"] == "lossy" and f["kind"] == "mismatch" for f in bad)
+    # Concurrency 1: three batches, each one's first prompt is perturbed; concurrency 2: prompts 0 and 2.
+    assert sorted((f["concurrency"], f["prompt_index"]) for f in bad) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 2)]
+    assert all(f["dataset"] == "alpha" and f["first_mismatch"] == 2 for f in bad)
+    # Diagnostic: the target prefers plain's token over the perturbed one (a real difference, not a near-tie).
+    assert all(f["logit_gap"] > 0 and f["got_token"] != f["expected_token"] for f in bad)
+    cells = {(r["method"], r["concurrency"]): r for r in data["results"]}
+    assert cells[("fixed", 2)]["identical"] is True and cells[("lossy", 2)]["identical"] is False
+    assert data["environment"]["command"].startswith("adaflash bench --target")
+    assert "**NO**" in (out / "bench.md").read_text()
+
+
+def test_reference_computed_when_plain_not_requested_and_sampling_not_compared(setup, tmp_path, monkeypatch):
+    monkeypatch.setitem(METHODS, "lossy", Method("lossy", _lossy))
+    res = run_bench(
+        _config(setup, tmp_path, methods=["lossy", "fixed"], concurrency=[2], datasets=setup["datasets"][1:],
+                num_prompts=2, plots=False, warmup=0)
+    )  # fmt: skip
+    assert [f["method"] for f in res.failures] == ["lossy"] and res.cell("fixed", "beta", 2).identical is True
+    res = run_bench(
+        _config(setup, tmp_path, methods=["plain", "fixed"], concurrency=[2], datasets=setup["datasets"][1:],
+                num_prompts=2, temperature=0.8, plots=False, warmup=0)
+    )  # fmt: skip
+    assert res.ok and res.cell("fixed", "beta", 2).identical is None and res.cell("fixed", "beta", 2).tau >= 1
+
+
+def test_cli_mounts_as_subcommand():
+    parser = argparse.ArgumentParser(prog="adaflash")
+    sub = parser.add_subparsers(dest="cmd")
+    bench.add_arguments(sub.add_parser("bench"))
+    args = parser.parse_args(["bench", "--reference", "--datasets", "gsm8k,blend", "--concurrency", "1,4", "--methods", "plain,fixed"])
+    assert args.datasets == ["gsm8k", "blend"] and args.concurrency == [1, 4] and args.methods == ["plain", "fixed"]
+    assert args.reference and args.temperature == 0.0
+    with pytest.raises(ValueError, match="unknown method"):
+        run_bench(BenchConfig(methods=["nope"]))
