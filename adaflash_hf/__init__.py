@@ -9,6 +9,7 @@ from .export import export_dflash
 from .generation import GenerationStats, adaflash_decoding, speculative_generate
 from .generation.hf_integration import install_generate_hook
 from .modeling import AdaFlashConfig, AdaFlashDrafter, default_target_layer_ids
+from .reference import load_reference_pair
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,7 @@ __all__ = [
     "adaflash_decoding",
     "default_target_layer_ids",
     "export_dflash",
+    "load_reference_pair",
     "speculative_generate",
     "__version__",
 ]
