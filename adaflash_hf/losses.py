@@ -258,6 +258,7 @@ def length_head_loss(
     num_accepted: torch.Tensor,
     block_size: int,
     mask: torch.Tensor | None = None,
+    verify_len: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MSE of the length head against the label ``(accepted + 1) / B`` (SPEC section 2).
 
@@ -266,8 +267,16 @@ def length_head_loss(
     padding rows). The caller feeds the head *detached* drafter features, so this loss only
     trains the head.
 
+    ``verify_len [b]`` (slots verified, bonus included) marks *censored* labels: when every
+    verified draft was accepted and the block was cut short (``accepted == verify_len - 1 < B - 1``)
+    the true acceptance is only known to be at least the label, so the loss penalises predictions
+    below it and not above. Without this, a head trained online on its own short verifications
+    learns its own cut-off and can only shrink (a feedback loop down to ``k_hat = 1``).
+
     Example:
         >>> length_head_loss(torch.tensor([0.5]), torch.tensor([7]), block_size=16).item()
+        0.0
+        >>> length_head_loss(torch.tensor([0.5]), torch.tensor([1]), 16, verify_len=torch.tensor([2])).item()
         0.0
     """
     if block_size < 1:
@@ -279,4 +288,9 @@ def length_head_loss(
     valid = torch.ones_like(acc, dtype=torch.bool) if mask is None else mask.reshape(-1).to(torch.bool)
     sel = _upcast(pred[valid])
     label = (acc[valid].to(sel.dtype) + 1.0) / block_size
-    return _weighted_mean((sel - label) ** 2, torch.ones_like(label), sel)
+    err = sel - label
+    if verify_len is not None:
+        vl = verify_len.reshape(-1)[valid].to(acc.device)
+        censored = (acc[valid] >= vl - 1) & (vl < block_size)
+        err = torch.where(censored, err.clamp(max=0.0), err)
+    return _weighted_mean(err**2, torch.ones_like(label), sel)

@@ -295,3 +295,23 @@ def test_loss_validation(fn, kwargs, match):
         fn(d, t, **kwargs)
     with pytest.raises(ValueError, match="shape"):
         fn(d, t[:, :2])
+
+
+# Censored length labels: a round that accepted everything it verified only bounds acceptance from below.
+CENSOR_CASES = [
+    # (pred, accepted, verify_len, B, expect_zero)
+    (0.9, 1, 2, 16, True),  # all verified accepted, cut short: predicting more is not an error
+    (0.05, 1, 2, 16, False),  # predicting less than the lower bound is
+    (0.9, 1, 4, 16, False),  # a rejection was seen: the label is exact, over-prediction is an error
+    (0.9, 15, 16, 16, False),  # full block: exact (the label cannot be exceeded)
+]
+
+
+@pytest.mark.parametrize("pred,acc,vl,B,expect_zero", CENSOR_CASES)
+def test_length_head_loss_censored_labels(pred, acc, vl, B, expect_zero):
+    loss = length_head_loss(torch.tensor([pred]), torch.tensor([acc]), B, verify_len=torch.tensor([vl]))
+    uncensored = length_head_loss(torch.tensor([pred]), torch.tensor([acc]), B)
+    if expect_zero:
+        assert loss.item() == 0.0 and uncensored.item() > 0.0
+    else:
+        assert loss.item() == pytest.approx(uncensored.item())

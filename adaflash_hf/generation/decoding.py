@@ -11,7 +11,9 @@ processors, on the same prefix, as plain decoding would use.
 """
 
 import time
+from collections import defaultdict
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -58,21 +60,89 @@ def _process(logits_processor, seq: torch.Tensor, scores: torch.Tensor) -> torch
     return out
 
 
-class _Rows:
-    """Per-row decoding state of the active (unfinished) rows."""
+@dataclass
+class _Batch:
+    """State of the rows still decoding (finished rows leave the batch)."""
 
-    def __init__(self, input_ids, attention_mask):
-        b, p = input_ids.shape
-        self.index = torch.arange(b, device=input_ids.device)  # original row of each active row
-        self.seqs = [input_ids[i] for i in range(b)]  # padded prompt + generated, as plain generate sees it
-        self.prompt_len = p
-        self.prompt_mask = attention_mask.bool()  # real (non-padding) prompt columns
-        self.valid = attention_mask.bool()  # target cache columns that hold real tokens
-        self.pos = attention_mask.long().sum(dim=1)  # position of each row's next input token
+    index: torch.Tensor  # original row of each active row
+    seqs: list[torch.Tensor]  # left-padded prompt + generated tokens, as plain generate sees them
+    prompt_len: int
+    prompt_mask: torch.Tensor  # real (non-padding) prompt columns
+    valid: torch.Tensor  # target cache columns that hold real tokens
+    pos: torch.Tensor  # position of each row's bonus token (committed, not yet in the target cache)
+    bonus: torch.Tensor
+    ctx: torch.Tensor  # target features of verified tokens the drafter has not consumed yet
+    ctx_valid: torch.Tensor
+    ctx_pos: torch.Tensor
 
-    def select(self, keep: torch.Tensor) -> None:
-        self.index, self.valid, self.pos = self.index[keep], self.valid[keep], self.pos[keep]
-        self.prompt_mask = self.prompt_mask[keep]
+    def drop_finished(self, done: torch.Tensor, cache, generator) -> None:
+        keep = (~done).nonzero().squeeze(1)
+        self.seqs = [s for s, d in zip(self.seqs, done.tolist()) if not d]
+        for name in ("index", "prompt_mask", "valid", "pos", "bonus", "ctx", "ctx_valid", "ctx_pos"):
+            setattr(self, name, getattr(self, name)[keep])
+        cache.batch_select_indices(keep)
+        generator.select_rows(keep)
+
+    def advance(self, features: torch.Tensor, accepted: torch.Tensor, next_tokens: torch.Tensor, verified: int, cache) -> None:
+        """Keep K/V and features of the bonus + accepted drafts; roll back the rest."""
+        cols = torch.arange(verified, device=accepted.device)[None, :]
+        new_valid = cols <= accepted[:, None]
+        keep = int(accepted.max()) + 1
+        cache.crop(-(verified - keep))
+        self.valid = torch.cat([self.valid, new_valid[:, :keep]], dim=1)
+        self.ctx, self.ctx_valid, self.ctx_pos = features[:, :keep], new_valid[:, :keep], self.pos[:, None] + cols[:, :keep]
+        self.pos = self.pos + accepted + 1
+        self.bonus = next_tokens
+
+    def context_ids(self, i: int) -> torch.Tensor:
+        """Row `i`'s tokens before its bonus token, prompt padding removed."""
+        seq = self.seqs[i]
+        return torch.cat([seq[: self.prompt_len][self.prompt_mask[i]], seq[self.prompt_len : -1]])
+
+
+@dataclass
+class _Output:
+    """Commits tokens exactly where plain decoding would stop, and builds what generate returns."""
+
+    logits_processor: object
+    stopping_criteria: object
+    streamer: object
+    want_scores: bool
+    want_logits: bool
+    finished: dict = field(default_factory=dict)
+    scores: dict = field(default_factory=lambda: defaultdict(list))
+    raw: dict = field(default_factory=lambda: defaultdict(list))
+
+    def commit(self, batch: _Batch, new_tokens, raw_logits, processed) -> torch.Tensor:
+        """Append each row's new tokens one by one, checking the stopping criteria after each."""
+        done = []
+        for i, toks in enumerate(new_tokens):
+            row, stop = int(batch.index[i]), False
+            for j, tok in enumerate(toks):
+                batch.seqs[i] = torch.cat([batch.seqs[i], tok[None]])
+                if self.want_scores:
+                    self.scores[row].append(processed[i][j])
+                if self.want_logits:
+                    self.raw[row].append(raw_logits[i][j])
+                if self.streamer is not None:
+                    self.streamer.put(tok[None].cpu())
+                if bool(self.stopping_criteria(batch.seqs[i][None], None)[0]):
+                    stop = True
+                    break
+            if stop:
+                self.finished[row] = batch.seqs[i]
+            done.append(stop)
+        return torch.tensor(done, device=batch.valid.device)
+
+
+class _Timer:
+    def __init__(self, sync: bool):
+        self.sync = sync
+
+    def __call__(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
 
 def adaflash_decoding(
@@ -97,9 +167,8 @@ def adaflash_decoding(
         >>> out = target.generate(ids, custom_generate=adaflash_decoding, drafter=drafter)  # doctest: +SKIP
     """
     _check_call(model, drafter, generation_config, model_kwargs)
-    if round_sink is None:
-        # An online adapter attached to the drafter (`OnlineAdapter.attach()`) receives every round.
-        round_sink = getattr(drafter, "_round_sink", None)
+    # An online adapter attached to the drafter (`OnlineAdapter.attach()`) receives every round.
+    sink = round_sink if round_sink is not None else getattr(drafter, "_round_sink", None)
     cfg = drafter.config
     if length_policy is None:
         length_policy = "adaptive" if (cfg.use_length_head and cfg.length_head_trained) else "fixed"
@@ -110,127 +179,102 @@ def adaflash_decoding(
         cfg.length_min if length_min is None else length_min,
     )
     stats = GenerationStats(block_size=cfg.block_size, policy=length_policy)
-    do_sample = generation_config.do_sample
-    pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else 0
-    max_length = generation_config.max_length
+    dict_out = generation_config.return_dict_in_generate
+    output = _Output(logits_processor, stopping_criteria, streamer, dict_out and generation_config.output_scores, dict_out and generation_config.output_logits)
+    do_sample, max_length = generation_config.do_sample, generation_config.max_length
     layers = [i + 1 for i in cfg.target_layer_ids]
-    want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
-    want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
-    sync = return_stats and input_ids.device.type == "cuda"
+    clock = _Timer(return_stats and input_ids.device.type == "cuda")
+    # An online adapter swaps new weights in only between rounds: it takes this lock exclusively.
+    weights_lock = getattr(drafter, "_weights_lock", None) or nullcontext()
 
-    def clock():
-        if sync:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    b = input_ids.shape[0]
-    attention_mask = model_kwargs.get("attention_mask")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    cache = model_kwargs.get("past_key_values")
-    rows = _Rows(input_ids, attention_mask)
-    finished_seqs: dict[int, torch.Tensor] = {}
-    scores = [[] for _ in range(b)]
-    raw = [[] for _ in range(b)]
-
-    # Prefill: the target's first token, and the prompt's features as the drafter's first context.
     t0 = clock()
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=model_kwargs.get("position_ids"),
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=layers,
-        logits_to_keep=1,
-    )
-    cache = out.past_key_values
-    ctx, ctx_valid = drafter.select_context(out.hidden_states), rows.valid
-    ctx_pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    first_logits = out.logits[:, -1].float()
+    batch, cache, done = _prefill(model, drafter, input_ids, model_kwargs, layers, do_sample, output)
     stats.verify_time_s += clock() - t0
-    next_tokens = []
-    for i in range(b):
-        s = _process(logits_processor, rows.seqs[i], first_logits[i : i + 1])
-        tok = torch.multinomial(s.softmax(-1), 1)[0, 0] if do_sample else s[0].argmax()
-        next_tokens.append(tok)
-    bonus = torch.stack(next_tokens)
-    done = _commit(rows, [bonus[i : i + 1] for i in range(b)], [first_logits[i : i + 1] for i in range(b)], logits_processor, stopping_criteria, scores, raw, want_scores, want_logits, finished_seqs, streamer, pad)
+    while not bool(done.all()):
+        if bool(done.any()):
+            batch.drop_finished(done, cache, generator)
 
-    while True:
-        keep = (~done).nonzero().squeeze(1)
-        if keep.numel() == 0:
-            break
-        if keep.numel() < len(done):
-            rows.select(keep)
-            rows.seqs = [s for s, d in zip(rows.seqs, done.tolist()) if not d]
-            bonus, ctx, ctx_valid, ctx_pos = bonus[keep], ctx[keep], ctx_valid[keep], ctx_pos[keep]
-            cache.batch_select_indices(keep)
-            generator.select_rows(keep)
-        n = len(rows.seqs)
-
-        # 1. Draft one block per row; the policy picks each row's verify length.
+        # 1. Draft one block per row in one drafter forward; the policy picks each row's verify length.
         t0 = clock()
-        budget = torch.tensor([max_length - s.shape[0] - 1 for s in rows.seqs], device=bonus.device)
-        # An online adapter swaps new weights in only between rounds: it takes this lock exclusively.
-        with getattr(drafter, "_weights_lock", None) or nullcontext():
-            block = generator.propose(bonus, rows.pos, ctx, ctx_valid, ctx_pos, budget)
+        budget = torch.tensor([max_length - s.shape[0] - 1 for s in batch.seqs], device=batch.bonus.device)
+        with weights_lock:
+            block = generator.propose(batch.bonus, batch.pos, batch.ctx, batch.ctx_valid, batch.ctx_pos, budget)
         stats.fallback_rounds += int((~block.finite).sum())
         k = int(block.draft_len.max())
-        draft = block.tokens[:, :k]
-        q = None
-        if do_sample and k > 0:
-            draft, q = _sample_drafts(rows.seqs, block, k, logits_processor)
+        draft, q = _sample_drafts(batch.seqs, block, k, logits_processor) if do_sample and k > 0 else (block.tokens[:, :k], None)
         t1 = clock()
-        stats.draft_time_s += t1 - t0
 
         # 2. Verify every row's bonus + drafts in one target forward (rows padded to the longest).
-        verify_ids = torch.cat([bonus[:, None], draft], dim=1)
-        key_mask = torch.cat([rows.valid, torch.ones_like(verify_ids, dtype=torch.bool)], dim=1)
+        verify_ids = torch.cat([batch.bonus[:, None], draft], dim=1)
         out = model(
             input_ids=verify_ids,
-            attention_mask=key_mask.long(),
-            position_ids=rows.pos[:, None] + torch.arange(k + 1, device=bonus.device),
+            attention_mask=torch.cat([batch.valid, torch.ones_like(verify_ids, dtype=torch.bool)], dim=1).long(),
+            position_ids=batch.pos[:, None] + torch.arange(k + 1, device=verify_ids.device),
             past_key_values=cache,
             use_cache=True,
             output_hidden_states=layers,
         )
-        target_logits = out.logits.float()
-        processed = torch.stack(
-            [_process(logits_processor, torch.cat([rows.seqs[i], draft[i]]), target_logits[i]) for i in range(n)]
-        ) if len(logits_processor) else target_logits
+        logits = out.logits.float()
+        processed = torch.stack([_process(logits_processor, torch.cat([s, d]), l) for s, d, l in zip(batch.seqs, draft, logits)])
 
         # 3. Accept the longest agreeing prefix (greedy) or by the speculative sampling rule.
-        if do_sample and k > 0:
+        if do_sample:
+            q = q if q is not None else processed[:, :0].softmax(-1)
             res = speculative_accept(draft, q, processed.softmax(-1), block.draft_len)
-        elif do_sample:
-            res = speculative_accept(draft, processed[:, :0].softmax(-1), processed.softmax(-1), block.draft_len)
         else:
             res = greedy_accept(draft, processed, block.draft_len)
         acc = res.num_accepted
-        stats.verify_time_s += clock() - t1
+        t2 = clock()
+        stats.draft_time_s, stats.verify_time_s = stats.draft_time_s + t1 - t0, stats.verify_time_s + t2 - t1
 
-        # 4. Commit tokens (stopping criteria checked token by token), roll back rejected K/V.
-        for i in range(n):
-            stats.record(int(rows.index[i]), int(block.draft_len[i]) + 1, int(acc[i]))
-            if round_sink is not None:
-                round_sink.on_round(_verified_round(rows, i, bonus, block, draft, target_logits, acc))
-        new = [torch.cat([draft[i, : acc[i]], res.next_tokens[i : i + 1]]) for i in range(n)]
-        done = _commit(rows, new, [target_logits[i, : acc[i] + 1] for i in range(n)], logits_processor, stopping_criteria, scores, raw, want_scores, want_logits, finished_seqs, streamer, pad, processed=[processed[i, : acc[i] + 1] for i in range(n)])
-        cols = torch.arange(k + 1, device=bonus.device)[None, :]
-        new_valid = cols <= acc[:, None]
-        keep_cols = int(acc.max()) + 1
-        cache.crop(-(k + 1 - keep_cols))
-        rows.valid = torch.cat([rows.valid, new_valid[:, :keep_cols]], dim=1)
-        ctx = drafter.select_context(out.hidden_states)[:, :keep_cols]
-        ctx_valid = new_valid[:, :keep_cols]
-        ctx_pos = rows.pos[:, None] + cols[:, :keep_cols]
-        rows.pos = rows.pos + acc + 1
-        bonus = res.next_tokens
+        # 4. Record the round, commit tokens (stopping token by token), roll back rejected K/V.
+        for i in range(len(batch.seqs)):
+            stats.record(int(batch.index[i]), int(block.draft_len[i]) + 1, int(acc[i]))
+            if sink is not None:
+                sink.on_round(_verified_round(batch, i, block, draft, logits, acc))
+        new = [torch.cat([d[:a], t[None]]) for d, a, t in zip(draft, acc.tolist(), res.next_tokens)]
+        kept = [slice(0, a + 1) for a in acc.tolist()]
+        done = output.commit(batch, new, [l[s] for l, s in zip(logits, kept)], [p[s] for p, s in zip(processed, kept)])
+        batch.advance(drafter.select_context(out.hidden_states), acc, res.next_tokens, k + 1, cache)
 
     if streamer is not None:
         streamer.end()
-    return _finish(input_ids, finished_seqs, scores, raw, pad, generation_config, stats, return_stats)
+    return _finish(input_ids, output, generation_config, stats, return_stats)
+
+
+def _prefill(model, drafter, input_ids, model_kwargs, layers, do_sample, output: _Output):
+    """The target's first token for each row, and the prompts' features as the drafter's first context."""
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=model_kwargs.get("position_ids"),
+        past_key_values=model_kwargs.get("past_key_values"),
+        use_cache=True,
+        output_hidden_states=layers,
+        logits_to_keep=1,
+    )
+    logits = out.logits[:, -1:].float()
+    seqs = list(input_ids)
+    processed = [_process(output.logits_processor, s, l) for s, l in zip(seqs, logits)]
+    first = torch.stack([torch.multinomial(p[0].softmax(-1), 1)[0] if do_sample else p[0].argmax() for p in processed])
+    mask = attention_mask.bool()
+    batch = _Batch(
+        index=torch.arange(input_ids.shape[0], device=input_ids.device),
+        seqs=seqs,
+        prompt_len=input_ids.shape[1],
+        prompt_mask=mask,
+        valid=mask,
+        pos=attention_mask.long().sum(dim=1),
+        bonus=first,
+        ctx=drafter.select_context(out.hidden_states),
+        ctx_valid=mask,
+        ctx_pos=(attention_mask.long().cumsum(-1) - 1).clamp(min=0),
+    )
+    done = output.commit(batch, [t[None] for t in first], list(logits), processed)
+    return batch, out.past_key_values, done
 
 
 def _sample_drafts(seqs, block, k, logits_processor):
@@ -248,36 +292,12 @@ def _sample_drafts(seqs, block, k, logits_processor):
     return torch.stack(tokens), torch.stack(probs)
 
 
-def _commit(rows, new_tokens, logits, logits_processor, stopping_criteria, scores, raw, want_scores, want_logits, finished, streamer, pad, processed=None):
-    """Append each row's new tokens one by one, stopping exactly where plain decoding would."""
-    done = []
-    for i, toks in enumerate(new_tokens):
-        orig = int(rows.index[i])
-        stop = False
-        for j, tok in enumerate(toks):
-            rows.seqs[i] = torch.cat([rows.seqs[i], tok[None]])
-            if want_scores:
-                scores[orig].append(processed[i][j] if processed is not None else _process(logits_processor, rows.seqs[i][:-1], logits[i][j : j + 1])[0])
-            if want_logits:
-                raw[orig].append(logits[i][j])
-            if streamer is not None:
-                streamer.put(tok[None].cpu())
-            if bool(stopping_criteria(rows.seqs[i][None], None)[0]):
-                stop = True
-                break
-        if stop:
-            finished[orig] = rows.seqs[i]
-        done.append(stop)
-    return torch.tensor(done, device=rows.valid.device)
-
-
-def _verified_round(rows, i, bonus, block, draft, target_logits, acc) -> VerifiedRound:
+def _verified_round(batch: _Batch, i, block, draft, target_logits, acc) -> VerifiedRound:
     verify_len = int(block.draft_len[i]) + 1
     return VerifiedRound(
-        row=int(rows.index[i]),
-        # Called before this round's tokens are committed; prompt padding removed (as documented).
-        context_ids=torch.cat([rows.seqs[i][: rows.prompt_len][rows.prompt_mask[i]], rows.seqs[i][rows.prompt_len : -1]]),
-        bonus_token=int(bonus[i]),
+        row=int(batch.index[i]),
+        context_ids=batch.context_ids(i),  # called before this round's tokens are committed
+        bonus_token=int(batch.bonus[i]),
         draft_tokens=draft[i, : verify_len - 1].clone(),  # the tokens verified (sampled ones when sampling)
         draft_logits=block.logits[i, : verify_len - 1].clone(),
         target_logits=target_logits[i, :verify_len].clone(),
@@ -287,24 +307,24 @@ def _verified_round(rows, i, bonus, block, draft, target_logits, acc) -> Verifie
     )
 
 
-def _finish(input_ids, finished, scores, raw, pad, generation_config, stats, return_stats):
+def _finish(input_ids, output: _Output, generation_config, stats, return_stats):
     b, p = input_ids.shape
-    seqs = [finished[i] for i in range(b)]
+    seqs = [output.finished[i] for i in range(b)]
     width = max(s.shape[0] for s in seqs)
+    pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else 0
     sequences = torch.full((b, width), pad, dtype=input_ids.dtype, device=input_ids.device)
     for i, s in enumerate(seqs):
         sequences[i, : s.shape[0]] = s
     stats.new_tokens = sum(s.shape[0] - p for s in seqs)
     result = sequences
     if generation_config.return_dict_in_generate:
-        steps = width - p
 
-        def stack(per_row):
-            if not any(per_row):
+        def steps(per_row):
+            """Per-step `[b, V]` tensors; rows that already stopped get -inf (plain generate pads them)."""
+            if not per_row:
                 return None
-            v = per_row[0][0].shape[-1] if per_row[0] else next(r for r in per_row if r)[0].shape[-1]
-            filler = torch.full((v,), float("-inf"), device=input_ids.device)
-            return tuple(torch.stack([r[t] if t < len(r) else filler for r in per_row]) for t in range(steps))
+            filler = torch.full_like(next(iter(per_row.values()))[0], float("-inf"))
+            return tuple(torch.stack([per_row[r][t] if t < len(per_row[r]) else filler for r in range(b)]) for t in range(width - p))
 
-        result = GenerateDecoderOnlyOutput(sequences=sequences, scores=stack(scores), logits=stack(raw))
+        result = GenerateDecoderOnlyOutput(sequences=sequences, scores=steps(output.scores), logits=steps(output.raw))
     return (result, stats) if return_stats else result

@@ -684,7 +684,9 @@ class OnlineAdapter:
         head = main.new_zeros(())
         if self.method == "opd" and model.length_head is not None:
             pred = model.predict_accept_ratio(hidden)  # detached input: no gradient into the drafter
-            head = length_head_loss(pred, torch.tensor([s.num_accepted], device=pred.device), B)
+            head = length_head_loss(
+                pred, torch.tensor([s.num_accepted], device=pred.device), B, verify_len=torch.tensor([s.verify_len], device=pred.device)
+            )
         return main, head
 
     def _train(self, samples: list[Sample]) -> dict:

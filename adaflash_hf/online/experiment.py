@@ -24,41 +24,46 @@ def _encode(tokenizer, messages, device):
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"].to(device)
 
 
-def _measure(target, drafter, prompts, max_new_tokens, references):
+def _measure(target, drafter, prompts, max_new_tokens, references, policy):
     """Greedy tau over `prompts` (adapter paused) and whether every output equals plain greedy."""
     accepted = rounds = 0
     identical = True
     for ids, ref in zip(prompts, references):
-        out, stats = target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False, return_stats=True)
+        out, stats = target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False, return_stats=True, length_policy=policy)
         accepted, rounds = accepted + sum(stats.accepted), rounds + stats.rounds
         identical &= torch.equal(out, ref)
     return (accepted + rounds) / max(rounds, 1), identical
 
 
-def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=("opd", "osd"), updates=6, samples_per_update=128, epochs=2, max_new_tokens=128, seed=0) -> dict:
-    """Tau on `held_out` after each online update, for each method (see the module docstring)."""
+def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=("opd", "osd"), updates=6, samples_per_update=128, epochs=2, max_new_tokens=128, seed=0, policy="fixed") -> dict:
+    """Tau on `held_out` after each online update, for each method (see the module docstring).
+
+    `policy` is the verify-length policy used both to serve the stream and to measure: `fixed`
+    verifies whole blocks, so every round supervises B-1 draft positions and the measured tau is
+    the drafter's own quality, not the length head's choice.
+    """
     device = next(target.parameters()).device
     stream_ids = [_encode(tokenizer, p["messages"], device) for p in stream]
     held_ids = [_encode(tokenizer, p["messages"], device) for p in held_out]
     references = [target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False) for ids in held_ids]
-    result = {"methods": {}, "samples_per_update": samples_per_update, "epochs": epochs, "max_new_tokens": max_new_tokens}
+    result = {"methods": {}, "samples_per_update": samples_per_update, "epochs": epochs, "max_new_tokens": max_new_tokens, "policy": policy}
     for method in methods:
         torch.manual_seed(seed)
         d = copy.deepcopy(drafter).bind_target(target)
-        tau, same = _measure(target, d, held_ids, max_new_tokens, references)
+        tau, same = _measure(target, d, held_ids, max_new_tokens, references, policy)
         curve = [{"update": 0, "tau": tau, "identical": same, "served_prompts": 0}]
         adapter = OnlineAdapter(d, target, method=method, samples_per_update=samples_per_update, epochs=epochs, seed=seed)
         served, start = 0, time.perf_counter()
         for update in range(1, updates + 1):
             adapter.attach()
             while adapter.stats["updates"] + adapter.stats["failures"] < update and served < len(stream_ids):
-                target.generate(stream_ids[served], assistant_model=d, max_new_tokens=max_new_tokens, do_sample=False)
+                target.generate(stream_ids[served], assistant_model=d, max_new_tokens=max_new_tokens, do_sample=False, length_policy=policy)
                 served += 1
                 adapter.wait_for_update()
             adapter.detach()
             if adapter.stats["updates"] < update:
                 break
-            tau, same = _measure(target, d, held_ids, max_new_tokens, references)
+            tau, same = _measure(target, d, held_ids, max_new_tokens, references, policy)
             curve.append({"update": update, "tau": tau, "identical": same, "served_prompts": served, "loss": adapter.stats["last_loss"]})
             print(f"[online] {method} update {update}: held-out tau {tau:.3f} identical={same} (served {served})", flush=True)
         adapter.close()
@@ -100,6 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--samples-per-update", type=int, default=128)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--policy", default="fixed", choices=("fixed", "adaptive", "expected_gain"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
@@ -107,7 +113,7 @@ def main(argv=None) -> int:
     target = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32).to(a.device).eval()
     drafter = AdaFlashDrafter.from_pretrained(a.drafter, dtype=torch.float32).to(a.device).eval()
     prompts = eval_prompts(a.dataset, limit=a.held_out + a.stream)
-    result = run_online_experiment(target, drafter, tok, prompts[a.held_out :], prompts[: a.held_out], methods=tuple(a.methods.split(",")), updates=a.updates, samples_per_update=a.samples_per_update, epochs=a.epochs, max_new_tokens=a.max_new_tokens)
+    result = run_online_experiment(target, drafter, tok, prompts[a.held_out :], prompts[: a.held_out], methods=tuple(a.methods.split(",")), updates=a.updates, samples_per_update=a.samples_per_update, epochs=a.epochs, max_new_tokens=a.max_new_tokens, policy=a.policy)
     result.update(dataset=a.dataset, command="python -m adaflash_hf.online.experiment " + " ".join(argv if argv is not None else __import__("sys").argv[1:]))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "online.json"), "w", encoding="utf-8") as f:
