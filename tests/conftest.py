@@ -190,3 +190,13 @@ def _deterministic_cpu():
     """Tests compare tensors; keep kernels deterministic and the global RNG seeded per test."""
     torch.manual_seed(0)
     yield
+
+
+# Hermetic data: the data loaders (`adaflash_hf.training.data`) read `$ADAFLASH_DATA`; point it at
+# the small verbatim excerpt of shared/data in tests/fixtures/data, unless the caller already set it
+# (e.g. `ADAFLASH_DATA=../shared/data pytest tests` runs the same tests on the full datasets).
+import os as _os
+from pathlib import Path as _Path
+
+FIXTURE_DATA = _Path(__file__).resolve().parent / "fixtures" / "data"
+_os.environ.setdefault("ADAFLASH_DATA", str(FIXTURE_DATA))

@@ -1,7 +1,11 @@
 """Data loaders, tokenizer, pretokenizer and target-training smoke tests (CPU, small).
 
-These tests need the shared data folder (``../shared/data`` beside the repository, or
-``$ADAFLASH_DATA``). When it is missing they FAIL with a message saying so; they never skip.
+The data tests read whatever folder ``D.data_dir()`` resolves. ``conftest.py`` sets
+``$ADAFLASH_DATA`` to ``tests/fixtures/data`` (a small verbatim excerpt of shared/data, see its
+README) unless the variable is already set, so the suite is hermetic; run
+``ADAFLASH_DATA=../shared/data pytest tests/test_data.py`` to check the same assertions on the full
+datasets. Expected counts are computed from the files of the configured folder, never hard-coded,
+except the documented full-data sizes, checked only when the folder is the full data.
 """
 
 from __future__ import annotations
@@ -14,17 +18,28 @@ import pytest
 from adaflash_hf.training import data as D
 from adaflash_hf.training.tokenizer import IM_END, IM_START, MASK, stop_token_ids, train_tokenizer
 
+# Sizes documented in shared/data/README.md, checked when the configured folder is the full data.
+FULL_EVAL_SIZES = {"gsm8k": 1319, "mbpp": 257, "aime2025": 30, "eagle_bench": 400}
+FULL_TRAIN_SIZES = {"code": 4535 + 374, "math": 7473 + 4500}  # codealpaca + mbpp 601-974; gsm8k + MATH
+
 
 @pytest.fixture(scope="module")
 def data_root():
     try:
         return D.data_dir()
     except FileNotFoundError as e:
-        pytest.fail(
-            "shared data folder not found: these tests need ../shared/data next to the repository "
-            f"(or ADAFLASH_DATA pointing to it). {e}",
-            pytrace=False,
-        )
+        pytest.fail(f"data folder not found (conftest.py points ADAFLASH_DATA at tests/fixtures/data). {e}",
+                    pytrace=False)
+
+
+def _raw(root, rel):
+    """The records of one JSONL file, read directly (independently of the loaders under test)."""
+    with open(root / rel, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _is_full(root):
+    return len(_raw(root, "gsm8k/test.jsonl")) == FULL_EVAL_SIZES["gsm8k"]
 
 
 def _check_messages(msgs, last_role):
@@ -50,14 +65,49 @@ def test_eval_prompts_structure(data_root, name):
         assert r["reference"] is None or isinstance(r["reference"], str)
 
 
-def test_eval_prompts_full_sizes_and_references(data_root):
-    assert len(D.eval_prompts("gsm8k")) == 1319
-    assert len(D.eval_prompts("mbpp")) == 257
-    assert len(D.eval_prompts("aime2025")) == 30
+def test_eval_prompts_sizes_and_references(data_root):
+    assert len(D.eval_prompts("gsm8k")) == len(_raw(data_root, "gsm8k/test.jsonl"))
+    assert len(D.eval_prompts("aime2025")) == len(_raw(data_root, "aime2025/aime2025.jsonl"))
     assert D.eval_prompts("gsm8k", limit=1)[0]["reference"] == "18"
     assert D.eval_prompts("aime2025", limit=1)[0]["reference"] == "70"
-    assert len(D.eval_prompts("eagle_bench")) == 400
+    assert [r["messages"] for r in D.eval_prompts("gsm8k", limit=3)] == [
+        r["messages"] for r in D.eval_prompts("gsm8k")[:3]
+    ]
+
+    # mbpp: sanitized records with test ids 11-510 only, in file order; reference = fenced code
+    sanitized = _raw(data_root, "mbpp/sanitized-mbpp.jsonl")
+    test_ids = [r["task_id"] for r in sanitized if 11 <= r["task_id"] <= 510]
+    assert 0 < len(test_ids) < len(sanitized), "the data should hold mbpp ids outside 11-510"
+    mbpp = D.eval_prompts("mbpp")
+    assert [r["task_id"] for r in mbpp] == test_ids
+    for r in mbpp:
+        assert r["reference"].startswith("```python\n") and r["reference"].endswith("\n```")
+        assert r["test_list"] and all(t in r["messages"][0]["content"] for t in r["test_list"])
+
+    # eagle_bench: all five tasks in order; one task alone with eagle_bench:<task>
+    eagle = D.eval_prompts("eagle_bench")
+    per_task = [len(_raw(data_root, f"eagle_bench/{t}.jsonl")) for t in D.EAGLE_TASKS]
+    assert len(eagle) == sum(per_task)
+    assert [r["task"] for r in eagle] == [t for t, n in zip(D.EAGLE_TASKS, per_task) for _ in range(n)]
     assert {r["task"] for r in D.eval_prompts("eagle_bench:gsm8k")} == {"gsm8k"}
+    with pytest.raises(ValueError, match="nope"):
+        D.eval_prompts("eagle_bench:nope")
+
+    # sharegpt: first user turn as prompt, first assistant turn as reference
+    sg = D.eval_prompts("sharegpt")
+    raw_sg = _raw(data_root, "sharegpt/sharegpt_eval500.jsonl")
+    assert [r["id"] for r in sg] == [r["id"] for r in raw_sg]
+    assert sg[0]["messages"][0]["content"] == raw_sg[0]["conversations"][0]["value"].strip()
+    assert sg[0]["reference"] == raw_sg[0]["conversations"][1]["value"].strip()
+
+    # multi-turn sets keep all user turns
+    mt = D.eval_prompts("mt_bench")
+    assert all(len(r["turns"]) == 2 and r["messages"][0]["content"] == r["turns"][0] for r in mt)
+    assert any(r["reference"] for r in mt)
+
+    if _is_full(data_root):
+        for name, n in FULL_EVAL_SIZES.items():
+            assert len(D.eval_prompts(name)) == n, name
 
 
 def test_blend_is_balanced_and_deterministic(data_root):
@@ -69,7 +119,13 @@ def test_blend_is_balanced_and_deterministic(data_root):
     assert [r["messages"] for r in a] != [r["messages"] for r in c]
     counts = {s: sum(r["source"] == s for r in a) for s in D.BLEND_PARTS}
     assert counts == {s: 10 for s in D.BLEND_PARTS}
+    assert [r["source"] for r in a[:8]] == list(D.BLEND_PARTS) * 2  # round-robin: any prefix is balanced
     assert all(r["dataset"] == "blend" for r in a)
+    # without a limit: every part contributes as many prompts as the smallest part has
+    full = D.eval_prompts("blend", seed=3)
+    smallest = min(len(D.eval_prompts(p)) for p in D.BLEND_PARTS)
+    assert len(full) == len(D.BLEND_PARTS) * smallest
+    assert {s: sum(r["source"] == s for r in full) for s in D.BLEND_PARTS} == {s: smallest for s in D.BLEND_PARTS}
 
 
 def test_unknown_dataset_error(data_root):
@@ -79,6 +135,8 @@ def test_unknown_dataset_error(data_root):
         D.eval_prompts("no_such_set")
     with pytest.raises(ValueError, match="cooking"):
         D.chat_samples("cooking")
+    with pytest.raises(ValueError, match="'test'"):
+        D.chat_samples("math", "test")
 
 
 def test_missing_data_error(tmp_path, monkeypatch):
@@ -91,6 +149,12 @@ def test_missing_data_error(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError) as ei:
         D.eval_prompts("gsm8k")
     assert "test.jsonl" in str(ei.value) and D.ENV_VAR in str(ei.value)
+
+
+def test_data_dir_argument_overrides_env(data_root, tmp_path, monkeypatch):
+    monkeypatch.setenv(D.ENV_VAR, str(tmp_path / "nowhere"))
+    assert D.data_dir(data_root) == data_root
+    assert D.eval_prompts("aime2025", limit=1, data_dir=data_root)[0]["reference"] == "70"
 
 
 @pytest.mark.parametrize("domain", D.TRAIN_DOMAINS)
@@ -107,11 +171,36 @@ def test_chat_samples(data_root, domain):
 
 
 def test_train_domain_sizes(data_root):
-    assert len(D.chat_samples("code", "train")) == 4535 + 374  # codealpaca + mbpp ids 601-974
-    assert len(D.chat_samples("math", "train")) == 7473 + 4500
+    mbpp = _raw(data_root, "mbpp/mbpp.jsonl")
+    mbpp_train = [r for r in mbpp if 601 <= r["task_id"] <= 974]
+    assert 0 < len(mbpp_train) < len(mbpp), "the data should hold mbpp ids outside 601-974"
+    code = D.chat_samples("code", "train")
+    n_alpaca = len(_raw(data_root, "codealpaca/new_codealpaca.jsonl"))
+    assert len(code) == n_alpaca + len(mbpp_train)
+    assert [s["messages"][1]["content"] for s in code[n_alpaca:]] == [
+        "```python\n" + r["code"].replace("\r\n", "\n").strip("\n") + "\n```" for r in mbpp_train
+    ]
+    math = D.chat_samples("math", "train")
+    assert len(math) == len(_raw(data_root, "gsm8k/train.jsonl")) + len(_raw(data_root, "math_train4500/train.jsonl"))
+    assert not any("<<" in s["messages"][1]["content"] for s in math)  # gsm8k calculator annotations dropped
+    if _is_full(data_root):
+        assert {"code": len(code), "math": len(math)} == FULL_TRAIN_SIZES
+
+    # chat: empty turns dropped, consecutive same-role turns merged, so roles always alternate
+    raw_chat = _raw(data_root, "sharegpt/sharegpt_train.jsonl")
+    chat = D.chat_samples("chat", "train")
+    assert 0 < len(chat) <= len(raw_chat)
+    for s in chat:
+        _check_messages(s["messages"], "assistant")
+    assert sum(len(s["messages"]) for s in chat) < sum(len(r["conversations"]) for r in raw_chat)
+
     prose = D.chat_samples("prose", "train")
-    assert max(len(r["text"]) for r in prose) <= 2000
+    prose_eval = D.chat_samples("prose", "eval")
+    assert max(len(r["text"]) for r in prose + prose_eval) <= 2000
     assert sum(len(r["text"]) for r in prose) / len(prose) > 1000
+    sources = set(D.TRAIN_SOURCES["prose"])
+    assert {r["source"] for r in prose} <= sources and {r["source"] for r in prose_eval} == sources
+    assert not {r["text"] for r in prose} & {r["text"] for r in prose_eval}
 
 
 def test_chunk_text():
