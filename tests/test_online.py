@@ -5,6 +5,7 @@ Everything runs on CPU with tiny seeded models; the worker is a real background 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -638,5 +639,23 @@ def test_on_round_never_waits_for_training(pair):
         assert adapter._busy  # the update was still running all along
         ids, mask, _ = prompts(4)
         assert torch.equal(greedy(pair, ids, mask, assistant_model=d, round_sink=adapter), greedy(pair, ids, mask))
+    finally:
+        adapter.close()
+
+
+@pytest.mark.parametrize("method", ["opd", "osd"])
+def test_slots_after_the_first_rejection_carry_no_label(pair, method):
+    """Target distributions after a rejected draft are conditioned on a wrong prefix: never labels."""
+    d = fresh_drafter(pair)
+    r = next(x for x in real_rounds(pair, d) if x.num_accepted + 2 < x.verify_len)
+    garbage = r.target_logits.clone()
+    garbage[r.num_accepted + 1 :] = torch.randn_like(garbage[r.num_accepted + 1 :]) * 50
+    adapter = OnlineAdapter(d, pair, method=method)
+    try:
+        clean = adapter.evaluate([r])["loss"]
+        noisy = adapter.evaluate([dataclasses.replace(r, target_logits=garbage)])["loss"]
+        assert clean == pytest.approx(noisy)
+        garbage[r.num_accepted] += torch.randn_like(garbage[r.num_accepted]) * 50  # the first rejected slot does count
+        assert adapter.evaluate([dataclasses.replace(r, target_logits=garbage)])["loss"] != pytest.approx(clean)
     finally:
         adapter.close()

@@ -635,8 +635,8 @@ class OnlineAdapter:
 
     def _sample_loss(self, model: AdaFlashDrafter, s: Sample, cache_features: bool = True):
         """``(main_loss, head_loss)`` of one sample for ``model`` (the shadow, or the serving drafter
-        for :meth:`evaluate`). ``main``: OPD (or forward KL) of draft slots ``1..verify_len-1``
-        against ``target_logits[0..verify_len-2]``; ``head``: MSE of the length head on detached
+        for :meth:`evaluate`). ``main``: OPD (or forward KL) of draft slots ``1..n`` against
+        ``target_logits[0..n-1]``, ``n = min(num_accepted + 1, verify_len - 1)``; ``head``: MSE of the length head on detached
         features against ``(num_accepted + 1) / B`` (OPD only)."""
         param = next(model.parameters())
         dev, dtype = param.device, param.dtype
@@ -665,7 +665,10 @@ class OnlineAdapter:
                 ctx = ctx.clone()
         pos = torch.arange(T + B, device=dev)[None]
         hidden = model(noise_embeds=noise, context_hidden_states=ctx, position_ids=pos).last_hidden_state
-        n = min(s.verify_len - 1, B - 1)
+        # Only slots up to the first rejected draft carry usable labels: the verify forward conditions
+        # later target distributions on a wrong draft prefix, while the block drafter predicts every
+        # slot from the verified context alone, so those distributions are not what slot j should say.
+        n = min(s.num_accepted + 1, s.verify_len - 1, B - 1)
         main = hidden.sum() * 0.0
         if n > 0 and self.method in ("opd", "osd"):
             draft_logits = self._logits(model, hidden[:, 1 : 1 + n])
