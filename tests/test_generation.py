@@ -33,8 +33,8 @@ import adaflash_hf
 import adaflash_hf.generation.acceptance as acceptance
 import adaflash_hf.generation.decoding as decoding
 from adaflash_hf import AdaFlashDrafter, speculative_generate
+from adaflash_hf.generation import AdaFlashCandidateGenerator, hf_integration
 from adaflash_hf.generation.acceptance import AcceptResult
-from adaflash_hf.generation import hf_integration
 from adaflash_hf.generation.hf_integration import install_generate_hook
 
 MAX_NEW = 20
@@ -324,6 +324,49 @@ def test_scores_and_logits_equal_plain(family, kind, extra):
         assert any(not torch.allclose(a, b) for a, b in zip(out.scores, out.logits))
 
 
+# (family, route, prompt lengths, eos): route "ours" (the default) or "transformers"
+# (speculation_type="adaflash", batch 1); with eos, row 0 stops after a few tokens, the others run on.
+HIDDEN_CASES = [
+    ("qwen3", "ours", [6], False),
+    ("llama", "transformers", [5], False),
+    ("llama", "ours", [7, 3, 9], False),
+    ("qwen3", "ours", [7, 4, 9], True),
+]
+
+
+@pytest.mark.parametrize("family,route,lengths,eos", HIDDEN_CASES)
+def test_hidden_states_equal_plain(family, route, lengths, eos):
+    target = target_model(family, 62)
+    ids, mask, _ = ragged_prompts(len(lengths), lengths, 62)
+    free = plain(target, ids, mask)
+    kw = dict(return_dict_in_generate=True, output_hidden_states=True)
+    if eos:
+        cont = free[0, ids.shape[1]:].tolist()
+        kw["eos_token_id"] = cont[first_unique(cont, 3, 7)]
+    ref = plain(target, ids, mask, **kw)
+    drafter = make_oracle(target, unpad(free, mask), block_size=8)  # accepted whole: many tokens per verify forward
+    route_kw = {"speculation_type": "adaflash"} if route == "transformers" else {}
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=False, pad_token_id=PAD_ID,
+                          max_new_tokens=MAX_NEW, length_policy="fixed", **route_kw, **kw)
+
+    assert torch.equal(out.sequences, ref.sequences)
+    steps, p = ref.sequences.shape[1] - ids.shape[1], ids.shape[1]
+    assert len(out.hidden_states) == len(ref.hidden_states) == steps
+    # each row's own steps: its tokens up to and including its EOS; later steps hold zeros (documented)
+    own = [row.index(kw["eos_token_id"]) + 1 if eos and kw["eos_token_id"] in row else steps for row in ref.sequences[:, p:].tolist()]
+    assert (min(own) < steps) == eos
+    shape = (target.config.num_hidden_layers + 1, len(lengths), target.config.hidden_size)
+    for t, (got, want) in enumerate(zip(out.hidden_states, ref.hidden_states)):
+        assert len(got) == len(want) == shape[0]
+        for g, w in zip(got, want):
+            assert g.shape == w.shape == (shape[1], p if t == 0 else 1, shape[2])
+            for r in range(len(lengths)):
+                if t < own[r]:
+                    torch.testing.assert_close(g[r], w[r], atol=1e-4, rtol=1e-4)
+                else:
+                    assert not g[r].any()
+
+
 # --------------------------------------------------------------------------- 2. sampling is lossless
 SV = 12  # tiny vocabulary: the target's distribution over a few tokens is far from degenerate
 TEMP, TOP_K, TOP_P = 0.9, 8, 0.95
@@ -431,7 +474,12 @@ def _err_cases():
         ("no head", lambda t: dict(assistant_model=make_drafter(t, use_length_head=False), length_policy="adaptive"), r"length head"),
         ("options without drafter", lambda t: dict(length_policy="fixed", length_min=2), r"length_policy, length_min need an AdaFlash drafter"),
         ("stats without drafter", lambda t: dict(return_stats=True), r"return_stats need an AdaFlash drafter"),
-        ("output_hidden_states", lambda t: dict(assistant_model=make_drafter(t), output_hidden_states=True, return_dict_in_generate=True), r"output_hidden_states"),
+        ("output_attentions", lambda t: dict(assistant_model=make_drafter(t), output_attentions=True, return_dict_in_generate=True),
+         r"output_attentions .* rejected draft tokens"),
+        ("adaflash route stats", lambda t: dict(assistant_model=make_drafter(t), speculation_type="adaflash", return_stats=True),
+         r"return_stats need adaflash-hf's own loop"),
+        ("adaflash route without drafter", lambda t: dict(assistant_model=make_target("qwen3", seed=71, layers=1), speculation_type="adaflash"),
+         r'speculation_type="adaflash" needs an AdaFlash drafter'),
     ]
 
 
@@ -489,14 +537,15 @@ def test_native_dflash_path_is_left_to_transformers(monkeypatch):
     assert ours == []
 
 
-def test_generate_hook_is_idempotent():
-    hooked = GenerationMixin.generate
+@pytest.mark.parametrize("name", ["generate", "_get_candidate_generator"])
+def test_generate_hook_is_idempotent(name):
+    hooked = getattr(GenerationMixin, name)
     assert getattr(hooked, "__adaflash_hook__", False)
     install_generate_hook()
     install_generate_hook()
-    assert GenerationMixin.generate is hooked
+    assert getattr(GenerationMixin, name) is hooked
     assert not getattr(hooked.__wrapped__, "__adaflash_hook__", False)  # one wrapper, around the original
-    assert Qwen3ForCausalLM.generate is hooked
+    assert getattr(Qwen3ForCausalLM, name) is hooked
 
 
 # --------------------------------------------------------------------------- 6. custom_generate
@@ -581,3 +630,80 @@ def test_round_sink_sampling_reports_the_sampled_drafts():
                                  return_stats=True, round_sink=sink)
     _check_sink(sink, stats, out, mask, SV)
     assert sum(stats.accepted) > 0
+
+
+# --------------------------------------------------------------------------- 8. transformers' own assisted loop
+def spy_assisted(monkeypatch) -> list:
+    """Count calls of transformers' `_assisted_decoding`."""
+    calls, original = [], GenerationMixin._assisted_decoding
+
+    def spy(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "_assisted_decoding", spy)
+    return calls
+
+
+def spy_candidates(monkeypatch) -> list[tuple[int, int]]:
+    """Per drafting round of the transformers route: (drafts proposed, tokens the budget allowed)."""
+    rounds, original = [], AdaFlashCandidateGenerator.get_candidates
+
+    def spy(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kwargs):
+        out = original(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kwargs)
+        if not is_first_iteration:  # the first call only lets the target prefill
+            rounds.append((out[0].shape[1] - input_ids.shape[1], self.main_model_max_length - input_ids.shape[1] - 1))
+        return out
+
+    monkeypatch.setattr(AdaFlashCandidateGenerator, "get_candidates", spy)
+    return rounds
+
+
+# (family, seed, block, policy, head, rate, drafter, drafts): drafts = k_hat - 1 each round, before the budget cuts it
+HF_ROUTE_CASES = [
+    ("qwen3", 120, 8, "fixed", None, 1.0, "oracle", 7),
+    ("llama", 121, 4, "fixed", None, 1.0, "random", 3),
+    ("llama", 122, 8, "adaptive", "high", 0.5, "oracle", 3),  # k_hat = round(1 * 8 * 0.5) = 4
+    ("qwen3", 123, 16, "adaptive", "high", 1.0, "oracle", 15),
+    ("qwen3", 124, 8, "adaptive", "low", 1.0, "oracle", 0),  # k_hat = 1: plain decoding steps
+    ("llama", 125, 8, "fixed", None, 1.0, "nan", 0),  # non-finite draft logits: no candidates
+]
+
+
+@pytest.mark.parametrize("family,seed,block,policy,head,rate,kind,drafts", HF_ROUTE_CASES)
+def test_transformers_route_is_lossless_and_proposes_k_hat_minus_one(family, seed, block, policy, head, rate, kind, drafts, monkeypatch):
+    target = target_model(family, seed)
+    ids, mask, _ = ragged_prompts(1, [6], seed)
+    ref = plain(target, ids, mask)
+    if kind == "oracle":
+        drafter = make_oracle(target, unpad(ref, mask), block_size=block)
+    else:
+        drafter = make_drafter(target, block_size=block, seed=seed)
+    if head is not None:
+        force_length_head(drafter, ratio_high=head == "high")
+    if kind == "nan":
+        with torch.no_grad():
+            drafter.fc.weight.fill_(float("nan"))
+    assisted, rounds = spy_assisted(monkeypatch), spy_candidates(monkeypatch)
+
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, speculation_type="adaflash", do_sample=False,
+                          max_new_tokens=MAX_NEW, pad_token_id=PAD_ID, length_policy=policy, length_rate=rate)
+
+    assert torch.equal(out, ref)
+    assert assisted == [1]  # transformers' own loop ran it
+    assert rounds[0][0] == drafts
+    assert [n for n, _ in rounds] == [min(drafts, max(budget, 0)) for _, budget in rounds]
+    if kind == "oracle" and drafts:  # accepted: far fewer verify rounds than tokens
+        assert len(rounds) <= MAX_NEW // 2
+    else:
+        assert len(rounds) >= MAX_NEW - 1
+
+
+def test_default_route_is_ours(monkeypatch):
+    target = target_model("qwen3", 126)
+    ids = torch.tensor([[5, 9, 2, 7]])
+    assisted, rounds = spy_assisted(monkeypatch), spy_candidates(monkeypatch)
+    out, stats = target.generate(ids, assistant_model=make_drafter(target, block_size=4), do_sample=False, max_new_tokens=10,
+                                 return_stats=True)
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=10))
+    assert assisted == [] and rounds == [] and stats.rounds > 0

@@ -11,6 +11,7 @@ import inspect
 import pytest
 import torch
 from generation_helpers import CollectingStreamer, char_tokenizer, make_drafter, make_target
+from transformers import GenerationConfig
 from transformers.cache_utils import DFlashCache, DynamicCache
 from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList, StopStringCriteria
@@ -104,6 +105,27 @@ def test_dflash_cache_and_candidate_generator_exist_and_crop_the_block():
     assert cache.get_seq_length() == 5 + 4  # context and block K/V appended
     cache.crop(-4)
     assert cache.get_seq_length() == 5  # the block is discarded, the context stays
+
+
+def test_dflash_candidate_generator_state_and_contract_we_build_on():
+    """`AdaFlashCandidateGenerator` reuses the parent's `__init__` state and is called as the parent is."""
+    from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
+
+    called_with = inspect.signature(DFlashTokenCandidateGenerator.get_candidates).parameters
+    for name in ("input_ids", "model_kwargs", "model_outputs", "is_first_iteration", "n_last_matches"):
+        assert name in called_with, name
+    assert getattr(GenerationMixin._get_candidate_generator, "__adaflash_hook__", False)
+    hooked = inspect.signature(GenerationMixin._get_candidate_generator).parameters  # the original's
+    for name in ("generation_config", "assistant_model", "logits_processor"):
+        assert name in hooked, name
+    target = make_target("qwen3", seed=4)
+    drafter = make_drafter(target, block_size=4)
+    gen = DFlashTokenCandidateGenerator(drafter, target.get_input_embeddings(), target.get_output_embeddings(),
+                                        GenerationConfig(max_length=20, do_sample=True), LogitsProcessorList())
+    assert gen.requires_model_outputs and isinstance(gen.cache, DFlashCache) and gen.is_main_model_prefill
+    assert gen.model_kwargs_overrides == {"output_hidden_states": [i + 1 for i in drafter.config.target_layer_ids]}
+    assert gen.noise_ids_mask.tolist() == [[drafter.config.mask_token_id] * 3]
+    assert (gen.block_size, gen.main_model_max_length, gen.do_sample) == (4, 20, True)
 
 
 def test_dynamic_cache_crop_and_batch_select():

@@ -31,8 +31,13 @@ def _check_call(model, drafter, generation_config, model_kwargs) -> None:
         raise ValueError("speculative decoding with an AdaFlash drafter does not support beam search (num_beams > 1)")
     if generation_config.num_return_sequences != 1:
         raise ValueError("speculative decoding with an AdaFlash drafter does not support num_return_sequences > 1")
-    if generation_config.output_attentions or generation_config.output_hidden_states:
-        raise ValueError("output_attentions / output_hidden_states are not supported with an AdaFlash drafter")
+    if generation_config.output_attentions:
+        # Verify forwards attend over draft tokens that may be rejected: plain decoding never
+        # computes those attention rows, so there is nothing faithful to return.
+        raise ValueError(
+            "output_attentions is not supported with an AdaFlash drafter: verify forwards attend over rejected "
+            "draft tokens, which plain decoding never sees (output_hidden_states=True is supported)"
+        )
     if model.config.is_encoder_decoder:
         raise ValueError("AdaFlash drafters draft for decoder-only targets; this target is encoder-decoder")
     drafter.check_target(model)
@@ -109,12 +114,18 @@ class _Output:
     streamer: object
     want_scores: bool
     want_logits: bool
+    want_hidden: bool
     finished: dict = field(default_factory=dict)
     scores: dict = field(default_factory=lambda: defaultdict(list))
     raw: dict = field(default_factory=lambda: defaultdict(list))
+    hidden: dict = field(default_factory=lambda: defaultdict(list))
 
-    def commit(self, batch: _Batch, new_tokens, raw_logits, processed) -> torch.Tensor:
-        """Append each row's new tokens one by one, checking the stopping criteria after each."""
+    def commit(self, batch: _Batch, new_tokens, raw_logits, processed, hidden) -> torch.Tensor:
+        """Append each row's new tokens one by one, checking the stopping criteria after each.
+
+        `hidden[i][j]` is the per-layer hidden-state tuple of the step that made row `i`'s token
+        `j` (None unless `want_hidden`).
+        """
         done = []
         for i, toks in enumerate(new_tokens):
             row, stop = int(batch.index[i]), False
@@ -124,6 +135,8 @@ class _Output:
                     self.scores[row].append(processed[i][j])
                 if self.want_logits:
                     self.raw[row].append(raw_logits[i][j])
+                if self.want_hidden:
+                    self.hidden[row].append(hidden[i][j])
                 if self.streamer is not None:
                     self.streamer.put(tok[None].cpu())
                 if bool(self.stopping_criteria(batch.seqs[i][None], None)[0]):
@@ -163,26 +176,34 @@ def adaflash_decoding(
 ):
     """Speculative decoding with an AdaFlash drafter, as a transformers `custom_generate` method.
 
+    With `return_dict_in_generate=True`, `scores`, `logits` and `hidden_states` (with
+    `output_hidden_states=True`) come back as plain `generate` returns them: one entry per
+    generated token, the first `hidden_states` step holding the prompt positions. Rows of a batch
+    that stopped earlier than others hold -inf scores / logits and zero hidden states in the steps
+    after their last token (plain generate keeps computing them on padding).
+
     Example:
         >>> out = target.generate(ids, custom_generate=adaflash_decoding, drafter=drafter)  # doctest: +SKIP
     """
     _check_call(model, drafter, generation_config, model_kwargs)
     # An online adapter attached to the drafter (`OnlineAdapter.attach()`) receives every round.
     sink = round_sink if round_sink is not None else getattr(drafter, "_round_sink", None)
-    cfg = drafter.config
-    if length_policy is None:
-        length_policy = "adaptive" if (cfg.use_length_head and cfg.length_head_trained) else "fixed"
-    generator = AdaFlashCandidateGenerator(
-        drafter,
-        length_policy,
-        cfg.length_rate if length_rate is None else length_rate,
-        cfg.length_min if length_min is None else length_min,
+    generator = AdaFlashCandidateGenerator.for_target(
+        model, drafter, generation_config, logits_processor, length_policy=length_policy, length_rate=length_rate, length_min=length_min
     )
-    stats = GenerationStats(block_size=cfg.block_size, policy=length_policy)
+    stats = GenerationStats(block_size=generator.block_size, policy=generator.policy)
     dict_out = generation_config.return_dict_in_generate
-    output = _Output(logits_processor, stopping_criteria, streamer, dict_out and generation_config.output_scores, dict_out and generation_config.output_logits)
+    output = _Output(
+        logits_processor,
+        stopping_criteria,
+        streamer,
+        want_scores=dict_out and generation_config.output_scores,
+        want_logits=dict_out and generation_config.output_logits,
+        want_hidden=dict_out and generation_config.output_hidden_states,
+    )
     do_sample, max_length = generation_config.do_sample, generation_config.max_length
-    layers = [i + 1 for i in cfg.target_layer_ids]
+    # The drafter's context layers, or every layer when the caller asked for hidden states.
+    layers = generator.model_kwargs_overrides["output_hidden_states"]
     clock = _Timer(return_stats and input_ids.device.type == "cuda")
     # An online adapter swaps new weights in only between rounds: it takes this lock exclusively.
     weights_lock = getattr(drafter, "_weights_lock", None) or nullcontext()
@@ -201,7 +222,7 @@ def adaflash_decoding(
             block = generator.propose(batch.bonus, batch.pos, batch.ctx, batch.ctx_valid, batch.ctx_pos, budget)
         stats.fallback_rounds += int((~block.finite).sum())
         k = int(block.draft_len.max())
-        draft, q = _sample_drafts(batch.seqs, block, k, logits_processor) if do_sample and k > 0 else (block.tokens[:, :k], None)
+        draft, q = _sample_drafts(generator, batch.seqs, block, k) if do_sample and k > 0 else (block.tokens[:, :k], None)
         t1 = clock()
 
         # 2. Verify every row's bonus + drafts in one target forward (rows padded to the longest).
@@ -234,7 +255,8 @@ def adaflash_decoding(
                 sink.on_round(_verified_round(batch, i, block, draft, logits, acc))
         new = [torch.cat([d[:a], t[None]]) for d, a, t in zip(draft, acc.tolist(), res.next_tokens)]
         kept = [slice(0, a + 1) for a in acc.tolist()]
-        done = output.commit(batch, new, [l[s] for l, s in zip(logits, kept)], [p[s] for p, s in zip(processed, kept)])
+        hidden = _token_hidden(out.hidden_states, (acc + 1).tolist()) if output.want_hidden else None
+        done = output.commit(batch, new, [l[s] for l, s in zip(logits, kept)], [p[s] for p, s in zip(processed, kept)], hidden)
         batch.advance(drafter.select_context(out.hidden_states), acc, res.next_tokens, k + 1, cache)
 
     if streamer is not None:
@@ -273,23 +295,21 @@ def _prefill(model, drafter, input_ids, model_kwargs, layers, do_sample, output:
         ctx_valid=mask,
         ctx_pos=(attention_mask.long().cumsum(-1) - 1).clamp(min=0),
     )
-    done = output.commit(batch, [t[None] for t in first], list(logits), processed)
+    hidden = [[tuple(h[i] for h in out.hidden_states)] for i in range(input_ids.shape[0])] if output.want_hidden else None
+    done = output.commit(batch, [t[None] for t in first], list(logits), processed, hidden)
     return batch, out.past_key_values, done
 
 
-def _sample_drafts(seqs, block, k, logits_processor):
+def _token_hidden(hidden_states, counts: list[int]) -> list[list[tuple]]:
+    """Per row, the per-layer `[1, H]` hidden states of each of its `counts[i]` new tokens (verify
+    position j made the row's j-th new token, so its states are that generate step's)."""
+    return [[tuple(h[i, j : j + 1] for h in hidden_states) for j in range(n)] for i, n in enumerate(counts)]
+
+
+def _sample_drafts(generator: AdaFlashCandidateGenerator, seqs, block, k):
     """Sample draft tokens from the *processed* draft distribution (needed for lossless sampling)."""
-    tokens, probs = [], []
-    for i, seq in enumerate(seqs):
-        row_tokens, row_probs = [], []
-        for j in range(k):
-            scores = logits_processor(torch.cat([seq, *row_tokens])[None], block.logits[i, j][None].clone())[0] if len(logits_processor) else block.logits[i, j]
-            p = scores.softmax(-1)
-            row_probs.append(p)
-            row_tokens.append(torch.multinomial(p, 1))
-        tokens.append(torch.cat(row_tokens))
-        probs.append(torch.stack(row_probs))
-    return torch.stack(tokens), torch.stack(probs)
+    drawn = [generator.draw(seq, block.logits[i, :k]) for i, seq in enumerate(seqs)]
+    return torch.stack([tokens for tokens, _ in drawn]), torch.stack([scores.softmax(-1) for _, scores in drawn])
 
 
 def _verified_round(batch: _Batch, i, block, draft, target_logits, acc) -> VerifiedRound:
@@ -326,5 +346,20 @@ def _finish(input_ids, output: _Output, generation_config, stats, return_stats):
             filler = torch.full_like(next(iter(per_row.values()))[0], float("-inf"))
             return tuple(torch.stack([per_row[r][t] if t < len(per_row[r]) else filler for r in range(b)]) for t in range(width - p))
 
-        result = GenerateDecoderOnlyOutput(sequences=sequences, scores=steps(output.scores), logits=steps(output.raw))
+        hidden = _hidden_steps(output.hidden, b, width - p) if output.want_hidden else None
+        result = GenerateDecoderOnlyOutput(sequences=sequences, scores=steps(output.scores), logits=steps(output.raw), hidden_states=hidden)
     return (result, stats) if return_stats else result
+
+
+def _hidden_steps(per_row: dict, b: int, n_steps: int) -> tuple:
+    """`hidden_states` as plain generate returns them: per step, per layer `[b, step_len, H]`.
+
+    Step 0 holds the prompt positions (every row has it), later steps one position; rows that
+    already stopped get zeros.
+    """
+    out = []
+    for t in range(n_steps):
+        live = next(per_row[r][t] for r in range(b) if t < len(per_row[r]))
+        rows = [per_row[r][t] if t < len(per_row[r]) else tuple(torch.zeros_like(h) for h in live) for r in range(b)]
+        out.append(tuple(torch.stack(layer) for layer in zip(*rows)))
+    return tuple(out)

@@ -1,14 +1,19 @@
 """Drafting one block per row: the drafter side of a speculative round, batched.
 
-The drafter keeps K/V of verified context only (a transformers `DFlashCache`); each round it
-appends the fused features of the newly verified tokens, drafts one block in one forward, asks
-the length policy how many slots to verify, and discards the block's K/V.
+`AdaFlashCandidateGenerator` is transformers' `DFlashTokenCandidateGenerator` (same `DFlashCache`,
+noise ids, hidden-state overrides and logits processors) with a verify-length policy on top. It
+serves two loops: ours calls `propose` for a whole padded batch; transformers' batch-1
+`_assisted_decoding` calls `get_candidates` (through `speculation_type="adaflash"`).
+
+The drafter keeps K/V of verified context only; each round it appends the fused features of the
+newly verified tokens, drafts one block in one forward, asks the length policy how many slots to
+verify, and discards the block's K/V.
 """
 
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DFlashCache
+from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
 from ..modeling import AdaFlashDrafter
 from .length_policy import adaptive_verify_length, expected_gain_verify_length
@@ -32,32 +37,63 @@ class DraftBlock:
     finite: torch.Tensor
 
 
-class AdaFlashCandidateGenerator:
+class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
     """Proposes up to `block_size - 1` draft tokens per row from one drafter forward.
 
     Args:
-        drafter: a drafter bound to the target.
-        policy: `adaptive` (length head), `fixed` (full block, classic DFlash) or `expected_gain`
-            (per-position: the draft's own top-1 probability stands in for each slot's conditional
-            acceptance, and the prefix with most expected tokens per verify cost wins).
-        length_rate, length_min: the adaptive policy's `k_hat = clamp(round(a*B*rate), min, B)`.
+        assistant_model, main_model_input_embeddings, main_model_output_embeddings,
+            generation_config, logits_processor: as for `DFlashTokenCandidateGenerator`
+            (`for_target` fills them in from a target).
+        length_policy: `adaptive` (length head; the default when the drafter has a trained one),
+            `fixed` (full block, classic DFlash) or `expected_gain` (per-position: the draft's own
+            top-1 probability stands in for each slot's conditional acceptance, and the prefix with
+            most expected tokens per verify cost wins).
+        length_rate, length_min: the adaptive policy's `k_hat = clamp(round(a*B*rate), min, B)`;
+            default to the drafter config's.
         verify_token_cost: cost of one more verified token relative to a whole round
             (expected-gain policy); SPEC's H200 table gives ~0.01-0.05 at batch 1.
+
+    Example:
+        >>> gen = AdaFlashCandidateGenerator.for_target(target, drafter, GenerationConfig(max_length=64),
+        ...                                             length_policy="fixed")  # doctest: +SKIP
+        >>> gen.policy, gen.model_kwargs_overrides  # doctest: +SKIP
+        ('fixed', {'output_hidden_states': [2]})
     """
 
-    def __init__(self, drafter: AdaFlashDrafter, policy: str, length_rate: float, length_min: int, verify_token_cost: float = 0.05):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown length_policy {policy!r}: choose one of {', '.join(POLICIES)}")
-        if policy == "adaptive" and drafter.length_head is None:
+    def __init__(
+        self,
+        assistant_model: AdaFlashDrafter,
+        main_model_input_embeddings,
+        main_model_output_embeddings,
+        generation_config,
+        logits_processor=None,
+        length_policy: str | None = None,
+        length_rate: float | None = None,
+        length_min: int | None = None,
+        verify_token_cost: float = 0.05,
+        **kwargs,
+    ):
+        cfg = assistant_model.config
+        if length_policy is None:
+            length_policy = "adaptive" if (cfg.use_length_head and cfg.length_head_trained) else "fixed"
+        if length_policy not in POLICIES:
+            raise ValueError(f"unknown length_policy {length_policy!r}: choose one of {', '.join(POLICIES)}")
+        if length_policy == "adaptive" and assistant_model.length_head is None:
             raise ValueError("length_policy='adaptive' needs a drafter with a length head (config.use_length_head)")
-        self.drafter = drafter
-        self.policy = policy
-        self.block_size = drafter.config.block_size
-        self.length_rate = length_rate
-        self.length_min = length_min
+        super().__init__(assistant_model, main_model_input_embeddings, main_model_output_embeddings, generation_config, logits_processor)
+        self.policy = length_policy
+        self.length_rate = cfg.length_rate if length_rate is None else length_rate
+        self.length_min = cfg.length_min if length_min is None else length_min
         self.verify_token_cost = verify_token_cost
-        self.cache = DFlashCache(config=drafter.config)
         self.cache_valid: torch.Tensor | None = None
+        if generation_config.return_dict_in_generate and generation_config.output_hidden_states:
+            # The caller wants every layer back: capture them all; `select_context` picks ours from the full tuple.
+            self.model_kwargs_overrides = {"output_hidden_states": True}
+
+    @classmethod
+    def for_target(cls, target, drafter: AdaFlashDrafter, generation_config, logits_processor=None, **options):
+        """The generator for decoding `target` with `drafter` (options: the `__init__` keywords)."""
+        return cls(drafter, target.get_input_embeddings(), target.get_output_embeddings(), generation_config, logits_processor, **options)
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Drop finished rows (`keep`: indices of the rows that stay)."""
@@ -75,13 +111,13 @@ class AdaFlashCandidateGenerator:
         `budget` caps each row's draft length (e.g. tokens left before `max_length`).
         """
         b, B = bonus.shape[0], self.block_size
-        d = self.drafter
-        noise_ids = torch.full((b, B), d.config.mask_token_id, dtype=torch.long, device=bonus.device)
-        noise_ids[:, 0] = bonus
+        d = self.assistant_model
+        noise_ids = torch.cat([bonus[:, None], self.noise_ids_mask.to(bonus.device).expand(b, -1)], dim=1)
         block_pos = bonus_pos[:, None] + torch.arange(B, device=bonus.device)
         past_valid = self.cache_valid if self.cache_valid is not None else ctx_valid[:, :0]
         key_mask = torch.cat([past_valid, ctx_valid, torch.ones_like(ctx_valid[:, :1]).expand(b, B)], dim=1)
         out = d(
+            # `d.embed`, not the parent's `_get_noise_embeds`: drafters are trained on `d.embed`.
             noise_embeds=d.embed(noise_ids),
             context_hidden_states=ctx.to(d.dtype),
             position_ids=torch.cat([ctx_pos, block_pos], dim=1),
@@ -101,6 +137,53 @@ class AdaFlashCandidateGenerator:
         draft_len = torch.where(finite, draft_len, torch.zeros_like(draft_len))
         tokens = torch.nan_to_num(logits).argmax(dim=-1)
         return DraftBlock(tokens=tokens, logits=logits, draft_len=draft_len, ratio=ratio, finite=finite)
+
+    def draw(self, prefix: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pick draft tokens slot by slot from the *processed* draft logits, as the parent does.
+
+        `prefix` (`[t]`) is the row's sequence before the drafts, `logits` (`[k, V]`) the raw draft
+        logits. Returns the `k` tokens (sampled when `do_sample`, else argmax) and their processed
+        scores: the draft distribution lossless speculative sampling needs.
+
+        Example:
+            >>> tokens, scores = gen.draw(seq, block.logits[0, :3])  # doctest: +SKIP
+        """
+        scores = logits.float().clone()
+        tokens = prefix.new_empty(0)
+        for j in range(scores.shape[0]):
+            if self.logits_processor:  # each slot on its own prefix, as plain decoding would process it
+                scores[j] = self.logits_processor(torch.cat([prefix, tokens])[None], scores[j][None])[0]
+            pick = torch.multinomial(scores[j].softmax(-1), 1) if self.do_sample else scores[j].argmax()[None]
+            tokens = torch.cat([tokens, pick])
+        return tokens, scores
+
+    @torch.no_grad()
+    def get_candidates(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kwargs):
+        """One round of transformers' (batch-1) `_assisted_decoding`: the parent's round, but it
+        proposes only `k_hat - 1` drafts from the length policy, and none when the draft logits are
+        not finite (that round is a plain decoding step).
+
+        Example:
+            >>> target.generate(ids, assistant_model=drafter, speculation_type="adaflash")  # doctest: +SKIP
+        """
+        if is_first_iteration:  # the target's prefill runs first; its features seed the drafter
+            return input_ids, None
+        budget = self.main_model_max_length - input_ids.shape[1] - 1
+        if budget <= 0:
+            return input_ids, None
+        # New context: the prompt after the prefill, else the bonus + accepted drafts of the last verify.
+        n_ctx = input_ids.shape[1] - 1 if self.is_main_model_prefill else n_last_matches + 1
+        self.is_main_model_prefill = False
+        positions, mask = model_kwargs["position_ids"], model_kwargs.get("attention_mask")
+        ctx_pos = positions[:, -n_ctx - 1 : -1]
+        ctx_valid = mask[:, -n_ctx - 1 : -1].bool() if mask is not None else torch.ones_like(ctx_pos, dtype=torch.bool)
+        ctx = self.assistant_model.select_context(model_outputs.hidden_states)[:, :n_ctx].to(self.device)
+        block = self.propose(input_ids[:, -1], positions[:, -1], ctx, ctx_valid, ctx_pos, torch.tensor([budget], device=input_ids.device))
+        k = int(block.draft_len[0])
+        if k == 0:
+            return input_ids, None
+        tokens, scores = self.draw(input_ids[0], block.logits[0, :k])
+        return torch.cat([input_ids, tokens[None]], dim=1), scores[None]
 
     def _verify_length(self, logits: torch.Tensor, ratio: torch.Tensor | None, b: int) -> torch.Tensor:
         B = self.block_size

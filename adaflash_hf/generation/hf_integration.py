@@ -5,10 +5,13 @@ assisted loop is batch-1 and commits tokens past a stop string. We therefore wra
 `GenerationMixin.generate` once: when `assistant_model` is an AdaFlash drafter, the call is
 re-issued through generate's *public* `custom_generate` seam with our decoding loop
 (`adaflash_decoding`), so transformers still prepares the config, processors, stopping criteria
-and cache. Every other call is passed through untouched. `tests/test_hf_integration.py` fails
+and cache. With `speculation_type="adaflash"` the call instead goes to transformers' own
+`_assisted_decoding` with our `AdaFlashCandidateGenerator` (a wrapped `_get_candidate_generator`
+builds it). Every other call is passed through untouched. `tests/test_hf_integration.py` fails
 loudly if the seams we rely on change. Details: docs/transformers_internals.md.
 """
 
+import contextvars
 import functools
 import inspect
 
@@ -18,9 +21,15 @@ from transformers.generation.utils import GenerationMixin
 
 from ..modeling import AdaFlashDrafter
 from .decoding import adaflash_decoding
+from .drafting import AdaFlashCandidateGenerator
 
 TESTED_TRANSFORMERS = ((5, 23),)
 _OPTIONS = ("length_policy", "length_rate", "length_min", "return_stats", "round_sink")
+_POLICY_OPTIONS = ("length_policy", "length_rate", "length_min")  # what transformers' own loop can use too
+ADAFLASH_SPECULATION = "adaflash"
+# `generate` has no way to hand call options to `_get_candidate_generator`; the hook sets them for
+# the duration of one `generate(..., speculation_type="adaflash")` call (per thread / task).
+_HF_ROUTE_OPTIONS: contextvars.ContextVar[dict] = contextvars.ContextVar("adaflash_hf_route_options", default={})
 
 
 def check_transformers_version(version: str = transformers.__version__) -> None:
@@ -55,10 +64,31 @@ def _stop_strings_to_criteria(self, generation_config, kwargs) -> None:
     kwargs["stop_strings"] = None
 
 
+def _transformers_route(generate, self, inputs, generation_config, args, assistant_model, kwargs):
+    """`speculation_type="adaflash"`: transformers' own batch-1 `_assisted_decoding`, our candidates."""
+    if not isinstance(assistant_model, AdaFlashDrafter):
+        raise ValueError(f'speculation_type="{ADAFLASH_SPECULATION}" needs an AdaFlash drafter as assistant_model')
+    unsupported = [k for k in _OPTIONS if k in kwargs and k not in _POLICY_OPTIONS]
+    if unsupported:
+        raise ValueError(
+            f'{", ".join(unsupported)} need adaflash-hf\'s own loop: drop speculation_type="{ADAFLASH_SPECULATION}"'
+        )
+    if not assistant_model.is_bound_to(self):
+        assistant_model.bind_target(self)
+    token = _HF_ROUTE_OPTIONS.set({k: kwargs.pop(k) for k in _POLICY_OPTIONS if k in kwargs})
+    try:
+        return generate(self, inputs, generation_config, *args, assistant_model=assistant_model, **kwargs)
+    finally:
+        _HF_ROUTE_OPTIONS.reset(token)
+
+
 def _speculative_generate_method(generate):
     @functools.wraps(generate)
     def wrapper(self, inputs=None, generation_config=None, *args, assistant_model=None, streamer=None, **kwargs):
-        native = kwargs.get("speculation_type", getattr(generation_config, "speculation_type", None)) == "dflash"
+        speculation = kwargs.get("speculation_type", getattr(generation_config, "speculation_type", None))
+        if speculation == ADAFLASH_SPECULATION:
+            return _transformers_route(generate, self, inputs, generation_config, args, assistant_model, dict(kwargs, streamer=streamer))
+        native = speculation == "dflash"
         if _is_our_loop(kwargs.get("custom_generate")) and not isinstance(assistant_model, AdaFlashDrafter):
             # Direct `custom_generate=adaflash_decoding`: transformers would drop the streamer and the
             # tokenizer on the way to a callable; hand them over as the hook does.
@@ -86,14 +116,39 @@ def _speculative_generate_method(generate):
     return wrapper
 
 
-def install_generate_hook() -> None:
-    """Route `generate(assistant_model=<AdaFlash drafter>)` to our loop. Idempotent."""
-    check_transformers_version()
-    current = GenerationMixin.generate
+def _candidate_generator_method(get_candidate_generator):
+    signature = inspect.signature(get_candidate_generator)
+
+    @functools.wraps(get_candidate_generator)
+    def wrapper(self, *args, **kwargs):
+        call = signature.bind(self, *args, **kwargs).arguments
+        config, drafter = call["generation_config"], call.get("assistant_model")
+        if config.speculation_type != ADAFLASH_SPECULATION or not isinstance(drafter, AdaFlashDrafter):
+            return get_candidate_generator(self, *args, **kwargs)
+        return AdaFlashCandidateGenerator.for_target(self, drafter, config, call["logits_processor"], **_HF_ROUTE_OPTIONS.get())
+
+    wrapper.__adaflash_hook__ = True
+    return wrapper
+
+
+def _wrap_once(name: str, make_wrapper, needs: tuple[str, ...]) -> None:
+    """Replace `GenerationMixin.<name>` by `make_wrapper(original)` unless that was done already."""
+    current = getattr(GenerationMixin, name)
     if getattr(current, "__adaflash_hook__", False):
         return
-    params = inspect.signature(current).parameters
-    missing = [p for p in ("custom_generate", "assistant_model", "streamer", "generation_config") if p not in params]
+    missing = [p for p in needs if p not in inspect.signature(current).parameters]
     if missing:
-        raise ImportError(f"transformers.GenerationMixin.generate lacks {missing}: this transformers is not supported")
-    GenerationMixin.generate = _speculative_generate_method(current)
+        raise ImportError(f"transformers.GenerationMixin.{name} lacks {missing}: this transformers is not supported")
+    setattr(GenerationMixin, name, make_wrapper(current))
+
+
+def install_generate_hook() -> None:
+    """Route `generate(assistant_model=<AdaFlash drafter>)` to our loop, and `speculation_type="adaflash"`
+    to transformers' assisted loop with our candidate generator. Idempotent."""
+    check_transformers_version()
+    _wrap_once("generate", _speculative_generate_method, ("custom_generate", "assistant_model", "streamer", "generation_config"))
+    _wrap_once(
+        "_get_candidate_generator",
+        _candidate_generator_method,
+        ("generation_config", "assistant_model", "logits_processor"),
+    )
