@@ -106,7 +106,7 @@ def _resolve(path, filename, hub_kwargs, required=True):
     )
 
 
-def _weight_files(path, hub_kwargs) -> list[str]:
+def weight_files(path, hub_kwargs) -> list[str]:
     single = _resolve(path, "model.safetensors", hub_kwargs, required=False)
     if single is not None:
         return [single]
@@ -179,7 +179,7 @@ def load_drafter_state_dict(cls, path, *args, **kwargs):
             f"{path}: config.json is not a drafter config (model_type={config_dict.get('model_type')!r}, "
             "no dflash_config). Expected an AdaFlash, DFlash (z-lab) or released AdaFlash checkpoint."
         )
-    files = _weight_files(path, hub_kwargs)
+    files = weight_files(path, hub_kwargs)
     found = read_safetensors_shapes(files)
 
     if config is None and is_dflash_layout(config_dict):

@@ -198,9 +198,9 @@ def acceptance_proxy(model, samples: list[dict], collator, batch_size: int = 16,
 # ------------------------------------------------------------------------------ main
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", required=True, help="target model folder (tokenizer inside unless --tokenizer)")
+def add_arguments(ap: argparse.ArgumentParser, require_target: bool = True) -> argparse.ArgumentParser:
+    """The training flags; `adaflash train` mounts them too (with `--reference` as a target shortcut)."""
+    ap.add_argument("--target", required=require_target, help="target model folder (tokenizer inside unless --tokenizer)")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--out", required=True, help="output folder for the drafter checkpoint and logs")
     ap.add_argument("--data", default=None, help="shared/data folder (default: $ADAFLASH_DATA or ../shared/data)")
@@ -242,7 +242,12 @@ def parse_args(argv=None):
     ap.add_argument("--eval-domains", default="math,code,chat,prose")
     ap.add_argument("--max-shard-size", default="15MB")
     ap.add_argument("--no-progress", action="store_true")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return add_arguments(ap).parse_args(argv)
 
 
 def _load_target(path: str, device: torch.device):
@@ -254,7 +259,11 @@ def _load_target(path: str, device: torch.device):
 
 
 def main(argv=None) -> int:
-    a = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def run(a: argparse.Namespace) -> int:
+    """Regenerate, train and save (the flags of :func:`add_arguments`)."""
     from transformers import AutoTokenizer, PrinterCallback, TrainingArguments, set_seed
 
     from ..modeling import AdaFlashDrafter

@@ -1,0 +1,290 @@
+"""`adaflash` CLI: help of every subcommand, one-line errors for user mistakes, info / export / demo / generate / adapt.
+
+Everything runs in-process through `adaflash_hf.cli.main(argv)` (it returns the exit status).
+Checkpoints for `info` / `export` are tiny ones written into a temporary folder with the library's
+own save / export code; `demo`, `generate` and `adapt` use the embedded reference pair.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import build_drafter, build_tiny_target
+
+from adaflash_hf import AdaFlashDrafter, export_dflash
+from adaflash_hf.cli import main
+from adaflash_hf.modeling.checkpoint_layouts import is_dflash_layout
+from adaflash_hf.reference import REFERENCE_DIR
+
+SUBCOMMANDS = ("demo", "generate", "bench", "train", "adapt", "export", "info")
+
+
+# ----------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Tiny checkpoints: a target (not a drafter), and drafters in the native, DFlash and AdaFlash layouts."""
+    root = tmp_path_factory.mktemp("ckpts")
+    target = build_tiny_target("qwen3", seed=1)
+    target.save_pretrained(root / "target")
+    with_head = build_drafter(target, num_layers=2, block_size=8, seed=2)
+    with_head.save_pretrained(root / "native")
+    no_head = build_drafter(target, num_layers=1, block_size=8, seed=3, use_length_head=False)
+    export_dflash(no_head, str(root / "dflash"))
+    export_dflash(with_head, str(root / "adaflash"))
+    (root / "nonempty").mkdir()
+    (root / "nonempty" / "keep.txt").write_text("x")
+    (root / "noconfig").mkdir()
+    prompts = root / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Tell me a story.", "domain": "chat"}\n{"messages": [{"role": "user", "content": "Hi"}]}\n')
+    (root / "bad.jsonl").write_text('{"prompt": "ok"}\nnot json\n')
+    return {
+        "root": root,
+        "target_model": target,
+        "with_head": with_head,
+        "no_head": no_head,
+        **{k: str(root / k) for k in ("target", "native", "dflash", "adaflash", "nonempty", "noconfig")},
+        "prompts": str(prompts),
+        "bad_prompts": str(root / "bad.jsonl"),
+        "missing": str(root / "does-not-exist"),
+    }
+
+
+def run(argv, capsys):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# ----------------------------------------------------------------------------- help
+@pytest.mark.parametrize("command", [None, *SUBCOMMANDS])
+def test_help(command, capsys):
+    argv = ["--help"] if command is None else [command, "--help"]
+    rc, out, err = run(argv, capsys)
+    assert rc == 0, err
+    prog = "adaflash" if command is None else f"adaflash {command}"
+    assert f"usage: {prog}" in out
+    if command is None:
+        for name in SUBCOMMANDS:
+            assert name in out
+    else:
+        assert len(out.splitlines()) > 5  # a description and the flags, not just usage
+    assert "Traceback" not in out + err
+
+
+def test_no_command_prints_help(capsys):
+    rc, out, _ = run([], capsys)
+    assert rc == 0 and "usage: adaflash" in out
+
+
+# ----------------------------------------------------------------------------- user errors
+def _error_cases(c):
+    """(argv, words the one-line message must contain); no case loads a model."""
+    return {
+        "unknown-subcommand": (["frobnicate"], ["invalid choice", "frobnicate"]),
+        "info-missing-path": (["info", c["missing"]], ["not found", c["missing"]]),
+        "info-not-a-drafter": (["info", c["target"]], ["not a drafter checkpoint", "qwen3"]),
+        "info-no-config": (["info", c["noconfig"]], ["no config.json"]),
+        "export-missing-path": (["export", c["missing"], os.path.join(c["root"], "exp-a")], ["not found"]),
+        "export-not-a-drafter": (["export", c["target"], os.path.join(c["root"], "exp-b")], ["not a drafter checkpoint"]),
+        "export-non-empty-dir": (["export", c["native"], c["nonempty"]], ["not empty", c["nonempty"]]),
+        "generate-missing-target": (["generate", "--target", c["missing"], "--drafter", c["native"], "--prompt", "hi"], ["--target", "not found"]),
+        "generate-missing-drafter": (["generate", "--target", c["target"], "--drafter", c["missing"], "--prompt", "hi"], ["--drafter", "not found"]),
+        "generate-not-a-drafter": (["generate", "--target", c["target"], "--drafter", c["target"], "--prompt", "hi"], ["--drafter", "not a drafter checkpoint"]),
+        "generate-drafter-as-target": (["generate", "--target", c["native"], "--drafter", c["native"], "--prompt", "hi"], ["--target", "is a drafter checkpoint"]),
+        "generate-bad-length-policy": (["generate", "--reference", "--prompt", "hi", "--length-policy", "sometimes"], ["--length-policy", "sometimes"]),
+        "generate-missing-prompts-file": (["generate", "--reference", "--prompts-file", c["missing"] + ".jsonl"], ["prompts file not found"]),
+        "generate-bad-prompts-file": (["generate", "--reference", "--prompts-file", c["bad_prompts"]], ["bad.jsonl:2", "not valid JSON"]),
+        "generate-no-prompt": (["generate", "--reference"], ["no prompt"]),
+        "generate-bad-top-p": (["generate", "--reference", "--prompt", "hi", "--top-p", "1.5"], ["--top-p", "1.5"]),
+        "generate-no-target": (["generate", "--prompt", "hi"], ["no target"]),
+        "generate-reference-and-target": (["generate", "--reference", "--target", c["target"], "--prompt", "hi"], ["--reference", "not both"]),
+        "demo-bad-length-policy": (["demo", "--length-policy", "sometimes"], ["--length-policy"]),
+        "demo-zero-tokens": (["demo", "--max-new-tokens", "0"], ["--max-new-tokens", "positive integer"]),
+        "bench-missing-target": (["bench", "--target", c["missing"]], ["--target", "not found"]),
+        "bench-unknown-dataset": (["bench", "--reference", "--datasets", "nosuchset"], ["unknown dataset", "nosuchset"]),
+        "bench-missing-jsonl": (["bench", "--reference", "--datasets", "jsonl:" + c["missing"]], ["prompts file not found"]),
+        "bench-missing-data": (["bench", "--reference", "--datasets", "gsm8k", "--data-dir", c["missing"]], ["data folder not found"]),
+        "bench-unknown-method": (["bench", "--reference", "--methods", "plain,warp"], ["unknown method", "warp"]),
+        "train-missing-target": (["train", "--target", c["missing"], "--out", os.path.join(c["root"], "tr")], ["--target", "not found"]),
+        "train-drafter-as-target": (["train", "--target", c["native"], "--out", os.path.join(c["root"], "tr")], ["is a drafter checkpoint"]),
+        "train-missing-required": (["train", "--reference"], ["required", "--out"]),
+        "train-bad-flag-value": (["train", "--reference", "--out", os.path.join(c["root"], "tr"), "--steps", "many"], ["--steps", "many"]),
+        "train-unknown-domain": (["train", "--reference", "--out", os.path.join(c["root"], "tr"), "--domains", "poetry"], ["unknown domain", "poetry"]),
+        "train-missing-data": (["train", "--reference", "--out", os.path.join(c["root"], "tr"), "--data", c["missing"]], ["data folder not found"]),
+        "adapt-missing-prompts-file": (["adapt", "--reference", "--prompts-file", c["missing"] + ".jsonl", "--output-dir", os.path.join(c["root"], "o")], ["prompts file not found"]),
+        "adapt-missing-output-dir": (["adapt", "--reference", "--prompts-file", c["prompts"]], ["required", "--output-dir"]),
+        "adapt-bad-length-policy": (["adapt", "--reference", "--prompts-file", c["prompts"], "--output-dir", os.path.join(c["root"], "o"), "--length-policy", "x"], ["--length-policy"]),
+        "adapt-bad-hub-repo": (["adapt", "--reference", "--prompts-file", c["prompts"], "--output-dir", os.path.join(c["root"], "o"), "--hub-repo", "no-slash"], ["--hub-repo", "org/name"]),
+        "adapt-bad-method": (["adapt", "--reference", "--prompts-file", c["prompts"], "--output-dir", os.path.join(c["root"], "o"), "--method", "magic"], ["--method", "magic"]),
+    }  # fmt: skip
+
+
+ERROR_CASES = sorted(_error_cases({k: "" for k in ("root", "missing", "target", "native", "nonempty", "noconfig", "prompts", "bad_prompts")}))
+
+
+@pytest.mark.parametrize("case", ERROR_CASES)
+def test_user_error_is_one_line(case, ckpts, capsys):
+    argv, words = _error_cases(ckpts)[case]
+    rc, out, err = run(argv, capsys)
+    assert rc == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert line.startswith("adaflash: error: ") and "(hint: " in line, line
+    for w in words:
+        assert w in line, (w, line)
+    assert "Traceback" not in out + err
+
+
+def test_drafter_that_does_not_fit_the_target(ckpts, capsys):
+    """Loading happens here (messages of the loaders may precede it), but the error is still one line, no traceback."""
+    ref_target = os.path.join(REFERENCE_DIR, "target")
+    rc, out, err = run(["generate", "--target", ref_target, "--drafter", ckpts["native"], "--prompt", "hi"], capsys)
+    assert rc == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("adaflash: error:") and "does not fit the target" in last
+    assert "Traceback" not in err
+
+
+def test_internal_errors_keep_their_traceback(monkeypatch):
+    """Only user mistakes become one-line errors: a bug inside a command propagates."""
+    import adaflash_hf.cli as cli
+
+    def boom(args):
+        raise RuntimeError("internal bug")
+
+    monkeypatch.setattr(cli, "cmd_info", boom)
+    with pytest.raises(RuntimeError, match="internal bug"):
+        cli.main(["info", "anything"])
+
+
+# ----------------------------------------------------------------------------- info
+def _info(path, capsys, *extra):
+    rc, out, err = run(["info", path, "--json", *extra], capsys)
+    assert rc == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize(
+    "name, layout, drafter_key, head, trained",
+    [("native", "native", "with_head", True, False), ("dflash", "DFlash", "no_head", False, None), ("adaflash", "AdaFlash", "with_head", True, True)],
+)
+def test_info_reports_layout_and_fields(name, layout, drafter_key, head, trained, ckpts, capsys):
+    info = _info(ckpts[name], capsys)
+    drafter, target = ckpts[drafter_key], ckpts["target_model"]
+    cfg = drafter.config
+    assert info["layout"] == layout
+    assert info["target"] == {
+        "num_target_layers": target.config.num_hidden_layers,
+        "hidden_size": target.config.hidden_size,
+        "vocab_size": target.config.vocab_size,
+    }
+    assert info["target_layer_ids"] == list(cfg.target_layer_ids)
+    assert info["block_size"] == cfg.block_size == 8
+    assert info["mask_token_id"] == cfg.mask_token_id
+    assert info["drafter"]["num_hidden_layers"] == cfg.num_hidden_layers
+    assert info["length_head"]["present"] is head
+    assert info["length_head"]["in_weights"] is head
+    assert info["length_head"]["trained"] is trained  # exported AdaFlash heads are the released, trained kind
+    assert info["parameters"] == sum(p.numel() for p in drafter.parameters())
+    assert info["weights"]["status"] == "match the config"
+    # The text form carries the same facts.
+    rc, out, _ = run(["info", ckpts[name]], capsys)
+    assert rc == 0
+    assert "layout" in out and layout in out and str(list(cfg.target_layer_ids)) in out
+    assert f"{info['parameters']:,}" in out
+
+
+def test_info_reads_no_weights(ckpts, capsys, monkeypatch):
+    """`info` works from config.json + safetensors headers: loading tensors is never needed."""
+    import safetensors
+
+    def no_tensors(*a, **k):
+        raise AssertionError("info must not load tensors")
+
+    monkeypatch.setattr(AdaFlashDrafter, "from_pretrained", no_tensors)
+    monkeypatch.setattr(safetensors.safe_open, "get_tensor", no_tensors, raising=False)
+    assert _info(ckpts["adaflash"], capsys)["layout"] == "AdaFlash"
+
+
+def test_info_fit_against_a_target(ckpts, capsys):
+    assert _info(ckpts["native"], capsys, "--target", ckpts["target"])["fits"]["ok"] is True
+    rc, out, _ = run(["info", ckpts["native"], "--target", os.path.join(REFERENCE_DIR, "target")], capsys)
+    assert rc == 1 and "NO:" in out and "hidden_size" in out
+
+
+def test_info_on_the_reference_drafter(capsys):
+    info = _info(os.path.join(REFERENCE_DIR, "drafter"), capsys)
+    assert info["layout"] == "native"
+    assert info["target_layer_ids"] == [1, 3]
+    assert info["length_head"] == {"present": True, "in_weights": True, "trained": True, "dim": 256}
+
+
+# ----------------------------------------------------------------------------- export
+def test_export_writes_a_loadable_dflash_checkpoint(ckpts, tmp_path, capsys):
+    out_dir = tmp_path / "served"
+    rc, out, err = run(["export", ckpts["native"], out_dir, "--target", "Qwen/Qwen3-8B", "--tp", "2"], capsys)
+    assert rc == 0, err
+    config = json.loads((out_dir / "config.json").read_text())
+    assert is_dflash_layout(config) and config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"]["use_thresh_head_two_model"] is True  # the head travels as AdaFlash keys
+    loaded = AdaFlashDrafter.from_pretrained(str(out_dir))
+    original = ckpts["with_head"].state_dict()
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v.float(), original[k].float()), k
+    assert "sglang.launch_server --model-path Qwen/Qwen3-8B --speculative-algorithm DFLASH" in out
+    assert f"--speculative-draft-model-path {out_dir}" in out and "--tp-size 2" in out
+    assert "vllm serve Qwen/Qwen3-8B --speculative-config" in out and '"method": "dflash"' in out
+    # And `info` recognises what export wrote.
+    assert _info(str(out_dir), capsys)["layout"] == "AdaFlash"
+
+
+def test_export_into_existing_empty_dir_and_dtype(ckpts, tmp_path, capsys):
+    out_dir = tmp_path / "empty"
+    out_dir.mkdir()
+    rc, out, err = run(["export", ckpts["dflash"], out_dir, "--dtype", "bf16"], capsys)
+    assert rc == 0, err
+    assert "<target-model>" in out
+    info = _info(str(out_dir), capsys)
+    assert info["layout"] == "DFlash" and info["weights"]["dtypes"] == ["BF16"]
+
+
+# ----------------------------------------------------------------------------- demo / generate / adapt (reference pair)
+def test_demo_runs_and_is_lossless(capsys):
+    rc, out, err = run(["demo", "--max-new-tokens", "8"], capsys)
+    assert rc == 0, err
+    assert "identical: True" in out
+    assert out.count("identical to plain greedy: True") == 3
+    for words in ("tau", "verify lengths chosen", "speedup over plain decoding, measured in this run"):
+        assert words in out
+
+
+def test_generate_with_stats_and_check(tmp_path, capsys):
+    out_file = tmp_path / "out.jsonl"
+    rc, out, err = run(
+        ["generate", "--reference", "--prompt", "What is 2+2?", "--prompt", "Hi", "--batch-size", "2",
+         "--max-new-tokens", "8", "--stats", "--check", "--output", out_file], capsys,
+    )  # fmt: skip
+    assert rc == 0, err
+    assert out.count("identical to plain greedy: True") == 2
+    assert "[stats]" in out and "tau" in out
+    summary = json.loads(err.split("[stats] ", 1)[1].splitlines()[0])
+    assert summary["prompts"] == 2 and summary["tau"] >= 1.0
+    records = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert len(records) == 2 and all(r["identical_to_plain"] for r in records)
+
+
+def test_adapt_writes_versions_and_reports_tau(ckpts, tmp_path, capsys):
+    out_dir = tmp_path / "online"
+    rc, out, err = run(
+        ["adapt", "--reference", "--prompts-file", ckpts["prompts"], "--output-dir", out_dir, "--samples-per-update", "4",
+         "--epochs", "1", "--max-new-tokens", "12", "--wait", "--flush"], capsys,
+    )  # fmt: skip
+    assert rc == 0, err
+    assert "| update | version |" in out and "tau before" in out
+    assert (out_dir / "LATEST").is_file()
+    latest = out_dir / (out_dir / "LATEST").read_text().strip()
+    assert AdaFlashDrafter.from_pretrained(str(latest)).config.model_type == "adaflash"
