@@ -659,3 +659,10 @@ def test_slots_after_the_first_rejection_carry_no_label(pair, method):
         assert adapter.evaluate([dataclasses.replace(r, target_logits=garbage)])["loss"] != pytest.approx(clean)
     finally:
         adapter.close()
+
+
+@pytest.mark.parametrize("target,expected", [("Qwen/Qwen3-8B", "base_model: Qwen/Qwen3-8B"), ("/tmp/local target", None), (None, None)])
+def test_card_metadata_links_hub_targets_only(target, expected):
+    front = render_card({"target_name": target}).split("---")[1]
+    assert "library_name: transformers" in front and "speculative-decoding" in front
+    assert (expected in front) if expected else ("base_model" not in front)

@@ -144,6 +144,10 @@ def render_card(context: dict, template: str | None = None) -> str:
     if isinstance(doms, dict):
         ctx["domains"] = ", ".join(f"{k} ({v} samples)" for k, v in sorted(doms.items())) or "none recorded"
     ctx.setdefault("title", ctx.get("repo_id") or "AdaFlash drafter")
+    target = str(ctx.get("target_name") or "")
+    # Hub metadata links the card to its target only when the target is a Hub id, not a local path.
+    is_hub_id = target.count("/") == 1 and " " not in target and not os.path.exists(target)
+    ctx.setdefault("base_model_yaml", f"base_model: {target}" if is_hub_id else "")
 
     def sub(m: re.Match) -> str:
         return _fmt(ctx.get(m.group(1)))
