@@ -8,7 +8,13 @@ each concurrency (prompts decoded together in one left-padded batch) times every
 - ``plain_static``: ``target.generate(cache_implementation="static")``, compiled on CUDA;
 - ``hf_assisted``: HF assisted generation with ``--assistant`` (batch 1 only);
 - ``dflash_native``: transformers' own DFlash path, ``speculation_type="dflash"`` (batch 1 only);
-- ``fixed``, ``adaptive``, ``expected_gain``: our speculative loop with that length policy.
+- ``fixed``, ``adaptive``, ``expected_gain``: our speculative loop with that length policy;
+- ``osd``, ``adaflash``: our loop serving the dataset's prompts in order while an
+  `adaflash_hf.online.OnlineAdapter` trains a fresh copy of the drafter on the verified rounds:
+  ``osd`` (forward-KL online distillation, fixed policy) and ``adaflash`` (on-policy distillation
+  + length head, adaptive policy when the drafter's length head is trained, else fixed). Their
+  wall time includes the adapter's cost (with ``--online-wait``, the wait for every triggered
+  update); tau per update goes to ``BenchResult.online`` and the ``tau_online.png`` plot.
 
 For greedy runs every method's generated ids are compared, prompt by prompt, with plain decoding
 of the same batch layout; a mismatch is a *failure* (``BenchResult.failures``), printed loudly, and
@@ -30,6 +36,7 @@ CLI: ``adaflash bench --reference --datasets gsm8k,mathqa --num-prompts 32 --out
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as _dt
 import json
 import math
@@ -65,7 +72,9 @@ __all__ = [
 ]
 
 BASELINES = ("plain", "plain_static")
-DEFAULT_METHODS = ("plain", "plain_static", "hf_assisted", "dflash_native", "fixed", "adaptive", "expected_gain")
+DEFAULT_METHODS = (
+    "plain", "plain_static", "hf_assisted", "dflash_native", "fixed", "adaptive", "expected_gain", "osd", "adaflash",
+)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -79,6 +88,9 @@ class BenchConfig:
     ``concurrency``: batch sizes; N prompts are decoded together in one left-padded batch.
     ``temperature`` 0 means greedy, and only greedy runs are compared token for token.
     ``warmup``: prompts decoded untimed before each (method, concurrency) is first timed.
+    ``online_*``: the online methods' adapter (``OnlineAdapter``) settings: samples that trigger an
+    update, epochs over them, learning rate, and whether each triggered update is waited for
+    before the next batch is served (reproducible curves; the wait is counted in the wall time).
     """
 
     target: Any = None
@@ -99,6 +111,10 @@ class BenchConfig:
     dtype: str = "auto"
     attn_implementation: str = "sdpa"
     warmup: int = 1
+    online_samples_per_update: int = 128
+    online_epochs: int = 2
+    online_lr: float = 3e-4
+    online_wait: bool = True
     out: str | None = None
     data_dir: str | None = None
     command: str | None = None
@@ -135,7 +151,9 @@ class MethodOutput:
 class Method:
     """A benchmark method: ``run(ctx, input_ids, attention_mask, streamer)`` returns a `MethodOutput`
     (or just the sequences tensor, or ``(sequences, stats)``). ``skip(ctx, concurrency)`` returns a
-    reason when the method cannot run in that configuration, else None."""
+    reason when the method cannot run in that configuration, else None. ``online``: an
+    ``OnlineAdapter`` method (``"osd"``, ``"opd"``): each cell then runs on a fresh copy of the
+    drafter with an adapter attached, fed by every round the cell serves."""
 
     name: str
     run: Callable
@@ -144,6 +162,7 @@ class Method:
     needs_assistant: bool = False
     batch1_only: bool = False
     skip: Callable | None = None
+    online: str | None = None
 
     def skip_reason(self, ctx: BenchContext, concurrency: int) -> str | None:
         if self.needs_drafter and ctx.drafter is None:
@@ -191,6 +210,8 @@ def _run_dflash_native(ctx, input_ids, attention_mask, streamer):
 
 
 def _ours(policy):
+    """Our loop with `policy` (a policy name, or a function of the drafter returning one)."""
+
     def run(ctx, input_ids, attention_mask, streamer):
         from .generation import speculative_generate
 
@@ -199,7 +220,7 @@ def _ours(policy):
             ctx.drafter,
             input_ids,
             attention_mask,
-            length_policy=policy,
+            length_policy=policy(ctx.drafter) if callable(policy) else policy,
             return_stats=True,
             streamer=streamer,
             **ctx.generate_kwargs,
@@ -207,6 +228,15 @@ def _ours(policy):
         return MethodOutput(out, stats=stats)
 
     return run
+
+
+def _has_trained_length_head(drafter) -> bool:
+    return getattr(drafter, "length_head", None) is not None and bool(getattr(drafter.config, "length_head_trained", False))
+
+
+def _adaflash_policy(drafter) -> str:
+    """``adaflash``'s verify-length policy: adaptive with a trained length head, else fixed."""
+    return "adaptive" if _has_trained_length_head(drafter) else "fixed"
 
 
 def _needs_length_head(ctx, concurrency):
@@ -227,7 +257,15 @@ METHODS: dict[str, Method] = {
         "adaptive", _ours("adaptive"), "AdaFlash loop, length-head verify length", needs_drafter=True, skip=_needs_length_head
     ),
     "expected_gain": Method("expected_gain", _ours("expected_gain"), "AdaFlash loop, expected-gain verify length", needs_drafter=True),
-}
+    "osd": Method(
+        "osd", _ours("fixed"), "AdaFlash loop, fixed verify, online speculative distillation (forward KL)",
+        needs_drafter=True, online="osd",
+    ),
+    "adaflash": Method(
+        "adaflash", _ours(_adaflash_policy), "AdaFlash loop, adaptive verify length + online OPD",
+        needs_drafter=True, online="opd",
+    ),
+}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- results
@@ -269,8 +307,11 @@ class BenchCell:
 class BenchResult:
     """Everything one run measured; ``to_dict()`` is what ``bench.json`` holds.
 
-    ``online`` holds ``(update, tau)`` pairs when an online adapter reported them (plotted as tau
-    over online updates); empty otherwise.
+    ``online`` holds one record per (online method, dataset, concurrency, weights version) when the
+    cell's stream triggered at least one update: ``{"method", "dataset", "concurrency", "update",
+    "tau", "rounds"}``, where ``tau`` is the mean tokens per round served with the weights after
+    ``update`` updates (``update`` 0: the drafter as given), i.e. the adapter's ``tau_before`` of
+    each update and the last one's ``tau_after``. Plotted as tau over online updates.
     """
 
     config: dict
@@ -278,7 +319,7 @@ class BenchResult:
     hardware: dict
     cells: list[BenchCell] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)
-    online: list[tuple[int, float]] = field(default_factory=list)
+    online: list[dict] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
 
     @property
@@ -299,7 +340,7 @@ class BenchResult:
                 "hardware": self.hardware,
                 "results": [asdict(c) for c in self.cells],
                 "failures": self.failures,
-                "online": [{"update": u, "tau": t} for u, t in self.online],
+                "online": _online_records(self.online),
                 "ok": self.ok,
             }
         )
@@ -309,6 +350,11 @@ class BenchResult:
 
     def to_markdown(self) -> str:
         return _markdown(self)
+
+
+def _online_records(online) -> list[dict]:
+    """``BenchResult.online`` as dicts (bare ``(update, tau)`` pairs are accepted too)."""
+    return [dict(r) if isinstance(r, dict) else {"update": r[0], "tau": r[1]} for r in online]
 
 
 def _json_safe(x):
@@ -648,7 +694,10 @@ def run_bench(config: BenchConfig) -> BenchResult:
                     _log(config, f"[{label} c={conc}] {name}: skipped ({reason})")
                     continue
                 try:
-                    rows = _measure(method, ctx, cell, layouts, config, eos_ids, warm_pool, warmed, pad_id, device, on_cuda, hardware)
+                    rows = _measure(
+                        method, ctx, cell, layouts, config, eos_ids, warm_pool, warmed, pad_id, device, on_cuda, hardware,
+                        online=result.online,
+                    )  # fmt: skip
                 except Exception as exc:  # a crash is a failure of the run, reported, not hidden
                     cell.error = f"{type(exc).__name__}: {exc}"
                     traceback.print_exc()
@@ -677,8 +726,24 @@ def run_bench(config: BenchConfig) -> BenchResult:
     return result
 
 
-def _measure(method, ctx, cell, layouts, config, eos_ids, warm_pool, warmed, pad_id, device, on_cuda, hardware):
+def _private_drafter(drafter, target):
+    """A deep copy of `drafter` for one online cell, sharing (not copying) the target's embedding and
+    LM head, so that its updates never reach the drafter the other methods use."""
+    memo: dict = {id(getattr(drafter, "_target_refs", {})): {}}
+    for attr in ("_weights_lock", "_round_sink"):
+        obj = drafter.__dict__.get(attr)
+        if obj is not None:
+            memo[id(obj)] = None
+    clone = copy.deepcopy(drafter, memo)
+    clone.__dict__.pop("_weights_lock", None)
+    clone.__dict__.pop("_round_sink", None)
+    return clone.bind_target(target).eval()
+
+
+def _measure(method, ctx, cell, layouts, config, eos_ids, warm_pool, warmed, pad_id, device, on_cuda, hardware, online=None):
     conc = cell.concurrency
+    if method.online:  # a fresh copy of the drafter per cell: every cell's curve starts from the given weights
+        ctx = BenchContext(ctx.target, _private_drafter(ctx.drafter, ctx.target), ctx.assistant, ctx.tokenizer, ctx.device, ctx.generate_kwargs)
     if config.warmup > 0 and (method.name, conc) not in warmed:
         picks = [warm_pool[i % len(warm_pool)] for i in range(max(config.warmup, conc))]
         for i in range(0, len(picks) - conc + 1, conc):
@@ -687,20 +752,41 @@ def _measure(method, ctx, cell, layouts, config, eos_ids, warm_pool, warmed, pad
         warmed.add((method.name, conc))
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    rows_all, walls, ttfts, tpots, merged, rounds_est = [], [], [], [], None, 0
-    for bi, (ids, mask) in enumerate(layouts):
-        out, rows, wall, ttft = _run_batch(method, ctx, ids, mask, eos_ids, config.seed + bi, on_cuda)
-        rows_all += rows
-        walls.append(wall)
-        longest = max(len(r) for r in rows)
-        if ttft is not None:
-            ttfts.append(ttft)
-            if longest > 1:
-                tpots.append((wall - ttft) / (longest - 1))
-        if out.stats is not None:
-            merged = _merge_stats(merged, out.stats)
-        if out.rounds is not None:
-            rounds_est += out.rounds
+    adapter = None
+    if method.online:  # attached after the warmup: the adapter learns from the timed stream only
+        from .online import OnlineAdapter
+
+        adapter = OnlineAdapter(
+            ctx.drafter, ctx.target, method=method.online, samples_per_update=config.online_samples_per_update,
+            epochs=config.online_epochs, lr=config.online_lr, seed=config.seed, domain=cell.dataset,
+        ).attach()  # fmt: skip
+    rows_all, walls, ttfts, tpots, merged, rounds_est, waited = [], [], [], [], None, 0, 0.0
+    try:
+        for bi, (ids, mask) in enumerate(layouts):
+            out, rows, wall, ttft = _run_batch(method, ctx, ids, mask, eos_ids, config.seed + bi, on_cuda)
+            rows_all += rows
+            longest = max(len(r) for r in rows)
+            if ttft is not None:
+                ttfts.append(ttft)
+                if longest > 1:
+                    tpots.append((wall - ttft) / (longest - 1))
+            if adapter is not None and config.online_wait:  # the update's cost is the stream's: timed
+                t0 = time.perf_counter()
+                adapter.wait_for_update()
+                if on_cuda:
+                    torch.cuda.synchronize()
+                waited += time.perf_counter() - t0
+                wall += time.perf_counter() - t0
+            walls.append(wall)
+            if out.stats is not None:
+                merged = _merge_stats(merged, out.stats)
+            if out.rounds is not None:
+                rounds_est += out.rounds
+    finally:
+        if adapter is not None:
+            adapter.close()  # finishes the updates already triggered, stops the worker, detaches
+    if adapter is not None:
+        _online_report(method, cell, adapter, config, waited, online)
     cell.new_tokens = sum(len(r) for r in rows_all)
     cell.wall_time_s = sum(walls)
     cell.tokens_per_s = cell.new_tokens / cell.wall_time_s if cell.wall_time_s > 0 else None
@@ -726,6 +812,39 @@ def _measure(method, ctx, cell, layouts, config, eos_ids, warm_pool, warmed, pad
         cell.floor_ms_per_token = hardware["floor_ms_per_token"]
         cell.floor_share = cell.tokens_per_s / hardware["floor_tokens_per_s"]
     return rows_all
+
+
+def _online_report(method, cell, adapter, config, waited, online) -> None:
+    """Cell notes on the adapter, and its tau per weights version into `online` (a stream that
+    triggered no update gives no records)."""
+    stats = adapter.stats
+    policy = _adaflash_policy(adapter.drafter) if method.name == "adaflash" else "fixed"
+    why = {
+        "adaflash": " (the drafter's length head is trained)" if policy == "adaptive"
+        else " (the drafter has no trained length head, so the verify length is not adapted)",
+    }.get(method.name, "")  # fmt: skip
+    cell.notes.append(f"online adapter method {adapter.method!r}, verify-length policy {policy}{why}")
+    cell.notes.append(
+        f"{stats['updates']} online update(s) from {stats['rounds_seen']} rounds "
+        f"(samples_per_update {adapter.samples_per_update}, epochs {adapter.epochs}, lr {adapter.lr:g})"
+    )
+    if config.online_wait:
+        cell.notes.append(f"wall time includes {waited:.3f} s waiting for triggered updates (--online-wait); TPOT excludes it")
+    else:
+        cell.notes.append("updates overlap serving (--no-online-wait); updates still running when the stream ended are not timed")
+    if stats["failures"]:
+        cell.notes.append(f"{stats['failures']} online update(s) FAILED (weights kept): {stats['last_error']}")
+        print(f"warning: {cell.method} on {cell.dataset}: {stats['failures']} online update(s) failed: {stats['last_error']}", file=sys.stderr)
+    if online is None or not stats["history"]:
+        return
+    points = [(h["update"] - 1, h["tau_before"], h["rounds_before"]) for h in stats["history"]]
+    last = stats["history"][-1]
+    points.append((last["update"], last["tau_after"], last["rounds_after"]))
+    for update, tau, rounds in points:
+        if tau is not None and rounds:
+            online.append(
+                dict(method=cell.method, dataset=cell.dataset, concurrency=cell.concurrency, update=update, tau=tau, rounds=rounds)
+            )
 
 
 def _merge_stats(acc, stats):
@@ -851,6 +970,23 @@ def _markdown(result: BenchResult) -> str:
             f"{_fmt(ms(c.tpot_s), '.2f')} | {_fmt(c.draft_time_s, '.3f')} | {_fmt(c.verify_time_s, '.3f')} | {_fmt(mem)} | "
             f"{_fmt(c.floor_share)} |"
         )
+    records = _online_records(result.online)
+    if records:
+        lines += [
+            "",
+            "## Online updates",
+            "",
+            "tau of the rounds served with the weights after N updates (N = 0: the drafter as given).",
+            "",
+            "| dataset | concurrency | method | tau per update (N: tau, rounds) |",
+            "|---|---|---|---|",
+        ]
+        series: dict[tuple, list] = {}
+        for r in records:
+            series.setdefault((r.get("dataset"), r.get("concurrency"), r.get("method")), []).append(r)
+        for (d, conc, m), rs in series.items():
+            pts = ", ".join(f"{r['update']}: {_fmt(r['tau'])} ({r.get('rounds', '-')})" for r in sorted(rs, key=lambda r: r["update"]))
+            lines.append(f"| {_fmt(d, '')} | {_fmt(conc, '')} | {_fmt(m, '')} | {pts} |")
     lines += ["", "## Correctness", ""]
     if not result.failures:
         lines.append("No failures." if result.config.get("greedy") else "Sampling run: outputs not compared token for token.")
@@ -916,13 +1052,24 @@ def write_plots(result: BenchResult, out_dir) -> list[str]:
         fig.savefig(path, dpi=120)
         files.append(str(path))
 
-    if result.online:
-        fig = Figure(figsize=(6, 4))
+    records = [r for r in _online_records(result.online) if r.get("tau") is not None]
+    if records:
+        series: dict[tuple, list] = {}
+        for r in records:
+            series.setdefault((r.get("method"), r.get("dataset"), r.get("concurrency")), []).append(r)
+        multi_c = len({k[2] for k in series}) > 1
+        fig = Figure(figsize=(7, 4))
         ax = fig.add_subplot()
-        ax.plot([u for u, _ in result.online], [t for _, t in result.online], marker="o")
-        ax.set_xlabel("online update")
-        ax.set_ylabel("tau")
+        for (m, d, conc), rs in series.items():
+            rs = sorted(rs, key=lambda r: r["update"])
+            label = " / ".join(str(x) for x in (m, d) if x is not None) or "tau"
+            label += f" (c={conc})" if multi_c and conc is not None else ""
+            ax.plot([r["update"] for r in rs], [r["tau"] for r in rs], marker="o", label=label)
+        ax.set_xlabel("online updates applied")
+        ax.set_ylabel("tau since the previous update")
         ax.set_title("Acceptance length over online updates")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig.tight_layout()
         path = out_dir / "tau_online.png"
         fig.savefig(path, dpi=120)
@@ -981,6 +1128,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")
     g.add_argument("--attn-implementation", default="sdpa")
     g.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed before each method and concurrency")
+    g = parser.add_argument_group("online methods (osd, adaflash)")
+    g.add_argument("--online-samples-per-update", type=int, default=128, help="verified rounds (samples) that trigger an update")
+    g.add_argument("--online-epochs", type=int, default=2, help="passes over each update's samples")
+    g.add_argument("--online-lr", type=float, default=3e-4, help="drafter learning rate of the online updates")
+    g.add_argument(
+        "--online-wait", action=argparse.BooleanOptionalAction, default=True,
+        help="wait for each triggered update before serving the next batch (reproducible curves; the wait is timed)",
+    )  # fmt: skip
+    g = parser.add_argument_group("output")
     g.add_argument("--out", help="output folder for bench.json, bench.md and the plots")
     g.add_argument("--no-plots", action="store_true")
     g.add_argument("--quiet", action="store_true")
@@ -994,7 +1150,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         datasets=args.datasets, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, concurrency=args.concurrency,
         methods=args.methods, device=args.device, dtype=args.dtype, attn_implementation=args.attn_implementation,
-        warmup=args.warmup, out=args.out, data_dir=args.data_dir, command=getattr(args, "command", None),
+        warmup=args.warmup, online_samples_per_update=args.online_samples_per_update, online_epochs=args.online_epochs,
+        online_lr=args.online_lr, online_wait=args.online_wait, out=args.out, data_dir=args.data_dir, command=getattr(args, "command", None),
         plots=not args.no_plots, verbose=not args.quiet,
     )  # fmt: skip
     result = run_bench(config)

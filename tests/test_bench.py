@@ -1,4 +1,5 @@
-"""`adaflash bench` harness on tiny random models (CPU): fields, tables, correctness flagging, skips, plots."""
+"""`adaflash bench` harness on tiny random models (CPU): fields, tables, correctness flagging, skips, plots,
+online methods (osd, adaflash) with tau per update."""
 
 import argparse
 import dataclasses
@@ -79,13 +80,17 @@ def _config(setup, out, **kw):
     return BenchConfig(**base)
 
 
+ONLINE_SPU = 4  # tiny: every online cell's stream (~27 rounds) triggers several updates
+
+
 @pytest.fixture(scope="module")
 def full_run(setup, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_out")
-    return run_bench(_config(setup, out)), out
+    return run_bench(_config(setup, out, online_samples_per_update=ONLINE_SPU, online_epochs=1)), out
 
 
-SPECULATIVE = ("fixed", "adaptive", "expected_gain")
+ONLINE = ("osd", "adaflash")
+SPECULATIVE = ("fixed", "adaptive", "expected_gain", *ONLINE)
 
 
 def test_json_has_every_field_for_each_method(full_run):
@@ -160,14 +165,77 @@ def test_markdown_has_a_row_per_cell(full_run):
 
 def test_plots_written(full_run, tmp_path):
     result, out = full_run
-    for name in ("tau_per_domain.png", "acceptance_by_position.png"):
+    for name in ("tau_per_domain.png", "acceptance_by_position.png", "tau_online.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not (out / "tau_online.png").exists()  # no online data -> no placeholder plot
-    result.online = [(0, 1.5), (1, 1.8), (2, 2.2)]
-    files = bench.write_plots(result, tmp_path)
-    assert str(tmp_path / "tau_online.png") in files
-    assert (tmp_path / "tau_online.png").read_bytes()[:4] == b"\x89PNG"
-    result.online = []
+        assert str(out / name) in result.files
+    saved = result.online
+    try:
+        result.online = []  # no online data -> no placeholder plot
+        assert not any(f.endswith("tau_online.png") for f in bench.write_plots(result, tmp_path))
+        assert not (tmp_path / "tau_online.png").exists()
+        result.online = [(0, 1.5), (1, 1.8), (2, 2.2)]  # bare (update, tau) pairs still plot
+        files = bench.write_plots(result, tmp_path)
+        assert str(tmp_path / "tau_online.png") in files
+        assert (tmp_path / "tau_online.png").read_bytes()[:4] == b"\x89PNG"
+    finally:
+        result.online = saved
+
+
+def test_online_methods_record_tau_per_update(full_run, setup):
+    result, out = full_run
+    data = json.loads((out / "bench.json").read_text())
+    records = data["online"]
+    assert records == [dict(r) for r in result.online]
+    for m in ONLINE:
+        for ds in ("alpha", "beta"):
+            for c in (1, 2):
+                cell = result.cell(m, ds, c)
+                assert not cell.skipped and cell.error is None and cell.identical is True, (m, ds, c)
+                notes = " ".join(cell.notes)
+                assert ("'osd'" if m == "osd" else "'opd'") in notes and "verify-length policy fixed" in notes
+                if m == "adaflash":  # the test drafter's length head is untrained
+                    assert "no trained length head" in notes
+                assert "waiting for triggered updates" in notes and "FAILED" not in notes
+                mine = sorted(
+                    (r for r in records if (r["method"], r["dataset"], r["concurrency"]) == (m, ds, c)), key=lambda r: r["update"]
+                )
+                updates = int(notes.split(" online update(s) from ")[0].rsplit(" ", 1)[-1])
+                assert updates >= 1, (m, ds, c)
+                # One record per weights version (0 = as given) that served rounds; with --online-wait the
+                # stream's rounds are split exactly between them.
+                assert [r["update"] for r in mine] == list(range(len(mine))) and len(mine) >= 2
+                assert len(mine) <= updates + 1
+                assert all(r["tau"] >= 1 and r["rounds"] > 0 for r in mine)
+                assert sum(r["rounds"] for r in mine) == cell.rounds
+    # The online copies trained; the drafter every other method uses did not change.
+    assert getattr(setup["drafter"], "_round_sink", None) is None and getattr(setup["drafter"], "_weights_lock", None) is None
+    md = (out / "bench.md").read_text()
+    assert "## Online updates" in md and "| alpha | 1 | osd | 0: " in md
+
+
+def test_adaflash_uses_the_adaptive_policy_with_a_trained_head(setup, tmp_path):
+    drafter = build_drafter(setup["target"], num_layers=1, block_size=4, seed=2)
+    drafter.config.length_head_trained = True
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    res = run_bench(
+        _config(setup, tmp_path, drafter=drafter, methods=["plain", "adaflash"], concurrency=[2],
+                datasets=setup["datasets"][:1], num_prompts=3, warmup=0, plots=False,
+                online_samples_per_update=ONLINE_SPU, online_epochs=1, online_wait=False)
+    )  # fmt: skip
+    cell = res.cell("adaflash", "alpha", 2)
+    assert res.ok and cell.identical is True
+    notes = " ".join(cell.notes)
+    assert "verify-length policy adaptive" in notes and "--no-online-wait" in notes
+    assert all(torch.equal(v, before[k]) for k, v in drafter.state_dict().items())  # a private copy trained
+
+
+def test_online_flags():
+    args = bench.add_arguments(argparse.ArgumentParser()).parse_args([])
+    assert (args.online_samples_per_update, args.online_epochs, args.online_lr, args.online_wait) == (128, 2, 3e-4, True)
+    args = bench.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--online-samples-per-update", "8", "--online-epochs", "1", "--online-lr", "1e-3", "--no-online-wait"]
+    )
+    assert (args.online_samples_per_update, args.online_epochs, args.online_lr, args.online_wait) == (8, 1, 1e-3, False)
 
 
 def _lossy(ctx, input_ids, attention_mask, streamer):
