@@ -36,7 +36,6 @@ CLI: ``adaflash bench --reference --datasets gsm8k,mathqa --num-prompts 32 --out
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime as _dt
 import json
 import math
@@ -727,17 +726,10 @@ def run_bench(config: BenchConfig) -> BenchResult:
 
 
 def _private_drafter(drafter, target):
-    """A deep copy of `drafter` for one online cell, sharing (not copying) the target's embedding and
-    LM head, so that its updates never reach the drafter the other methods use."""
-    memo: dict = {id(getattr(drafter, "_target_refs", {})): {}}
-    for attr in ("_weights_lock", "_round_sink"):
-        obj = drafter.__dict__.get(attr)
-        if obj is not None:
-            memo[id(obj)] = None
-    clone = copy.deepcopy(drafter, memo)
-    clone.__dict__.pop("_weights_lock", None)
-    clone.__dict__.pop("_round_sink", None)
-    return clone.bind_target(target).eval()
+    """A copy of `drafter` for one online cell, so its updates never reach the drafter the other methods use."""
+    from .online.adapter import copy_drafter
+
+    return copy_drafter(drafter, target).eval()
 
 
 def _measure(method, ctx, cell, layouts, config, eos_ids, warm_pool, warmed, pad_id, device, on_cuda, hardware, online=None):

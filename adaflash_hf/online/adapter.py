@@ -54,7 +54,7 @@ from .buffer import ReplayBuffer, Sample
 from .hub import HubPublisher, redact, render_card
 from .versions import VersionStore
 
-__all__ = ["NonFiniteLossError", "OnlineAdapter", "RoundLock", "UpdateRecord"]
+__all__ = ["NonFiniteLossError", "OnlineAdapter", "RoundLock", "UpdateRecord", "copy_drafter"]
 
 logger = logging.getLogger("adaflash_hf.online")
 
@@ -63,6 +63,24 @@ METHODS = ("opd", "osd", "off")
 
 class NonFiniteLossError(RuntimeError):
     """The worker produced a NaN / inf loss or weight; the update is discarded."""
+
+
+def copy_drafter(drafter: AdaFlashDrafter, target: nn.Module) -> AdaFlashDrafter:
+    """A deep copy of `drafter` bound to `target`, sharing (never copying) the target's embedding
+    and LM head, and without the serving drafter's adapter hooks (round lock, round sink).
+
+    Example:
+        >>> shadow = copy_drafter(drafter, target)  # train it without touching the serving drafter  # doctest: +SKIP
+    """
+    memo: dict = {id(getattr(drafter, "_target_refs", {})): {}}
+    for attr in ("_weights_lock", "_round_sink"):
+        obj = drafter.__dict__.get(attr)
+        if obj is not None:
+            memo[id(obj)] = None
+    clone = copy.deepcopy(drafter, memo)
+    clone.__dict__.pop("_weights_lock", None)
+    clone.__dict__.pop("_round_sink", None)
+    return clone.bind_target(target)
 
 
 class RoundLock:
@@ -568,18 +586,7 @@ class OnlineAdapter:
 
     # ------------------------------------------------------------------ shadow / optimizer
     def _make_shadow(self) -> AdaFlashDrafter:
-        d = self.drafter
-        memo: dict = {}
-        refs = getattr(d, "_target_refs", {})
-        memo[id(refs)] = {}  # the target's embedding / LM head are shared, never copied (bound below)
-        for attr in ("_weights_lock", "_round_sink"):
-            obj = d.__dict__.get(attr)
-            if obj is not None:
-                memo[id(obj)] = None
-        shadow = copy.deepcopy(d, memo)
-        shadow.__dict__.pop("_weights_lock", None)
-        shadow.__dict__.pop("_round_sink", None)
-        shadow.bind_target(self.target)
+        shadow = copy_drafter(self.drafter, self.target)
         shadow.to(device=self.device, dtype=self.train_dtype)
         shadow.train()
         for p in shadow.parameters():

@@ -9,7 +9,6 @@ are also compared with plain greedy decoding (lossless check). Result: tau per u
 """
 
 import argparse
-import copy
 import json
 import os
 import time
@@ -17,7 +16,7 @@ import time
 import torch
 
 from ..modeling import AdaFlashDrafter
-from .adapter import OnlineAdapter
+from .adapter import OnlineAdapter, copy_drafter
 
 
 def _encode(tokenizer, messages, device):
@@ -49,7 +48,7 @@ def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=
     result = {"methods": {}, "samples_per_update": samples_per_update, "epochs": epochs, "max_new_tokens": max_new_tokens, "policy": policy, "lr": lr, "head_lr": head_lr}
     for method in methods:
         torch.manual_seed(seed)
-        d = copy.deepcopy(drafter).bind_target(target)
+        d = copy_drafter(drafter, target)
         tau, same = _measure(target, d, held_ids, max_new_tokens, references, policy)
         curve = [{"update": 0, "tau": tau, "identical": same, "served_prompts": 0}]
         adapter = OnlineAdapter(d, target, method=method, samples_per_update=samples_per_update, epochs=epochs, lr=lr, head_lr=head_lr, seed=seed)
