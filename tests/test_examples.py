@@ -18,6 +18,7 @@ EXPECTED = {
     "train_with_trainer.py": ["trained 3 steps", "saved and reloaded", "identical: True"],
     "online_adaptation.py": ["update 1 -> version 1", "identical: True"],
     "export_for_sglang_vllm.py": ["reloaded export decodes like the original: True", "identical: True", "sglang.launch_server", "vllm serve"],
+    "engine_gpu_check.py": ["correctness: all exact"],
 }
 
 

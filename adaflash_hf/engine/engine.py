@@ -1,0 +1,459 @@
+"""A continuous-batching speculative decoding engine for HF Qwen3 / Llama targets (CPU-correct core).
+
+One :meth:`Engine.step` is one round for every running request:
+
+1. draft: one drafter forward over all running requests (per-slot drafter context cache), the
+   length head's ``k_hat_i`` scaled by the load (:func:`load_scaled_rate`);
+2. admit: queued requests whose prompt fits what is left of the token budget, up to the EMA
+   estimate of how many fit (:class:`AdmissionController`);
+3. one packed target forward over the new prompts (prefill) and every running request's bonus +
+   drafts (verify), through the slotted KV cache (:func:`target_forward`);
+4. accept (greedy or speculative sampling on processed distributions), commit token by token
+   (EOS / ``max_new_tokens``), advance the caches by what was accepted, free finished slots.
+
+Verify modes: ``packed`` (each request its own ``k_hat_i``; ``sum_i k_hat_i`` tokens),
+``rectangular`` (every request padded to the round's largest ``k_hat``: the cost of a padded
+``[b, max k_hat]`` batch, tokens past a request's own ``k_hat`` are computed but never accepted),
+``fixed`` (full block, DFlash) and ``off`` (plain decoding, one token per request per step).
+The round never sends more than ``token_budget`` tokens: if the drafts do not fit, the longest
+verify lengths are trimmed (a shorter verify is always lossless).
+
+GPU-only parts (CUDA graphs per bucket, flex_attention) are not here yet; see
+``examples/engine_gpu_check.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..generation.acceptance import greedy_accept, speculative_accept
+from ..generation.length_policy import adaptive_verify_length, load_scaled_rate
+from ..generation.stats import RoundSink, VerifiedRound
+from .admission import AdmissionController
+from .drafter import draft_blocks, make_drafter_cache
+from .sampling import SamplingParams, processed_probs
+from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
+
+__all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo", "VERIFY_MODES"]
+
+VERIFY_MODES = ("packed", "rectangular", "fixed", "off")
+
+
+class RequestRejected(ValueError):
+    """A request that can never fit the engine (raised by :meth:`Engine.submit`)."""
+
+
+@dataclass
+class EngineOutput:
+    """What one request produced. ``token_ids`` are the generated ids only."""
+
+    request_id: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "length", "eos" or "cancelled"
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per round after prefill (0s when "off")
+    verify_lengths: list[int] = field(default_factory=list)  # tokens verified per round (bonus included)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verify round (accepted + 1); 0.0 before any round."""
+        return (sum(self.accepted) + self.rounds) / self.rounds if self.rounds else 0.0
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one step is about to send to the target (given to ``step_hook`` before the forward)."""
+
+    num_tokens: int
+    token_budget: int
+    num_prefill: int
+    num_verify: int
+    slots_in_use: int
+    num_slots: int
+    n_hat: float
+
+
+class _Request:
+    def __init__(self, rid: int, prompt: list[int], max_new: int, params: SamplingParams, on_token):
+        self.id, self.prompt, self.max_new, self.params, self.on_token = rid, prompt, max_new, params, on_token
+        self.generator = None
+        if not params.greedy:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        self.slot: int | None = None
+        self.tokens: list[int] = []
+        self.pending_ctx: torch.Tensor | None = None  # target features the drafter has not consumed
+        self.state = "queued"
+        self.cancel_requested = False
+        self.output: EngineOutput | None = None
+        self.accepted: list[int] = []
+        self.verify_lengths: list[int] = []
+
+    @property
+    def bonus(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new - len(self.tokens)
+
+
+class RequestHandle:
+    """A submitted request: ``cancel()``, ``result()`` (steps the engine until it is done), ``done``."""
+
+    def __init__(self, engine: "Engine", req: _Request):
+        self._engine, self._req = engine, req
+
+    @property
+    def request_id(self) -> int:
+        return self._req.id
+
+    @property
+    def done(self) -> bool:
+        return self._req.output is not None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._req.tokens)
+
+    def cancel(self) -> None:
+        self._engine._cancel(self._req)
+
+    def result(self) -> EngineOutput:
+        while self._req.output is None:
+            if not self._engine.step():
+                raise RuntimeError(f"request {self._req.id} cannot progress (engine idle)")
+        return self._req.output
+
+
+class Engine:
+    """Continuous-batching speculative decoding over a slotted KV cache.
+
+    Args:
+        target: a Qwen3 / Llama ``*ForCausalLM`` (eval mode).
+        drafter: an :class:`AdaFlashDrafter` bound to ``target`` (``None`` only with ``verify_mode="off"``).
+        verify_mode: ``packed`` | ``rectangular`` | ``fixed`` | ``off``.
+        max_slots: concurrent requests (KV slots for target and drafter).
+        max_len: positions per slot: ``len(prompt) + max_new_tokens`` must not exceed it.
+        token_budget: most tokens one target forward may carry (prefill + verify).
+        length_rate, length_min: the length head policy (default: the drafter config's); the rate
+            is scaled down with the batch (``load_scaled_rate(length_rate, batch, halving_batch)``).
+        ema_beta: admission EMA weight.
+        round_sink: receives every verified round (default: an OnlineAdapter attached to the drafter).
+        step_hook: called with a :class:`StepInfo` before each target forward (tests, metrics).
+
+    Example:
+        >>> engine = Engine(target, drafter, verify_mode="packed", max_slots=8, max_len=256)  # doctest: +SKIP
+        >>> [o.token_ids for o in engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)]  # doctest: +SKIP
+    """
+
+    def __init__(self, target, drafter=None, verify_mode: str = "packed", max_slots: int = 16, max_len: int = 1024,
+                 token_budget: int = 512, length_rate: float | None = None, length_min: int | None = None,
+                 halving_batch: int = 64, ema_beta: float = 0.2, round_sink: RoundSink | None = None,
+                 step_hook: Callable[[StepInfo], None] | None = None):
+        if verify_mode not in VERIFY_MODES:
+            raise ValueError(f"unknown verify_mode {verify_mode!r}: choose one of {', '.join(VERIFY_MODES)}")
+        check_target_supported(target)
+        if verify_mode != "off":
+            if drafter is None:
+                raise ValueError(f"verify_mode={verify_mode!r} needs a drafter (only 'off' runs without one)")
+            drafter.check_target(target)
+            if not drafter.is_bound_to(target):
+                drafter.bind_target(target)
+        self.target, self.drafter, self.verify_mode = target, drafter if verify_mode != "off" else None, verify_mode
+        self.max_slots, self.max_len, self.token_budget = max_slots, max_len, token_budget
+        self.device = next(target.parameters()).device
+        self.cache = make_target_cache(target, max_slots, max_len)
+        self.dcache = make_drafter_cache(drafter, max_slots, max_len) if self.drafter is not None else None
+        self.block_size = self.drafter.config.block_size if self.drafter is not None else 1
+        cfg = self.drafter.config if self.drafter is not None else None
+        self.length_rate = length_rate if length_rate is not None else (getattr(cfg, "length_rate", 1.0) if cfg else 1.0)
+        self.length_min = length_min if length_min is not None else (getattr(cfg, "length_min", 1) if cfg else 1)
+        self.halving_batch = halving_batch
+        self.hidden_layers = list(cfg.target_layer_ids) if cfg is not None else None
+        per_req = {"off": 1.0, "fixed": float(self.block_size)}.get(verify_mode, max(1.0, self.block_size * self.length_rate / 2))
+        self.admission = AdmissionController(max_slots, max_len, token_budget, per_req, beta=ema_beta)
+        self.round_sink = round_sink if round_sink is not None else getattr(drafter, "_round_sink", None)
+        self.step_hook = step_hook
+        self._queue: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._ids = itertools.count()
+        self._in_step = False
+        self.num_steps = 0
+        self.forward_tokens: list[int] = []  # tokens per target forward (benchmarks, tests)
+
+    # ------------------------------------------------------------------ API
+    def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams | None = None,
+               on_token: Callable[[int], None] | None = None, **sampling_kwargs) -> RequestHandle:
+        """Queue a request; raises :class:`RequestRejected` if it can never fit."""
+        prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
+        params = sampling if sampling is not None else SamplingParams(**sampling_kwargs)
+        if not prompt:
+            raise RequestRejected("empty prompt: a request needs at least one prompt token")
+        if max_new_tokens < 1:
+            raise RequestRejected(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(prompt) + max_new_tokens > self.max_len:
+            raise RequestRejected(
+                f"request can never fit: prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = "
+                f"{len(prompt) + max_new_tokens} > max_len ({self.max_len}) of a KV slot")
+        if len(prompt) > self.token_budget:
+            raise RequestRejected(
+                f"request can never fit: prompt ({len(prompt)} tokens) is longer than the per-forward token budget "
+                f"({self.token_budget}); prefill is not chunked")
+        vocab = self.target.get_input_embeddings().weight.shape[0]
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
+        req = _Request(next(self._ids), prompt, int(max_new_tokens), params, on_token)
+        self._queue.append(req)
+        return RequestHandle(self, req)
+
+    def generate(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, eos_token_id=None) -> list[EngineOutput]:
+        """Run ``prompts`` (lists of ids) to completion; outputs in prompt order."""
+        handles = [self.submit(p, max_new_tokens, SamplingParams(temperature, top_k, top_p,
+                                                                  None if seed is None else seed + i, eos_token_id))
+                   for i, p in enumerate(prompts)]
+        return [h.result() for h in handles]
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def idle(self) -> bool:
+        return not self._running and not self._queue
+
+    def run_until_idle(self) -> None:
+        while self.step():
+            pass
+
+    # ------------------------------------------------------------------ the round
+    @torch.no_grad()
+    def step(self) -> bool:
+        """One round for every running request (and prefill for newly admitted ones).
+
+        Returns False when there was nothing to do.
+        """
+        if self._in_step:
+            raise RuntimeError("Engine.step is not reentrant (called from a callback?)")
+        self._in_step = True
+        try:
+            return self._step()
+        finally:
+            self._in_step = False
+            self._reap_cancelled()
+
+    def _step(self) -> bool:
+        self._reap_cancelled()
+        running = list(self._running)
+        if not running and not self._queue:
+            return False
+        n = len(running)
+
+        # 1. Draft and choose verify lengths.
+        draft = torch.zeros(n, max(self.block_size - 1, 0), dtype=torch.long)
+        draft_len = torch.zeros(n, dtype=torch.long)
+        draft_logits, ratio, q_probs = None, None, [None] * n
+        if n and self.drafter is not None:
+            draft, draft_logits, ratio, draft_len = self._propose(running)
+        draft_len = self._fit_budget(draft_len)
+        if self.verify_mode == "rectangular" and n:
+            q_lens = [int(draft_len.max()) + 1] * n
+        else:
+            q_lens = [int(d) + 1 for d in draft_len]
+        for i, r in enumerate(running):
+            if not r.params.greedy and draft_len[i] > 0:  # drafts drawn from the processed draft distribution
+                q = processed_probs(draft_logits[i, : q_lens[i] - 1], r.params)
+                q_probs[i] = q
+                draft[i, : q_lens[i] - 1] = torch.multinomial(q, 1, generator=r.generator).squeeze(1)
+
+        # 2. Admission: the EMA fit, then the hard limits (free slot, budget left).
+        verify_tokens = sum(q_lens)
+        if n:
+            self.admission.observe(verify_tokens / n, sum(len(r.prompt) + r.max_new for r in running) / n)
+        admitted: list[_Request] = []
+        left = self.token_budget - verify_tokens
+        while (self._queue and self.cache.num_free > 0 and n + len(admitted) < self.admission.limit
+               and len(self._queue[0].prompt) <= left):
+            req = self._queue.popleft()
+            req.slot = self.cache.alloc()
+            if self.dcache is not None:
+                self.dcache.alloc(req.slot)  # the drafter's context cache uses the same slot id
+            req.state = "running"
+            admitted.append(req)
+            left -= len(req.prompt)
+        if not n and not admitted:
+            return False  # unreachable while submit rejects what never fits; kept as a guard
+
+        # 3. One packed target forward: prefill segments, then verify segments.
+        segs = [(r.slot, r.prompt) for r in admitted]
+        segs += [(r.slot, [r.bonus] + draft[i, : q_lens[i] - 1].tolist()) for i, r in enumerate(running)]
+        layout = PackedLayout.from_cache(self.cache, [s for s, _ in segs], [len(t) for _, t in segs])
+        if self.step_hook is not None:
+            self.step_hook(StepInfo(layout.num_tokens, self.token_budget, len(admitted), n,
+                                    self.max_slots - self.cache.num_free, self.max_slots, self.admission.n_hat))
+        assert layout.num_tokens <= self.token_budget
+        offs = layout.offsets
+        logits_index = [offs[j + 1] - 1 for j in range(len(admitted))]
+        for i in range(n):
+            j = len(admitted) + i
+            logits_index += list(range(offs[j], offs[j] + q_lens[i]))
+        tokens = torch.tensor([t for _, toks in segs for t in toks], dtype=torch.long, device=self.device)
+        logits, hidden = target_forward(self.target, self.cache, tokens, layout.token_slots(self.device),
+                                        layout.positions(self.device), layout, self.hidden_layers,
+                                        torch.tensor(logits_index, device=self.device))
+        self.forward_tokens.append(layout.num_tokens)
+        self.num_steps += 1
+
+        # 4a. Prefill: the first token, the prompt's features as the drafter's first context.
+        for j, r in enumerate(admitted):
+            self.cache.advance(r.slot, len(r.prompt))
+            if hidden is not None:
+                r.pending_ctx = hidden[offs[j] : offs[j + 1]]
+            lg = logits[j : j + 1]
+            tok = int(lg[0].argmax()) if r.params.greedy else int(torch.multinomial(processed_probs(lg, r.params), 1, generator=r.generator))
+            self._running.append(r)
+            self._commit(r, [tok])
+
+        # 4b. Verify: accept, commit, advance the target cache over bonus + accepted drafts.
+        base = len(admitted)
+        kmax = max(q_lens) - 1 if n else 0
+        vlogits = logits.new_full((n, kmax + 1, logits.shape[-1]), 0.0)
+        at = base
+        for i in range(n):
+            vlogits[i, : q_lens[i]] = logits[at : at + q_lens[i]]
+            at += q_lens[i]
+        accepted, next_tokens = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+        greedy_rows = [i for i, r in enumerate(running) if r.params.greedy]
+        if greedy_rows:
+            g = torch.tensor(greedy_rows)
+            res = greedy_accept(draft[g, :kmax], vlogits[g], draft_len[g])
+            accepted[g], next_tokens[g] = res.num_accepted.cpu(), res.next_tokens.cpu()
+        for i, r in enumerate(running):
+            if r.params.greedy:
+                continue
+            dl = int(draft_len[i])
+            p = processed_probs(vlogits[i, : dl + 1], r.params)
+            q = q_probs[i] if q_probs[i] is not None else p.new_zeros(0, p.shape[-1])
+            res = speculative_accept(draft[i : i + 1, :dl], q[None, :dl], p[None], generator=r.generator)
+            accepted[i], next_tokens[i] = int(res.num_accepted), int(res.next_tokens)
+        for i, r in enumerate(running):
+            a, j = int(accepted[i]), base + i
+            r.accepted.append(a)
+            r.verify_lengths.append(int(draft_len[i]) + 1)
+            if self.drafter is not None and self.round_sink is not None:
+                self._emit_round(r, draft, draft_logits, vlogits, draft_len, ratio, i, a)
+            self.cache.advance(r.slot, a + 1)
+            if hidden is not None:
+                r.pending_ctx = hidden[offs[j] : offs[j] + a + 1]
+            self._commit(r, draft[i, :a].tolist() + [int(next_tokens[i])])
+        return True
+
+    def _propose(self, running):
+        """One drafter forward for all running requests: drafts, raw logits, ratios, draft lengths."""
+        d = self.drafter
+        B = self.block_size
+        lock = getattr(d, "_weights_lock", None) or nullcontext()
+        with lock:
+            bonus = torch.tensor([r.bonus for r in running], dtype=torch.long, device=self.device)
+            hidden = draft_blocks(d, self.dcache, [r.slot for r in running], bonus, [r.pending_ctx for r in running])
+            logits = d.compute_logits(hidden[:, 1:]).float()
+            ratio = d.predict_accept_ratio(hidden).float() if d.length_head is not None else None
+        for r in running:
+            r.pending_ctx = None
+        n = len(running)
+        finite = torch.isfinite(logits).all(dim=-1).all(dim=-1)
+        if self.verify_mode == "fixed" or ratio is None:
+            k_hat = torch.full((n,), B, dtype=torch.long)
+        else:
+            rate = load_scaled_rate(self.length_rate, n, self.halving_batch)
+            k_hat = adaptive_verify_length(ratio, B, rate=rate, min_len=self.length_min).cpu()
+        remaining = torch.tensor([r.remaining for r in running])
+        draft_len = torch.minimum(k_hat - 1, remaining - 1).clamp(min=0)
+        draft_len = torch.where(finite.cpu(), draft_len, torch.zeros_like(draft_len))
+        tokens = torch.nan_to_num(logits).argmax(dim=-1).cpu()
+        return tokens, logits, ratio, draft_len
+
+    def _fit_budget(self, draft_len: torch.Tensor) -> torch.Tensor:
+        """Trim the longest verify lengths until the round fits the token budget (lossless)."""
+        n = draft_len.shape[0]
+        if n == 0:
+            return draft_len
+
+        def cost(dl):
+            return n * (int(dl.max()) + 1) if self.verify_mode == "rectangular" else int((dl + 1).sum())
+
+        cap = int(draft_len.max())
+        while cap > 0 and cost(draft_len.clamp(max=cap)) > self.token_budget:
+            cap -= 1
+        out = draft_len.clamp(max=cap)
+        if cost(out) > self.token_budget:  # admission keeps running <= budget, so this cannot happen
+            raise RuntimeError(f"{n} running requests exceed the token budget {self.token_budget}")
+        return out
+
+    def _emit_round(self, r, draft, draft_logits, vlogits, draft_len, ratio, i, a):
+        dl = int(draft_len[i])
+        self.round_sink.on_round(VerifiedRound(
+            row=r.id,
+            context_ids=torch.tensor(r.prompt + r.tokens[:-1]),
+            bonus_token=r.bonus,
+            draft_tokens=draft[i, :dl].clone(),
+            draft_logits=draft_logits[i, :dl].clone(),
+            target_logits=vlogits[i, : dl + 1].clone(),
+            verify_len=dl + 1,
+            num_accepted=a,
+            predicted_ratio=float(ratio[i]) if ratio is not None else None,
+        ))
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _commit(self, r: _Request, new: list[int]) -> None:
+        """Append tokens one by one; stop at EOS or ``max_new_tokens`` exactly where plain decoding would."""
+        eos = r.params.eos_ids
+        for tok in new:
+            r.tokens.append(tok)
+            if r.on_token is not None:
+                r.on_token(tok)
+            if tok in eos:
+                return self._finish(r, "eos")
+            if len(r.tokens) >= r.max_new:
+                return self._finish(r, "length")
+            if r.cancel_requested:
+                return self._finish(r, "cancelled")
+
+    def _finish(self, r: _Request, reason: str) -> None:
+        if r.output is not None:
+            return
+        if r.state == "running":
+            self._running.remove(r)
+            self.cache.free(r.slot)
+            if self.dcache is not None:
+                self.dcache.free(r.slot)
+        elif r.state == "queued":
+            self._queue.remove(r)
+        r.state, r.pending_ctx = "done", None
+        r.output = EngineOutput(r.id, list(r.prompt), list(r.tokens), reason, list(r.accepted), list(r.verify_lengths))
+
+    def _cancel(self, r: _Request) -> None:
+        if r.output is not None:
+            return
+        r.cancel_requested = True
+        if not self._in_step:
+            self._finish(r, "cancelled")
+
+    def _reap_cancelled(self) -> None:
+        for r in [r for r in itertools.chain(self._running, self._queue) if r.cancel_requested]:
+            self._finish(r, "cancelled")

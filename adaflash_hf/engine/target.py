@@ -1,0 +1,165 @@
+"""The target's forward over a *packed* batch, driven through the HF model's own submodules.
+
+All requests' new tokens (prompt chunks at prefill, bonus + drafts at verify) are concatenated
+into one sequence of ``sum_i q_i`` tokens. Token ``t`` of request ``i`` attends to the cached
+prefix of request ``i``'s slot and, causally, to request ``i``'s own new tokens: a block-diagonal
+mask with a per-block prefix. Weights are the HF model's (``embed_tokens``, each layer's norms,
+``q/k/v/o_proj``, Qwen3's ``q_norm``/``k_norm``, ``rotary_emb``, ``mlp``, final ``norm``,
+``lm_head``): nothing is copied, so the engine follows whatever the model holds.
+
+Attention is isolated in :func:`packed_attention` so a GPU build can swap in ``flex_attention``
+with a block mask (SPEC section 6 shows boolean-mask SDPA falls off at large batch).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import SlotKVCache
+
+__all__ = ["PackedLayout", "check_target_supported", "make_target_cache", "packed_attention", "target_forward"]
+
+SUPPORTED = ("qwen3", "llama")
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each request's new tokens sit in the packed sequence.
+
+    ``slots[i]``: request ``i``'s cache slot; ``q_lens[i]``: its new tokens (consecutive in the
+    packed sequence, in request order); ``prefix_lens[i]``: its cached positions before them (the
+    new tokens take positions ``prefix_lens[i] .. prefix_lens[i] + q_lens[i] - 1``).
+    """
+
+    slots: tuple[int, ...]
+    q_lens: tuple[int, ...]
+    prefix_lens: tuple[int, ...]
+
+    @classmethod
+    def from_cache(cls, cache: SlotKVCache, slots, q_lens) -> "PackedLayout":
+        slots, q_lens = tuple(int(s) for s in slots), tuple(int(q) for q in q_lens)
+        if len(slots) != len(q_lens) or len(set(slots)) != len(slots):
+            raise ValueError("slots must be distinct, one per q_len")
+        return cls(slots, q_lens, tuple(cache.length(s) for s in slots))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def offsets(self) -> list[int]:
+        """Start of each request's tokens in the packed sequence (plus the total at the end)."""
+        out = [0]
+        for q in self.q_lens:
+            out.append(out[-1] + q)
+        return out
+
+    def positions(self, device=None) -> torch.Tensor:
+        return torch.cat([torch.arange(p, p + q) for p, q in zip(self.prefix_lens, self.q_lens)]).to(device)
+
+    def token_slots(self, device=None) -> torch.Tensor:
+        return torch.cat([torch.full((q,), s, dtype=torch.long) for s, q in zip(self.slots, self.q_lens)]).to(device)
+
+    def token_requests(self, device=None) -> torch.Tensor:
+        return torch.cat([torch.full((q,), i, dtype=torch.long) for i, q in enumerate(self.q_lens)]).to(device)
+
+    def attention_mask(self, device=None) -> torch.Tensor:
+        """Boolean ``[T, K]`` "may attend": queries = packed tokens, keys = each request's slot
+        positions ``0 .. prefix + q - 1`` concatenated in request order."""
+        q_req, q_pos = self.token_requests(device), self.positions(device)
+        k_req = torch.cat([torch.full((p + q,), i, dtype=torch.long) for i, (p, q) in enumerate(zip(self.prefix_lens, self.q_lens))]).to(device)
+        k_pos = torch.cat([torch.arange(p + q) for p, q in zip(self.prefix_lens, self.q_lens)]).to(device)
+        return (q_req[:, None] == k_req[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+
+
+def _family(model) -> str:
+    return model.config.get_text_config(decoder=True).model_type
+
+
+def check_target_supported(model) -> None:
+    """Raise a clear ``ValueError`` unless ``model`` is a plain Qwen3 / Llama causal LM."""
+    cfg = model.config.get_text_config(decoder=True)
+    if cfg.model_type not in SUPPORTED:
+        raise ValueError(f"the engine drives {' / '.join(SUPPORTED)} targets; got model_type={cfg.model_type!r}")
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
+        raise ValueError("the engine does not support sliding-window attention layers yet")
+    if getattr(cfg, "rope_parameters", None) and cfg.rope_parameters.get("rope_type", "default") not in ("default", "llama3", "linear"):
+        # dynamic/longrope scale with the sequence length the HF model sees: not reproducible per slot.
+        raise ValueError(f"unsupported rope_type {cfg.rope_parameters.get('rope_type')!r}")
+
+
+def make_target_cache(model, num_slots: int, max_len: int, dtype=None, device=None) -> SlotKVCache:
+    cfg = model.config.get_text_config(decoder=True)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    param = next(model.parameters())
+    return SlotKVCache(cfg.num_hidden_layers, num_slots, max_len, cfg.num_key_value_heads, head_dim,
+                       dtype=dtype or param.dtype, device=device or param.device)
+
+
+def packed_attention(q: torch.Tensor, cache: SlotKVCache, layer: int, layout: PackedLayout, mask: torch.Tensor,
+                     scaling: float) -> torch.Tensor:
+    """Attention of packed queries ``[heads, T, d]`` over each request's slot (new K/V already written).
+
+    ``mask`` is :meth:`PackedLayout.attention_mask`. Returns ``[T, heads, d]``. The one place to
+    replace with ``flex_attention`` (block mask from the same layout) on GPU.
+    """
+    keys, values = zip(*(cache.read(layer, s, p + n) for s, p, n in zip(layout.slots, layout.prefix_lens, layout.q_lens)))
+    k, v = torch.cat(keys, dim=1), torch.cat(values, dim=1)  # [kv_heads, K, d]
+    out = F.scaled_dot_product_attention(q[None], k[None].to(q.dtype), v[None].to(q.dtype), attn_mask=mask[None, None],
+                                         scale=scaling, enable_gqa=q.shape[0] != k.shape[0])
+    return out[0].transpose(0, 1)
+
+
+@torch.no_grad()
+def target_forward(model, cache: SlotKVCache, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                   seq_layout: PackedLayout, hidden_layers: list[int] | None = None,
+                   logits_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward over a packed batch; writes every new token's K/V into its slot.
+
+    Args:
+        tokens, slots, positions: ``[T]`` token ids, their cache slots and absolute positions
+            (``seq_layout.token_slots()`` / ``.positions()``).
+        seq_layout: request boundaries (see :class:`PackedLayout`).
+        hidden_layers: decoder-layer indices whose outputs to return, concatenated on the feature
+            axis (the drafter's ``target_layer_ids``; HF ``hidden_states[i + 1]``).
+        logits_index: packed indices to compute logits for (default: all tokens).
+
+    Returns:
+        ``(logits [T' , V] float32, hidden [T, len(hidden_layers) * H] or None)``. Cache lengths
+        are not changed: the caller advances them by what it accepts.
+    """
+    family = _family(model)
+    rope = importlib.import_module(f"transformers.models.{family}.modeling_{family}").apply_rotary_pos_emb
+    base = model.model
+    h = base.embed_tokens(tokens)[None]  # [1, T, H]
+    cos, sin = base.rotary_emb(h, positions[None])
+    mask = seq_layout.attention_mask(tokens.device)
+    wanted = set(hidden_layers or [])
+    captured: dict[int, torch.Tensor] = {}
+    T = tokens.shape[0]
+    for li, layer in enumerate(base.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(1, T, -1, attn.head_dim)
+        k = attn.k_proj(x).view(1, T, -1, attn.head_dim)
+        v = attn.v_proj(x).view(1, T, -1, attn.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [1, heads, T, d]
+        cache.write(li, slots, positions, k[0].transpose(0, 1), v[0])
+        o = packed_attention(q[0], cache, li, seq_layout, mask, attn.scaling)  # [T, heads, d]
+        h = h + attn.o_proj(o.reshape(1, T, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if li in wanted:
+            captured[li] = h[0]
+    out = base.norm(h[0])
+    if len(base.layers) - 1 in captured:  # HF's last hidden_states entry is after the final norm
+        captured[len(base.layers) - 1] = out
+    hidden = torch.cat([captured[i] for i in hidden_layers], dim=-1) if hidden_layers else None
+    if logits_index is not None:
+        out = out[logits_index]
+    return model.lm_head(out).float(), hidden
