@@ -666,3 +666,23 @@ def test_card_metadata_links_hub_targets_only(target, expected):
     front = render_card({"target_name": target}).split("---")[1]
     assert "library_name: transformers" in front and "speculative-decoding" in front
     assert (expected in front) if expected else ("base_model" not in front)
+
+
+def test_rollout_labels_follow_the_targets_own_greedy_continuation(pair):
+    d = fresh_drafter(pair)
+    r = real_rounds(pair, d)[3]
+    adapter = OnlineAdapter(d, pair, label_mode="rollout")
+    try:
+        labels = adapter._rollout(Sample.from_round(r, logits_dtype=None))
+        prefix = torch.cat([r.context_ids, torch.tensor([r.bonus_token])])[None]
+        greedy_tokens = pair.generate(prefix, attention_mask=torch.ones_like(prefix), do_sample=False, max_new_tokens=BLOCK - 1, min_new_tokens=BLOCK - 1, pad_token_id=PAD_ID)[0, prefix.shape[1] :]
+        assert labels.shape == (BLOCK - 1, r.target_logits.shape[-1])
+        assert torch.equal(labels.argmax(-1), greedy_tokens)
+        # The first slot's label is the verify forward's own distribution at the bonus position.
+        torch.testing.assert_close(labels[0], r.target_logits[0].float(), atol=1e-4, rtol=1e-4)
+        before = adapter.evaluate([r])["loss"]
+        with pytest.raises(ValueError, match="label_mode"):
+            OnlineAdapter(fresh_drafter(pair), pair, label_mode="guess")
+        assert before > 0
+    finally:
+        adapter.close()

@@ -59,6 +59,10 @@ __all__ = ["NonFiniteLossError", "OnlineAdapter", "RoundLock", "UpdateRecord", "
 logger = logging.getLogger("adaflash_hf.online")
 
 METHODS = ("opd", "osd", "off")
+# Where a sample's per-slot labels come from. "verified": the verify forward, free, but only up to
+# the first rejected draft. "rollout": the frozen target continues the bonus token greedily for
+# B-1 tokens in the worker (B-1 extra small forwards per sample), labelling every slot.
+LABEL_MODES = ("verified", "rollout")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -196,7 +200,9 @@ class OnlineAdapter:
     Keyword-only extras: ``clip_mode``, ``position_gamma`` (``None``: plain mean over positions;
     ``"auto"``: ``default_gamma(B)``; or a number), ``head_weight``, ``weight_decay``,
     ``max_buffer_samples`` / ``max_buffer_bytes`` (buffer bounds), ``store_features``,
-    ``store_target_logits``, ``logits_dtype`` (see ``online.buffer``), ``clear_after_update``
+    ``store_target_logits``, ``logits_dtype`` (see ``online.buffer``), ``label_mode``
+    (``"verified"``, the paper's free labels up to the first rejection, or ``"rollout"``: every slot
+    labelled along the target's own greedy continuation, computed in the worker), ``clear_after_update``
     (drop samples drafted with the old weights after a swap, as the paper does), ``train_dtype``
     (default fp32 master weights when the drafter is bf16 / fp16), ``version_layout``
     (``"native"`` or ``"dflash"`` for SGLang / vLLM), ``target_name`` (for the model card),
@@ -232,6 +238,7 @@ class OnlineAdapter:
         max_buffer_bytes: int = 2 << 30,
         store_features: bool = False,
         store_target_logits: bool = True,
+        label_mode: str = "verified",
         logits_dtype: torch.dtype | None = torch.bfloat16,
         clear_after_update: bool = True,
         train_dtype: torch.dtype | None = None,
@@ -270,6 +277,9 @@ class OnlineAdapter:
         self.max_consecutive_failures = max_consecutive_failures or None
         self.store_features = store_features
         self.store_target_logits = store_target_logits
+        if label_mode not in LABEL_MODES:
+            raise ValueError(f"label_mode must be one of {LABEL_MODES}, got {label_mode!r}")
+        self.label_mode = label_mode
         self.logits_dtype = logits_dtype
         self.clear_after_update = clear_after_update
         self.version_layout = version_layout
@@ -631,6 +641,21 @@ class OnlineAdapter:
         out = model(input_ids=ctx[None], output_hidden_states=True, use_cache=False)
         return self.drafter.select_context(out.hidden_states), None
 
+    @torch.no_grad()
+    def _rollout(self, s: Sample) -> torch.Tensor:
+        """The frozen target's distributions along its own greedy continuation of the bonus token:
+        ``[B-1, V]``, row ``j`` predicting draft slot ``j + 1`` (the labels of ``label_mode="rollout"``)."""
+        from transformers import DynamicCache
+
+        device = next(self.target.parameters()).device
+        ids = torch.cat([s.context_ids.to(device), torch.tensor([s.bonus_token], device=device)])[None]
+        cache, rows = DynamicCache(config=self.target.config), []
+        for _ in range(self.block_size - 1):
+            logits = self.target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            rows.append(logits[0].float())
+            ids = logits.argmax(dim=-1, keepdim=True)
+        return torch.stack(rows)
+
     @staticmethod
     def _logits(model: AdaFlashDrafter, hidden: torch.Tensor) -> torch.Tensor:
         lm = model._target_ref("lm_head")
@@ -643,7 +668,8 @@ class OnlineAdapter:
     def _sample_loss(self, model: AdaFlashDrafter, s: Sample, cache_features: bool = True):
         """``(main_loss, head_loss)`` of one sample for ``model`` (the shadow, or the serving drafter
         for :meth:`evaluate`). ``main``: OPD (or forward KL) of draft slots ``1..n`` against
-        ``target_logits[0..n-1]``, ``n = min(num_accepted + 1, verify_len - 1)``; ``head``: MSE of the length head on detached
+        ``target_logits[0..n-1]``, ``n = min(num_accepted + 1, verify_len - 1)`` (``label_mode="rollout"``:
+        all ``B - 1`` slots against the target's greedy rollout); ``head``: MSE of the length head on detached
         features against ``(num_accepted + 1) / B`` (OPD only)."""
         param = next(model.parameters())
         dev, dtype = param.device, param.dtype
@@ -672,10 +698,15 @@ class OnlineAdapter:
                 ctx = ctx.clone()
         pos = torch.arange(T + B, device=dev)[None]
         hidden = model(noise_embeds=noise, context_hidden_states=ctx, position_ids=pos).last_hidden_state
-        # Only slots up to the first rejected draft carry usable labels: the verify forward conditions
-        # later target distributions on a wrong draft prefix, while the block drafter predicts every
-        # slot from the verified context alone, so those distributions are not what slot j should say.
-        n = min(s.num_accepted + 1, s.verify_len - 1, B - 1)
+        if self.label_mode == "rollout":
+            if s.rollout_logits is None:
+                s.rollout_logits = self._rollout(s).to(torch.bfloat16)
+            tlogits, n = s.rollout_logits.float(), B - 1
+        else:
+            # Only slots up to the first rejected draft carry usable labels: the verify forward
+            # conditions later target distributions on a wrong draft prefix, while the block drafter
+            # predicts every slot from the verified context alone.
+            n = min(s.num_accepted + 1, s.verify_len - 1, B - 1)
         main = hidden.sum() * 0.0
         if n > 0 and self.method in ("opd", "osd"):
             draft_logits = self._logits(model, hidden[:, 1 : 1 + n])

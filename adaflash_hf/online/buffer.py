@@ -75,6 +75,8 @@ class Sample:
     ``target_logits[j]`` (``[verify_len, V]``) is the target's distribution predicting draft slot
     ``j + 1``; ``None`` when the worker recomputes it. ``features`` (``[1, T, K*H]``) are the target
     features of ``context_ids``, filled by the worker when ``store_features`` (or given up front).
+    ``rollout_logits`` (``[B-1, V]``) are the target's distributions along its own greedy
+    continuation of the bonus token, filled by the worker in ``label_mode="rollout"``.
     """
 
     context_ids: torch.Tensor
@@ -85,6 +87,7 @@ class Sample:
     num_accepted: int
     domain: str | None = None
     features: torch.Tensor | None = None
+    rollout_logits: torch.Tensor | None = None
     nbytes: int = 0
 
     @classmethod

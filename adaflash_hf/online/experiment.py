@@ -34,7 +34,7 @@ def _measure(target, drafter, prompts, max_new_tokens, references, policy):
     return (accepted + rounds) / max(rounds, 1), identical
 
 
-def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=("opd", "osd"), updates=6, samples_per_update=128, epochs=2, max_new_tokens=128, seed=0, policy="fixed", lr=3e-4, head_lr=2e-4) -> dict:
+def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=("opd", "osd"), updates=6, samples_per_update=128, epochs=2, max_new_tokens=128, seed=0, policy="fixed", lr=3e-4, head_lr=2e-4, label_mode="verified") -> dict:
     """Tau on `held_out` after each online update, for each method (see the module docstring).
 
     `policy` is the verify-length policy used both to serve the stream and to measure: `fixed`
@@ -45,13 +45,13 @@ def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=
     stream_ids = [_encode(tokenizer, p["messages"], device) for p in stream]
     held_ids = [_encode(tokenizer, p["messages"], device) for p in held_out]
     references = [target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False) for ids in held_ids]
-    result = {"methods": {}, "samples_per_update": samples_per_update, "epochs": epochs, "max_new_tokens": max_new_tokens, "policy": policy, "lr": lr, "head_lr": head_lr}
+    result = {"methods": {}, "samples_per_update": samples_per_update, "epochs": epochs, "max_new_tokens": max_new_tokens, "policy": policy, "lr": lr, "head_lr": head_lr, "label_mode": label_mode}
     for method in methods:
         torch.manual_seed(seed)
         d = copy_drafter(drafter, target)
         tau, same = _measure(target, d, held_ids, max_new_tokens, references, policy)
         curve = [{"update": 0, "tau": tau, "identical": same, "served_prompts": 0}]
-        adapter = OnlineAdapter(d, target, method=method, samples_per_update=samples_per_update, epochs=epochs, lr=lr, head_lr=head_lr, seed=seed)
+        adapter = OnlineAdapter(d, target, method=method, samples_per_update=samples_per_update, epochs=epochs, lr=lr, head_lr=head_lr, label_mode=label_mode, seed=seed)
         served, start = 0, time.perf_counter()
         for update in range(1, updates + 1):
             adapter.attach()
@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-4, help="drafter learning rate (paper: 3e-4)")
     p.add_argument("--head-lr", type=float, default=2e-4)
+    p.add_argument("--label-mode", default="verified", choices=("verified", "rollout"))
     p.add_argument("--policy", default="fixed", choices=("fixed", "adaptive", "expected_gain"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
     target = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32).to(a.device).eval()
     drafter = AdaFlashDrafter.from_pretrained(a.drafter, dtype=torch.float32).to(a.device).eval()
     prompts = eval_prompts(a.dataset, limit=a.held_out + a.stream)
-    result = run_online_experiment(target, drafter, tok, prompts[a.held_out :], prompts[: a.held_out], methods=tuple(a.methods.split(",")), updates=a.updates, samples_per_update=a.samples_per_update, epochs=a.epochs, max_new_tokens=a.max_new_tokens, policy=a.policy, lr=a.lr, head_lr=a.head_lr)
+    result = run_online_experiment(target, drafter, tok, prompts[a.held_out :], prompts[: a.held_out], methods=tuple(a.methods.split(",")), updates=a.updates, samples_per_update=a.samples_per_update, epochs=a.epochs, max_new_tokens=a.max_new_tokens, policy=a.policy, lr=a.lr, head_lr=a.head_lr, label_mode=a.label_mode)
     result.update(dataset=a.dataset, command="python -m adaflash_hf.online.experiment " + " ".join(argv if argv is not None else __import__("sys").argv[1:]))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "online.json"), "w", encoding="utf-8") as f:
