@@ -34,7 +34,7 @@ import torch
 
 from ..generation.acceptance import greedy_accept, speculative_accept
 from ..generation.length_policy import adaptive_verify_length, load_scaled_rate
-from ..generation.stats import RoundSink, VerifiedRound
+from ..generation.stats import RoundSink, VerifiedRound, mean_tokens_per_round
 from .admission import AdmissionController
 from .drafter import draft_blocks, make_drafter_cache
 from .sampling import SamplingParams, processed_probs
@@ -67,7 +67,7 @@ class EngineOutput:
     @property
     def tau(self) -> float:
         """Mean tokens committed per verify round (accepted + 1); 0.0 before any round."""
-        return (sum(self.accepted) + self.rounds) / self.rounds if self.rounds else 0.0
+        return mean_tokens_per_round(self.accepted)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,16 @@ from typing import Protocol
 import torch
 
 
+def mean_tokens_per_round(accepted: list[int]) -> float:
+    """tau: mean tokens committed per verify round, accepted drafts + the target's own token.
+
+    Example:
+        >>> mean_tokens_per_round([0, 3, 1])
+        2.3333333333333335
+    """
+    return (sum(accepted) + len(accepted)) / len(accepted) if accepted else 0.0
+
+
 @dataclass
 class VerifiedRound:
     """One verified draft block of one sequence: what the online adapter needs to learn from it.
@@ -67,7 +77,7 @@ class GenerationStats:
     @property
     def tau(self) -> float:
         """Mean tokens per round (accepted + 1); 0.0 before any round."""
-        return (sum(self.accepted) + self.rounds) / self.rounds if self.rounds else 0.0
+        return mean_tokens_per_round(self.accepted)
 
     @property
     def mean_verify_length(self) -> float:
