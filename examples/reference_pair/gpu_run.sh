@@ -22,7 +22,9 @@ else TARGET=adaflash_hf/reference/target; fi
 
 # 2. drafter: target's own greedy answers to chat + prose prompts, DFlash recipe, block 16.
 # (A first run with 1536 prompts memorised them: 24 epochs, train accept 7.4, held-out tau 1.5.)
+DRAFTER=adaflash_hf/reference/drafter
 if [[ $STEPS == *drafter* ]]; then
+DRAFTER=$W/d
 timeout 240 python3 -m adaflash_hf.training.train_drafter --target $TARGET --out $W/d --domains chat,prose \
   --minutes ${DRAFT_MINUTES:-1.8} --num-prompts 6144 --max-new-tokens 160 --gen-batch-size 1024 --eval-per-domain 0 2>&1 | tail -n 12
 tar cf "$OUT/drafter.tar" -C $W d
@@ -30,14 +32,14 @@ fi
 
 # 3. benchmark: greedy tau per held-out domain, every method checked against plain decoding
 if [[ $STEPS == *bench* ]]; then
-timeout 150 python3 -m adaflash_hf.bench --target $TARGET --drafter $W/d \
+timeout 150 python3 -m adaflash_hf.bench --target $TARGET --drafter $DRAFTER \
   --datasets gsm8k,mathqa,codealpaca,sharegpt,math500 --num-prompts ${BENCH_PROMPTS:-6} --max-new-tokens ${BENCH_TOKENS:-128} \
   --methods ${BENCH_METHODS:-plain,dflash_native,fixed,adaptive} --dtype fp32 --warmup 1 --out $W/bench 2>&1 | tail -n 40
 fi
 tar cf "$OUT/logs.tar" -C $W t d/train_log.jsonl d/train_summary.json bench 2>/dev/null
 
 # 4. online adaptation on a domain the drafter never saw (math): held-out tau per update, opd vs osd
-[[ $STEPS == *online* ]] && timeout 120 python3 -m adaflash_hf.online.experiment --target $TARGET --drafter $W/d --dataset gsm8k \
+[[ $STEPS == *online* ]] && timeout 120 python3 -m adaflash_hf.online.experiment --target $TARGET --drafter $DRAFTER --dataset gsm8k \
   --methods opd,osd --updates 4 --held-out 8 --stream 200 --max-new-tokens 96 --out $W/online 2>&1 | tail -n 12
 tar cf "$OUT/logs.tar" -C $W d/train_log.jsonl d/train_summary.json bench online 2>/dev/null
 ls -la "$OUT"
