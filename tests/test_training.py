@@ -449,3 +449,26 @@ def test_flash_attention_drafter_is_refused():
     drafter.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="block attention mask"):
         DrafterTrainingModel(target, drafter)
+
+
+@pytest.mark.parametrize("per_sample", [1, 3])
+def test_build_prompts_draws_several_prompts_per_sample(chat_tokenizer, per_sample):
+    """Each conversation gives its first user turns (with history), each prose chunk prefixes at offsets."""
+    from adaflash_hf.training.train_drafter import build_prompts
+
+    tok = chat_tokenizer
+    ps = build_prompts(tok, ["chat", "prose"], 10_000, "train", seed=0, prose_prefix=8, prompts_per_sample=per_sample)
+    by = {d: [p["prompt_ids"] for p in ps if p["domain"] == d] for d in ("chat", "prose")}
+    base = {d: len([p for p in build_prompts(tok, [d], 10_000, "train", seed=0, prose_prefix=8)]) for d in by}
+    for d, ids in by.items():
+        assert all(1 <= len(x) for x in ids)
+        if per_sample == 1:
+            assert len(ids) == base[d]
+        else:
+            assert base[d] < len(ids) <= per_sample * base[d]
+            assert len({tuple(x) for x in ids}) > 0.9 * len(ids)  # distinct prompts, not copies
+    assert all(len(x) <= 8 for x in by["prose"])
+    capped = build_prompts(tok, ["chat", "prose"], 7, "train", seed=0, prompts_per_sample=per_sample)
+    assert len(capped) == 7
+    with pytest.raises(ValueError, match="prompts_per_sample"):
+        build_prompts(tok, ["chat"], 4, prompts_per_sample=0)

@@ -61,6 +61,29 @@ def _chat_prompt_ids(tok, messages: list[dict]) -> list[int]:
     return list(enc["input_ids"])
 
 
+def _prose_prefixes(tok, text: str, n: int, prose_prefix: int) -> list[list[int]]:
+    """Up to ``n`` prompts of ``prose_prefix`` tokens starting at evenly spaced word boundaries of ``text``."""
+    starts = [0]
+    for j in range(1, n):
+        cut = text.find(" ", j * len(text) // n)
+        if cut == -1 or len(text) - cut < 8 * prose_prefix:  # keep room for a continuation
+            break
+        starts.append(cut + 1)
+    # a prefix of the chunk is plenty for `prose_prefix` tokens (avoids tokenising 2k chars)
+    return [tok(text[s : s + 16 * prose_prefix], add_special_tokens=False)["input_ids"][:prose_prefix] for s in starts]
+
+
+def _chat_turn_prompts(tok, messages: list[dict], n: int, max_prompt_tokens: int) -> list[list[int]]:
+    """Up to ``n`` prompts from one conversation: user turn j with the conversation before it."""
+    out = []
+    for j, m in enumerate(messages):
+        if m["role"] == "user":
+            out.append(_chat_prompt_ids(tok, messages[: j + 1])[-max_prompt_tokens:])
+            if len(out) == n:
+                break
+    return out
+
+
 def build_prompts(
     tok,
     domains: list[str],
@@ -70,10 +93,18 @@ def build_prompts(
     prose_prefix: int = 32,
     max_prompt_tokens: int = 384,
     data_dir=None,
+    prompts_per_sample: int = 1,
 ) -> list[dict]:
-    """``num_prompts`` prompts split evenly over ``domains``: ``{"domain", "prompt_ids"}``."""
+    """``num_prompts`` prompts split evenly over ``domains``: ``{"domain", "prompt_ids"}``.
+
+    Samples are drawn in a ``seed``-shuffled order; each gives up to ``prompts_per_sample`` prompts
+    (a conversation's first user turns, each with the turns before it; a prose chunk's prefixes at
+    evenly spaced offsets), so a domain with few samples still yields many distinct prompts.
+    """
     from . import data as D
 
+    if prompts_per_sample < 1:
+        raise ValueError(f"prompts_per_sample must be >= 1, got {prompts_per_sample}")
     rng = random.Random(seed)
     per = [num_prompts // len(domains) + (1 if i < num_prompts % len(domains) else 0) for i in range(len(domains))]
     out = []
@@ -81,19 +112,18 @@ def build_prompts(
         if k <= 0:
             continue
         samples = D.chat_samples(d, split, data_dir=data_dir)
-        picked = rng.sample(samples, min(k, len(samples)))
-        for s in picked:
+        got = 0
+        for s in rng.sample(samples, len(samples)):
             if "messages" in s:
-                first_user = next((m for m in s["messages"] if m["role"] == "user"), None)
-                if first_user is None:
-                    continue
-                ids = _chat_prompt_ids(tok, [first_user])
-                ids = ids[-max_prompt_tokens:]
+                ids_list = _chat_turn_prompts(tok, s["messages"], prompts_per_sample, max_prompt_tokens)
             else:
-                # a prefix of the chunk is plenty for `prose_prefix` tokens (avoids tokenising 2k chars)
-                ids = tok(s["text"][: 16 * prose_prefix], add_special_tokens=False)["input_ids"][:prose_prefix]
-            if len(ids) >= 1:
-                out.append({"domain": d, "prompt_ids": ids})
+                ids_list = _prose_prefixes(tok, s["text"], prompts_per_sample, prose_prefix)
+            for ids in ids_list[: k - got]:
+                if len(ids) >= 1:
+                    out.append({"domain": d, "prompt_ids": ids})
+                    got += 1
+            if got >= k:
+                break
     return out
 
 
@@ -215,6 +245,8 @@ def add_arguments(ap: argparse.ArgumentParser, require_target: bool = True) -> a
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--prose-prefix", type=int, default=32, help="prompt tokens of a prose chunk")
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
+    ap.add_argument("--prompts-per-sample", type=int, default=1,
+                    help="prompts drawn from each training sample (chat: first user turns; prose: prefixes at offsets)")
     ap.add_argument("--regen-cache", default=None, help="jsonl of regenerated samples: reused if it exists, else written")
     ap.add_argument("--regen-only", action="store_true", help="stop after regeneration (with --regen-cache)")
     # drafter
@@ -304,7 +336,8 @@ def run(a: argparse.Namespace) -> int:
         samples = [json.loads(line) for line in cache.read_text().splitlines() if line.strip()]
         print(f"[train_drafter] reusing {len(samples)} regenerated samples from {cache}", flush=True)
     else:
-        prompts = build_prompts(tok, domains, a.num_prompts, "train", a.seed, a.prose_prefix, a.max_prompt_tokens, a.data)
+        prompts = build_prompts(tok, domains, a.num_prompts, "train", a.seed, a.prose_prefix, a.max_prompt_tokens, a.data,
+                                prompts_per_sample=a.prompts_per_sample)
         samples = regenerate(target, tok, prompts, a.max_new_tokens, a.gen_batch_size, a.temperature, a.top_p, progress)
         if cache is not None and main_process:
             cache.parent.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Train the reference pair and benchmark it, in one command on one H200 (the project's device tool).
-# Inputs carried beside the checkout: .whl/ (transformers 5.23 wheel), .devdata/ (output of
-# `python -m adaflash_hf.training.pretokenize --out .devdata`, plus a copy of the eval/training
-# jsonl files under .devdata/data). Outputs go to $OUT (tar parts of at most 15 MB).
+# Inputs carried beside the checkout: .whl/ (transformers 5.23 wheel) and .devdata/ (written by
+# `python examples/reference_pair/make_devdata.py`; add --target-corpus for step 1).
+# Outputs go to $OUT (tar parts of at most 15 MB).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 ADAFLASH_DATA="$PWD/.devdata/data" TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; W=/tmp/ref; mkdir -p $W
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
+[[ -f .devdata/data.tar.gz && ! -d .devdata/data ]] && tar xzf .devdata/data.tar.gz -C .devdata
 python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
@@ -20,19 +21,21 @@ timeout 150 python3 -m adaflash_hf.training.train_target --data .devdata --out $
 tar cf - -C $W/t target | split -b 15M - "$OUT/target.tar.part-"
 else TARGET=adaflash_hf/reference/target; fi
 
-# 2. drafter: target's own greedy answers to chat + prose prompts, DFlash recipe, block 16.
-# (A first run with 1536 prompts memorised them: 24 epochs, train accept 7.4, held-out tau 1.5.)
+# 2. drafter: target's own greedy answers to chat + prose prompts (up to 4 per conversation / prose
+# chunk), DFlash recipe, block 16. Earlier: v1 memorised 1536 answers (24 epochs, train accept 7.4,
+# held-out tau 1.5); v2 (5020 answers, 108 s) was still improving when it stopped.
 DRAFTER=adaflash_hf/reference/drafter
 if [[ $STEPS == *drafter* ]]; then
 DRAFTER=$W/d
-timeout 240 python3 -m adaflash_hf.training.train_drafter --target $TARGET --out $W/d --domains chat,prose \
-  --minutes ${DRAFT_MINUTES:-1.8} --num-prompts 6144 --max-new-tokens 160 --gen-batch-size 1024 --eval-per-domain 0 2>&1 | tail -n 12
+timeout ${DRAFT_TIMEOUT:-330} python3 -m adaflash_hf.training.train_drafter --target $TARGET --out $W/d --domains chat,prose \
+  --minutes ${DRAFT_MINUTES:-3.5} --num-prompts ${DRAFT_PROMPTS:-20000} --prompts-per-sample 4 --max-new-tokens 192 \
+  --gen-batch-size 4096 --batch-size 32 --eval-per-domain 16 --no-progress 2>&1 | tail -n 16
 tar cf "$OUT/drafter.tar" -C $W d
 fi
 
 # 3. benchmark: greedy tau per held-out domain, every method checked against plain decoding
 if [[ $STEPS == *bench* ]]; then
-timeout 150 python3 -m adaflash_hf.bench --target $TARGET --drafter $DRAFTER \
+timeout ${BENCH_TIMEOUT:-200} python3 -m adaflash_hf.bench --target $TARGET --drafter $DRAFTER \
   --datasets gsm8k,mathqa,codealpaca,sharegpt,math500 --num-prompts ${BENCH_PROMPTS:-6} --max-new-tokens ${BENCH_TOKENS:-128} \
   --methods ${BENCH_METHODS:-plain,dflash_native,fixed,adaptive} --dtype fp32 --warmup 1 --out $W/bench 2>&1 | tail -n 40
 fi
