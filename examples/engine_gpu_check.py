@@ -1,166 +1,633 @@
-"""GPU check of the continuous-batching engine (issue 6) -- run by a later session on the H200.
+"""GPU check of the continuous-batching engine's CUDA-graph decode path (issue 6): one command, one H200.
 
-What it does:
-1. correctness: for a few prompts, every verify mode's greedy output equals the target's own eager
-   ``generate(do_sample=False)`` on that prompt alone (exact in float32; in bf16 a near-tie can flip
-   a token, so mismatches are reported with the first diverging position rather than asserted);
-2. timing: throughput (generated tokens / s) of ``off`` / ``fixed`` / ``packed`` at each concurrency
-   (default 1, 32, 64, 128), with the reference pair on real prompts; mean tau, steps, tokens per
-   forward. The engine is still *eager* here (no CUDA graphs / flex_attention yet): these numbers
-   measure the scheduler + packed attention path, not the final engine.
+Sections, in run order (each in its own try/except: an error is recorded in the JSON, the next
+section still runs, and the JSON + markdown are rewritten after every section):
 
-TODO (next session): capture the decode-time forwards as CUDA graphs per (batch, tokens) bucket and
-add "graph replay == eager" to step 1; swap ``packed_attention`` for flex_attention.
+  a_tiny  equivalence on a tiny random Qwen3 (float32): graph replay == eager path per bucket
+          (logits allclose) and end to end (greedy outputs of every verify mode identical to the
+          eager engine and to HF ``generate``);
+  b_8b    Qwen3-8B shape, random bf16 weights built on the GPU: copy bandwidth and the batch-1
+          floor (weight bytes / bandwidth), plain decoding in the engine (``verify_mode="off"``) at
+          batch 1 and context ~1024, the forward-cost table (requests x tokens each, context
+          1024, ms per graph replay) and the 16-token / 1-token verify ratio at batch 1;
+  a_ref   the same equivalence checks for the reference pair (``--check-dtype``, float32 default);
+  d       measured throughput of off / fixed / packed at each concurrency with the reference pair
+          on real prompts (also records the acceptance traces: accepted drafts and verify lengths);
+  c       a PROJECTION, not a measurement: the 8B-scale throughput those traces imply under the
+          cost table of b (plus an estimated drafter cost), per mode and concurrency.
+
+Writes ``engine_gpu_check.json`` and ``engine_gpu_check.md`` into ``--out``.
 
 Usage:
-    python examples/engine_gpu_check.py --smoke                    # CPU, reference pair, tiny sizes
-    python examples/engine_gpu_check.py --smoke --tiny             # CPU, tiny random models, seconds
-    python examples/engine_gpu_check.py --dtype bfloat16 --out runs/engine_gpu_check.json
+    python examples/engine_gpu_check.py --out $OUT                 # H200, about 5-7 minutes
+    python examples/engine_gpu_check.py --out $OUT --quick         # fewer prompts / tokens / iterations
+    python examples/engine_gpu_check.py --smoke --tiny --out /tmp/egc   # CPU, tiny models, ~10 s
+    python examples/engine_gpu_check.py --smoke --out /tmp/egc          # CPU, reference pair, ~15 s
+
+On CPU (``--smoke``) ``cuda_graphs=True`` runs the same static, padded bucket forwards eagerly with
+SDPA, so every section runs end to end at tiny sizes.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
+import statistics
 import sys
 import time
+import traceback
+from pathlib import Path
 
 import torch
 
+T0 = time.perf_counter()
+SPEC_FLEX_MS = {  # SPEC.md section 6, flex_attention column (gpu_attn_probe.py), for side-by-side reading
+    1: {1: 6.0, 2: 6.1, 4: 6.6, 8: 6.8, 16: 7.1},
+    16: {1: 7.4, 2: 7.6, 4: 7.8, 8: 8.5, 16: 11.3},
+    32: {1: 8.4, 2: 8.6, 4: 9.2, 8: 11.5, 16: 18.8},
+    64: {1: 9.2, 2: 9.9, 4: 11.9, 8: 18.4, 16: 33.6},
+    128: {1: 12.3, 2: 14.3, 4: 20.4, 8: 34.3, 16: 66.7},
+}
+FALLBACK_QUESTIONS = [  # used only if the shared gsm8k data is not reachable
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
+    "Betty is saving money for a new wallet which costs $100. Betty has only half of the money she needs. How much more money does she need if her grandparents give her $30?",
+    "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a year?",
+    "Mark has a garden with flowers. He planted plants of three different colors in it. Ten of them are yellow. How many flowers are there?",
+    "Albert is wondering how much pizza he can eat in one day. He buys 2 large pizzas and 2 small pizzas. How many pieces does he eat?",
+    "Ken created a care package to send to his brother, who was away at boarding school. What was the final weight?",
+    "Alexis is applying for a new job and bought a new set of business clothes to wear to the interview. How much did she pay for the shoes?",
+]
 
-def _tiny_pair(device, dtype):
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, device, iters: int, warmup: int = 1) -> float:
+    """Median milliseconds of ``fn()``: CUDA events on the GPU, wall clock on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- models and prompts
+def tiny_pair(device, dtype, hidden: int, head_dim: int, vocab: int = 512, block_size: int = 8):
+    """A tiny random Qwen3 + AdaFlash drafter (head_dim >= 16: flex_attention's Triton kernels need it)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from adaflash_hf import AdaFlashDrafter
 
     torch.manual_seed(0)
-    target = Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                          max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
-                                          pad_token_id=None, attn_implementation="sdpa")).eval()
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=3,
+                      num_attention_heads=hidden // head_dim, num_key_value_heads=max(1, hidden // head_dim // 2),
+                      head_dim=head_dim, max_position_embeddings=2048, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=None, attn_implementation="sdpa")
+    target = Qwen3ForCausalLM(cfg).eval()
     target.generation_config.pad_token_id = target.generation_config.eos_token_id = None
-    drafter = AdaFlashDrafter.from_target(target, num_layers=1, block_size=8, mask_token_id=127).eval()
+    drafter = AdaFlashDrafter.from_target(target, num_layers=1, block_size=block_size, mask_token_id=vocab - 1).eval()
     target.to(device=device, dtype=dtype)
     drafter.to(device=device, dtype=dtype)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 126, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (256,), generator=g)]
+    prompts = [torch.randint(0, vocab - 2, (int(n),), generator=g).tolist() for n in torch.randint(4, 60, (256,), generator=g)]
     return target, drafter.bind_target(target), prompts, None
 
 
-def _reference_pair(device, dtype, dataset, n):
+def reference_pair(device, dtype, dataset: str, n: int):
     from adaflash_hf import load_reference_pair
     from adaflash_hf.bench import _encode, _load_prompts
 
     target, drafter, tok = load_reference_pair(device=device, dtype=dtype)
-    _, messages = _load_prompts(dataset, n, None)
-    prompts = [_encode(tok, m) for m in messages]
-    return target.eval(), drafter.eval(), prompts, tok.eos_token_id
+    try:
+        _, messages = _load_prompts(dataset, n, None)
+        source = dataset
+    except Exception as exc:  # noqa: BLE001 - the data folder may not travel with the checkout
+        log(f"prompts: {dataset} not loadable ({type(exc).__name__}: {exc}); using built-in questions")
+        messages = [[{"role": "user", "content": FALLBACK_QUESTIONS[i % len(FALLBACK_QUESTIONS)]}] for i in range(n)]
+        source = "built-in gsm8k-style questions"
+    return target.eval(), drafter.eval(), [_encode(tok, m) for m in messages], tok.eos_token_id, source
 
 
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+def qwen3_8b_shape(device, smoke: bool):
+    """Qwen3-8B-shaped target with random bf16 weights, built directly on the device (16 GB)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if smoke:
+        dims = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, vocab_size=1024)
+    else:
+        dims = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    cfg = Qwen3Config(**dims, max_position_embeddings=40960, tie_word_embeddings=False, bos_token_id=None,
+                      eos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(old)
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
+    return model
 
 
-def check_correctness(target, drafter, prompts, max_new, modes, max_len):
-    from adaflash_hf.engine import Engine
-
-    report = {}
+# ----------------------------------------------------------------------------- a: equivalence
+def _greedy_refs(target, prompts, max_new):
     device = next(target.parameters()).device
     refs = []
     for p in prompts:
         out = target.generate(torch.tensor([p], device=device), do_sample=False, max_new_tokens=max_new,
                               eos_token_id=None, pad_token_id=0)
         refs.append(out[0, len(p):].tolist())
-    for mode in modes:
-        engine = Engine(target, drafter, verify_mode=mode, max_slots=len(prompts), max_len=max_len, token_budget=max_len * 2)
-        outs = engine.generate(prompts, max_new_tokens=max_new)
-        mism = []
-        for i, (o, r) in enumerate(zip(outs, refs)):
-            if o.token_ids != r:
-                first = next(j for j, (a, b) in enumerate(zip(o.token_ids + [-1], r + [-2])) if a != b)
-                mism.append({"prompt": i, "first_diff": first})
-        report[mode] = {"prompts": len(prompts), "exact": len(prompts) - len(mism), "mismatches": mism,
-                        "slots_free_at_end": engine.cache.num_free == len(prompts)}
-        print(f"[correctness] {mode:12s} exact {len(prompts) - len(mism)}/{len(prompts)}", flush=True)
+    return refs
+
+
+def _first_diff(a, b):
+    return next((j for j, (x, y) in enumerate(zip(a + [-1], b + [-2])) if x != y), None)
+
+
+def equivalence(target, drafter, prompts, *, slots: int, max_len: int, budget: int, max_new: int, tol: float):
+    """Per bucket: graph replay logits / features vs the eager packed forward on the same cache.
+    End to end: every verify mode, graphs on vs off vs HF greedy ``generate``."""
+    from adaflash_hf.engine import DecodeGraphs, Engine, PackedLayout, make_target_cache, target_forward
+    from adaflash_hf.engine.attention import BLOCK
+
+    device = next(target.parameters()).device
+    B = drafter.config.block_size
+    layers = list(drafter.config.target_layer_ids)
+    report = {"tolerance_rel": tol, "buckets": [], "engine": {}}
+
+    cache = make_target_cache(target, slots, max_len, spare_slots=1, len_multiple=BLOCK)
+    graphs = DecodeGraphs(target, cache, layers, max_tokens=min(budget, slots * B), max_q=B)
+    R = min(slots, 8, len(prompts))
+    pre = [p[:48] for p in prompts[:R]]
+    used = [cache.alloc() for _ in pre]
+    lay = PackedLayout.from_cache(cache, used, [len(p) for p in pre])
+    target_forward(target, cache, torch.tensor(sum(pre, []), device=device), lay.token_slots(device),
+                   lay.positions(device), lay)
+    for s, p in zip(used, pre):
+        cache.advance(s, len(p))
+    g = torch.Generator().manual_seed(1)
+    patterns = [[1], [B], [1] * R, [B] * R, [1, B // 2 + 1, 3][: R], torch.randint(1, B + 1, (R,), generator=g).tolist(),
+                [2] * R]
+    vocab = target.get_input_embeddings().weight.shape[0]
+    for q_lens in patterns:
+        lay = PackedLayout.from_cache(cache, used[: len(q_lens)], q_lens)
+        toks = torch.randint(0, vocab, (lay.num_tokens,), generator=g)
+        ref_logits, ref_hidden = target_forward(target, cache, toks.to(device), lay.token_slots(device),
+                                                lay.positions(device), lay, layers)
+        logits, hidden = graphs.run(toks.tolist(), lay)
+        rel = ((logits - ref_logits).norm() / ref_logits.norm()).item()
+        hrel = ((hidden.float() - ref_hidden.float()).norm() / ref_hidden.float().norm()).item()
+        row = {"q_lens": q_lens, "bucket": list(graphs.bucket(lay.num_tokens, max(q_lens))), "tokens": lay.num_tokens,
+               "logits_rel_err": rel, "logits_max_abs": (logits - ref_logits).abs().max().item(),
+               "hidden_rel_err": hrel, "argmax_agree": (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()}
+        row["ok"] = rel < tol and hrel < tol
+        report["buckets"].append(row)
+        log(f"  bucket {row['bucket']} q_lens={q_lens[:8]}{'...' if len(q_lens) > 8 else ''} rel_err {rel:.2e} "
+            f"hidden {hrel:.2e} argmax {row['argmax_agree']:.3f} {'ok' if row['ok'] else 'FAIL'}")
+    report["attention_backend"] = graphs.attention.backend
+    report["attention_note"] = graphs.attention_note
+    del graphs, cache
+    free_memory()
+
+    check = prompts[: min(8, len(prompts))]
+    refs = _greedy_refs(target, check, max_new)
+    for mode in ("off", "fixed", "packed", "rectangular"):
+        outs = {}
+        for graphs_on in (True, False):
+            eng = Engine(target, drafter if mode != "off" else None, verify_mode=mode, max_slots=slots, max_len=max_len,
+                         token_budget=budget, cuda_graphs=graphs_on)
+            outs[graphs_on] = [o.token_ids for o in eng.generate(check, max_new_tokens=max_new)]
+            if graphs_on:
+                replays = sum(eng.graphs.replays.values())
+        g_vs_e = [i for i, (a, b) in enumerate(zip(outs[True], outs[False])) if a != b]
+        g_vs_hf = [{"prompt": i, "first_diff": _first_diff(a, r)} for i, (a, r) in enumerate(zip(outs[True], refs)) if a != r]
+        report["engine"][mode] = {"prompts": len(check), "graph_equals_eager": len(check) - len(g_vs_e),
+                                  "graph_equals_hf_greedy": len(check) - len(g_vs_hf), "mismatch_vs_hf": g_vs_hf,
+                                  "graph_replays": replays}
+        log(f"  engine {mode:12s} graph==eager {len(check) - len(g_vs_e)}/{len(check)}  "
+            f"graph==HF greedy {len(check) - len(g_vs_hf)}/{len(check)}  ({replays} replays)")
+    report["ok"] = all(r["ok"] for r in report["buckets"]) and all(
+        e["graph_equals_eager"] == e["prompts"] for e in report["engine"].values())
     return report
 
 
-def time_modes(target, drafter, prompts, max_new, modes, concurrency, max_len, token_budget, eos):
+# ----------------------------------------------------------------------------- b: 8B-shape cost
+def cost_8b(device, smoke: bool, quick: bool):
+    from adaflash_hf.engine import DecodeGraphs, Engine, PackedLayout, make_target_cache
+    from adaflash_hf.engine.attention import BLOCK
+
+    rep = {}
+    ctx = 64 if smoke else 1024
+    requests = [1, 2, 4] if smoke else [1, 16, 32, 64, 128]
+    tokens_each = [1, 2, 4] if smoke else [1, 2, 4, 8, 16]
+    iters = 3 if (smoke or quick) else 6
+    log("b: building the 8B-shaped model")
+    t = time.perf_counter()
+    model = qwen3_8b_shape(device, smoke)
+    sync(device)
+    build_s = time.perf_counter() - t
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    weight_bytes = params - embed.numel() * embed.element_size()  # the embedding is looked up, not read
+    rep.update(ctx=ctx, param_bytes=params, weight_bytes_per_token=weight_bytes, build_s=build_s,
+               param_dtype=str(embed.dtype))
+
+    n = (1 << 22) if smoke else (1 << 30)  # elements (bf16): 2 GiB
+    src, dst = torch.empty(n, dtype=torch.bfloat16, device=device), torch.empty(n, dtype=torch.bfloat16, device=device)
+    ms = time_ms(lambda: dst.copy_(src), device, iters=5)
+    rep["copy_bandwidth_TBps"] = 2 * n * 2 / (ms * 1e-3) / 1e12  # read + write
+    rep["floor_ms_per_token"] = weight_bytes / (rep["copy_bandwidth_TBps"] * 1e12) * 1e3
+    rep["floor_tok_per_s"] = 1e3 / rep["floor_ms_per_token"]
+    del src, dst
+    log(f"b: copy bandwidth {rep['copy_bandwidth_TBps']:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB, "
+        f"batch-1 floor {rep['floor_ms_per_token']:.2f} ms/token ({rep['floor_tok_per_s']:.0f} tok/s)")
+
+    # Plain decoding in the engine at batch 1, context ~ctx.
+    try:
+        new = 16 if smoke else (48 if quick else 96)
+        eng = Engine(model, None, verify_mode="off", max_slots=1, max_len=ctx + new + 8, token_budget=ctx + 8,
+                     cuda_graphs=True)
+        g = torch.Generator().manual_seed(0)
+        vocab = embed.shape[0]
+        h = eng.submit(torch.randint(0, vocab, (ctx - 8,), generator=g).tolist(), new)
+        eng.step()  # prefill (eager) + first token
+        eng.step()  # first decode step: captures the (1, 1) graph
+        sync(device)
+        t, done0 = time.perf_counter(), len(h.token_ids)
+        while not h.done:
+            eng.step()
+        sync(device)
+        dt = time.perf_counter() - t
+        steps = len(h.token_ids) - done0
+        bucket = next(iter(eng.graphs.replays))
+        replay_ms = time_ms(lambda: eng.graphs.graphs[bucket].replay(), device, iters) if eng.graphs.use_graphs else None
+        rep["off_batch1"] = {"tok_per_s": steps / dt, "ms_per_token": 1e3 * dt / steps, "graph_replay_ms": replay_ms,
+                             "steps_timed": steps, "context": ctx, "of_floor": (steps / dt) / rep["floor_tok_per_s"]}
+        log(f"b: off, batch 1: {steps / dt:.1f} tok/s ({1e3 * dt / steps:.2f} ms/token; graph alone "
+            f"{replay_ms if replay_ms is None else round(replay_ms, 2)} ms; floor {rep['floor_ms_per_token']:.2f} ms)")
+        del eng, h
+        free_memory()
+    except Exception:  # noqa: BLE001
+        rep["off_batch1"] = {"error": traceback.format_exc()}
+        log("b: off batch-1 FAILED\n" + rep["off_batch1"]["error"])
+
+    # The forward-cost table through one DecodeGraphs: slots filled to ctx (values do not matter for timing).
+    slots = max(requests)
+    cache = make_target_cache(model, slots, ctx + max(tokens_each), spare_slots=1, len_multiple=BLOCK)
+    graphs = DecodeGraphs(model, cache, None, max_tokens=slots * max(tokens_each), max_q=max(tokens_each))
+    used = [cache.alloc() for _ in range(slots)]
+    for s in used:
+        cache.advance(s, ctx)
+    table, g = [], torch.Generator().manual_seed(1)
+    for R in requests:
+        for q in tokens_each:
+            row = {"requests": R, "tokens_each": q}
+            try:
+                lay = PackedLayout.from_cache(cache, used[:R], [q] * R)
+                bucket = graphs.prepare(torch.randint(0, embed.shape[0], (R * q,), generator=g).tolist(), lay)
+                t = time.perf_counter()
+                graphs.replay(bucket)  # first use: captures (and compiles flex for a new q bucket)
+                sync(device)
+                row["first_call_s"] = time.perf_counter() - t
+                fn = (lambda: graphs.graphs[bucket].replay()) if graphs.use_graphs else (lambda: graphs.replay(bucket))
+                row["ms"] = time_ms(fn, device, iters)
+                row["us_per_token"] = 1e3 * row["ms"] / (R * q)
+                row["spec_flex_ms"] = SPEC_FLEX_MS.get(R, {}).get(q)
+                log(f"b: R={R:4d} q={q:3d} {row['ms']:7.2f} ms  (SPEC flex {row['spec_flex_ms']})  "
+                    f"first call {row['first_call_s']:.1f}s")
+            except Exception:  # noqa: BLE001
+                row["error"] = traceback.format_exc()
+                log(f"b: R={R} q={q} FAILED\n{row['error']}")
+            table.append(row)
+    rep["table"] = table
+    rep["attention_backend"], rep["attention_note"] = graphs.attention.backend, graphs.attention_note
+    rep["capture_s_total"] = graphs.capture_seconds
+    cost = {(r["requests"], r["tokens_each"]): r["ms"] for r in table if "ms" in r}
+    if (1, max(tokens_each)) in cost and (1, 1) in cost:
+        rep["verify_q"] = max(tokens_each)
+        rep["verify_over_decode_batch1"] = cost[(1, max(tokens_each))] / cost[(1, 1)]
+        log(f"b: batch 1, {max(tokens_each)}-token verify / 1-token forward = {rep['verify_over_decode_batch1']:.2f}")
+    del graphs, cache, model
+    free_memory()
+    return rep
+
+
+# ----------------------------------------------------------------------------- d: measured throughput
+def throughput(target, drafter, prompts, eos, *, concurrency, modes, max_new, max_len, budget, deadline):
+    """One engine per mode (max_slots = largest concurrency, graphs captured once and reused);
+    per concurrency c: c prompts, a short warm-up, then the timed run. Capture time is reported and
+    subtracted. Each row carries the acceptance trace summary the projection uses."""
     from adaflash_hf.engine import Engine
 
     device = next(target.parameters()).device
     rows = []
-    for c in concurrency:
-        batch = [prompts[i % len(prompts)] for i in range(c)]
-        for mode in modes:
-            engine = Engine(target, drafter, verify_mode=mode, max_slots=c, max_len=max_len, token_budget=token_budget)
-            engine.generate(batch[: min(c, 2)], max_new_tokens=4)  # warm-up
-            warm_fwd, warm_steps = len(engine.forward_tokens), engine.num_steps
-            _sync(device)
-            t0 = time.perf_counter()
-            outs = engine.generate(batch, max_new_tokens=max_new, eos_token_id=eos)
-            _sync(device)
-            dt = time.perf_counter() - t0
-            toks = sum(len(o.token_ids) for o in outs)
-            fwd = engine.forward_tokens[warm_fwd:]
-            row = {"concurrency": c, "mode": mode, "tokens": toks, "seconds": dt, "tok_per_s": toks / dt,
-                   "tau": (sum(o.tau * o.rounds for o in outs) / max(1, sum(o.rounds for o in outs))) if mode != "off" else 1.0,
-                   "steps": engine.num_steps - warm_steps, "mean_forward_tokens": sum(fwd) / max(1, len(fwd))}
+    for mode in modes:
+        eng = Engine(target, drafter if mode != "off" else None, verify_mode=mode, max_slots=max(concurrency),
+                     max_len=max_len, token_budget=budget, cuda_graphs=True)
+        for c in concurrency:
+            if time.perf_counter() > deadline:
+                rows.append({"mode": mode, "concurrency": c, "skipped": "time budget"})
+                log(f"d: {mode} c={c} skipped (time budget)")
+                continue
+            row = {"mode": mode, "concurrency": c}
+            try:
+                batch = [prompts[i % len(prompts)] for i in range(c)]
+                eng.generate(batch, max_new_tokens=8)  # warm-up: captures the common buckets
+                cap0 = eng.graphs.capture_seconds if eng.graphs is not None else 0.0
+                fwd0, steps0 = len(eng.forward_tokens), eng.num_steps
+                sync(device)
+                t = time.perf_counter()
+                outs = eng.generate(batch, max_new_tokens=max_new, eos_token_id=eos)
+                sync(device)
+                wall = time.perf_counter() - t
+                cap = (eng.graphs.capture_seconds if eng.graphs is not None else 0.0) - cap0
+                toks = sum(len(o.token_ids) for o in outs)
+                acc = [a for o in outs for a in o.accepted]
+                vl = [v for o in outs for v in o.verify_lengths]
+                fwd = eng.forward_tokens[fwd0:]
+                row.update(tokens=toks, wall_s=wall, capture_s=cap, tok_per_s=toks / max(wall - cap, 1e-9),
+                           tok_per_s_incl_capture=toks / wall, steps=eng.num_steps - steps0,
+                           mean_forward_tokens=sum(fwd) / max(1, len(fwd)), rounds=len(acc),
+                           tau=(sum(acc) + len(acc)) / max(1, len(acc)), mean_verify_len=sum(vl) / max(1, len(vl)),
+                           verify_len_hist={str(k): vl.count(k) for k in sorted(set(vl))},
+                           accepted_hist={str(k): acc.count(k) for k in sorted(set(acc))})
+                log(f"d: {mode:7s} c={c:4d} {row['tok_per_s']:9.1f} tok/s  tau {row['tau']:.2f}  verify len "
+                    f"{row['mean_verify_len']:.2f}  steps {row['steps']}  capture {cap:.1f}s")
+            except Exception:  # noqa: BLE001
+                row["error"] = traceback.format_exc()
+                log(f"d: {mode} c={c} FAILED\n{row['error']}")
             rows.append(row)
-            print(f"[timing] c={c:4d} {mode:12s} {row['tok_per_s']:9.1f} tok/s  tau {row['tau']:.2f}  "
-                  f"steps {row['steps']}  tokens/forward {row['mean_forward_tokens']:.1f}", flush=True)
+        if eng.graphs is not None:
+            rows.append({"mode": mode, "graph_buckets": len(eng.graphs.graphs), "attention_backend": eng.graphs.attention.backend,
+                         "attention_note": eng.graphs.attention_note, "padded_tokens": eng.graphs.padded_tokens})
+        del eng
+        free_memory()
     return rows
+
+
+# ----------------------------------------------------------------------------- c: projection
+def interp_cost(table_ms: dict, R: float, q: float) -> float:
+    """Bilinear interpolation of the measured cost table in (requests, tokens each), clamped to its range."""
+    rs, qs = sorted({r for r, _ in table_ms}), sorted({t for _, t in table_ms})
+
+    def bracket(xs, x):
+        x = min(max(x, xs[0]), xs[-1])
+        hi = next(i for i, v in enumerate(xs) if v >= x)
+        lo = max(hi - 1, 0)
+        w = 0.0 if xs[hi] == xs[lo] else (x - xs[lo]) / (xs[hi] - xs[lo])
+        return xs[lo], xs[hi], w
+
+    r0, r1, wr = bracket(rs, R)
+    q0, q1, wq = bracket(qs, q)
+    at = lambda r, t: table_ms[(r, t)]  # noqa: E731
+    return ((1 - wr) * ((1 - wq) * at(r0, q0) + wq * at(r0, q1)) + wr * ((1 - wq) * at(r1, q0) + wq * at(r1, q1)))
+
+
+def projection(cost_rep: dict, measured: list, drafter_layers: int, target_layers: int):
+    """Steady state at concurrency c: one round costs the target forward of c requests at the mode's mean
+    verify length (interpolated in the cost table) plus, for speculative modes, an estimated drafter
+    forward ((drafter_layers / target_layers) of a c x 16-token target forward); it commits c * tau tokens."""
+    table_ms = {(r["requests"], r["tokens_each"]): r["ms"] for r in cost_rep["table"] if "ms" in r}
+    if not table_ms:
+        raise RuntimeError("no cost table from section b")
+    qmax = max(t for _, t in table_ms)
+    traces = {(r["mode"], r["concurrency"]): r for r in measured if "tau" in r}
+    rows = []
+    for (mode, c), tr in sorted(traces.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        vlen = 1.0 if mode == "off" else tr["mean_verify_len"]
+        tau = 1.0 if mode == "off" else tr["tau"]
+        target_ms = interp_cost(table_ms, c, vlen)
+        draft_ms = 0.0 if mode == "off" else drafter_layers / target_layers * interp_cost(table_ms, c, qmax)
+        rows.append({"mode": mode, "concurrency": c, "tau": tau, "mean_verify_len": vlen, "target_ms": target_ms,
+                     "drafter_ms_est": draft_ms, "tok_per_s": c * tau / ((target_ms + draft_ms) * 1e-3),
+                     "tok_per_s_target_only": c * tau / (target_ms * 1e-3)})
+    off = {r["concurrency"]: r["tok_per_s"] for r in rows if r["mode"] == "off"}
+    for r in rows:
+        r["speedup_vs_off"] = r["tok_per_s"] / off[r["concurrency"]] if r["concurrency"] in off else None
+    return {"label": "PROJECTION (model, not a measurement): reference-pair acceptance traces x measured 8B-shape "
+                     "forward costs; drafter cost estimated as a fraction of a target forward",
+            "drafter_layers": drafter_layers, "target_layers": target_layers, "rows": rows}
+
+
+# ----------------------------------------------------------------------------- report
+def markdown(res: dict) -> str:
+    out = [f"# Engine GPU check ({res['meta']['device']}, {res['meta'].get('gpu', '')})", ""]
+    for key in ("a_tiny", "a_ref"):
+        sec = res.get(key)
+        if not sec:
+            continue
+        out += [f"## {key}: graph replay vs eager ({sec.get('model', '')}, {sec.get('dtype', '')})", ""]
+        if "error" in sec:
+            out += ["```", sec["error"][-2000:], "```", ""]
+            continue
+        out += [f"attention: {sec.get('attention_backend')} {sec.get('attention_note', '')}", "",
+                "| bucket (tokens, q) | q_lens | logits rel err | hidden rel err | argmax agree | ok |", "|---|---|---|---|---|---|"]
+        for b in sec.get("buckets", []):
+            out.append(f"| {tuple(b['bucket'])} | {b['q_lens'][:6]}{'...' if len(b['q_lens']) > 6 else ''} | "
+                       f"{b['logits_rel_err']:.1e} | {b['hidden_rel_err']:.1e} | {b['argmax_agree']:.3f} | {b['ok']} |")
+        out += ["", "| mode | graph == eager | graph == HF greedy | replays |", "|---|---|---|---|"]
+        for m, e in sec.get("engine", {}).items():
+            out.append(f"| {m} | {e['graph_equals_eager']}/{e['prompts']} | {e['graph_equals_hf_greedy']}/{e['prompts']} | {e['graph_replays']} |")
+        out.append("")
+    b = res.get("b_8b")
+    if b:
+        out += ["## b: Qwen3-8B shape, random bf16 weights", ""]
+        if "error" in b and "table" not in b:
+            out += ["```", b["error"][-2000:], "```", ""]
+        else:
+            out.append(f"copy bandwidth {b['copy_bandwidth_TBps']:.2f} TB/s; weights read per token "
+                       f"{b['weight_bytes_per_token'] / 1e9:.2f} GB; batch-1 floor {b['floor_ms_per_token']:.2f} ms/token "
+                       f"({b['floor_tok_per_s']:.0f} tok/s)")
+            o = b.get("off_batch1", {})
+            if "tok_per_s" in o:
+                out.append(f"\nplain decoding in the engine (off, batch 1, context {o['context']}): {o['tok_per_s']:.1f} tok/s "
+                           f"({o['ms_per_token']:.2f} ms/token, {100 * o['of_floor']:.0f}% of the floor; graph replay alone "
+                           f"{o['graph_replay_ms'] if o['graph_replay_ms'] is None else round(o['graph_replay_ms'], 2)} ms)")
+            elif o:
+                out += ["", "off batch-1 failed:", "```", o.get("error", "")[-1500:], "```"]
+            if "verify_over_decode_batch1" in b:
+                out.append(f"\nbatch 1: {b['verify_q']}-token verify forward / 1-token forward = {b['verify_over_decode_batch1']:.2f}")
+            out += ["", f"attention: {b.get('attention_backend')} {b.get('attention_note', '')}", "",
+                    f"ms per forward (CUDA graph), context {b['ctx']}; in brackets SPEC section 6's flex probe:", ""]
+            qs = sorted({r["tokens_each"] for r in b["table"]})
+            out += ["| requests \\ tokens each | " + " | ".join(map(str, qs)) + " |", "|---" * (len(qs) + 1) + "|"]
+            for R in sorted({r["requests"] for r in b["table"]}):
+                cells = []
+                for q in qs:
+                    r = next(x for x in b["table"] if x["requests"] == R and x["tokens_each"] == q)
+                    cells.append(("fail" if "ms" not in r else f"{r['ms']:.1f}") + (f" ({r['spec_flex_ms']})" if r.get("spec_flex_ms") else ""))
+                out.append(f"| {R} | " + " | ".join(cells) + " |")
+            out.append("")
+    d = res.get("d")
+    if d:
+        out += ["## d: measured throughput, reference pair, real prompts", ""]
+        if isinstance(d, dict) and "error" in d:
+            out += ["```", d["error"][-2000:], "```", ""]
+        else:
+            out += ["| concurrency | mode | tok/s | tau | mean verify len | steps | capture s |", "|---|---|---|---|---|---|---|"]
+            for r in sorted([r for r in d if "tok_per_s" in r], key=lambda r: (r["concurrency"], r["mode"])):
+                out.append(f"| {r['concurrency']} | {r['mode']} | {r['tok_per_s']:.1f} | {r['tau']:.2f} | "
+                           f"{r['mean_verify_len']:.2f} | {r['steps']} | {r['capture_s']:.1f} |")
+            for r in d:
+                if "error" in r or "skipped" in r:
+                    out.append(f"\n{r['mode']} c={r['concurrency']}: {r.get('skipped') or r['error'].splitlines()[-1]}")
+            out.append("")
+    c = res.get("c")
+    if c:
+        out += ["## c: PROJECTION at 8B scale (not a measurement)", ""]
+        if "error" in c:
+            out += ["```", c["error"][-2000:], "```", ""]
+        else:
+            out += [c["label"] + ".", "", "| concurrency | mode | tau | verify len | target ms | drafter ms (est) | tok/s | vs off |",
+                    "|---|---|---|---|---|---|---|---|"]
+            for r in c["rows"]:
+                sp = "" if r["speedup_vs_off"] is None else f"{r['speedup_vs_off']:.2f}x"
+                out.append(f"| {r['concurrency']} | {r['mode']} | {r['tau']:.2f} | {r['mean_verify_len']:.2f} | {r['target_ms']:.1f} | "
+                           f"{r['drafter_ms_est']:.1f} | {r['tok_per_s']:.0f} | {sp} |")
+            out.append("")
+    errs = [k for k, v in res.items() if isinstance(v, dict) and "error" in v]
+    out.append(f"sections with errors: {errs or 'none'}; total {res['meta'].get('total_s', 0):.0f}s")
+    return "\n".join(out) + "\n"
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="CPU, the reference pair in float32, tiny sizes")
-    ap.add_argument("--tiny", action="store_true", help="with --smoke: tiny random models instead of the reference pair")
+    ap.add_argument("--out", default="engine_gpu_check_out", help="output directory (JSON + markdown)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, every section")
+    ap.add_argument("--tiny", action="store_true", help="with --smoke: tiny random pair instead of the reference pair")
+    ap.add_argument("--quick", action="store_true", help="fewer prompts, tokens and timing iterations")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="section d")
+    ap.add_argument("--check-dtype", default="float32", choices=["bfloat16", "float16", "float32"], help="section a_ref")
     ap.add_argument("--dataset", default="gsm8k")
-    ap.add_argument("--num-prompts", type=int, default=128)
-    ap.add_argument("--check-prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="1,32,64,128")
     ap.add_argument("--modes", default="off,fixed,packed")
-    ap.add_argument("--max-len", type=int, default=1024)
-    ap.add_argument("--token-budget", type=int, default=2048)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--budget-s", type=float, default=400.0, help="skip what would start after this many seconds")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip (a_tiny,b_8b,a_ref,d,c)")
     args = ap.parse_args(argv)
 
-    if args.smoke:
-        device, dtype = args.device or "cpu", torch.float32
-        if args.tiny:
-            target, drafter, prompts, eos = _tiny_pair(device, dtype)
-        else:
-            target, drafter, prompts, eos = _reference_pair(device, dtype, args.dataset, 4)
-        concurrency, max_new, max_len, budget, n_check = [1, 2], 8, 512, 1024, 2
-    else:
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = getattr(torch, args.dtype)
-        target, drafter, prompts, eos = _reference_pair(device, dtype, args.dataset, args.num_prompts)
-        concurrency = [int(c) for c in args.concurrency.split(",")]
-        max_new, max_len, budget, n_check = args.max_new_tokens, args.max_len, args.token_budget, args.check_prompts
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    smoke = args.smoke
+    device = args.device or ("cpu" if smoke else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.float32 if smoke else getattr(torch, args.dtype)
+    check_dtype = torch.float32 if smoke else getattr(torch, args.check_dtype)
+    concurrency = [1, 2, 4] if smoke else [int(c) for c in args.concurrency.split(",")]
     modes = args.modes.split(",")
-    longest = max(len(p) for p in prompts)
-    if longest + max_new > max_len:
-        prompts = [p for p in prompts if len(p) + max_new <= max_len]
-        print(f"note: dropped prompts longer than max_len - max_new_tokens ({max_len - max_new})", file=sys.stderr)
-    with torch.no_grad():
-        result = {
-            "device": str(device), "dtype": str(dtype), "engine": "eager (no CUDA graphs yet)",
-            "correctness": check_correctness(target, drafter, prompts[:n_check], min(max_new, 32),
-                                             ["off", "fixed", "packed", "rectangular"], max_len),
-            "timing": time_modes(target, drafter, prompts, max_new, modes, concurrency, max_len, budget, eos),
-        }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-    ok = all(r["exact"] == r["prompts"] for r in result["correctness"].values())
-    print("correctness:", "all exact" if ok else "MISMATCHES (see report; bf16 near-ties possible)")
-    return 0 if (ok or dtype != torch.float32) else 1
+    max_new = args.max_new_tokens or (8 if smoke else (48 if args.quick else 96))
+    skip = set(filter(None, args.skip.split(",")))
+    deadline = T0 + args.budget_s
+    res = {"meta": {"device": device, "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "",
+                    "torch": torch.__version__, "smoke": smoke, "quick": args.quick, "dtype": str(dtype),
+                    "check_dtype": str(check_dtype), "concurrency": concurrency, "max_new_tokens": max_new}}
+
+    def save():
+        res["meta"]["total_s"] = time.perf_counter() - T0
+        (out_dir / "engine_gpu_check.json").write_text(json.dumps(res, indent=1, default=str))
+        (out_dir / "engine_gpu_check.md").write_text(markdown(res))
+
+    def section(name, fn):
+        if name in skip:
+            return
+        if time.perf_counter() > deadline:
+            res[name] = {"error": f"skipped: past --budget-s {args.budget_s}"}
+            log(f"{name}: skipped (time budget)")
+            save()
+            return
+        log(f"== section {name}")
+        try:
+            res[name] = fn()
+        except Exception:  # noqa: BLE001 - record and go on: one failure must not lose the other sections
+            res[name] = {"error": traceback.format_exc()}
+            log(f"{name} FAILED\n{res[name]['error']}")
+        free_memory()
+        save()
+
+    pair_slots = max(concurrency)
+
+    def a_tiny():
+        # head_dim 32: flex's Triton kernels need head_dim >= 16 (the CPU tests' models use 8 and SDPA)
+        target, drafter, prompts, _ = tiny_pair(device, torch.float32, hidden=128, head_dim=32)
+        rep = equivalence(target, drafter, prompts, slots=pair_slots, max_len=256, budget=1024, max_new=24, tol=1e-3)
+        return {"model": "tiny random Qwen3 (3 layers, hidden 128)", "dtype": "float32", **rep}
+
+    def pair(dt, n):
+        if smoke and args.tiny:
+            target, drafter, prompts, eos = tiny_pair(device, dt, hidden=64, head_dim=16)
+            return target, drafter, prompts, eos, "tiny random pair (--tiny)"
+        return reference_pair(device, dt, args.dataset, n)
+
+    def a_ref():
+        target, drafter, prompts, _, source = pair(check_dtype, 8)
+        tol = 1e-3 if check_dtype == torch.float32 else 3e-2
+        rep = equivalence(target, drafter, prompts, slots=pair_slots, max_len=1024 if not smoke else 512,
+                          budget=4096, max_new=32 if not smoke else 8, tol=tol)
+        return {"model": "reference pair" if "tiny" not in source else source, "prompts": source,
+                "dtype": str(check_dtype), **rep}
+
+    def d():
+        n = 4 if smoke else (64 if args.quick else 128)
+        target, drafter, prompts, eos, source = pair(dtype, n)
+        res["meta"]["prompts_d"] = source
+        longest = max(len(p) for p in prompts)
+        max_len = longest + max_new + 8
+        budget = max(4096, longest + pair_slots * drafter.config.block_size)
+        rows = throughput(target, drafter, prompts, eos, concurrency=concurrency, modes=modes, max_new=max_new,
+                          max_len=max_len, budget=budget, deadline=deadline + 60)
+        return rows
+
+    def c():
+        if "table" not in res.get("b_8b", {}):
+            raise RuntimeError("section b_8b has no cost table")
+        if not isinstance(res.get("d"), list):
+            raise RuntimeError("section d recorded no traces")
+        # The 8B target's DFlash drafter has 5 layers of the target's shape (SPEC section 6).
+        return projection(res["b_8b"], res["d"], drafter_layers=5, target_layers=36)
+
+    section("a_tiny", a_tiny)
+    section("b_8b", lambda: cost_8b(device, smoke, args.quick))
+    section("a_ref", a_ref)
+    section("d", d)
+    section("c", c)
+    save()
+    errs = [k for k, v in res.items() if isinstance(v, dict) and "error" in v]
+    bad = [k for k in ("a_tiny", "a_ref") if isinstance(res.get(k), dict) and res[k].get("ok") is False]
+    exact = all(e["graph_equals_hf_greedy"] == e["prompts"] for k in ("a_tiny", "a_ref")
+                for e in res.get(k, {}).get("engine", {}).values())
+    log(f"done: errors in {errs or 'no section'}; equivalence failures in {bad or 'none'}; wrote {out_dir}")
+    print("correctness:", "all exact" if exact and not bad and not errs else "MISMATCHES or errors (see the report)")
+    return 1 if errs or bad else 0
 
 
 if __name__ == "__main__":

@@ -1,15 +1,31 @@
 """Continuous-batching speculative decoding engine (issue 6): slotted KV caches, packed verification,
-EMA admission. CPU-correct core; CUDA graphs / flex_attention come later (examples/engine_gpu_check.py)."""
+EMA admission; on CUDA the decode forwards are CUDA graphs per bucket with flex_attention
+(``graphs.py``, ``attention.py``; checked and measured by examples/engine_gpu_check.py)."""
 
 from .admission import AdmissionController
+from .attention import SlotAttention, slot_block_mask, slot_mask_mod
+from .async_engine import AsyncEngine, EngineClosed, EngineFailed, RequestFuture, TokenStream
 from .drafter import SlotCacheView, draft_blocks, make_drafter_cache
 from .engine import VERIFY_MODES, Engine, EngineOutput, RequestHandle, RequestRejected, StepInfo
+from .graphs import DecodeGraphs, pick_bucket, q_buckets, token_buckets
 from .kv_cache import SlotKVCache
 from .sampling import SamplingParams, processed_probs
-from .target import PackedLayout, check_target_supported, make_target_cache, packed_attention, target_forward
+from .server import OpenAIServer, make_server
+from .target import (
+    PackedLayout,
+    check_target_supported,
+    decoder_forward,
+    make_target_cache,
+    packed_attention,
+    target_forward,
+)
 
 __all__ = [
-    "AdmissionController", "Engine", "EngineOutput", "PackedLayout", "RequestHandle", "RequestRejected",
+    "AdmissionController", "AsyncEngine", "Engine", "EngineClosed", "EngineFailed", "OpenAIServer", "RequestFuture",
+    "TokenStream", "make_server", "EngineOutput", "PackedLayout", "RequestHandle", "RequestRejected",
     "SamplingParams", "SlotCacheView", "SlotKVCache", "StepInfo", "VERIFY_MODES", "check_target_supported",
     "draft_blocks", "make_drafter_cache", "make_target_cache", "packed_attention", "processed_probs", "target_forward",
+    # the CUDA-graph decode path
+    "DecodeGraphs", "SlotAttention", "decoder_forward", "pick_bucket", "q_buckets", "slot_block_mask", "slot_mask_mod",
+    "token_buckets",
 ]

@@ -1,4 +1,4 @@
-"""A continuous-batching speculative decoding engine for HF Qwen3 / Llama targets (CPU-correct core).
+"""A continuous-batching speculative decoding engine for HF Qwen3 / Llama targets.
 
 One :meth:`Engine.step` is one round for every running request:
 
@@ -18,8 +18,11 @@ Verify modes: ``packed`` (each request its own ``k_hat_i``; ``sum_i k_hat_i`` to
 The round never sends more than ``token_budget`` tokens: if the drafts do not fit, the longest
 verify lengths are trimmed (a shorter verify is always lossless).
 
-GPU-only parts (CUDA graphs per bucket, flex_attention) are not here yet; see
-``examples/engine_gpu_check.py``.
+On CUDA the decode forward of step 3 (every verify round, every ``off`` step) is a CUDA graph per
+(tokens, tokens-per-request) bucket with flex_attention over the slotted cache
+(:class:`~.graphs.DecodeGraphs`); prefill of newly admitted requests stays an eager packed forward
+next to it. ``cuda_graphs=False`` keeps the all-eager reference path (SDPA, any shapes);
+``examples/engine_gpu_check.py`` checks both agree and measures them.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from ..generation.acceptance import greedy_accept, speculative_accept
 from ..generation.length_policy import adaptive_verify_length, load_scaled_rate
 from ..generation.stats import RoundSink, VerifiedRound, mean_tokens_per_round
 from .admission import AdmissionController
+from .attention import BLOCK
 from .drafter import draft_blocks, make_drafter_cache
+from .graphs import DecodeGraphs
 from .sampling import SamplingParams, processed_probs
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
 
@@ -84,11 +89,11 @@ class StepInfo:
 
 
 class _Request:
-    def __init__(self, rid: int, prompt: list[int], max_new: int, params: SamplingParams, on_token):
+    def __init__(self, rid: int, prompt: list[int], max_new: int, params: SamplingParams, on_token, device="cpu"):
         self.id, self.prompt, self.max_new, self.params, self.on_token = rid, prompt, max_new, params, on_token
         self.generator = None
         if not params.greedy:
-            self.generator = torch.Generator()
+            self.generator = torch.Generator(device=device)  # where the logits it samples from live
             self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
         self.slot: int | None = None
         self.tokens: list[int] = []
@@ -151,6 +156,9 @@ class Engine:
         ema_beta: admission EMA weight.
         round_sink: receives every verified round (default: an OnlineAdapter attached to the drafter).
         step_hook: called with a :class:`StepInfo` before each target forward (tests, metrics).
+        cuda_graphs: decode forwards as CUDA graphs per bucket with flex_attention (default: on when
+            the target is on CUDA). ``True`` on CPU runs the same static, padded bucket forwards
+            eagerly with SDPA (what the CPU tests check); ``False`` is the eager reference path.
 
     Example:
         >>> engine = Engine(target, drafter, verify_mode="packed", max_slots=8, max_len=256)  # doctest: +SKIP
@@ -160,7 +168,7 @@ class Engine:
     def __init__(self, target, drafter=None, verify_mode: str = "packed", max_slots: int = 16, max_len: int = 1024,
                  token_budget: int = 512, length_rate: float | None = None, length_min: int | None = None,
                  halving_batch: int = 64, ema_beta: float = 0.2, round_sink: RoundSink | None = None,
-                 step_hook: Callable[[StepInfo], None] | None = None):
+                 step_hook: Callable[[StepInfo], None] | None = None, cuda_graphs: bool | None = None):
         if verify_mode not in VERIFY_MODES:
             raise ValueError(f"unknown verify_mode {verify_mode!r}: choose one of {', '.join(VERIFY_MODES)}")
         check_target_supported(target)
@@ -173,14 +181,21 @@ class Engine:
         self.target, self.drafter, self.verify_mode = target, drafter if verify_mode != "off" else None, verify_mode
         self.max_slots, self.max_len, self.token_budget = max_slots, max_len, token_budget
         self.device = next(target.parameters()).device
-        self.cache = make_target_cache(target, max_slots, max_len)
-        self.dcache = make_drafter_cache(drafter, max_slots, max_len) if self.drafter is not None else None
         self.block_size = self.drafter.config.block_size if self.drafter is not None else 1
         cfg = self.drafter.config if self.drafter is not None else None
+        self.hidden_layers = list(cfg.target_layer_ids) if cfg is not None else None
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        if self.cuda_graphs:  # one spare slot row takes the bucket padding; slots are whole flex blocks
+            self.cache = make_target_cache(target, max_slots, max_len, spare_slots=1, len_multiple=BLOCK)
+            self.graphs = DecodeGraphs(target, self.cache, self.hidden_layers,
+                                       max_tokens=min(token_budget, max_slots * self.block_size), max_q=self.block_size,
+                                       use_graphs=self.device.type == "cuda")
+        else:
+            self.cache, self.graphs = make_target_cache(target, max_slots, max_len), None
+        self.dcache = make_drafter_cache(drafter, max_slots, max_len) if self.drafter is not None else None
         self.length_rate = length_rate if length_rate is not None else (getattr(cfg, "length_rate", 1.0) if cfg else 1.0)
         self.length_min = length_min if length_min is not None else (getattr(cfg, "length_min", 1) if cfg else 1)
         self.halving_batch = halving_batch
-        self.hidden_layers = list(cfg.target_layer_ids) if cfg is not None else None
         per_req = {"off": 1.0, "fixed": float(self.block_size)}.get(verify_mode, max(1.0, self.block_size * self.length_rate / 2))
         self.admission = AdmissionController(max_slots, max_len, token_budget, per_req, beta=ema_beta)
         self.round_sink = round_sink if round_sink is not None else getattr(drafter, "_round_sink", None)
@@ -213,7 +228,7 @@ class Engine:
         vocab = self.target.get_input_embeddings().weight.shape[0]
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
-        req = _Request(next(self._ids), prompt, int(max_new_tokens), params, on_token)
+        req = _Request(next(self._ids), prompt, int(max_new_tokens), params, on_token, self.device)
         self._queue.append(req)
         return RequestHandle(self, req)
 
@@ -299,7 +314,7 @@ class Engine:
         if not n and not admitted:
             return False  # unreachable while submit rejects what never fits; kept as a guard
 
-        # 3. One packed target forward: prefill segments, then verify segments.
+        # 3. The target: prefill segments, then verify segments (bonus + drafts).
         segs = [(r.slot, r.prompt) for r in admitted]
         segs += [(r.slot, [r.bonus] + draft[i, : q_lens[i] - 1].tolist()) for i, r in enumerate(running)]
         layout = PackedLayout.from_cache(self.cache, [s for s, _ in segs], [len(t) for _, t in segs])
@@ -308,14 +323,7 @@ class Engine:
                                     self.max_slots - self.cache.num_free, self.max_slots, self.admission.n_hat))
         assert layout.num_tokens <= self.token_budget
         offs = layout.offsets
-        logits_index = [offs[j + 1] - 1 for j in range(len(admitted))]
-        for i in range(n):
-            j = len(admitted) + i
-            logits_index += list(range(offs[j], offs[j] + q_lens[i]))
-        tokens = torch.tensor([t for _, toks in segs for t in toks], dtype=torch.long, device=self.device)
-        logits, hidden = target_forward(self.target, self.cache, tokens, layout.token_slots(self.device),
-                                        layout.positions(self.device), layout, self.hidden_layers,
-                                        torch.tensor(logits_index, device=self.device))
+        logits, hidden = self._target_forward(segs, layout, len(admitted))
         self.forward_tokens.append(layout.num_tokens)
         self.num_steps += 1
 
@@ -341,7 +349,8 @@ class Engine:
         greedy_rows = [i for i, r in enumerate(running) if r.params.greedy]
         if greedy_rows:
             g = torch.tensor(greedy_rows)
-            res = greedy_accept(draft[g, :kmax], vlogits[g], draft_len[g])
+            dev = vlogits.device  # drafts and lengths live on the host; acceptance runs where the logits are
+            res = greedy_accept(draft[g, :kmax].to(dev), vlogits[g.to(dev)], draft_len[g].to(dev))
             accepted[g], next_tokens[g] = res.num_accepted.cpu(), res.next_tokens.cpu()
         for i, r in enumerate(running):
             if r.params.greedy:
@@ -349,7 +358,7 @@ class Engine:
             dl = int(draft_len[i])
             p = processed_probs(vlogits[i, : dl + 1], r.params)
             q = q_probs[i] if q_probs[i] is not None else p.new_zeros(0, p.shape[-1])
-            res = speculative_accept(draft[i : i + 1, :dl], q[None, :dl], p[None], generator=r.generator)
+            res = speculative_accept(draft[i : i + 1, :dl].to(p.device), q[None, :dl], p[None], generator=r.generator)
             accepted[i], next_tokens[i] = int(res.num_accepted), int(res.next_tokens)
         for i, r in enumerate(running):
             a, j = int(accepted[i]), base + i
@@ -362,6 +371,29 @@ class Engine:
                 r.pending_ctx = hidden[offs[j] : offs[j] + a + 1]
             self._commit(r, draft[i, :a].tolist() + [int(next_tokens[i])])
         return True
+
+    def _target_forward(self, segs, layout: PackedLayout, num_prefill: int):
+        """Logits of each prefill's last token, then of every verify token; hidden states of every
+        token, in ``layout``'s packed order. One eager packed forward, or (CUDA graphs on) an eager
+        prefill forward plus the graph-replayed decode forward (distinct slots: order is free)."""
+        offs = layout.offsets
+        dec_start = offs[num_prefill]
+        if self.graphs is None or num_prefill == len(segs):
+            logits_index = [offs[j + 1] - 1 for j in range(num_prefill)] + list(range(dec_start, layout.num_tokens))
+            tokens = torch.tensor([t for _, toks in segs for t in toks], dtype=torch.long, device=self.device)
+            return target_forward(self.target, self.cache, tokens, layout.token_slots(self.device),
+                                  layout.positions(self.device), layout, self.hidden_layers,
+                                  torch.tensor(logits_index, device=self.device))
+        pre_layout, dec_layout = layout.split(num_prefill)
+        logits, hidden = self.graphs.run([t for _, toks in segs[num_prefill:] for t in toks], dec_layout)
+        if num_prefill:
+            tokens = torch.tensor([t for _, toks in segs[:num_prefill] for t in toks], dtype=torch.long, device=self.device)
+            last = torch.tensor([offs[j + 1] - 1 for j in range(num_prefill)], device=self.device)
+            pre_logits, pre_hidden = target_forward(self.target, self.cache, tokens, pre_layout.token_slots(self.device),
+                                                    pre_layout.positions(self.device), pre_layout, self.hidden_layers, last)
+            logits = torch.cat([pre_logits, logits])
+            hidden = torch.cat([pre_hidden, hidden]) if hidden is not None else None
+        return logits, hidden
 
     def _propose(self, running):
         """One drafter forward for all running requests: drafts, raw logits, ratios, draft lengths."""

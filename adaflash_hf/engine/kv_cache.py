@@ -5,6 +5,9 @@ admission to its end; its cache *length* says how many positions are valid. Writ
 changes the length: the engine writes a verify block at ``length .. length + q - 1``, then
 :meth:`advance` counts only the accepted tokens. Rejected tokens are simply not counted and are
 overwritten by the next write (rollback is free).
+
+``spare_slots`` adds storage rows past ``num_slots`` that are never handed out: the CUDA-graph
+decode path (:mod:`.graphs`) sends its padding tokens there, so padding never touches a request.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ __all__ = ["SlotKVCache"]
 
 
 class SlotKVCache:
-    """K/V storage ``[num_layers, num_slots, kv_heads, max_len, head_dim]`` with per-slot lengths.
+    """K/V storage ``[num_layers, num_slots + spare_slots, kv_heads, max_len, head_dim]`` with per-slot lengths.
 
     Example:
         >>> cache = SlotKVCache(2, 4, 16, kv_heads=1, head_dim=8)
@@ -28,12 +31,12 @@ class SlotKVCache:
     """
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
-        if min(num_layers, num_slots, max_len, kv_heads, head_dim) < 1:
-            raise ValueError("SlotKVCache dimensions must all be >= 1")
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, spare_slots: int = 0):
+        if min(num_layers, num_slots, max_len, kv_heads, head_dim) < 1 or spare_slots < 0:
+            raise ValueError("SlotKVCache dimensions must all be >= 1 (spare_slots >= 0)")
         self.num_layers, self.num_slots, self.max_len = num_layers, num_slots, max_len
-        self.kv_heads, self.head_dim = kv_heads, head_dim
-        shape = (num_layers, num_slots, kv_heads, max_len, head_dim)
+        self.kv_heads, self.head_dim, self.spare_slots = kv_heads, head_dim, spare_slots
+        shape = (num_layers, num_slots + spare_slots, kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = [0] * num_slots  # host-side: the scheduler reads them every round

@@ -7,21 +7,25 @@ mask with a per-block prefix. Weights are the HF model's (``embed_tokens``, each
 ``q/k/v/o_proj``, Qwen3's ``q_norm``/``k_norm``, ``rotary_emb``, ``mlp``, final ``norm``,
 ``lm_head``): nothing is copied, so the engine follows whatever the model holds.
 
-Attention is isolated in :func:`packed_attention` so a GPU build can swap in ``flex_attention``
-with a block mask (SPEC section 6 shows boolean-mask SDPA falls off at large batch).
+The layer loop (:func:`decoder_forward`) takes the K/V write + attention as a callback:
+:func:`target_forward` (the eager reference, any shapes) writes through :meth:`SlotKVCache.write`
+and attends with :func:`packed_attention`; the CUDA-graph decode path (:mod:`.graphs`) writes with
+static indices and attends per slot (:mod:`.attention`, flex_attention on CUDA).
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .kv_cache import SlotKVCache
 
-__all__ = ["PackedLayout", "check_target_supported", "make_target_cache", "packed_attention", "target_forward"]
+__all__ = ["PackedLayout", "check_target_supported", "decoder_forward", "make_target_cache", "packed_attention",
+           "target_forward"]
 
 SUPPORTED = ("qwen3", "llama")
 
@@ -58,6 +62,11 @@ class PackedLayout:
             out.append(out[-1] + q)
         return out
 
+    def split(self, n: int) -> tuple["PackedLayout", "PackedLayout"]:
+        """The first ``n`` requests and the rest, as two layouts."""
+        return (PackedLayout(self.slots[:n], self.q_lens[:n], self.prefix_lens[:n]),
+                PackedLayout(self.slots[n:], self.q_lens[n:], self.prefix_lens[n:]))
+
     def positions(self, device=None) -> torch.Tensor:
         return torch.cat([torch.arange(p, p + q) for p, q in zip(self.prefix_lens, self.q_lens)]).to(device)
 
@@ -92,20 +101,24 @@ def check_target_supported(model) -> None:
         raise ValueError(f"unsupported rope_type {cfg.rope_parameters.get('rope_type')!r}")
 
 
-def make_target_cache(model, num_slots: int, max_len: int, dtype=None, device=None) -> SlotKVCache:
+def make_target_cache(model, num_slots: int, max_len: int, dtype=None, device=None, spare_slots: int = 0,
+                      len_multiple: int = 1) -> SlotKVCache:
+    """A :class:`SlotKVCache` shaped for ``model``; ``max_len`` is rounded up to ``len_multiple``
+    (flex_attention's KV block size on the decode path, so slots are whole blocks)."""
     cfg = model.config.get_text_config(decoder=True)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     param = next(model.parameters())
+    max_len = -(-max_len // len_multiple) * len_multiple
     return SlotKVCache(cfg.num_hidden_layers, num_slots, max_len, cfg.num_key_value_heads, head_dim,
-                       dtype=dtype or param.dtype, device=device or param.device)
+                       dtype=dtype or param.dtype, device=device or param.device, spare_slots=spare_slots)
 
 
 def packed_attention(q: torch.Tensor, cache: SlotKVCache, layer: int, layout: PackedLayout, mask: torch.Tensor,
                      scaling: float) -> torch.Tensor:
     """Attention of packed queries ``[heads, T, d]`` over each request's slot (new K/V already written).
 
-    ``mask`` is :meth:`PackedLayout.attention_mask`. Returns ``[T, heads, d]``. The one place to
-    replace with ``flex_attention`` (block mask from the same layout) on GPU.
+    ``mask`` is :meth:`PackedLayout.attention_mask`. Returns ``[T, heads, d]``. The eager reference;
+    the decode path on CUDA attends per slot instead (:mod:`.attention`).
     """
     keys, values = zip(*(cache.read(layer, s, p + n) for s, p, n in zip(layout.slots, layout.prefix_lens, layout.q_lens)))
     k, v = torch.cat(keys, dim=1), torch.cat(values, dim=1)  # [kv_heads, K, d]
@@ -114,11 +127,55 @@ def packed_attention(q: torch.Tensor, cache: SlotKVCache, layer: int, layout: Pa
     return out[0].transpose(0, 1)
 
 
+# attend(layer, q [heads, T, d] after RoPE, k [T, kv_heads, d] after RoPE, v [T, kv_heads, d], scaling) -> [T, heads, d];
+# it also stores k / v wherever the caller keeps its cache.
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def decoder_forward(model, tokens: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
+                    hidden_layers: list[int] | None = None,
+                    logits_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The HF model's layers over ``T`` packed tokens, attention delegated to ``attend``.
+
+    Returns ``(logits [T', V] in the model dtype, hidden [T, len(hidden_layers) * H] or None)``.
+    No host synchronisation: the CUDA-graph path captures exactly this function.
+    """
+    family = _family(model)
+    rope = importlib.import_module(f"transformers.models.{family}.modeling_{family}").apply_rotary_pos_emb
+    base = model.model
+    h = base.embed_tokens(tokens)[None]  # [1, T, H]
+    cos, sin = base.rotary_emb(h, positions[None])
+    wanted = set(hidden_layers or [])
+    captured: dict[int, torch.Tensor] = {}
+    T = tokens.shape[0]
+    for li, layer in enumerate(base.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(1, T, -1, attn.head_dim)
+        k = attn.k_proj(x).view(1, T, -1, attn.head_dim)
+        v = attn.v_proj(x).view(1, T, -1, attn.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [1, heads, T, d]
+        o = attend(li, q[0], k[0].transpose(0, 1), v[0], attn.scaling)  # [T, heads, d]
+        h = h + attn.o_proj(o.reshape(1, T, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if li in wanted:
+            captured[li] = h[0]
+    out = base.norm(h[0])
+    if len(base.layers) - 1 in captured:  # HF's last hidden_states entry is after the final norm
+        captured[len(base.layers) - 1] = out
+    hidden = torch.cat([captured[i] for i in hidden_layers], dim=-1) if hidden_layers else None
+    if logits_index is not None:
+        out = out[logits_index]
+    return model.lm_head(out), hidden
+
+
 @torch.no_grad()
 def target_forward(model, cache: SlotKVCache, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                    seq_layout: PackedLayout, hidden_layers: list[int] | None = None,
                    logits_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One forward over a packed batch; writes every new token's K/V into its slot.
+    """One eager forward over a packed batch (any shapes); writes every new token's K/V into its slot.
 
     Args:
         tokens, slots, positions: ``[T]`` token ids, their cache slots and absolute positions
@@ -132,34 +189,11 @@ def target_forward(model, cache: SlotKVCache, tokens: torch.Tensor, slots: torch
         ``(logits [T' , V] float32, hidden [T, len(hidden_layers) * H] or None)``. Cache lengths
         are not changed: the caller advances them by what it accepts.
     """
-    family = _family(model)
-    rope = importlib.import_module(f"transformers.models.{family}.modeling_{family}").apply_rotary_pos_emb
-    base = model.model
-    h = base.embed_tokens(tokens)[None]  # [1, T, H]
-    cos, sin = base.rotary_emb(h, positions[None])
     mask = seq_layout.attention_mask(tokens.device)
-    wanted = set(hidden_layers or [])
-    captured: dict[int, torch.Tensor] = {}
-    T = tokens.shape[0]
-    for li, layer in enumerate(base.layers):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(1, T, -1, attn.head_dim)
-        k = attn.k_proj(x).view(1, T, -1, attn.head_dim)
-        v = attn.v_proj(x).view(1, T, -1, attn.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [1, heads, T, d]
-        cache.write(li, slots, positions, k[0].transpose(0, 1), v[0])
-        o = packed_attention(q[0], cache, li, seq_layout, mask, attn.scaling)  # [T, heads, d]
-        h = h + attn.o_proj(o.reshape(1, T, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        if li in wanted:
-            captured[li] = h[0]
-    out = base.norm(h[0])
-    if len(base.layers) - 1 in captured:  # HF's last hidden_states entry is after the final norm
-        captured[len(base.layers) - 1] = out
-    hidden = torch.cat([captured[i] for i in hidden_layers], dim=-1) if hidden_layers else None
-    if logits_index is not None:
-        out = out[logits_index]
-    return model.lm_head(out).float(), hidden
+
+    def attend(li, q, k, v, scaling):
+        cache.write(li, slots, positions, k, v)
+        return packed_attention(q, cache, li, seq_layout, mask, scaling)
+
+    logits, hidden = decoder_forward(model, tokens, positions, attend, hidden_layers, logits_index)
+    return logits.float(), hidden

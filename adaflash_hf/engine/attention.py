@@ -1,0 +1,99 @@
+"""Slot-layout attention: the decode path's attention over the slotted KV cache, fixed shapes.
+
+The eager path (:func:`.target.packed_attention`) concatenates every request's keys and masks a
+``[T, K]`` boolean matrix; its shapes change every round, so it cannot be a CUDA graph, and
+boolean-mask SDPA falls off at large batch (SPEC section 6). Here each request's new queries are
+scattered into a ``[slot_rows, heads, q_len, d]`` tensor (row ``b`` = cache slot ``b``, ``q_len``
+the round's per-request token bucket) that attends to the cache's own ``[slot_rows, kv_heads,
+max_len, d]`` storage for that layer: no key gather, and every shape is fixed by the bucket.
+
+What a query may see is one number per slot, ``start[b]``, the position of the slot's first new
+token: query row ``i`` of slot ``b`` attends key position ``j`` iff ``j <= start[b] + i``. Slots
+that are not in the forward hold :data:`INACTIVE` (nothing visible, the rows come out as zeros).
+Query rows past a request's own tokens see a few stale positions; their outputs are discarded.
+
+On CUDA the mask is a ``flex_attention`` :class:`BlockMask` built on the device from ``start``
+(no host synchronisation, so it is rebuilt inside the CUDA graph every replay) and only the KV
+blocks up to a slot's last visible key are computed. On CPU, SDPA with the same mask as booleans.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["BLOCK", "INACTIVE", "SlotAttention", "slot_block_mask", "slot_mask_mod"]
+
+INACTIVE = -(2 ** 30)  # start of a slot outside the forward: far below any key position, no int32 overflow
+BLOCK = 128  # flex_attention's sparse block size (query and key)
+
+_compiled_flex = None
+
+
+def _flex():
+    """``torch.compile(flex_attention)``, built once: uncompiled flex materialises the full scores."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # flex is specialised per shape (slot rows x q bucket x heads x dtype); one engine already
+        # needs ~5 q buckets, so dynamo's default recompile limit (8) would silently fall back to
+        # the unfused eager kernel once a second model or engine shape is in the same process.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def slot_mask_mod(start: torch.Tensor):
+    """flex_attention ``mask_mod``: batch row ``b`` (a slot), query row ``q_idx`` sees ``kv_idx <= start[b] + q_idx``."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= start[b] + q_idx
+
+    return mask_mod
+
+
+def slot_block_mask(start: torch.Tensor, q_len: int, kv_len: int, mask_mod=None, block: int = BLOCK):
+    """The :class:`BlockMask` of :func:`slot_mask_mod`, computed with tensor ops only (capturable).
+
+    A KV block is listed for a query block iff it holds a key some row of that query block may see:
+    blocks ``0 .. (start + last row) // block``. None is marked "full" (mask_mod skipped), as
+    ``create_block_mask`` does when ``q_len`` is below the block size.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n_q, n_kv = -(-q_len // block), -(-kv_len // block)
+    # Device ops only (a host list -> tensor copy is not allowed while a CUDA graph is being captured).
+    last_row = ((torch.arange(n_q, dtype=torch.int32, device=start.device) + 1) * block).clamp(max=q_len) - 1
+    num = ((start[:, None] + last_row[None, :]).div(block, rounding_mode="floor") + 1).clamp(0, n_kv).to(torch.int32)
+    indices = torch.arange(n_kv, dtype=torch.int32, device=start.device).expand(start.shape[0], 1, n_q, n_kv).contiguous()
+    # compute_q_blocks=False: the transposed (query-side) indices only serve the backward pass.
+    return BlockMask.from_kv_blocks(num[:, None, :], indices, BLOCK_SIZE=block, mask_mod=mask_mod or slot_mask_mod(start),
+                                    seq_lengths=(q_len, kv_len), compute_q_blocks=False)
+
+
+class SlotAttention:
+    """Per-slot attention for one cache: ``start`` (int32 ``[slot_rows]``) is the static input the
+    caller fills before each forward; :meth:`mask` once per forward, then ``self(q, k, v, mask, scale)``
+    per layer. ``backend``: ``"flex"`` (compiled flex_attention, CUDA) or ``"sdpa"`` (boolean mask)."""
+
+    def __init__(self, slot_rows: int, kv_len: int, device, backend: str):
+        if backend not in ("flex", "sdpa"):
+            raise ValueError(f"unknown attention backend {backend!r}")
+        self.kv_len, self.backend = kv_len, backend
+        self.start = torch.full((slot_rows,), INACTIVE, dtype=torch.int32, device=device)
+        self._mask_mod = slot_mask_mod(self.start)  # one function object: compiled flex guards on it
+
+    def mask(self, q_len: int):
+        if self.backend == "flex":
+            return slot_block_mask(self.start, q_len, self.kv_len, self._mask_mod)
+        keys = torch.arange(self.kv_len, device=self.start.device)
+        rows = torch.arange(q_len, device=self.start.device)
+        return (keys[None, None, :] <= self.start[:, None, None] + rows[None, :, None])[:, None]  # [slots, 1, q, K]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
+        """``q [slots, heads, q_len, d]`` over ``k, v [slots, kv_heads, kv_len, d]`` -> ``[slots, heads, q_len, d]``."""
+        gqa = q.shape[1] != k.shape[1]
+        if self.backend == "flex":
+            return _flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

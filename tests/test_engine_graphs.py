@@ -1,0 +1,261 @@
+"""CPU tests of the engine's CUDA-graph decode path (issue 6): buckets, the slot-layout block mask,
+the static padded forward against the eager packed forward, padding isolation, losslessness.
+
+On CPU the static forward runs eagerly with SDPA (no capture); the graph capture / replay and the
+compiled flex kernel themselves are exercised by ``examples/engine_gpu_check.py`` on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from adaflash_hf.engine import (
+    DecodeGraphs,
+    Engine,
+    PackedLayout,
+    SlotAttention,
+    make_target_cache,
+    pick_bucket,
+    q_buckets,
+    slot_block_mask,
+    slot_mask_mod,
+    target_forward,
+    token_buckets,
+)
+from adaflash_hf.engine.attention import INACTIVE as INACTIVE_START
+
+from generation_helpers import make_drafter, make_target
+
+MODES = ("packed", "rectangular", "fixed", "off")
+
+
+def _prompts(lengths, seed, vocab=126):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _greedy(target, prompt, n):
+    out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def pair(request):
+    target = make_target(request.param)
+    return target, make_drafter(target, block_size=8)
+
+
+# ---------------------------------------------------------------- buckets
+@pytest.mark.parametrize("max_tokens,expected", [
+    (1, [1]),
+    (6, [1, 2, 4, 6]),
+    (8, [1, 2, 4, 8]),
+    (40, [1, 2, 4, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40]),
+    (70, [1, 2, 4, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 70]),
+])
+def test_token_buckets(max_tokens, expected):
+    assert token_buckets(max_tokens) == expected
+
+
+def test_token_buckets_bound_padding():
+    ladder = token_buckets(2048)
+    assert ladder[-1] == 2048 and all(2 ** k in ladder for k in range(12))
+    assert all(pick_bucket(ladder, n) <= max(8, 1.25 * n) for n in range(1, 2049))
+
+
+@pytest.mark.parametrize("max_q,expected", [(1, [1]), (8, [1, 2, 4, 8]), (16, [1, 2, 4, 8, 16]), (6, [1, 2, 4, 6])])
+def test_q_buckets(max_q, expected):
+    assert q_buckets(max_q) == expected
+
+
+@pytest.mark.parametrize("n,bucket", [(1, 1), (3, 4), (9, 10), (17, 20), (33, 40), (40, 40)])
+def test_pick_bucket(n, bucket):
+    assert pick_bucket(token_buckets(40), n) == bucket
+
+
+def test_pick_bucket_too_large():
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        pick_bucket([1, 2, 4], 5)
+
+
+# ---------------------------------------------------------------- the slot-layout mask
+STARTS = [5, 130, 127, 0, INACTIVE_START, 300, 383]
+
+
+@pytest.mark.parametrize("q_len", [1, 4, 16, 130])
+def test_block_mask_equals_create_block_mask(q_len):
+    """The block mask built with tensor ops (capturable) lists exactly the KV blocks
+    ``create_block_mask`` finds by evaluating the mask_mod everywhere."""
+    start = torch.tensor(STARTS, dtype=torch.int32)
+    ours = slot_block_mask(start, q_len, 384)
+    ref = create_block_mask(slot_mask_mod(start), len(STARTS), None, q_len, 384, device="cpu")
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    assert ours.kv_num_blocks[4].sum() == 0  # an inactive slot computes nothing
+
+
+@pytest.mark.parametrize("q_len", [1, 3, 16])
+def test_mask_mod_and_flex_equal_boolean_mask(q_len):
+    """The mask_mod, the SDPA backend's boolean mask and the eager causal rule agree, and
+    flex_attention (eager on CPU) with our block mask equals SDPA with the boolean mask."""
+    start = torch.tensor(STARTS, dtype=torch.int32)
+    L = 384
+    att = SlotAttention(len(STARTS), L, "cpu", "sdpa")
+    att.start.copy_(start)
+    bool_mask = att.mask(q_len)[:, 0]  # [slots, q, K]
+    mm = slot_mask_mod(start)
+    b, q, k = torch.meshgrid(torch.arange(len(STARTS)), torch.arange(q_len), torch.arange(L), indexing="ij")
+    assert torch.equal(mm(b, 0, q, k), bool_mask)
+    for s, st in enumerate(STARTS):  # query row i of a slot starting at p sees positions 0 .. p + i
+        for i in range(q_len):
+            assert int(bool_mask[s, i].sum()) == max(0, min(L, st + i + 1))
+    g = torch.Generator().manual_seed(0)
+    qs, ks, vs = (torch.randn(len(STARTS), h, n, 16, generator=g) for h, n in ((4, q_len), (2, L), (2, L)))
+    active = torch.tensor(STARTS) != INACTIVE_START
+    out = att(qs, ks, vs, att.mask(q_len), 0.25)
+    flex = flex_attention(qs, ks, vs, block_mask=slot_block_mask(start, q_len, L), scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(flex[active], out[active], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(out).all() and flex[~active].abs().max() == 0
+
+
+# ---------------------------------------------------------------- the static padded forward
+def _prefilled(target, prompts, num_slots, max_len, spare):
+    cache = make_target_cache(target, num_slots, max_len, spare_slots=spare)
+    slots = [cache.alloc() for _ in prompts]
+    lay = PackedLayout.from_cache(cache, slots, [len(p) for p in prompts])
+    target_forward(target, cache, torch.tensor(sum(prompts, [])), lay.token_slots(), lay.positions(), lay)
+    for s, p in zip(slots, prompts):
+        cache.advance(s, len(p))
+    return cache, slots
+
+
+# (prompt lengths, decode tokens per request, largest token / q bucket): ragged, uniform, one request,
+# rectangular-like, a padded token bucket (T=7 -> 8) and a padded q bucket (max 3 -> 4)
+LAYOUTS = [
+    ([5, 1, 9, 3], [3, 1, 6, 2], 48, 8),
+    ([4, 4, 4], [1, 1, 1], 48, 8),
+    ([7], [8], 48, 8),
+    ([2, 11, 6], [4, 4, 4], 48, 8),
+    ([3, 8, 2], [3, 1, 3], 8, 4),
+    ([1, 12], [2, 8], 16, 8),
+]
+
+
+@pytest.mark.parametrize("prompt_lens,q_lens,max_tokens,max_q", LAYOUTS)
+def test_static_forward_equals_eager(pair, prompt_lens, q_lens, max_tokens, max_q):
+    """Logits and drafter features of the bucketed static forward == the eager packed forward, and
+    it writes the same K/V to the same places, touching no other slot (padding goes to the spare row)."""
+    target, drafter = pair
+    layers = list(drafter.config.target_layer_ids) + [target.config.num_hidden_layers - 1]
+    prompts = _prompts(prompt_lens, seed=sum(prompt_lens))
+    chunks = _prompts(q_lens, seed=len(q_lens))
+    ref_cache, slots = _prefilled(target, prompts, 6, 32, spare=1)
+    cache, _ = _prefilled(target, prompts, 6, 32, spare=1)
+    lay = PackedLayout.from_cache(cache, slots, q_lens)
+    toks = torch.tensor(sum(chunks, []))
+    ref_logits, ref_hidden = target_forward(target, ref_cache, toks, lay.token_slots(), lay.positions(), lay, layers)
+    graphs = DecodeGraphs(target, cache, layers, max_tokens=max_tokens, max_q=max_q)
+    assert not graphs.use_graphs and graphs.attention.backend == "sdpa"  # CPU: the static forward runs eagerly
+    logits, hidden = graphs.run(toks.tolist(), lay)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden, ref_hidden, atol=1e-5, rtol=1e-5)
+    assert logits.dtype == torch.float32 and logits.shape[0] == lay.num_tokens
+    n = cache.num_slots
+    torch.testing.assert_close(cache.k[:, :n], ref_cache.k[:, :n], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(cache.v[:, :n], ref_cache.v[:, :n], atol=1e-6, rtol=1e-6)
+    (bucket,) = graphs.replays
+    assert bucket == graphs.bucket(lay.num_tokens, max(q_lens)) and bucket[0] <= max_tokens
+    assert graphs.padded_tokens == bucket[0] - lay.num_tokens
+
+
+def test_padding_never_leaks(pair):
+    """Poisoned padding (NaN in the spare row, stale rows and the static buffers) and a different
+    bucket for the same requests leave every real token's logits unchanged."""
+    target, _ = pair
+    prompts = _prompts([4, 7, 2], seed=21)
+    chunks = _prompts([2, 3, 1], seed=22)
+    results = []
+    # buckets: exact (6, 3), padded tokens (8, 3), padded rows (6, 4), both (8, 4)
+    for max_tokens, max_q, poison in ((6, 3, False), (48, 3, True), (6, 8, True), (48, 8, True)):
+        cache, slots = _prefilled(target, prompts, 4, 32, spare=1)
+        lay = PackedLayout.from_cache(cache, slots, [len(c) for c in chunks])
+        graphs = DecodeGraphs(target, cache, None, max_tokens=max_tokens, max_q=max_q)
+        if poison:
+            cache.k[:, cache.num_slots:] = float("nan")
+            cache.v[:, cache.num_slots:] = float("nan")
+            for s, c in zip(slots, chunks):  # positions past each request's block: stale garbage
+                cache.k[:, s, :, cache.length(s) + len(c):] = 1e4
+            graphs.logits.fill_(float("nan"))
+        logits, hidden = graphs.run(sum(chunks, []), lay)
+        assert hidden is None and torch.isfinite(logits).all()
+        results.append((next(iter(graphs.replays)), logits))
+    assert [b for b, _ in results] == [(6, 3), (8, 3), (6, 4), (8, 4)]
+    for _, logits in results[1:]:
+        torch.testing.assert_close(logits, results[0][1], atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_flex_backend_equals_eager():
+    """The flex backend as it runs on CUDA (torch.compile'd flex_attention, block mask rebuilt from
+    the static ``start`` every forward), compiled here by inductor for CPU: two rounds with different
+    slots and prefixes reuse one compiled kernel and both equal the eager packed forward."""
+    target = make_target("qwen3", seed=3, hidden=64)  # head_dim 16: the smallest flex compiles for
+    prompts = _prompts([5, 9, 3], seed=31)
+    ref_cache, slots = _prefilled(target, prompts, 4, 32, spare=1)
+    cache, _ = _prefilled(target, prompts, 4, 32, spare=1)
+    graphs = DecodeGraphs(target, cache, [1], max_tokens=8, max_q=4, attention="flex")
+    assert graphs.attention.backend == "flex"
+    for round_, q_lens in enumerate(([2, 4, 1], [3, 3, 2])):
+        lay = PackedLayout.from_cache(cache, slots[round_:], q_lens[round_:])
+        toks = torch.tensor(sum(_prompts(q_lens[round_:], seed=40 + round_), []))
+        ref_logits, ref_hidden = target_forward(target, ref_cache, toks, lay.token_slots(), lay.positions(), lay, [1])
+        logits, hidden = graphs.run(toks.tolist(), lay)
+        torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(hidden, ref_hidden, atol=1e-4, rtol=1e-4)
+        for s, q in zip(lay.slots, lay.q_lens):
+            cache.advance(s, q)
+            ref_cache.advance(s, q)
+    assert set(graphs.replays) == {(8, 4)} and graphs.attention_note == ""
+
+
+def test_decode_graphs_needs_a_spare_row(pair):
+    target, _ = pair
+    with pytest.raises(ValueError, match="spare slot"):
+        DecodeGraphs(target, make_target_cache(target, 2, 16), None, max_tokens=4, max_q=1)
+    with pytest.raises(ValueError, match="CUDA"):
+        DecodeGraphs(target, make_target_cache(target, 2, 16, spare_slots=1), None, max_tokens=4, max_q=1, use_graphs=True)
+
+
+# ---------------------------------------------------------------- the engine on the static path
+RAGGED = [1, 4, 9, 2, 13, 6, 3, 7]
+MAX_NEW = [12, 5, 1, 9, 12, 7, 3, 10]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_engine_static_path_lossless(pair, mode):
+    """``cuda_graphs=True`` on CPU (static padded buckets, SDPA): every request's greedy output is its
+    own plain greedy decoding, rounds mixing prefill and decode included, and no slot leaks."""
+    target, drafter = pair
+    prompts = _prompts(RAGGED, seed=4)
+    infos = []
+    engine = Engine(target, drafter, verify_mode=mode, max_slots=3, max_len=32, token_budget=40, cuda_graphs=True,
+                    step_hook=infos.append)
+    assert engine.graphs is not None and engine.cache.spare_slots == 1 and engine.cache.max_len % 128 == 0
+    handles = [engine.submit(p, n) for p, n in zip(prompts, MAX_NEW)]
+    engine.run_until_idle()
+    for h, p, n in zip(handles, prompts, MAX_NEW):
+        assert h.result().token_ids == _greedy(target, p, n)
+    assert engine.cache.num_free == 3 and engine.idle
+    assert any(i.num_prefill and i.num_verify for i in infos)  # split rounds: eager prefill + static decode
+    decode_rounds = sum(1 for i in infos if i.num_verify)
+    assert sum(engine.graphs.replays.values()) == decode_rounds
+    if mode == "off":
+        assert {q for _, q in engine.graphs.replays} == {1}
+    else:
+        assert len(engine.graphs.replays) > 1
+
+
+def test_engine_default_is_eager_on_cpu(pair):
+    target, drafter = pair
+    engine = Engine(target, drafter, max_slots=2, max_len=16, token_budget=16)
+    assert engine.graphs is None and not engine.cuda_graphs and engine.cache.spare_slots == 0
