@@ -87,7 +87,8 @@ class BenchConfig:
     ``concurrency``: batch sizes; N prompts are decoded together in one left-padded batch.
     ``temperature`` 0 means greedy, and only greedy runs are compared token for token.
     ``warmup``: prompts decoded untimed before each (method, concurrency) is first timed.
-    ``online_*``: the online methods' adapter (``OnlineAdapter``) settings: samples that trigger an
+    ``online_*``: the online methods' adapter (``OnlineAdapter``) settings: what a sample is
+    (``"request"``: a finished request, or ``"round"``), samples that trigger an
     update, epochs over them, learning rate, and whether each triggered update is waited for
     before the next batch is served (reproducible curves; the wait is counted in the wall time).
     """
@@ -110,6 +111,7 @@ class BenchConfig:
     dtype: str = "auto"
     attn_implementation: str = "sdpa"
     warmup: int = 1
+    online_sample_unit: str = "request"
     online_samples_per_update: int = 128
     online_epochs: int = 2
     online_lr: float = 3e-4
@@ -505,8 +507,9 @@ def _load_models(config: BenchConfig, device, dtype):
 
 
 # ----------------------------------------------------------------------------- prompts
-def _load_prompts(spec: str, limit: int, data_dir) -> tuple[str, list[list[dict]]]:
-    """(label, list of chat message lists) of a dataset name or ``jsonl:PATH``."""
+def _load_prompts(spec: str, limit: int, data_dir) -> tuple[str, list[list[dict] | str]]:
+    """(label, prompts) of a dataset name or ``jsonl:PATH``: chat message lists, or raw strings
+    for continuation prompts (records with a ``"text"`` field and no ``"messages"``)."""
     if spec.startswith("jsonl:"):
         path = Path(spec[len("jsonl:") :])
         records = []
@@ -526,14 +529,18 @@ def _load_prompts(spec: str, limit: int, data_dir) -> tuple[str, list[list[dict]
             out.append(rec["messages"])
         elif isinstance(rec.get("prompt"), str):
             out.append([{"role": "user", "content": rec["prompt"]}])
+        elif isinstance(rec.get("text"), str):
+            out.append(rec["text"])
         else:
-            raise ValueError(f"{spec}: record {i} has neither a 'prompt' string nor a 'messages' list")
+            raise ValueError(f"{spec}: record {i} has no 'prompt' string, 'messages' list or 'text' string")
     if not out:
         raise ValueError(f"{spec}: no prompts")
     return label, out
 
 
-def _encode(tokenizer, messages: list[dict]) -> list[int]:
+def _encode(tokenizer, messages: list[dict] | str) -> list[int]:
+    if isinstance(messages, str):  # a continuation prompt: the raw text, no chat template
+        return tokenizer(messages, add_special_tokens=False)["input_ids"]
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     else:
@@ -749,7 +756,8 @@ def _measure(method, ctx, cell, layouts, config, eos_ids, warm_pool, warmed, pad
         from .online import OnlineAdapter
 
         adapter = OnlineAdapter(
-            ctx.drafter, ctx.target, method=method.online, samples_per_update=config.online_samples_per_update,
+            ctx.drafter, ctx.target, method=method.online, sample_unit=config.online_sample_unit,
+            samples_per_update=config.online_samples_per_update,
             epochs=config.online_epochs, lr=config.online_lr, seed=config.seed, domain=cell.dataset,
         ).attach()  # fmt: skip
     rows_all, walls, ttfts, tpots, merged, rounds_est, waited = [], [], [], [], None, 0, 0.0
@@ -818,7 +826,7 @@ def _online_report(method, cell, adapter, config, waited, online) -> None:
     cell.notes.append(f"online adapter method {adapter.method!r}, verify-length policy {policy}{why}")
     cell.notes.append(
         f"{stats['updates']} online update(s) from {stats['rounds_seen']} rounds "
-        f"(samples_per_update {adapter.samples_per_update}, epochs {adapter.epochs}, lr {adapter.lr:g})"
+        f"(samples: {adapter.sample_unit}s, samples_per_update {adapter.samples_per_update}, epochs {adapter.epochs}, lr {adapter.lr:g})"
     )
     if config.online_wait:
         cell.notes.append(f"wall time includes {waited:.3f} s waiting for triggered updates (--online-wait); TPOT excludes it")
@@ -1121,7 +1129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--attn-implementation", default="sdpa")
     g.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed before each method and concurrency")
     g = parser.add_argument_group("online methods (osd, adaflash)")
-    g.add_argument("--online-samples-per-update", type=int, default=128, help="verified rounds (samples) that trigger an update")
+    g.add_argument("--online-sample-unit", default="request", choices=("request", "round"),
+                   help="what one online sample is: a finished request (the paper's unit) or one verified round")
+    g.add_argument("--online-samples-per-update", type=int, default=128, help="samples that trigger an update")
     g.add_argument("--online-epochs", type=int, default=2, help="passes over each update's samples")
     g.add_argument("--online-lr", type=float, default=3e-4, help="drafter learning rate of the online updates")
     g.add_argument(
@@ -1142,7 +1152,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         datasets=args.datasets, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, concurrency=args.concurrency,
         methods=args.methods, device=args.device, dtype=args.dtype, attn_implementation=args.attn_implementation,
-        warmup=args.warmup, online_samples_per_update=args.online_samples_per_update, online_epochs=args.online_epochs,
+        warmup=args.warmup, online_sample_unit=args.online_sample_unit, online_samples_per_update=args.online_samples_per_update, online_epochs=args.online_epochs,
         online_lr=args.online_lr, online_wait=args.online_wait, out=args.out, data_dir=args.data_dir, command=getattr(args, "command", None),
         plots=not args.no_plots, verbose=not args.quiet,
     )  # fmt: skip

@@ -5,6 +5,7 @@
     adaflash bench --reference --datasets gsm8k --num-prompts 8
     adaflash train --reference --out runs/drafter --device cpu --steps 3 --num-prompts 8 --max-new-tokens 16 --eval-per-domain 0
     adaflash adapt --reference --prompts-file prompts.jsonl --output-dir runs/online
+    adaflash serve --port 8000                      # OpenAI-compatible HTTP server (reference pair by default)
     adaflash export runs/drafter runs/drafter-dflash
     adaflash info runs/drafter
 
@@ -661,13 +662,13 @@ def cmd_adapt(args) -> int:
     spec = {"length_policy": args.length_policy} if args.length_policy else {}
     target_name = "reference target (adaflash_hf.reference)" if args.reference else args.target
     adapter = OnlineAdapter(
-        drafter, target, method=args.method, samples_per_update=args.samples_per_update, epochs=args.epochs,
+        drafter, target, method=args.method, sample_unit=args.sample_unit, samples_per_update=args.samples_per_update, epochs=args.epochs,
         batch_size=args.train_batch_size, lr=args.lr, head_lr=args.head_lr, output_dir=args.output_dir,
         keep_versions=args.keep_versions, hub_repo=args.hub_repo, version_layout=args.layout,
         target_name=target_name, hub_private=True if args.hub_private else None, seed=args.seed,
     )  # fmt: skip
     print(f"online adaptation ({args.method}) over {len(records)} prompts from {args.prompts_file}: an update every "
-          f"{args.samples_per_update} verified rounds, versions in {args.output_dir}"
+          f"{args.samples_per_update} {'finished requests' if args.sample_unit == 'request' else 'verified rounds'}, versions in {args.output_dir}"
           + (f", pushed to https://huggingface.co/{args.hub_repo}" if args.hub_repo else ""))
     adapter.attach()
     served_tokens, start = 0, time.perf_counter()
@@ -715,6 +716,71 @@ def cmd_adapt(args) -> int:
         print(f"hub: {json.dumps(stats['hub'], default=str)}")
     if stats["last_error"]:
         print(f"last update error: {stats['last_error']}", file=sys.stderr)
+    return 0
+
+
+# ============================================================================ serve
+def cmd_serve(args) -> int:
+    import logging
+    import signal
+    import threading
+
+    if args.reference and (args.target or args.drafter):
+        raise UsageError("pass either --reference or --target/--drafter, not both", "drop --reference to use your own models")
+    if args.drafter and not args.target:
+        raise UsageError("--drafter given without --target", "pass --target PATH_OR_HUB_ID (the model the drafter is for)")
+    if not args.target:
+        args.reference = True  # the embedded reference pair
+    need_drafter = args.verify_mode != "off"
+    if args.target and need_drafter and not args.drafter:
+        raise UsageError("no drafter given", "pass --drafter PATH_OR_HUB_ID, or --verify-mode off to serve the target alone")
+    if args.target:
+        _check_target_path(args.target)
+        if args.drafter:
+            _check_drafter_path(args.drafter)
+
+    from .engine import Engine
+    from .engine.server import CompletionService, OpenAIServer
+
+    try:  # bind first: a port in use fails at once, before models load
+        server = OpenAIServer((args.host, args.port))
+    except OSError as e:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or _one_line(e)}",
+                         "pick another --port (0 picks a free one) or --host") from None
+    def on_sigterm(signum, frame):  # stop like Ctrl-C (containers and process managers send SIGTERM)
+        raise KeyboardInterrupt
+
+    old_sigterm = None
+    if threading.current_thread() is threading.main_thread():
+        old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+    logger = logging.getLogger("adaflash_hf.server")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    try:
+        target, drafter, tok = _load_models(args, need_drafter=need_drafter)
+        cfg = target.config.get_text_config(decoder=True)
+        max_len = args.max_len or min(2048, getattr(cfg, "max_position_embeddings", None) or 2048)
+        token_budget = args.token_budget or max_len
+        try:
+            engine = Engine(target, drafter if need_drafter else None, verify_mode=args.verify_mode,
+                            max_slots=args.max_slots, max_len=max_len, token_budget=token_budget)
+        except ValueError as e:
+            raise UsageError(f"cannot serve this model: {_one_line(e)}", "the engine drives Qwen3 / Llama-family targets") from None
+        name = args.model_name or ("adaflash-reference" if args.reference else args.target.rstrip("/"))
+        server.service = CompletionService(engine, tok, name, min(args.default_max_tokens, max_len - 1))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        print(f"{PROG} serve: model {name!r} at {server.url}/v1 (verify mode {args.verify_mode}, {args.max_slots} slots, "
+              f"max_len {max_len}, token budget {token_budget}); endpoints /v1/completions, /v1/chat/completions, "
+              f"/v1/models, /health; Ctrl-C stops", flush=True)
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print(f"{PROG} serve: stopping", file=sys.stderr)
+    finally:
+        server.close()
+        logger.removeHandler(handler)
+        if old_sigterm is not None:
+            signal.signal(signal.SIGTERM, old_sigterm)
     return 0
 
 
@@ -1060,7 +1126,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hub-repo", help="also push every version to this Hub model repo (org/name)")
     g.add_argument("--hub-private", action="store_true", help="create the Hub repo as private")
     g.add_argument("--method", choices=("opd", "osd", "off"), default="opd", help="opd: AdaFlash on-policy distillation; osd: forward-KL baseline; off: measure only")
-    g.add_argument("--samples-per-update", type=_positive_int, default=128, help="verified rounds buffered per update (paper: 128)")
+    g.add_argument("--sample-unit", choices=("request", "round"), default="request",
+                   help="what one sample is: a finished request (the paper's unit) or one verified round")
+    g.add_argument("--samples-per-update", type=_positive_int, default=128, help="samples buffered per update (paper: 128 requests)")
     g.add_argument("--epochs", type=_positive_int, default=2, help="passes over an update's samples")
     g.add_argument("--train-batch-size", type=_positive_int, default=2, help="samples per optimizer step")
     g.add_argument("--lr", type=_positive_float, default=3e-4, help="drafter learning rate")
@@ -1071,6 +1139,37 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--flush", action="store_true", help="at the end, also train on the partial buffer")
     g.add_argument("--timeout", type=_positive_float, default=600.0, help="seconds to wait for pending updates / pushes at the end")
     p.set_defaults(func=cmd_adapt)
+
+    # ---- serve
+    from .engine import VERIFY_MODES
+
+    p = add("serve", "OpenAI-compatible HTTP server (completions, chat, streaming) over the continuous-batching engine",
+            "Serve a target + drafter (default: the embedded reference pair) over HTTP with OpenAI's API:\n"
+            "POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template), GET /v1/models,\n"
+            "GET /health. Concurrent requests are decoded together by the continuous-batching engine; fields:\n"
+            "max_tokens, temperature (default 1.0, as OpenAI; 0 = greedy), top_p, top_k, seed, stop, stream\n"
+            "(server-sent events), usage counts. One log line per request on stderr (no prompt text).\n"
+            "Standard library HTTP (no extra dependencies); put a reverse proxy in front for TLS / auth.\n\n"
+            "example:\n  adaflash serve --port 8000\n"
+            "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+            "       -d '{\"prompt\": \"Hello\", \"max_tokens\": 16, \"temperature\": 0}'")
+    _add_model_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    g.add_argument("--port", type=_number(int, lambda v: 0 <= v <= 65535, "a port in [0, 65535]"), default=8000,
+                   help="TCP port (0: any free port)")
+    g.add_argument("--model-name", help="model id reported by /v1/models and required in requests' `model` "
+                                        "(default: the --target path, or adaflash-reference)")
+    g.add_argument("--default-max-tokens", type=_positive_int, default=256, help="max_tokens of a request that gives none (capped at what fits after its prompt)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--verify-mode", choices=VERIFY_MODES, default="packed",
+                   help="packed: each request its own verify length; rectangular; fixed (full block); off (no drafter)")
+    g.add_argument("--max-slots", type=_positive_int, default=16, help="requests decoded concurrently (KV slots)")
+    g.add_argument("--max-len", type=_number(int, lambda v: v >= 2, "an integer >= 2"), default=None,
+                   help="positions per request, prompt + completion (default: min(2048, the target's max positions))")
+    g.add_argument("--token-budget", type=_positive_int, default=None,
+                   help="most tokens in one target forward; also the longest prompt (default: --max-len)")
+    p.set_defaults(func=cmd_serve)
 
     # ---- export
     p = add("export", "write a drafter in the DFlash (z-lab) layout that SGLang and vLLM load; print their commands",

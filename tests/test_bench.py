@@ -80,7 +80,7 @@ def _config(setup, out, **kw):
     return BenchConfig(**base)
 
 
-ONLINE_SPU = 4  # tiny: every online cell's stream (~27 rounds) triggers several updates
+ONLINE_SPU = 1  # tiny: every finished request of an online cell triggers an update
 
 
 @pytest.fixture(scope="module")
@@ -300,3 +300,25 @@ def test_cli_mounts_as_subcommand():
     assert args.reference and args.temperature == 0.0
     with pytest.raises(ValueError, match="unknown method"):
         run_bench(BenchConfig(methods=["nope"]))
+
+
+def test_continuation_prompts_skip_the_chat_template(tmp_path):
+    """`prose` (and jsonl records with a "text" field) are raw continuations: no chat template."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from adaflash_hf.reference import REFERENCE_DIR
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(REFERENCE_DIR, "target"))
+    label, prompts = bench._load_prompts("prose", 3, None)
+    assert label == "prose" and len(prompts) == 3 and all(isinstance(p, str) for p in prompts)
+    ids = bench._encode(tok, prompts[0])
+    assert ids == tok(prompts[0], add_special_tokens=False)["input_ids"]
+    assert "<|im_start|>" not in tok.decode(ids)
+    chat = bench._encode(tok, [{"role": "user", "content": prompts[0]}])
+    assert "<|im_start|>" in tok.decode(chat) and len(chat) > len(ids)
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"text": "Once upon"}\n{"prompt": "hi"}\n{"other": 1}\n')
+    with pytest.raises(ValueError, match="record 2"):
+        bench._load_prompts(f"jsonl:{path}", 5, None)

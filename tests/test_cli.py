@@ -19,7 +19,7 @@ from adaflash_hf.cli import main
 from adaflash_hf.modeling.checkpoint_layouts import is_dflash_layout
 from adaflash_hf.reference import REFERENCE_DIR
 
-SUBCOMMANDS = ("demo", "generate", "bench", "train", "adapt", "export", "info")
+SUBCOMMANDS = ("demo", "generate", "bench", "train", "adapt", "serve", "export", "info")
 
 
 # ----------------------------------------------------------------------------- fixtures

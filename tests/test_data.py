@@ -59,6 +59,10 @@ def test_eval_prompts_structure(data_root, name):
     assert 1 <= len(rows) <= 8
     for r in rows:
         assert r["dataset"] == name
+        if name == "prose":  # a continuation task: raw text, the rest of the chunk as reference
+            assert "messages" not in r and 20 <= len(r["text"]) <= D.PROSE_PROMPT_CHARS and r["reference"]
+            assert not r["text"].endswith(" ") and r["reference"].startswith(" ")
+            continue
         _check_messages(r["messages"], "user")
         assert len(r["messages"]) == 1
         assert "reference" in r

@@ -21,11 +21,12 @@ import torch
 from generation_helpers import PAD_ID, make_drafter, make_target, ragged_prompts
 
 from adaflash_hf import AdaFlashDrafter
-from adaflash_hf.generation.stats import VerifiedRound
+from adaflash_hf.generation.stats import FinishedRequest, VerifiedRound
 from adaflash_hf.online import (
     OnlineAdapter,
     OnlineAdapterCallback,
     ReplayBuffer,
+    RequestSample,
     RoundLock,
     Sample,
     VersionStore,
@@ -139,7 +140,7 @@ def test_round_lock_is_shared_by_rounds_and_exclusive_for_swaps():
 def test_update_swaps_weights_only_between_rounds(pair):
     d = fresh_drafter(pair)
     rounds = real_rounds(pair, d)
-    adapter = OnlineAdapter(d, pair, samples_per_update=1000, epochs=1, lr=1e-2)
+    adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=1000, epochs=1, lr=1e-2)
     try:
         for r in rounds[:6]:
             adapter.on_round(r)
@@ -158,9 +159,10 @@ def test_update_swaps_weights_only_between_rounds(pair):
         adapter.close()
 
 
-def test_generation_stays_greedy_and_rounds_see_consistent_weights_during_updates(pair):
+@pytest.mark.parametrize("unit,per_update", [("round", 3), ("request", 2)])
+def test_generation_stays_greedy_and_rounds_see_consistent_weights_during_updates(pair, unit, per_update):
     d = fresh_drafter(pair)
-    adapter = OnlineAdapter(d, pair, samples_per_update=3, epochs=1, lr=1e-2).attach()
+    adapter = OnlineAdapter(d, pair, sample_unit=unit, samples_per_update=per_update, epochs=1, lr=1e-2).attach()
     inconsistent = []
 
     def checksum():
@@ -222,7 +224,7 @@ def test_opd_update_on_a_repeated_sample_lowers_its_loss(pair):
     d = fresh_drafter(pair)
     r = max(real_rounds(pair, d), key=lambda x: x.verify_len)
     assert r.verify_len >= 3
-    adapter = OnlineAdapter(d, pair, samples_per_update=1000, epochs=2, lr=1e-3)
+    adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=1000, epochs=2, lr=1e-3)
     try:
         before = adapter.evaluate([r])
         for _ in range(16):
@@ -240,7 +242,7 @@ def test_opd_update_on_a_repeated_sample_lowers_its_loss(pair):
 def test_length_head_loss_never_reaches_drafter_params(pair):
     d = fresh_drafter(pair)
     rounds = real_rounds(pair, d)
-    adapter = OnlineAdapter(d, pair, samples_per_update=1000, epochs=1, lr=1e-2, head_lr=1e-2)
+    adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=1000, epochs=1, lr=1e-2, head_lr=1e-2)
     try:
         shadow, _ = adapter._ensure_shadow()
         sample = Sample.from_round(rounds[0])
@@ -267,7 +269,7 @@ def test_length_head_loss_never_reaches_drafter_params(pair):
 def test_osd_trains_drafter_not_head_and_recomputed_logits_match(pair):
     d = fresh_drafter(pair)
     rounds = real_rounds(pair, d)
-    adapter = OnlineAdapter(d, pair, method="osd", samples_per_update=1000, epochs=1, lr=1e-2, store_target_logits=False)
+    adapter = OnlineAdapter(d, pair, sample_unit="round", method="osd", samples_per_update=1000, epochs=1, lr=1e-2, store_target_logits=False)
     try:
         # Ids-only samples: the worker recomputes the target logits; they match the verify forward's.
         s = Sample.from_round(rounds[3], store_target_logits=False)
@@ -289,7 +291,7 @@ def test_osd_trains_drafter_not_head_and_recomputed_logits_match(pair):
 def test_failing_worker_keeps_last_good_weights_and_generation(pair):
     d = fresh_drafter(pair)
     rounds = real_rounds(pair, d)
-    adapter = OnlineAdapter(d, pair, samples_per_update=1000, epochs=1, lr=1e-2, max_consecutive_failures=3)
+    adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=1000, epochs=1, lr=1e-2, max_consecutive_failures=3)
     real = adapter._sample_loss
     try:
         for r in rounds[:4]:
@@ -330,7 +332,7 @@ def test_failing_worker_keeps_last_good_weights_and_generation(pair):
 def test_adapter_stops_after_consecutive_failures(pair):
     d = fresh_drafter(pair)
     rounds = real_rounds(pair, d)
-    adapter = OnlineAdapter(d, pair, samples_per_update=2, epochs=1, max_consecutive_failures=2)
+    adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=2, epochs=1, max_consecutive_failures=2)
     adapter._sample_loss = lambda *a, **k: (_ for _ in ()).throw(ValueError("always"))
     good = snapshot(d)
     try:
@@ -398,7 +400,7 @@ def test_versions_are_atomic_and_survive_a_crash(pair, tmp_path, monkeypatch):
 def test_adapter_writes_versions_with_card(pair, tmp_path):
     d = fresh_drafter(pair)
     rounds = real_rounds(pair, d)
-    adapter = OnlineAdapter(d, pair, samples_per_update=1000, epochs=1, output_dir=str(tmp_path / "v"),
+    adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=1000, epochs=1, output_dir=str(tmp_path / "v"),
                             keep_versions=2, target_name="tiny/qwen3-target", domain="math")  # fmt: skip
     try:
         for _ in range(3):
@@ -487,7 +489,7 @@ def test_hub_push_round_trip_and_no_token_leak(pair, tmp_path, fake_hub, monkeyp
     fake_hub["fail_next"] = 1  # first attempt fails (with the token in its message): retried, redacted
     d = fresh_drafter(pair)
     rounds = real_rounds(pair, d)
-    adapter = OnlineAdapter(d, pair, samples_per_update=1000, epochs=1, output_dir=str(tmp_path / "out"),
+    adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=1000, epochs=1, output_dir=str(tmp_path / "out"),
                             hub_repo="org/name", hub_backoff_s=0.01, target_name="org/target")  # fmt: skip
     try:
         for r in rounds[:4]:
@@ -513,7 +515,7 @@ def test_hub_failures_never_reach_serving(pair, tmp_path, fake_hub, monkeypatch)
     fake_hub["fail_next"] = 100
     d = fresh_drafter(pair)
     rounds = real_rounds(pair, d)
-    adapter = OnlineAdapter(d, pair, samples_per_update=1000, epochs=1, output_dir=str(tmp_path / "out"),
+    adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=1000, epochs=1, output_dir=str(tmp_path / "out"),
                             hub_repo="org/down", hub_max_retries=2, hub_backoff_s=0.01)  # fmt: skip
     try:
         for r in rounds[:4]:
@@ -564,10 +566,13 @@ def test_external_traffic_publishes_dflash_versions(pair, tmp_path):
             f.write(json.dumps({"prompt_ids": rows[0].tolist(), "response_ids": resp, "domain": "synthetic"}) + "\n")
         f.write("not json\n")
     before = snapshot(d)
-    stats = adapt_from_jsonl(pair, d, path, output_dir=str(tmp_path / "engine"), anchors_per_response=4,
-                             samples_per_update=6, epochs=1, lr=1e-2)  # fmt: skip
+    rounds = adapt_from_jsonl(pair, fresh_drafter(pair), path, sample_unit="round", anchors_per_response=4,
+                              samples_per_update=6, epochs=1, lr=1e-2)  # fmt: skip
+    assert rounds["records"] == 3 and rounds["updates"] == 2 and rounds["domains"] == {"synthetic": 12}
+    stats = adapt_from_jsonl(pair, d, path, output_dir=str(tmp_path / "engine"), samples_per_update=2, epochs=1,
+                             lr=1e-2)  # fmt: skip
     assert stats["records"] == 3 and stats["updates"] == 2 and stats["failures"] == 0
-    assert stats["domains"] == {"synthetic": 12}
+    assert stats["domains"] == {"synthetic": 3}
     latest = latest_version(tmp_path / "engine")
     config = json.loads((latest / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and "dflash_config" in config  # what SGLang / vLLM read
@@ -579,7 +584,7 @@ def test_external_traffic_publishes_dflash_versions(pair, tmp_path):
 def test_close_drains_a_running_update(pair):
     d = fresh_drafter(pair)
     rounds = real_rounds(pair, d)
-    adapter = OnlineAdapter(d, pair, samples_per_update=4, epochs=2)
+    adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=4, epochs=2)
     for r in rounds[:4]:
         adapter.on_round(r)
     adapter.close()  # waits for the update already triggered, then stops the worker
@@ -594,7 +599,7 @@ def test_store_features_computes_target_features_once_per_sample(pair):
     rounds = real_rounds(pair, d)[:3]
     calls = {}
     for store in (False, True):
-        adapter = OnlineAdapter(d, pair, samples_per_update=1000, epochs=2, store_features=store)
+        adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=1000, epochs=2, store_features=store)
         real = adapter._target_pass
         calls[store] = 0
 
@@ -618,7 +623,7 @@ def test_store_features_computes_target_features_once_per_sample(pair):
 def test_on_round_never_waits_for_training(pair):
     d = fresh_drafter(pair)
     rounds = real_rounds(pair, d)
-    adapter = OnlineAdapter(d, pair, samples_per_update=2, epochs=1)
+    adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=2, epochs=1)
     real = adapter._sample_loss
     entered = threading.Event()
 
@@ -650,7 +655,7 @@ def test_slots_after_the_first_rejection_carry_no_label(pair, method):
     r = next(x for x in real_rounds(pair, d) if x.num_accepted + 2 < x.verify_len)
     garbage = r.target_logits.clone()
     garbage[r.num_accepted + 1 :] = torch.randn_like(garbage[r.num_accepted + 1 :]) * 50
-    adapter = OnlineAdapter(d, pair, method=method)
+    adapter = OnlineAdapter(d, pair, sample_unit="round", method=method)
     try:
         clean = adapter.evaluate([r])["loss"]
         noisy = adapter.evaluate([dataclasses.replace(r, target_logits=garbage)])["loss"]
@@ -671,7 +676,7 @@ def test_card_metadata_links_hub_targets_only(target, expected):
 def test_rollout_labels_follow_the_targets_own_greedy_continuation(pair):
     d = fresh_drafter(pair)
     r = real_rounds(pair, d)[3]
-    adapter = OnlineAdapter(d, pair, label_mode="rollout")
+    adapter = OnlineAdapter(d, pair, sample_unit="round", label_mode="rollout")
     try:
         labels = adapter._rollout(Sample.from_round(r, logits_dtype=None))
         prefix = torch.cat([r.context_ids, torch.tensor([r.bonus_token])])[None]
@@ -684,5 +689,110 @@ def test_rollout_labels_follow_the_targets_own_greedy_continuation(pair):
         with pytest.raises(ValueError, match="label_mode"):
             OnlineAdapter(fresh_drafter(pair), pair, label_mode="guess")
         assert before > 0
+    finally:
+        adapter.close()
+
+
+# --------------------------------------------------------------------------- request samples (the default unit)
+
+
+class CollectRequests(Collect):
+    def __init__(self):
+        super().__init__()
+        self.requests: list[FinishedRequest] = []
+
+    def on_request(self, finished):
+        self.requests.append(finished)
+
+
+def real_requests(target, drafter, seeds=(0, 1), n_tokens=24):
+    sink = CollectRequests()
+    for seed in seeds:
+        ids, mask, _ = prompts(seed)
+        target.generate(ids, attention_mask=mask, assistant_model=drafter, round_sink=sink, do_sample=False,
+                        max_new_tokens=n_tokens, pad_token_id=PAD_ID)  # fmt: skip
+    return sink.requests
+
+
+def test_generation_reports_each_finished_request(pair):
+    d = fresh_drafter(pair)
+    ids, mask, rows = prompts(5, n=3, lengths=(4, 9, 6))
+    sink = CollectRequests()
+    out = pair.generate(ids, attention_mask=mask, assistant_model=d, round_sink=sink, do_sample=False,
+                        max_new_tokens=12, pad_token_id=PAD_ID)  # fmt: skip
+    assert sorted(r.row for r in sink.requests) == [0, 1, 2] and len(sink.rounds) > 0
+    for r in sink.requests:
+        assert torch.equal(r.prompt_ids, rows[r.row])  # left padding removed
+        assert torch.equal(r.output_ids, out[r.row, ids.shape[1] : ids.shape[1] + r.output_ids.numel()])
+        assert r.output_ids.numel() == 12
+
+
+def test_request_samples_cost_ids_only_and_skip_empty_responses(pair):
+    d = fresh_drafter(pair)
+    req = real_requests(pair, d, seeds=(0,))[0]
+    s = RequestSample.from_request(req, domain="math")
+    assert s.prompt_len == req.prompt_ids.numel() and s.response_len == req.output_ids.numel()
+    assert s.nbytes == 8 * s.input_ids.numel() and s.domain == "math"
+    adapter = OnlineAdapter(d, pair, samples_per_update=1000)
+    try:
+        adapter.on_round(real_rounds(pair, d)[0])  # rounds only feed tau statistics in request mode
+        assert len(adapter.buffer) == 0 and adapter.rounds_seen == 1
+        adapter.on_request(req)
+        adapter.on_request(FinishedRequest(0, req.prompt_ids, req.output_ids[:1]))  # nothing to predict
+        assert len(adapter.buffer) == 1
+    finally:
+        adapter.close()
+    with pytest.raises(ValueError, match="sample_unit"):
+        OnlineAdapter(fresh_drafter(pair), pair, sample_unit="token")
+
+
+@pytest.mark.parametrize("method", ["opd", "osd"])
+def test_request_update_lowers_distillation_loss_and_head_only_trains_for_opd(pair, method):
+    d = fresh_drafter(pair)
+    reqs = real_requests(pair, d)
+    adapter = OnlineAdapter(d, pair, method=method, samples_per_update=1000, epochs=5, lr=1e-2, head_lr=1e-2)
+    try:
+        wrapper = adapter._request_model(d)
+        batch = adapter._request_batch([RequestSample.from_request(r) for r in reqs], adapter.device)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            before = float(wrapper(**batch)["ce_loss"])
+        start = snapshot(d)
+        for r in reqs:
+            adapter.on_request(r)
+        assert adapter.flush(60) and adapter.stats["updates"] == 1
+        torch.manual_seed(0)  # the same anchors
+        with torch.no_grad():
+            after = float(wrapper(**batch)["ce_loss"])
+        assert after < 0.97 * before, (before, after)
+        assert not same(start, snapshot(d))
+        assert same(start, snapshot(d), "length_head.") == (method == "osd")
+        ids, mask, _ = prompts(7)
+        assert torch.equal(greedy(pair, ids, mask, assistant_model=d), greedy(pair, ids, mask))
+    finally:
+        adapter.close()
+
+
+def test_request_update_failure_keeps_serving_weights(pair):
+    d = fresh_drafter(pair)
+    reqs = real_requests(pair, d)
+    adapter = OnlineAdapter(d, pair, samples_per_update=1000, epochs=1, max_consecutive_failures=3)
+    real = adapter._request_batch
+    good = snapshot(d)
+    try:
+        def nan_batch(batch, device):
+            out = real(batch, device)
+            adapter._shadow.fc.weight.data.fill_(float("nan"))  # the step's loss becomes NaN
+            return out
+
+        adapter._request_batch = nan_batch
+        for r in reqs:
+            adapter.on_request(r)
+        assert adapter.flush(30)
+        assert adapter.stats["failures"] == 1 and adapter.stats["updates"] == 0 and same(good, snapshot(d))
+        adapter._request_batch = real
+        for r in reqs:
+            adapter.on_request(r)
+        assert adapter.flush(30) and adapter.stats["updates"] == 1 and not same(good, snapshot(d))
     finally:
         adapter.close()

@@ -2,7 +2,7 @@
 
 from .decoding import adaflash_decoding
 from .drafting import AdaFlashCandidateGenerator, DraftBlock
-from .stats import GenerationStats, RoundSink, VerifiedRound
+from .stats import FinishedRequest, GenerationStats, RoundSink, VerifiedRound
 
 
 def speculative_generate(target, drafter, input_ids, attention_mask=None, **generate_kwargs):
@@ -22,6 +22,7 @@ def speculative_generate(target, drafter, input_ids, attention_mask=None, **gene
 __all__ = [
     "AdaFlashCandidateGenerator",
     "DraftBlock",
+    "FinishedRequest",
     "GenerationStats",
     "RoundSink",
     "VerifiedRound",

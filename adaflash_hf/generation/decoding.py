@@ -21,7 +21,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..modeling import AdaFlashDrafter
 from .acceptance import greedy_accept, speculative_accept
 from .drafting import AdaFlashCandidateGenerator
-from .stats import GenerationStats, RoundSink, VerifiedRound
+from .stats import FinishedRequest, GenerationStats, RoundSink, VerifiedRound
 
 
 def _check_call(model, drafter, generation_config, model_kwargs) -> None:
@@ -261,6 +261,12 @@ def adaflash_decoding(
 
     if streamer is not None:
         streamer.end()
+    on_request = getattr(sink, "on_request", None)
+    if on_request is not None:
+        prompt_mask = model_kwargs.get("attention_mask")
+        for row, seq in sorted(output.finished.items()):
+            prompt = input_ids[row] if prompt_mask is None else input_ids[row][prompt_mask[row].bool()]
+            on_request(FinishedRequest(row=row, prompt_ids=prompt, output_ids=seq[input_ids.shape[1] :]))
     return _finish(input_ids, output, generation_config, stats, return_stats)
 
 

@@ -37,8 +37,24 @@ class VerifiedRound:
     predicted_ratio: float | None
 
 
+@dataclass
+class FinishedRequest:
+    """One sequence whose generation ended: its prompt (padding removed) and the tokens generated.
+
+    `row` is the sequence's row in its `generate` call (the request id in the engine).
+    """
+
+    row: int
+    prompt_ids: torch.Tensor
+    output_ids: torch.Tensor
+
+
 class RoundSink(Protocol):
-    """Receives every verified round (the online adapter implements it; generation never imports it)."""
+    """Receives every verified round (the online adapter implements it; generation never imports it).
+
+    A sink may also define ``on_request(finished: FinishedRequest)``: generation then calls it once
+    per sequence when that sequence's generation ends (the online adapter's request-level samples).
+    """
 
     def on_round(self, verified: VerifiedRound) -> None: ...
 

@@ -1,7 +1,8 @@
 """Online adaptation: distil the serving drafter from verification feedback, hot-swap, publish.
 
-- :class:`OnlineAdapter` (``adapter.py``): the `RoundSink` that buffers verified rounds and trains
-  a shadow drafter in the background, swapping weights in between rounds.
+- :class:`OnlineAdapter` (``adapter.py``): the `RoundSink` that buffers finished requests (or
+  verified rounds) and trains a shadow drafter in the background, swapping weights in between
+  rounds.
 - :class:`ReplayBuffer` (``buffer.py``): bounded by samples and bytes; what a sample costs.
 - :class:`VersionStore` / :func:`latest_version` (``versions.py``): atomic numbered versions.
 - :class:`HubPublisher` (``hub.py``): background, retried, token-safe Hub uploads + model card.
@@ -11,7 +12,7 @@
 """
 
 from .adapter import NonFiniteLossError, OnlineAdapter, RoundLock, UpdateRecord
-from .buffer import ReplayBuffer, Sample, estimate_sample_bytes
+from .buffer import ReplayBuffer, RequestSample, Sample, estimate_sample_bytes
 from .callback import OnlineAdapterCallback
 from .external import adapt_from_jsonl, rounds_from_response
 from .hub import HubPublisher, redact, render_card
@@ -23,6 +24,7 @@ __all__ = [
     "OnlineAdapter",
     "OnlineAdapterCallback",
     "ReplayBuffer",
+    "RequestSample",
     "RoundLock",
     "Sample",
     "UpdateRecord",

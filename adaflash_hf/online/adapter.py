@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import random
 import threading
 import time
@@ -50,7 +51,7 @@ from torch import nn
 
 from ..losses import default_gamma, forward_kl_loss, length_head_loss, opd_loss, position_weights
 from ..modeling import AdaFlashDrafter
-from .buffer import ReplayBuffer, Sample
+from .buffer import ReplayBuffer, RequestSample, Sample
 from .hub import HubPublisher, redact, render_card
 from .versions import VersionStore
 
@@ -63,6 +64,10 @@ METHODS = ("opd", "osd", "off")
 # the first rejected draft. "rollout": the frozen target continues the bonus token greedily for
 # B-1 tokens in the worker (B-1 extra small forwards per sample), labelling every slot.
 LABEL_MODES = ("verified", "rollout")
+# What one buffered sample is. "request" (default; the paper's and the released code's unit): a
+# finished request, trained on like offline data (many blocks per sequence, target recomputed).
+# "round": one verified round, a single block supervised by its verify forward.
+SAMPLE_UNITS = ("request", "round")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -183,7 +188,7 @@ class OnlineAdapter:
         target: the frozen target model (never trained; used in the worker to recompute features).
         method: ``"opd"`` (AdaFlash on-policy distillation + length head), ``"osd"`` (forward KL
             baseline, no length head) or ``"off"`` (collects tau statistics only).
-        samples_per_update: buffered samples that trigger an update (paper: 128).
+        samples_per_update: buffered samples that trigger an update (paper: 128 requests).
         epochs / batch_size: passes over the update's samples / samples per optimizer step.
         lr / head_lr: AdamW learning rates of the drafter and of the length head.
         grad_clip: max gradient norm, applied to the drafter and to the head separately (so the
@@ -197,12 +202,16 @@ class OnlineAdapter:
             (``None`` or 0: never).
         device: where the shadow trains (default: the drafter's device).
 
-    Keyword-only extras: ``clip_mode``, ``position_gamma`` (``None``: plain mean over positions;
-    ``"auto"``: ``default_gamma(B)``; or a number), ``head_weight``, ``weight_decay``,
+    Keyword-only extras: ``sample_unit`` (``"request"``, default: a sample is a finished request,
+    trained on with up to ``max_anchors`` blocks anchored in its response and the target's
+    distributions recomputed for the whole sequence, as the released code does; ``"round"``: a
+    sample is one verified round), ``clip_mode``, ``position_gamma`` (``"auto"``, default:
+    ``default_gamma(B)``, the offline recipe's decay; ``None``: plain mean over positions; or a
+    number), ``head_weight``, ``weight_decay``,
     ``max_buffer_samples`` / ``max_buffer_bytes`` (buffer bounds), ``store_features``,
     ``store_target_logits``, ``logits_dtype`` (see ``online.buffer``), ``label_mode``
-    (``"verified"``, the paper's free labels up to the first rejection, or ``"rollout"``: every slot
-    labelled along the target's own greedy continuation, computed in the worker), ``clear_after_update``
+    (round samples only: ``"verified"``, the free labels up to the first rejection, or ``"rollout"``:
+    every slot labelled along the target's own greedy continuation, computed in the worker), ``clear_after_update``
     (drop samples drafted with the old weights after a swap, as the paper does), ``train_dtype``
     (default fp32 master weights when the drafter is bf16 / fp16), ``version_layout``
     (``"native"`` or ``"dflash"`` for SGLang / vLLM), ``target_name`` (for the model card),
@@ -230,8 +239,10 @@ class OnlineAdapter:
         max_consecutive_failures: int | None = 5,
         device: torch.device | str | None = None,
         *,
+        sample_unit: str = "request",
+        max_anchors: int = 512,
         clip_mode: str = "entry",
-        position_gamma: float | str | None = None,
+        position_gamma: float | str | None = "auto",
         head_weight: float = 1.0,
         weight_decay: float = 0.0,
         max_buffer_samples: int | None = None,
@@ -277,6 +288,10 @@ class OnlineAdapter:
         self.max_consecutive_failures = max_consecutive_failures or None
         self.store_features = store_features
         self.store_target_logits = store_target_logits
+        if sample_unit not in SAMPLE_UNITS:
+            raise ValueError(f"sample_unit must be one of {SAMPLE_UNITS}, got {sample_unit!r}")
+        self.sample_unit = sample_unit
+        self.max_anchors = int(max_anchors)
         if label_mode not in LABEL_MODES:
             raise ValueError(f"label_mode must be one of {LABEL_MODES}, got {label_mode!r}")
         self.label_mode = label_mode
@@ -297,6 +312,7 @@ class OnlineAdapter:
         self._feature_dim = len(cfg.target_layer_ids) * cfg.hidden_size
         if position_gamma == "auto":
             position_gamma = default_gamma(self.block_size)
+        self._gamma = float(position_gamma) if position_gamma is not None else math.inf
         self._pos_weights = (
             position_weights(self.block_size - 1, float(position_gamma)) if position_gamma is not None else None
         )
@@ -369,8 +385,23 @@ class OnlineAdapter:
         self.domain = domain
 
     def on_round(self, verified) -> None:
-        """`RoundSink` hook: record tau and buffer the round as a sample. Never blocks on training."""
+        """`RoundSink` hook: record tau and, with ``sample_unit="round"``, buffer the round as a
+        sample. Never blocks on training."""
         self.add_round(verified)
+
+    def on_request(self, finished) -> None:
+        """`RoundSink` hook at the end of each sequence (a `FinishedRequest`): with
+        ``sample_unit="request"``, buffer it as a sample. Never blocks on training."""
+        if self.sample_unit != "request" or self.method == "off" or self.stopped or self._closing:
+            return
+        try:
+            sample = RequestSample.from_request(finished, domain=self.domain)
+        except Exception as e:  # noqa: BLE001 - a bad request must never break generation
+            self.sample_errors += 1
+            logger.warning("online adapter could not buffer a request: %s", redact(f"{type(e).__name__}: {e}"))
+            return
+        if sample.prompt_len >= 1 and sample.response_len >= 2:  # a block needs an anchor and a label
+            self._add(sample)
 
     def add_round(self, verified, features: torch.Tensor | None = None) -> None:
         """Like :meth:`on_round`, optionally with the context's target features (``[1, T, K*H]``)
@@ -380,7 +411,7 @@ class OnlineAdapter:
             self._tau_sum += int(verified.num_accepted) + 1
             self._tau_n += 1
             self.rounds_seen += 1
-        if self.method == "off" or self.stopped or self._closing:
+        if self.sample_unit != "round" or self.method == "off" or self.stopped or self._closing:
             return
         try:
             sample = Sample.from_round(
@@ -730,6 +761,26 @@ class OnlineAdapter:
             )
         return main, head
 
+    def _request_model(self, model: AdaFlashDrafter):
+        """The offline training wrapper around ``model`` with this adapter's objective: OPD (or
+        OSD's forward KL) against the target's distributions on blocks anchored in responses."""
+        from ..training.trainer import DrafterTrainingModel
+
+        return DrafterTrainingModel(
+            self.target, model, max_anchors=self.max_anchors, gamma=self._gamma,
+            length_head_weight=self.head_weight if self.method == "opd" else 0.0,
+            objective="opd" if self.method == "opd" else "forward_kl", alpha=self.alpha, clip=self.clip,
+            temperature=self.temperature, clip_mode=self.clip_mode, move_target=False,
+        )  # fmt: skip
+
+    def _request_batch(self, batch: list[RequestSample], device) -> dict[str, torch.Tensor]:
+        from ..training.trainer import DrafterDataCollator
+
+        pad = getattr(self.target.config, "pad_token_id", None)
+        collate = DrafterDataCollator(max_length=None, pad_token_id=pad if isinstance(pad, int) else 0)
+        rows = [{"input_ids": s.input_ids.tolist(), "loss_mask": [0] * s.prompt_len + [1] * s.response_len} for s in batch]
+        return {k: v.to(device) for k, v in collate(rows).items()}
+
     def _train(self, samples: list[Sample]) -> dict:
         shadow, opt = self._ensure_shadow()
         drafter_params, head_params = self._param_groups(shadow)
@@ -738,27 +789,33 @@ class OnlineAdapter:
         n = len(samples)
         epoch_losses: list[float] = []
         head_last = None
+        wrapper = self._request_model(shadow) if self.sample_unit == "request" else None
         with torch.enable_grad():
             for _ in range(self.epochs):
                 order = list(range(n))
                 rng.shuffle(order)
-                main_sum, head_sum, count = None, None, 0
+                main_sum, head_sum, count = 0.0, 0.0, 0
                 for start in range(0, n, self.batch_size):
                     batch = [samples[i] for i in order[start : start + self.batch_size]]
+                    if wrapper is not None:  # the whole batch of requests in one forward
+                        out = wrapper(**self._request_batch(batch, self.device))
+                        losses = [(out["loss"], out["ce_loss"], out["length_loss"], len(batch))]
+                    else:
+                        losses = []
+                        for s in batch:
+                            main, head = self._sample_loss(shadow, s)
+                            loss = (main.float() + self.head_weight * head.float()) / len(batch)
+                            losses.append((loss, main.detach(), head.detach(), 1))
                     grads: list[torch.Tensor | None] = [None] * len(params)
-                    step_loss = None
-                    for s in batch:
-                        main, head = self._sample_loss(shadow, s)
-                        loss = (main.float() + self.head_weight * head.float()) / len(batch)
-                        step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
-                        main_sum = main.detach().float() if main_sum is None else main_sum + main.detach().float()
-                        head_sum = head.detach().float() if head_sum is None else head_sum + head.detach().float()
-                        count += 1
+                    step_loss = 0.0
+                    for loss, main, head, k in losses:
+                        step_loss += float(loss.detach())
+                        main_sum, head_sum, count = main_sum + float(main) * k, head_sum + float(head) * k, count + k
                         if loss.requires_grad:
                             gs = torch.autograd.grad(loss, params, allow_unused=True)
                             grads = [g if a is None else (a if g is None else a + g) for a, g in zip(grads, gs)]
-                    if not bool(torch.isfinite(step_loss)):
-                        raise NonFiniteLossError(f"non-finite loss {float(step_loss)} in an online update")
+                    if not math.isfinite(step_loss):
+                        raise NonFiniteLossError(f"non-finite loss {step_loss} in an online update")
                     for p, g in zip(params, grads):
                         p.grad = g
                     if self.grad_clip is not None:
@@ -767,8 +824,8 @@ class OnlineAdapter:
                                 torch.nn.utils.clip_grad_norm_(group, self.grad_clip)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-                epoch_losses.append(float(main_sum / max(count, 1)))
-                head_last = float(head_sum / max(count, 1))
+                epoch_losses.append(main_sum / max(count, 1))
+                head_last = head_sum / max(count, 1)
         for name, p in shadow.named_parameters():
             if not bool(torch.isfinite(p).all()):
                 raise NonFiniteLossError(f"non-finite weights in {name} after an online update")

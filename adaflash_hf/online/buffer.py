@@ -1,7 +1,12 @@
-"""The online adapter's replay buffer: verified rounds waiting to be trained on, bounded twice.
+"""The online adapter's replay buffer: served traffic waiting to be trained on, bounded twice.
 
-What one sample stores and what it costs (``T`` context tokens, ``k`` = verify length, ``V`` the
-vocabulary, ``K`` target layers read by the drafter, ``H`` hidden size):
+Two kinds of sample. With ``sample_unit="request"`` (the default, as in the paper and the released
+code) a sample is one finished request, :class:`RequestSample`: its token ids only, ``8 * T``
+bytes (8 KB for T=1024); the worker recomputes the target's features and distributions for the
+whole sequence and trains on many blocks of it. With ``sample_unit="round"`` a sample is one
+verified round, :class:`Sample`, and this is what it stores and costs (``T`` context tokens,
+``k`` = verify length, ``V`` the vocabulary, ``K`` target layers read by the drafter, ``H``
+hidden size):
 
 ==========================  ===================================  ====================================
 part                        size                                 Qwen3-8B, T=1024, k=16 (V=151936,
@@ -39,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ReplayBuffer", "Sample", "estimate_sample_bytes"]
+__all__ = ["ReplayBuffer", "RequestSample", "Sample", "estimate_sample_bytes"]
 
 _ID_BYTES = torch.empty((), dtype=torch.long).element_size()
 
@@ -129,6 +134,32 @@ class Sample:
             n += ctx.numel() * reserve_feature_dim * 2  # bf16-sized reservation for worker-side features
         sample.nbytes = int(n)
         return sample
+
+
+@dataclass
+class RequestSample:
+    """One finished request as the worker trains on it (``sample_unit="request"``, the paper's unit).
+
+    Only token ids are kept (``8 * T`` bytes): the worker recomputes the target's features and
+    distributions for the whole sequence in one frozen-target forward and trains on up to
+    ``max_anchors`` blocks anchored in the response, as offline training does.
+    """
+
+    input_ids: torch.Tensor  # prompt + response, [T]
+    prompt_len: int
+    domain: str | None = None
+    nbytes: int = 0
+
+    @classmethod
+    def from_request(cls, finished, domain: str | None = None) -> "RequestSample":
+        """A sample from a `FinishedRequest` (ids copied to the CPU)."""
+        prompt = finished.prompt_ids.detach().to("cpu", torch.long).reshape(-1)
+        ids = torch.cat([prompt, finished.output_ids.detach().to("cpu", torch.long).reshape(-1)])
+        return cls(input_ids=ids, prompt_len=prompt.numel(), domain=domain, nbytes=_ID_BYTES * ids.numel())
+
+    @property
+    def response_len(self) -> int:
+        return self.input_ids.numel() - self.prompt_len
 
 
 class ReplayBuffer:

@@ -19,8 +19,10 @@ from ..modeling import AdaFlashDrafter
 from .adapter import OnlineAdapter, copy_drafter
 
 
-def _encode(tokenizer, messages, device):
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"].to(device)
+def _encode(tokenizer, prompt: dict, device):
+    if "messages" not in prompt:  # a continuation prompt (the prose set): raw text
+        return tokenizer(prompt["text"], add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
+    return tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"].to(device)
 
 
 def _measure(target, drafter, prompts, max_new_tokens, references, policy):
@@ -34,30 +36,45 @@ def _measure(target, drafter, prompts, max_new_tokens, references, policy):
     return (accepted + rounds) / max(rounds, 1), identical
 
 
-def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=("opd", "osd"), updates=6, samples_per_update=128, epochs=2, max_new_tokens=128, seed=0, policy="fixed", lr=3e-4, head_lr=2e-4, label_mode="verified") -> dict:
+def _left_pad(batch: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(x.shape[1] for x in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long, device=batch[0].device)
+    mask = torch.zeros_like(ids)
+    for i, x in enumerate(batch):
+        ids[i, width - x.shape[1] :], mask[i, width - x.shape[1] :] = x[0], 1
+    return ids, mask
+
+
+def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=("opd", "osd"), updates=6, samples_per_update=128, epochs=2, max_new_tokens=128, seed=0, policy="fixed", lr=3e-4, head_lr=2e-4, label_mode="verified", sample_unit="request", stream_batch=16, checkpoint=None) -> dict:
     """Tau on `held_out` after each online update, for each method (see the module docstring).
 
     `policy` is the verify-length policy used both to serve the stream and to measure: `fixed`
     verifies whole blocks, so every round supervises B-1 draft positions and the measured tau is
-    the drafter's own quality, not the length head's choice.
+    the drafter's own quality, not the length head's choice. The stream is served in left-padded
+    batches of `stream_batch` prompts (batched speculative decoding; every row is a request).
+    `checkpoint(result)`, when given, is called after every measurement (partial results survive
+    a timeout).
     """
     device = next(target.parameters()).device
-    stream_ids = [_encode(tokenizer, p["messages"], device) for p in stream]
-    held_ids = [_encode(tokenizer, p["messages"], device) for p in held_out]
+    stream_ids = [_encode(tokenizer, p, device) for p in stream]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    held_ids = [_encode(tokenizer, p, device) for p in held_out]
     references = [target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False) for ids in held_ids]
-    result = {"methods": {}, "samples_per_update": samples_per_update, "epochs": epochs, "max_new_tokens": max_new_tokens, "policy": policy, "lr": lr, "head_lr": head_lr, "label_mode": label_mode}
+    result = {"methods": {}, "samples_per_update": samples_per_update, "epochs": epochs, "max_new_tokens": max_new_tokens, "policy": policy, "lr": lr, "head_lr": head_lr, "label_mode": label_mode, "sample_unit": sample_unit, "stream_batch": stream_batch}
     for method in methods:
         torch.manual_seed(seed)
         d = copy_drafter(drafter, target)
         tau, same = _measure(target, d, held_ids, max_new_tokens, references, policy)
         curve = [{"update": 0, "tau": tau, "identical": same, "served_prompts": 0}]
-        adapter = OnlineAdapter(d, target, method=method, samples_per_update=samples_per_update, epochs=epochs, lr=lr, head_lr=head_lr, label_mode=label_mode, seed=seed)
+        result["methods"][method] = {"curve": curve, "complete": False}
+        adapter = OnlineAdapter(d, target, method=method, samples_per_update=samples_per_update, epochs=epochs, lr=lr, head_lr=head_lr, label_mode=label_mode, sample_unit=sample_unit, seed=seed)
         served, start = 0, time.perf_counter()
         for update in range(1, updates + 1):
             adapter.attach()
             while adapter.stats["updates"] + adapter.stats["failures"] < update and served < len(stream_ids):
-                target.generate(stream_ids[served], assistant_model=d, max_new_tokens=max_new_tokens, do_sample=False, length_policy=policy)
-                served += 1
+                ids, mask = _left_pad(stream_ids[served : served + stream_batch], pad)
+                target.generate(ids, attention_mask=mask, assistant_model=d, max_new_tokens=max_new_tokens, do_sample=False, length_policy=policy, pad_token_id=pad)
+                served += ids.shape[0]
                 adapter.wait_for_update()
             adapter.detach()
             if adapter.stats["updates"] < update:
@@ -65,8 +82,10 @@ def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=
             tau, same = _measure(target, d, held_ids, max_new_tokens, references, policy)
             curve.append({"update": update, "tau": tau, "identical": same, "served_prompts": served, "loss": adapter.stats["last_loss"]})
             print(f"[online] {method} update {update}: held-out tau {tau:.3f} identical={same} (served {served})", flush=True)
+            if checkpoint is not None:
+                checkpoint(result)
         adapter.close()
-        result["methods"][method] = {"curve": curve, "failures": adapter.stats["failures"], "seconds": time.perf_counter() - start}
+        result["methods"][method] = {"curve": curve, "failures": adapter.stats["failures"], "seconds": time.perf_counter() - start, "complete": True}
     return result
 
 
@@ -106,7 +125,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-4, help="drafter learning rate (paper: 3e-4)")
     p.add_argument("--head-lr", type=float, default=2e-4)
-    p.add_argument("--label-mode", default="verified", choices=("verified", "rollout"))
+    p.add_argument("--label-mode", default="verified", choices=("verified", "rollout"), help="round samples only")
+    p.add_argument("--sample-unit", default="request", choices=("request", "round"))
+    p.add_argument("--stream-batch", type=int, default=16, help="stream prompts served per batched generate call")
     p.add_argument("--policy", default="fixed", choices=("fixed", "adaptive", "expected_gain"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
@@ -115,11 +136,16 @@ def main(argv=None) -> int:
     target = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32).to(a.device).eval()
     drafter = AdaFlashDrafter.from_pretrained(a.drafter, dtype=torch.float32).to(a.device).eval()
     prompts = eval_prompts(a.dataset, limit=a.held_out + a.stream)
-    result = run_online_experiment(target, drafter, tok, prompts[a.held_out :], prompts[: a.held_out], methods=tuple(a.methods.split(",")), updates=a.updates, samples_per_update=a.samples_per_update, epochs=a.epochs, max_new_tokens=a.max_new_tokens, policy=a.policy, lr=a.lr, head_lr=a.head_lr, label_mode=a.label_mode)
-    result.update(dataset=a.dataset, command="python -m adaflash_hf.online.experiment " + " ".join(argv if argv is not None else __import__("sys").argv[1:]))
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "online.json"), "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
+    command = "python -m adaflash_hf.online.experiment " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+
+    def save(result):
+        result.update(dataset=a.dataset, command=command)
+        with open(os.path.join(a.out, "online.json"), "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+
+    result = run_online_experiment(target, drafter, tok, prompts[a.held_out :], prompts[: a.held_out], methods=tuple(a.methods.split(",")), updates=a.updates, samples_per_update=a.samples_per_update, epochs=a.epochs, max_new_tokens=a.max_new_tokens, policy=a.policy, lr=a.lr, head_lr=a.head_lr, label_mode=a.label_mode, sample_unit=a.sample_unit, stream_batch=a.stream_batch, checkpoint=save)
+    save(result)
     plot_curves(result, os.path.join(a.out, "online_tau.png"))
     return 0 if all(c["identical"] for r in result["methods"].values() for c in r["curve"]) else 1
 

@@ -1,8 +1,12 @@
 """External-traffic mode: adapt a drafter for a target that serves in SGLang or vLLM.
 
 Those engines run the target (and our drafter, exported in the DFlash layout); what they can give
-back is their traffic: ``(prompt, response)`` pairs, one JSON object per line. Here each response
-becomes verified-round samples: at random *anchors* inside the response the drafter drafts a
+back is their traffic: ``(prompt, response)`` pairs, one JSON object per line. By default
+(``sample_unit="request"``, as the released AdaFlash code does) each pair is one request sample of
+a regular :class:`OnlineAdapter`: the worker recomputes the target's features and distributions
+for the whole sequence and trains on blocks anchored in the response. With
+``sample_unit="round"`` each response instead becomes verified-round samples: at random *anchors*
+inside the response the drafter drafts a
 block (bonus token = the response token at the anchor, context = everything before it), the
 target's own distributions at those positions (recomputed with the HF target, which also yields
 the context features) are the labels, and the accepted count is the longest prefix of drafts that
@@ -37,7 +41,7 @@ from contextlib import nullcontext
 
 import torch
 
-from ..generation.stats import VerifiedRound
+from ..generation.stats import FinishedRequest, VerifiedRound
 from ..modeling import AdaFlashDrafter
 from .adapter import OnlineAdapter
 from .hub import redact
@@ -171,6 +175,7 @@ def adapt_from_jsonl(
     output_dir: str | None = None,
     *,
     method: str = "opd",
+    sample_unit: str = "request",
     anchors_per_response: int = 8,
     max_length: int | None = 4096,
     samples_per_update: int = 128,
@@ -192,7 +197,8 @@ def adapt_from_jsonl(
 
     Records are ingested in order; whenever ``samples_per_update`` samples are buffered an update
     runs (ingestion waits for it, so later records are drafted with the new weights: on-policy).
-    ``train_remainder`` trains once more on a final partial buffer. Extra keyword arguments go to
+    ``train_remainder`` trains once more on a final partial buffer. ``anchors_per_response`` and
+    ``reuse_features`` apply to ``sample_unit="round"`` only. Extra keyword arguments go to
     :class:`OnlineAdapter` (e.g. ``alpha``, ``clip``, ``max_consecutive_failures``). Returns the
     adapter's ``stats`` (updates, failures, tau before / after per update, versions).
     """
@@ -201,6 +207,7 @@ def adapt_from_jsonl(
         drafter,
         target,
         method=method,
+        sample_unit=sample_unit,
         samples_per_update=samples_per_update,
         epochs=epochs,
         batch_size=batch_size,
@@ -229,6 +236,15 @@ def adapt_from_jsonl(
                 continue
             records += 1
             adapter.set_domain(rec.get("domain"))
+            if sample_unit == "request":
+                prompt_ids, response_ids = encoded
+                ids = torch.tensor(list(prompt_ids) + list(response_ids), dtype=torch.long)[:max_length]
+                adapter.on_request(FinishedRequest(0, ids[: len(prompt_ids)], ids[len(prompt_ids) :]))
+                if len(adapter.buffer) >= samples_per_update:
+                    adapter.wait_for_update()
+                if adapter.stopped:
+                    break
+                continue
             for verified, feats in rounds_from_response(
                 target, drafter, *encoded, anchors=anchors_per_response, rng=rng, max_length=max_length
             ):

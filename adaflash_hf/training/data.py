@@ -72,8 +72,10 @@ EVAL_DATASETS = (
     "mt_bench",
     "spec_bench",
     "eagle_bench",
+    "prose",
     "blend",
 )
+PROSE_PROMPT_CHARS = 160  # a held-out prose chunk's opening (~32 tokens, as the drafter's training prompts)
 EAGLE_TASKS = ("alpaca", "gsm8k", "humaneval", "qa", "sum")
 BLEND_PARTS = ("gsm8k", "mathqa", "codealpaca", "sharegpt")
 
@@ -363,6 +365,13 @@ def _load_eval(name: str, data_dir_=None) -> list[dict]:
         return _turns_prompts(_jsonl("mt_bench/question.jsonl", data_dir_), name)
     if name == "spec_bench":
         return _turns_prompts(_jsonl("spec_bench/question.jsonl", data_dir_), name)
+    if name == "prose":
+        out = []
+        for s in _prose_samples("eval", data_dir_):
+            cut = s["text"].rfind(" ", 0, PROSE_PROMPT_CHARS)
+            cut = cut if cut > 0 else PROSE_PROMPT_CHARS
+            out.append({"text": s["text"][:cut], "dataset": name, "reference": s["text"][cut:], "source": s["source"]})
+        return out
     if name == "eagle_bench" or name.startswith("eagle_bench:"):
         tasks = EAGLE_TASKS if name == "eagle_bench" else (name.split(":", 1)[1],)
         out = []
@@ -391,6 +400,8 @@ def eval_prompts(dataset_name: str, limit: int | None = None, seed: int = 0, dat
     round-robin, so any prefix is balanced. Each record: ``{"messages": [{"role": "user", ...}],
     "dataset": name, "reference": str | None, ...}``; blend records also carry ``"source"``.
     Multi-turn sets (mt_bench, spec_bench, eagle_bench) keep all user turns under ``"turns"``.
+    ``prose`` (the held-out end of each prose source) is a continuation task: its records carry a
+    raw ``"text"`` prompt (a chunk's opening, no chat template) instead of ``"messages"``.
     """
     if not isinstance(dataset_name, str):
         raise ValueError(f"dataset name must be a string, got {dataset_name!r}")

@@ -19,6 +19,13 @@ Pieces:
     ends the run);
   - ``loss = ce_loss + length_head_weight * length_loss``.
 
+  ``objective="opd"`` / ``"forward_kl"`` replace the cross-entropy by distillation against the
+  target's own distribution at each label position (SPEC section 4: ``opd_loss``, OSD's
+  ``forward_kl_loss``), same anchors, blocks and weights; the target then runs with its LM head
+  (``[b, T, V]`` logits, no grad) and a slot counts as accepted when the drafter's argmax equals
+  the target's. This is how the online adapter trains on whole served requests
+  (:mod:`adaflash_hf.online.adapter`, ``sample_unit="request"``).
+
   Target features come from the target on the fly (``output_hidden_states``, under ``no_grad``,
   only the decoder is run, no LM head) or, when the batch carries ``target_features``, from a
   feature cache (:func:`build_feature_cache` / :class:`FeatureCacheDataset`). With a cache the
@@ -90,7 +97,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
-from ..losses import block_ce_loss, default_gamma, length_head_loss, position_weights
+from ..losses import block_ce_loss, default_gamma, forward_kl_loss, length_head_loss, opd_loss, position_weights
 from .blocks import IGNORE_INDEX, block_attention_mask, build_block_inputs, sample_anchors
 
 __all__ = [
@@ -210,7 +217,13 @@ class DrafterTrainingModel(nn.Module):
         require_full_block: see :mod:`adaflash_hf.training.blocks`.
         move_target: whether ``.to()`` / ``.cuda()`` on this module also moves the target (turn it
             off for a ``device_map``-dispatched target).
+        objective: ``"ce"`` (DFlash, labels = the sequence's tokens), ``"opd"`` or ``"forward_kl"``
+            (distillation against the target's distributions; module doc).
+        alpha / clip / temperature / clip_mode: the settings of ``opd_loss`` (``temperature`` also
+            of ``forward_kl_loss``).
     """
+
+    OBJECTIVES = ("ce", "opd", "forward_kl")
 
     def __init__(
         self,
@@ -222,8 +235,15 @@ class DrafterTrainingModel(nn.Module):
         peft_config=None,
         require_full_block: bool = False,
         move_target: bool | None = None,
+        objective: str = "ce",
+        alpha: float = 0.8,
+        clip: float | None = 0.01,
+        temperature: float = 1.0,
+        clip_mode: str = "entry",
     ):
         super().__init__()
+        if objective not in self.OBJECTIVES:
+            raise ValueError(f"objective must be one of {self.OBJECTIVES}, got {objective!r}")
         base = unwrap_drafter(drafter)
         impl = str(getattr(base.config, "_attn_implementation", "") or "")
         if impl.startswith("flash") or "paged" in impl:
@@ -246,6 +266,8 @@ class DrafterTrainingModel(nn.Module):
         self.gamma = float(gamma) if gamma is not None else default_gamma(self.block_size)
         self.length_head_weight = float(length_head_weight)
         self.require_full_block = bool(require_full_block)
+        self.objective = objective
+        self.alpha, self.clip, self.temperature, self.clip_mode = alpha, clip, temperature, clip_mode
         self.move_target = (getattr(target, "hf_device_map", None) is None) if move_target is None else move_target
         self.config = base.config  # Trainer introspection (model.config) finds the drafter's config
 
@@ -279,6 +301,14 @@ class DrafterTrainingModel(nn.Module):
         """``select_context`` of the target's hidden states: ``[b, T, K*H]`` (no grad, no LM head)."""
         return compute_target_features(self.target, self.base_drafter.config.target_layer_ids, input_ids, attention_mask, position_ids)
 
+    @torch.no_grad()
+    def target_features_and_logits(self, input_ids, attention_mask=None, position_ids=None):
+        """Features as :meth:`target_features` plus the target's logits ``[b, T, V]`` (one forward)."""
+        out = self.target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          output_hidden_states=True, use_cache=False)
+        hs = out.hidden_states
+        return torch.cat([hs[i + 1] for i in self.base_drafter.config.target_layer_ids], dim=-1), out.logits
+
     # ---------------------------------------------------------------- forward
     def forward(
         self,
@@ -306,7 +336,11 @@ class DrafterTrainingModel(nn.Module):
         loss_mask = attention_mask if loss_mask is None else (loss_mask.to(torch.bool) & attention_mask)
         ctx_pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
-        if target_features is None:
+        target_logits = None
+        if self.objective != "ce":
+            features, target_logits = self.target_features_and_logits(input_ids, attention_mask, ctx_pos)
+            target_features = features if target_features is None else target_features
+        elif target_features is None:
             target_features = self.target_features(input_ids, attention_mask, ctx_pos)
         fc_in = base.fc.in_features if hasattr(base.fc, "in_features") else base.fc.weight.shape[1]
         if target_features.shape[-1] != fc_in or target_features.shape[:2] != (b, T):
@@ -350,7 +384,20 @@ class DrafterTrainingModel(nn.Module):
         logits = base.compute_logits(h_sel.to(lm_dtype))
         lab_sel = labels[sel]
         w_sel = w_slot[slot].unsqueeze(0).expand(b, -1)[sel]
-        ce = block_ce_loss(logits.unsqueeze(0), lab_sel.unsqueeze(0), weights=w_sel.unsqueeze(0))
+        if target_logits is None:
+            ce = block_ce_loss(logits.unsqueeze(0), lab_sel.unsqueeze(0), weights=w_sel.unsqueeze(0))
+        else:
+            # Slot k's label is token anchor + k; the target predicted it at position anchor + k - 1.
+            label_pos = (anchors.unsqueeze(-1) + torch.arange(B, device=anchors.device)).reshape(b, n * B)
+            rows = torch.arange(b, device=anchors.device)[:, None].expand(b, n * B)
+            t_sel = target_logits[rows[sel], label_pos[sel] - 1].to(logits.device)
+            lab_sel = t_sel.argmax(dim=-1)  # acceptance is judged against the target's argmax
+            if self.objective == "opd":
+                ce = opd_loss(logits.unsqueeze(0), t_sel.unsqueeze(0), alpha=self.alpha, clip=self.clip,
+                              temperature=self.temperature, position_weights=w_sel.unsqueeze(0), clip_mode=self.clip_mode)
+            else:
+                ce = forward_kl_loss(logits.unsqueeze(0), t_sel.unsqueeze(0), temperature=self.temperature,
+                                     position_weights=w_sel.unsqueeze(0))
 
         with torch.no_grad():
             hit = torch.zeros_like(sel)

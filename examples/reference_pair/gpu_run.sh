@@ -36,13 +36,18 @@ fi
 # 3. benchmark: greedy tau per held-out domain, every method checked against plain decoding
 if [[ $STEPS == *bench* ]]; then
 timeout ${BENCH_TIMEOUT:-200} python3 -m adaflash_hf.bench --target $TARGET --drafter $DRAFTER \
-  --datasets gsm8k,mathqa,codealpaca,sharegpt,math500 --num-prompts ${BENCH_PROMPTS:-6} --max-new-tokens ${BENCH_TOKENS:-128} \
+  --datasets ${BENCH_DATASETS:-gsm8k,mathqa,codealpaca,sharegpt,math500,prose} --num-prompts ${BENCH_PROMPTS:-6} --max-new-tokens ${BENCH_TOKENS:-128} \
   --methods ${BENCH_METHODS:-plain,dflash_native,fixed,adaptive} --dtype fp32 --warmup 1 --out $W/bench 2>&1 | tail -n 40
 fi
-tar cf "$OUT/logs.tar" -C $W t d/train_log.jsonl d/train_summary.json bench 2>/dev/null
 
-# 4. online adaptation on a domain the drafter never saw (math): held-out tau per update, opd vs osd
-[[ $STEPS == *online* ]] && timeout 120 python3 -m adaflash_hf.online.experiment --target $TARGET --drafter $DRAFTER --dataset gsm8k \
-  --methods opd,osd --updates 4 --held-out 8 --stream 200 --max-new-tokens 96 --out $W/online 2>&1 | tail -n 12
-tar cf "$OUT/logs.tar" -C $W d/train_log.jsonl d/train_summary.json bench online 2>/dev/null
+# 4. online adaptation on domains the drafter never saw (math, code): held-out tau per update, opd vs osd;
+# a sample is a finished request (128 per update), the stream is served in batches of 32.
+if [[ $STEPS == *online* ]]; then
+for ds in ${ONLINE_DATASETS:-gsm8k codealpaca}; do
+timeout ${ONLINE_TIMEOUT:-250} python3 -m adaflash_hf.online.experiment --target $TARGET --drafter $DRAFTER --dataset $ds \
+  --methods opd,osd --updates ${ONLINE_UPDATES:-4} --held-out 12 --stream 700 --samples-per-update 128 --stream-batch 32 \
+  --max-new-tokens 96 --out $W/online_$ds 2>&1 | grep -v Warning | tail -n 12
+done
+fi
+tar cf "$OUT/logs.tar" -C $W $(cd $W && ls -d d/train_log.jsonl d/train_summary.json bench online_* 2>/dev/null)
 ls -la "$OUT"
