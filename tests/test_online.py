@@ -796,3 +796,29 @@ def test_request_update_failure_keeps_serving_weights(pair):
         assert adapter.flush(30) and adapter.stats["updates"] == 1 and not same(good, snapshot(d))
     finally:
         adapter.close()
+
+
+def test_online_experiment_curve_on_the_reference_pair(tmp_path):
+    """The experiment's JSON: one tau per update per method, every output checked; measuring in
+    batches gives the same tau as one prompt at a time (rows verify their own blocks)."""
+    import os
+
+    from adaflash_hf.online import experiment
+    from adaflash_hf.reference import REFERENCE_DIR
+
+    def run(out, *extra):
+        args = ["--target", os.path.join(REFERENCE_DIR, "target"), "--drafter", os.path.join(REFERENCE_DIR, "drafter"),
+                "--dataset", "gsm8k", "--held-out", "3", "--stream", "4", "--samples-per-update", "2",
+                "--stream-batch", "2", "--max-new-tokens", "10", "--device", "cpu", "--out", str(out), *extra]
+        assert experiment.main(args) == 0
+        return json.loads((out / "online.json").read_text())
+
+    r = run(tmp_path / "a", "--methods", "opd,osd", "--updates", "1", "--measure-batch", "3")
+    assert r["sample_unit"] == "request" and r["dataset"] == "gsm8k" and "--updates 1" in r["command"]
+    for m in ("opd", "osd"):
+        curve = r["methods"][m]["curve"]
+        assert [c["update"] for c in curve] == [0, 1] and all(c["identical"] for c in curve)
+        assert r["methods"][m]["complete"] and curve[1]["served_prompts"] == 2 and curve[1]["loss"] > 0
+    assert (tmp_path / "a" / "online_tau.png").is_file()
+    one_by_one = run(tmp_path / "b", "--methods", "opd", "--updates", "0", "--measure-batch", "1")
+    assert one_by_one["methods"]["opd"]["curve"][0]["tau"] == pytest.approx(r["methods"]["opd"]["curve"][0]["tau"])

@@ -25,12 +25,14 @@ def _encode(tokenizer, prompt: dict, device):
     return tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"].to(device)
 
 
-def _measure(target, drafter, prompts, max_new_tokens, references, policy):
-    """Greedy tau over `prompts` (adapter paused) and whether every output equals plain greedy."""
+def _measure(target, drafter, batches, max_new_tokens, references, policy, pad):
+    """Greedy tau over the held-out `batches` (adapter paused) and whether every output equals the
+    plain greedy `references` of the same batches. A row's rounds do not depend on the other rows
+    (each verifies its own block), so batching changes the speed of the measurement, not tau."""
     accepted = rounds = 0
     identical = True
-    for ids, ref in zip(prompts, references):
-        out, stats = target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False, return_stats=True, length_policy=policy)
+    for (ids, mask), ref in zip(batches, references):
+        out, stats = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False, return_stats=True, length_policy=policy, pad_token_id=pad)
         accepted, rounds = accepted + sum(stats.accepted), rounds + stats.rounds
         identical &= torch.equal(out, ref)
     return (accepted + rounds) / max(rounds, 1), identical
@@ -45,7 +47,7 @@ def _left_pad(batch: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.
     return ids, mask
 
 
-def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=("opd", "osd"), updates=6, samples_per_update=128, epochs=2, max_new_tokens=128, seed=0, policy="fixed", lr=3e-4, head_lr=2e-4, label_mode="verified", sample_unit="request", stream_batch=16, checkpoint=None) -> dict:
+def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=("opd", "osd"), updates=6, samples_per_update=128, epochs=2, max_new_tokens=128, seed=0, policy="fixed", lr=3e-4, head_lr=2e-4, label_mode="verified", sample_unit="request", stream_batch=16, measure_batch=16, checkpoint=None) -> dict:
     """Tau on `held_out` after each online update, for each method (see the module docstring).
 
     `policy` is the verify-length policy used both to serve the stream and to measure: `fixed`
@@ -59,12 +61,13 @@ def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=
     stream_ids = [_encode(tokenizer, p, device) for p in stream]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     held_ids = [_encode(tokenizer, p, device) for p in held_out]
-    references = [target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False) for ids in held_ids]
-    result = {"methods": {}, "samples_per_update": samples_per_update, "epochs": epochs, "max_new_tokens": max_new_tokens, "policy": policy, "lr": lr, "head_lr": head_lr, "label_mode": label_mode, "sample_unit": sample_unit, "stream_batch": stream_batch}
+    held = [_left_pad(held_ids[i : i + measure_batch], pad) for i in range(0, len(held_ids), measure_batch)]
+    references = [target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad) for ids, mask in held]
+    result = {"methods": {}, "samples_per_update": samples_per_update, "epochs": epochs, "max_new_tokens": max_new_tokens, "policy": policy, "lr": lr, "head_lr": head_lr, "label_mode": label_mode, "sample_unit": sample_unit, "stream_batch": stream_batch, "measure_batch": measure_batch}
     for method in methods:
         torch.manual_seed(seed)
         d = copy_drafter(drafter, target)
-        tau, same = _measure(target, d, held_ids, max_new_tokens, references, policy)
+        tau, same = _measure(target, d, held, max_new_tokens, references, policy, pad)
         curve = [{"update": 0, "tau": tau, "identical": same, "served_prompts": 0}]
         result["methods"][method] = {"curve": curve, "complete": False}
         adapter = OnlineAdapter(d, target, method=method, samples_per_update=samples_per_update, epochs=epochs, lr=lr, head_lr=head_lr, label_mode=label_mode, sample_unit=sample_unit, seed=seed)
@@ -79,7 +82,7 @@ def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=
             adapter.detach()
             if adapter.stats["updates"] < update:
                 break
-            tau, same = _measure(target, d, held_ids, max_new_tokens, references, policy)
+            tau, same = _measure(target, d, held, max_new_tokens, references, policy, pad)
             curve.append({"update": update, "tau": tau, "identical": same, "served_prompts": served, "loss": adapter.stats["last_loss"]})
             print(f"[online] {method} update {update}: held-out tau {tau:.3f} identical={same} (served {served})", flush=True)
             if checkpoint is not None:
@@ -128,6 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--label-mode", default="verified", choices=("verified", "rollout"), help="round samples only")
     p.add_argument("--sample-unit", default="request", choices=("request", "round"))
     p.add_argument("--stream-batch", type=int, default=16, help="stream prompts served per batched generate call")
+    p.add_argument("--measure-batch", type=int, default=16, help="held-out prompts measured per batched generate call")
     p.add_argument("--policy", default="fixed", choices=("fixed", "adaptive", "expected_gain"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
@@ -144,7 +148,7 @@ def main(argv=None) -> int:
         with open(os.path.join(a.out, "online.json"), "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
 
-    result = run_online_experiment(target, drafter, tok, prompts[a.held_out :], prompts[: a.held_out], methods=tuple(a.methods.split(",")), updates=a.updates, samples_per_update=a.samples_per_update, epochs=a.epochs, max_new_tokens=a.max_new_tokens, policy=a.policy, lr=a.lr, head_lr=a.head_lr, label_mode=a.label_mode, sample_unit=a.sample_unit, stream_batch=a.stream_batch, checkpoint=save)
+    result = run_online_experiment(target, drafter, tok, prompts[a.held_out :], prompts[: a.held_out], methods=tuple(a.methods.split(",")), updates=a.updates, samples_per_update=a.samples_per_update, epochs=a.epochs, max_new_tokens=a.max_new_tokens, policy=a.policy, lr=a.lr, head_lr=a.head_lr, label_mode=a.label_mode, sample_unit=a.sample_unit, stream_batch=a.stream_batch, measure_batch=a.measure_batch, checkpoint=save)
     save(result)
     plot_curves(result, os.path.join(a.out, "online_tau.png"))
     return 0 if all(c["identical"] for r in result["methods"].values() for c in r["curve"]) else 1

@@ -41,12 +41,12 @@ timeout ${BENCH_TIMEOUT:-200} python3 -m adaflash_hf.bench --target $TARGET --dr
 fi
 
 # 4. online adaptation on domains the drafter never saw (math, code): held-out tau per update, opd vs osd;
-# a sample is a finished request (128 per update), the stream is served in batches of 32.
+# a sample is a finished request (128 per update); stream and held-out prompts are served in batches of 32.
 if [[ $STEPS == *online* ]]; then
 for ds in ${ONLINE_DATASETS:-gsm8k codealpaca}; do
 timeout ${ONLINE_TIMEOUT:-250} python3 -m adaflash_hf.online.experiment --target $TARGET --drafter $DRAFTER --dataset $ds \
-  --methods opd,osd --updates ${ONLINE_UPDATES:-4} --held-out 12 --stream 700 --samples-per-update 128 --stream-batch 32 \
-  --max-new-tokens 96 --out $W/online_$ds 2>&1 | grep -v Warning | tail -n 12
+  --methods opd,osd --updates ${ONLINE_UPDATES:-4} --held-out ${ONLINE_HELD_OUT:-64} --measure-batch 32 --stream 700 \
+  --samples-per-update 128 --stream-batch 32 --max-new-tokens 96 --out $W/online_$ds 2>&1 | grep -v Warning | tail -n 12
 done
 fi
 tar cf "$OUT/logs.tar" -C $W $(cd $W && ls -d d/train_log.jsonl d/train_summary.json bench online_* 2>/dev/null)
