@@ -10,7 +10,7 @@ each concurrency (prompts decoded together in one left-padded batch) times every
 - ``dflash_native``: transformers' own DFlash path, ``speculation_type="dflash"`` (batch 1 only);
 - ``fixed``, ``adaptive``, ``expected_gain``: our speculative loop with that length policy;
 - ``osd``, ``adaflash``: our loop serving the dataset's prompts in order while an
-  `adaflash_hf.online.OnlineAdapter` trains a fresh copy of the drafter on the verified rounds:
+  `adaflash_hf.online.OnlineAdapter` trains a fresh copy of the drafter on the served requests:
   ``osd`` (forward-KL online distillation, fixed policy) and ``adaflash`` (on-policy distillation
   + length head, adaptive policy when the drafter's length head is trained, else fixed). Their
   wall time includes the adapter's cost (with ``--online-wait``, the wait for every triggered

@@ -4,9 +4,10 @@
     python examples/online_adaptation.py --output-dir runs/online --hub-repo me/drafter-online   # + Hub pushes
     python examples/online_adaptation.py --smoke                                      # a few seconds
 
-An `OnlineAdapter` attached to the drafter receives every verified round of
+An `OnlineAdapter` attached to the drafter receives every request served by
 `target.generate(..., assistant_model=drafter)`, buffers them, and trains a shadow copy of the
-drafter in a background thread (on-policy distillation, SPEC section 4). Each update is swapped
+drafter in a background thread on the target's distributions over each whole sequence (on-policy
+distillation, SPEC section 4). Each update is swapped
 in between rounds, written atomically as a numbered version (`v00001/`, ..., `LATEST`), and, with
 `--hub-repo`, pushed to the Hub with a model card (credentials from `HF_TOKEN` or `hf auth login`;
 pushes retry in the background and never block generation). Outputs stay exactly the target's.
@@ -32,15 +33,15 @@ PROMPTS = [
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="tiny settings (2 prompts, 24 tokens, updates every 8 rounds)")
+    ap.add_argument("--smoke", action="store_true", help="tiny settings (2 prompts, 24 tokens, an update after each request)")
     ap.add_argument("--output-dir", default=None, help="where versions are written (default: a temporary folder)")
     ap.add_argument("--hub-repo", default=None, help="also push every version to this Hub repo (org/name)")
-    ap.add_argument("--samples-per-update", type=int, default=32, help="verified rounds per update (paper: 128)")
+    ap.add_argument("--samples-per-update", type=int, default=2, help="finished requests per update (paper: 128)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     args = ap.parse_args()
     torch.set_num_threads(1)
     prompts = PROMPTS[:2] if args.smoke else PROMPTS
-    max_new, per_update = (24, 8) if args.smoke else (args.max_new_tokens, args.samples_per_update)
+    max_new, per_update = (24, 1) if args.smoke else (args.max_new_tokens, args.samples_per_update)
     tmp = None if args.output_dir else tempfile.TemporaryDirectory(prefix="adaflash-online-")
     output_dir = args.output_dir or tmp.name
 

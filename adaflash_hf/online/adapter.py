@@ -1,16 +1,17 @@
-"""The online adapter: on-policy distillation of the serving drafter from verified rounds (SPEC 4).
+"""The online adapter: on-policy distillation of the serving drafter from its own traffic (SPEC 4).
 
 Flow::
 
-    generate round ──on_round──> ReplayBuffer ──(samples_per_update)──> worker thread
-                                                                         │ shadow copy of the drafter
-                                                                         │ (side CUDA stream on GPU):
-                                                                         │ recompute target features,
-                                                                         │ OPD / OSD loss, AdamW, epochs
-    serving drafter <──── swap under the round lock (between rounds) ───┘
+    finished request ──on_request──> ReplayBuffer ──(samples_per_update)──> worker thread
+    (or verified round ──on_round──>, sample_unit="round")                   │ shadow copy of the drafter
+                                                                             │ (side CUDA stream on GPU):
+                                                                             │ recompute target features
+                                                                             │ and distributions, OPD / OSD
+                                                                             │ loss on many blocks, AdamW
+    serving drafter <──── swap under the round lock (between rounds) ───────┘
                                    └──> numbered version on disk ──> Hub push (background)
 
-* **Never blocks generation.** ``on_round`` copies the round into the buffer and returns; all
+* **Never blocks generation.** ``on_request`` / ``on_round`` copy the sample into the buffer and return; all
   training runs on a worker thread (plus a side CUDA stream on GPU) on a *shadow* copy of the
   drafter. The only time generation waits is the swap itself: the generation loop holds
   ``drafter._weights_lock`` (this adapter's :class:`RoundLock`, shared by concurrent rounds)
