@@ -928,17 +928,27 @@ class OnlineAdapter:
             self.hub.submit(path, number, commit_message=f"AdaFlash online update {record.update} (version {number})")
 
     # ================================================================== evaluation
-    def evaluate(self, rounds) -> dict:
-        """Mean main / length-head loss of the *serving* drafter on ``rounds`` (`VerifiedRound`s or
-        `Sample`s), without training. For tests and benchmarks."""
-        samples = [r if isinstance(r, Sample) else Sample.from_round(r, store_target_logits=self.store_target_logits, logits_dtype=None) for r in rounds]
+    def evaluate(self, samples) -> dict:
+        """Mean main / length-head loss of the *serving* drafter on ``samples`` without training:
+        `VerifiedRound`s / `Sample`s (one block each), or `FinishedRequest`s / `RequestSample`s
+        (every response block, as an update trains on them; anchors drawn from torch's RNG). For
+        tests and benchmarks."""
+        from ..generation.stats import FinishedRequest
+
+        samples = list(samples)
+        if samples and all(isinstance(x, (FinishedRequest, RequestSample)) for x in samples):
+            reqs = [x if isinstance(x, RequestSample) else RequestSample.from_request(x) for x in samples]
+            with torch.no_grad(), self.round_lock:
+                out = self._request_model(self.drafter)(**self._request_batch(reqs, self.device))
+            return {"loss": float(out["ce_loss"]), "head_loss": float(out["length_loss"])}
+        rounds = [r if isinstance(r, Sample) else Sample.from_round(r, store_target_logits=self.store_target_logits, logits_dtype=None) for r in samples]
         main_sum, head_sum = 0.0, 0.0
         with torch.no_grad(), self.round_lock:
-            for s in samples:
+            for s in rounds:
                 main, head = self._sample_loss(self.drafter, s, cache_features=False)
                 main_sum += float(main)
                 head_sum += float(head)
-        n = max(len(samples), 1)
+        n = max(len(rounds), 1)
         return {"loss": main_sum / n, "head_loss": head_sum / n}
 
 
