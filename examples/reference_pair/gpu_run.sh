@@ -23,11 +23,11 @@ else TARGET=adaflash_hf/reference/target; fi
 
 # 2. drafter: target's own greedy answers to chat + prose prompts (up to 4 per conversation / prose
 # chunk), DFlash recipe, block 16. Earlier: v1 memorised 1536 answers (24 epochs, train accept 7.4,
-# held-out tau 1.5); v2 (5020 answers, 108 s) was still improving when it stopped.
+# held-out tau 1.5); v2 (5020 answers, 108 s) was still improving when it stopped; v3 (shipped) is this step.
 DRAFTER=adaflash_hf/reference/drafter
 if [[ $STEPS == *drafter* ]]; then
 DRAFTER=$W/d
-timeout ${DRAFT_TIMEOUT:-330} python3 -m adaflash_hf.training.train_drafter --target $TARGET --out $W/d --domains chat,prose \
+timeout ${DRAFT_TIMEOUT:-420} python3 -m adaflash_hf.training.train_drafter --target $TARGET --out $W/d --domains chat,prose \
   --minutes ${DRAFT_MINUTES:-3.5} --num-prompts ${DRAFT_PROMPTS:-20000} --prompts-per-sample 4 --max-new-tokens 192 \
   --gen-batch-size 4096 --batch-size 32 --eval-per-domain 16 --no-progress 2>&1 | tail -n 16
 tar cf "$OUT/drafter.tar" -C $W d
