@@ -8,11 +8,18 @@ section still runs, and the JSON + markdown are rewritten after every section):
           eager engine and to HF ``generate``);
   b_8b    Qwen3-8B shape, random bf16 weights built on the GPU: copy bandwidth and the batch-1
           floor (weight bytes / bandwidth), plain decoding in the engine (``verify_mode="off"``) at
-          batch 1 and context ~1024, the forward-cost table (requests x tokens each, context
-          1024, ms per graph replay) and the 16-token / 1-token verify ratio at batch 1;
+          batch 1 and context ~1024 with a per-step breakdown (target graph replay, acceptance read,
+          host bookkeeping; ``Engine(profile=True)``), the tensor ops per decoder layer of the graphed
+          forward (~ kernels per layer; SPEC's probe has 28), the batch-1 decode forward against the
+          cache's slot rows (1 / 16 / 128 slots: attention runs over every slot row), the
+          forward-cost table (requests x tokens each, context 1024, ms per graph replay) and the
+          16-token / 1-token verify ratio at batch 1;
   a_ref   the same equivalence checks for the reference pair (``--check-dtype``, float32 default);
   d       measured throughput of off / fixed / packed at each concurrency with the reference pair
-          on real prompts (also records the acceptance traces: accepted drafts and verify lengths);
+          on real prompts (also records the acceptance traces: accepted drafts and verify lengths),
+          then a second, profiled run per row: ms per step in the drafter (body + length head + LM
+          head + its reads), the target forward, acceptance + its read, host bookkeeping; device
+          reads, skipped drafter LM heads and drafter graph buckets per step;
   c       a PROJECTION, not a measurement: the 8B-scale throughput those traces imply under the
           cost table of b (plus an estimated drafter cost), per mode and concurrency.
 
@@ -90,6 +97,56 @@ def time_ms(fn, device, iters: int, warmup: int = 1) -> float:
             fn()
             times.append(1e3 * (time.perf_counter() - t))
     return statistics.median(times)
+
+
+def phase_breakdown(eng, fn) -> dict:
+    """Run ``fn()`` with ``eng.profile`` on: ms per step in each phase (device synced at phase boundaries,
+    so the sum is a little above the unprofiled step time), device reads and drafts skipped per step."""
+    eng.phase_seconds.clear()
+    eng.profiled_steps = 0
+    syncs0, skipped0 = eng.host_syncs, eng.skipped_drafts
+    eng.profile = True
+    try:
+        fn()
+    finally:
+        eng.profile = False
+    steps = max(1, eng.profiled_steps)
+    out = {f"{k}_ms": 1e3 * v / steps for k, v in sorted(eng.phase_seconds.items())}
+    out.update(steps=eng.profiled_steps, step_ms=sum(out.values()), reads_per_step=(eng.host_syncs - syncs0) / steps,
+               drafts_skipped_per_step=(eng.skipped_drafts - skipped0) / steps)
+    return out
+
+
+def fmt_phases(ph: dict) -> str:
+    keys = [k for k in ("draft_ms", "target_ms", "accept_ms", "host_ms") if k in ph]
+    return " + ".join(f"{k[:-3]} {ph[k]:.2f}" for k in keys) + f" = {ph.get('step_ms', 0):.2f} ms/step"
+
+
+def ops_per_layer(graphs, bucket) -> dict:
+    """Non-view tensor ops one eager run of ``graphs``' forward dispatches (~ kernels in its CUDA graph),
+    per decoder layer (difference of the whole forward and the part outside the layers is small)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    views = {"view", "_unsafe_view", "transpose", "t", "slice", "select", "unsqueeze", "squeeze", "expand", "as_strided",
+             "permute", "alias", "detach", "split", "split_with_sizes", "unbind", "narrow", "lift_fresh", "reshape"}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in views:
+                self.n[name] = self.n.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    ops = Ops()
+    with ops, torch.no_grad():
+        graphs._forward(*bucket)
+    layers = len(graphs.model.model.layers)
+    total = sum(ops.n.values())
+    return {"total": total, "layers": layers, "per_layer": total / layers, "by_op": ops.n}
 
 
 def free_memory() -> None:
@@ -295,11 +352,45 @@ def cost_8b(device, smoke: bool, quick: bool):
                              "steps_timed": steps, "context": ctx, "of_floor": (steps / dt) / rep["floor_tok_per_s"]}
         log(f"b: off, batch 1: {steps / dt:.1f} tok/s ({1e3 * dt / steps:.2f} ms/token; graph alone "
             f"{replay_ms if replay_ms is None else round(replay_ms, 2)} ms; floor {rep['floor_ms_per_token']:.2f} ms)")
+        try:  # the same decode with profile=True: where a step's time goes
+            h2 = eng.submit(torch.randint(0, vocab, (ctx - 8,), generator=g).tolist(), new)
+            eng.step()  # prefill
+            ph = phase_breakdown(eng, lambda: h2.result())
+            rep["off_batch1"]["phases"] = ph
+            log(f"b: off, batch 1, per step: {fmt_phases(ph)}")
+            rep["off_batch1"]["ops"] = ops_per_layer(eng.graphs, bucket)
+            log(f"b: graphed decode forward: {rep['off_batch1']['ops']['per_layer']:.0f} tensor ops per layer "
+                f"(~kernels; SPEC probe: 28)")
+        except Exception:  # noqa: BLE001
+            rep["off_batch1"]["phases_error"] = traceback.format_exc()
+            log("b: off batch-1 breakdown FAILED\n" + rep["off_batch1"]["phases_error"])
         del eng, h
         free_memory()
     except Exception:  # noqa: BLE001
         rep["off_batch1"] = {"error": traceback.format_exc()}
         log("b: off batch-1 FAILED\n" + rep["off_batch1"]["error"])
+
+    # Batch-1 decode forward against the number of cache slot rows (attention and its query scatter run over
+    # every slot row, used or not): the cost of a large max_slots at low load.
+    rep["slot_rows"] = []
+    for S in ([1, 4] if smoke else [1, 16, 128]):
+        row = {"slots": S}
+        try:
+            c1 = make_target_cache(model, S, ctx + 8, spare_slots=1, len_multiple=BLOCK)
+            g1 = DecodeGraphs(model, c1, None, max_tokens=1, max_q=1)
+            s1 = c1.alloc()
+            c1.advance(s1, ctx)
+            b1 = g1.prepare([1], PackedLayout.from_cache(c1, [s1], [1]))
+            g1.replay(b1)
+            sync(device)
+            row["ms"] = time_ms((lambda: g1.graphs[b1].replay()) if g1.use_graphs else (lambda: g1.replay(b1)), device, iters)
+            log(f"b: batch-1 decode forward with {S:4d} slots: {row['ms']:.2f} ms")
+            del g1, c1
+            free_memory()
+        except Exception:  # noqa: BLE001
+            row["error"] = traceback.format_exc()
+            log(f"b: slot rows {S} FAILED\n{row['error']}")
+        rep["slot_rows"].append(row)
 
     # The forward-cost table through one DecodeGraphs: slots filled to ctx (values do not matter for timing).
     slots = max(requests)
@@ -364,6 +455,7 @@ def throughput(target, drafter, prompts, eos, *, concurrency, modes, max_new, ma
                 batch = [prompts[i % len(prompts)] for i in range(c)]
                 eng.generate(batch, max_new_tokens=8)  # warm-up: captures the common buckets
                 cap0 = eng.graphs.capture_seconds if eng.graphs is not None else 0.0
+                dcap0 = eng.draft_graphs.capture_seconds if getattr(eng, "draft_graphs", None) is not None else 0.0
                 fwd0, steps0 = len(eng.forward_tokens), eng.num_steps
                 sync(device)
                 t = time.perf_counter()
@@ -371,6 +463,8 @@ def throughput(target, drafter, prompts, eos, *, concurrency, modes, max_new, ma
                 sync(device)
                 wall = time.perf_counter() - t
                 cap = (eng.graphs.capture_seconds if eng.graphs is not None else 0.0) - cap0
+                dgr = getattr(eng, "draft_graphs", None)
+                cap += (dgr.capture_seconds if dgr is not None else 0.0) - dcap0
                 toks = sum(len(o.token_ids) for o in outs)
                 acc = [a for o in outs for a in o.accepted]
                 vl = [v for o in outs for v in o.verify_lengths]
@@ -383,13 +477,28 @@ def throughput(target, drafter, prompts, eos, *, concurrency, modes, max_new, ma
                            accepted_hist={str(k): acc.count(k) for k in sorted(set(acc))})
                 log(f"d: {mode:7s} c={c:4d} {row['tok_per_s']:9.1f} tok/s  tau {row['tau']:.2f}  verify len "
                     f"{row['mean_verify_len']:.2f}  steps {row['steps']}  capture {cap:.1f}s")
+                dg = getattr(eng, "draft_graphs", None)
+                d_replays0 = sum(dg.replays.values()) if dg is not None else 0
+                ph = phase_breakdown(eng, lambda: eng.generate(batch, max_new_tokens=max(8, max_new // 2), eos_token_id=eos))
+                if dg is not None:
+                    ph["drafter_replays_per_step"] = (sum(dg.replays.values()) - d_replays0) / max(1, ph["steps"])
+                    ph["drafter_buckets"] = len(dg.graphs) if dg.use_graphs else len(dg.replays)
+                    ph["drafter_capture_s"] = dg.capture_seconds
+                row["phases"] = ph
+                log(f"d: {mode:7s} c={c:4d} per step (profiled): {fmt_phases(ph)}; device reads {ph['reads_per_step']:.2f}, "
+                    f"drafts skipped {ph['drafts_skipped_per_step']:.2f} per step")
             except Exception:  # noqa: BLE001
                 row["error"] = traceback.format_exc()
                 log(f"d: {mode} c={c} FAILED\n{row['error']}")
             rows.append(row)
         if eng.graphs is not None:
+            dg = getattr(eng, "draft_graphs", None)
             rows.append({"mode": mode, "graph_buckets": len(eng.graphs.graphs), "attention_backend": eng.graphs.attention.backend,
-                         "attention_note": eng.graphs.attention_note, "padded_tokens": eng.graphs.padded_tokens})
+                         "attention_note": eng.graphs.attention_note, "padded_tokens": eng.graphs.padded_tokens,
+                         "drafter_graph_buckets": len(dg.graphs) if dg is not None else 0,
+                         "drafter_attention_backend": dg.attention.backend if dg is not None else None,
+                         "drafter_attention_note": dg.attention_note if dg is not None else "",
+                         "drafter_padded_tokens": dg.padded_tokens if dg is not None else 0})
         del eng
         free_memory()
     return rows
@@ -475,6 +584,14 @@ def markdown(res: dict) -> str:
                            f"{o['graph_replay_ms'] if o['graph_replay_ms'] is None else round(o['graph_replay_ms'], 2)} ms)")
             elif o:
                 out += ["", "off batch-1 failed:", "```", o.get("error", "")[-1500:], "```"]
+            if "phases" in o:
+                out.append(f"\nper step (profiled, device synced per phase): {fmt_phases(o['phases'])}")
+            if "ops" in o:
+                out.append(f"\ngraphed decode forward: {o['ops']['per_layer']:.0f} tensor ops per decoder layer (~kernels; "
+                           f"SPEC's probe: 28)")
+            if b.get("slot_rows"):
+                out.append("\nbatch-1 decode forward vs cache slots: " + ", ".join(
+                    f"{r['slots']} slots {r['ms']:.2f} ms" if "ms" in r else f"{r['slots']} slots failed" for r in b["slot_rows"]))
             if "verify_over_decode_batch1" in b:
                 out.append(f"\nbatch 1: {b['verify_q']}-token verify forward / 1-token forward = {b['verify_over_decode_batch1']:.2f}")
             out += ["", f"attention: {b.get('attention_backend')} {b.get('attention_note', '')}", "",
@@ -498,6 +615,17 @@ def markdown(res: dict) -> str:
             for r in sorted([r for r in d if "tok_per_s" in r], key=lambda r: (r["concurrency"], r["mode"])):
                 out.append(f"| {r['concurrency']} | {r['mode']} | {r['tok_per_s']:.1f} | {r['tau']:.2f} | "
                            f"{r['mean_verify_len']:.2f} | {r['steps']} | {r['capture_s']:.1f} |")
+            prof = sorted([r for r in d if "phases" in r], key=lambda r: (r["concurrency"], r["mode"]))
+            if prof:
+                out += ["", "per-step breakdown (second run with `profile=True`: device synced at phase boundaries):", "",
+                        "| concurrency | mode | draft ms | target ms | accept ms | host ms | step ms | reads/step | "
+                        "drafts skipped/step | drafter replays/step |", "|---|---|---|---|---|---|---|---|---|---|"]
+                for r in prof:
+                    p = r["phases"]
+                    out.append(f"| {r['concurrency']} | {r['mode']} | {p.get('draft_ms', 0):.2f} | {p.get('target_ms', 0):.2f} | "
+                               f"{p.get('accept_ms', 0):.2f} | {p.get('host_ms', 0):.2f} | {p['step_ms']:.2f} | "
+                               f"{p['reads_per_step']:.2f} | {p['drafts_skipped_per_step']:.2f} | "
+                               f"{p.get('drafter_replays_per_step', 0):.2f} |")
             for r in d:
                 if "error" in r or "skipped" in r:
                     out.append(f"\n{r['mode']} c={r['concurrency']}: {r.get('skipped') or r['error'].splitlines()[-1]}")

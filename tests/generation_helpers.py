@@ -167,3 +167,15 @@ class CollectingStreamer(BaseStreamer):
 
     def end(self):
         self.ends += 1
+
+
+def engine_prompts(lengths: list[int], seed: int, vocab: int = 126) -> list[list[int]]:
+    """Random prompts (token id lists) of the given lengths, for the engine tests."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def plain_greedy_ids(target, prompt: list[int], n: int) -> list[int]:
+    """The `n` tokens plain greedy `generate` appends to `prompt` (the engine's reference)."""
+    out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
+    return out[0, len(prompt):].tolist()

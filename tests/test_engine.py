@@ -22,19 +22,9 @@ from adaflash_hf.engine import (
 from adaflash_hf.engine import engine as engine_mod
 from adaflash_hf.generation.acceptance import greedy_accept
 
-from generation_helpers import force_length_head, make_drafter, make_target
+from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids
 
 MODES = ("packed", "rectangular", "fixed", "off")
-
-
-def _prompts(lengths, seed, vocab=126):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def _greedy(target, prompt, n):
-    out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
@@ -87,8 +77,8 @@ def test_packed_forward_matches_hf(pair):
     cache: logits and selected hidden states equal the HF forward with a DynamicCache, per request."""
     target, drafter = pair
     layers = list(drafter.config.target_layer_ids) + [target.config.num_hidden_layers - 1]
-    prompts = _prompts([5, 1, 9, 3], seed=1)
-    chunks = _prompts([3, 1, 6, 2], seed=2)
+    prompts = engine_prompts([5, 1, 9, 3], seed=1)
+    chunks = engine_prompts([3, 1, 6, 2], seed=2)
     cache = make_target_cache(target, 6, 32)
     slots = [cache.alloc() for _ in prompts]
     cache.alloc()  # a slot in use by nobody in this batch: must not be touched or read
@@ -115,8 +105,8 @@ def test_packed_forward_matches_hf(pair):
 def test_packed_verification_equals_per_request(pair):
     """Greedy verification of ragged draft blocks in one packed forward == per-request HF verification."""
     target, _ = pair
-    prompts = _prompts([4, 8, 2, 6, 3], seed=3)
-    refs = [_greedy(target, p, 8) for p in prompts]
+    prompts = engine_prompts([4, 8, 2, 6, 3], seed=3)
+    refs = [plain_greedy_ids(target, p, 8) for p in prompts]
     rng = random.Random(0)
     cache = make_target_cache(target, 5, 40)
     slots = [cache.alloc() for _ in prompts]
@@ -183,12 +173,12 @@ MAX_NEW = [12, 5, 1, 9, 12, 7, 3, 10]
 def test_modes_greedy_identical_real_drafter(pair, mode):
     """The real (random) drafter and length head: every mode equals plain greedy, per request."""
     target, drafter = pair
-    prompts = _prompts(RAGGED, seed=4)
+    prompts = engine_prompts(RAGGED, seed=4)
     engine = Engine(target, drafter, verify_mode=mode, max_slots=3, max_len=32, token_budget=40)
     handles = [engine.submit(p, n) for p, n in zip(prompts, MAX_NEW)]
     engine.run_until_idle()
     for h, p, n in zip(handles, prompts, MAX_NEW):
-        assert h.result().token_ids == _greedy(target, p, n)
+        assert h.result().token_ids == plain_greedy_ids(target, p, n)
     assert engine.cache.num_free == 3 and engine.idle
 
 
@@ -196,8 +186,8 @@ def test_modes_greedy_identical_real_drafter(pair, mode):
 def test_modes_greedy_identical_with_acceptance(pair, mode):
     """Drafts that are often right (oracle) so rounds accept 0..B-1 tokens; outputs still exact."""
     target, drafter = pair
-    prompts = _prompts(RAGGED, seed=5)
-    refs = {tuple(p): _greedy(target, p, 16) for p in prompts}
+    prompts = engine_prompts(RAGGED, seed=5)
+    refs = {tuple(p): plain_greedy_ids(target, p, 16) for p in prompts}
     infos = []
     engine = OracleEngine(target, drafter, verify_mode=mode, max_slots=4, max_len=40, token_budget=48, refs=refs, seed=1,
                           step_hook=infos.append)
@@ -218,8 +208,8 @@ def test_modes_greedy_identical_with_acceptance(pair, mode):
 
 def test_eos_stops_like_plain_generate(pair):
     target, drafter = pair
-    prompt = _prompts([6], seed=6)[0]
-    ref = _greedy(target, prompt, 12)
+    prompt = engine_prompts([6], seed=6)[0]
+    ref = plain_greedy_ids(target, prompt, 12)
     eos = ref[4]
     expected = ref[: ref.index(eos) + 1]
     engine = OracleEngine(target, drafter, verify_mode="packed", max_slots=2, max_len=32, token_budget=32,
@@ -253,11 +243,11 @@ def test_admission_never_exceeds_budget_or_slots(pair, mode):
             assert info.slots_in_use <= info.num_slots
             seen.append(info)
 
-        prompts = _prompts([3, 9, 5, 12, 2, 7, 4, 11, 6, 1], seed=7)
+        prompts = engine_prompts([3, 9, 5, 12, 2, 7, 4, 11, 6, 1], seed=7)
         engine = Engine(target, drafter, verify_mode=mode, max_slots=5, max_len=32, token_budget=20, step_hook=hook)
         outs = engine.generate(prompts, max_new_tokens=8)
         for o, p in zip(outs, prompts):
-            assert o.token_ids == _greedy(target, p, 8)
+            assert o.token_ids == plain_greedy_ids(target, p, 8)
         assert max(i.num_tokens for i in seen) <= 20 and any(i.num_prefill and i.num_verify for i in seen)
         assert engine.cache.num_free == 5
     finally:
@@ -281,7 +271,7 @@ def test_too_long_requests_are_rejected_clearly(pair):
 def test_cancellation_frees_slot(pair):
     target, drafter = pair
     engine = Engine(target, drafter, verify_mode="packed", max_slots=2, max_len=40, token_budget=32)
-    prompts = _prompts([4, 5, 6], seed=8)
+    prompts = engine_prompts([4, 5, 6], seed=8)
     streamed = []
     a = engine.submit(prompts[0], 30, on_token=streamed.append)
     b = engine.submit(prompts[1], 10)
@@ -294,7 +284,7 @@ def test_cancellation_frees_slot(pair):
     assert a.result().token_ids == streamed and len(streamed) >= 2
     c.cancel()  # cancelling a queued request
     assert engine.num_queued == 0
-    assert b.result().token_ids == _greedy(target, prompts[1], 10)
+    assert b.result().token_ids == plain_greedy_ids(target, prompts[1], 10)
     assert engine.idle and engine.cache.num_free == 2 and engine.dcache.num_free == 2
     assert all(length == 0 for length in engine.cache.lengths + engine.dcache.lengths)
 
@@ -308,7 +298,7 @@ def test_cancel_from_callback_mid_round(pair):
         if len(box["h"].token_ids) == 3:
             box["h"].cancel()
 
-    box["h"] = engine.submit(_prompts([4], seed=9)[0], 20, on_token=cb)
+    box["h"] = engine.submit(engine_prompts([4], seed=9)[0], 20, on_token=cb)
     out = box["h"].result()
     assert out.finish_reason == "cancelled" and len(out.token_ids) == 3 and engine.cache.num_free == 2
 
@@ -322,7 +312,7 @@ def test_round_sink_receives_verified_rounds(pair):
         def on_round(self, v):
             rounds.append(v)
 
-    prompts = _prompts([3, 6], seed=10)
+    prompts = engine_prompts([3, 6], seed=10)
     engine = Engine(target, drafter, verify_mode="packed", max_slots=2, max_len=32, token_budget=32, round_sink=Sink())
     outs = engine.generate(prompts, max_new_tokens=6)
     assert len(rounds) == sum(o.rounds for o in outs)
@@ -354,7 +344,7 @@ def _sample_token2(target, drafter, prompt, n, monkeypatch=None):
 def test_sampling_follows_target_distribution(monkeypatch):
     target = make_target("qwen3", seed=1)
     drafter = make_drafter(target, block_size=4, seed=1)
-    prompt = _prompts([5], seed=11)[0]
+    prompt = engine_prompts([5], seed=11)[0]
     with torch.no_grad():
         exact = _token2_marginal(target, prompt, 3)
     n = 1500
@@ -379,8 +369,8 @@ def test_sampling_follows_target_distribution(monkeypatch):
 def soak_pair():
     target = make_target("qwen3", seed=2)
     drafter = make_drafter(target, block_size=6, seed=2)
-    pool = _prompts([random.Random(7).randint(1, 14) for _ in range(40)], seed=12)
-    return target, drafter, pool, {tuple(p): _greedy(target, p, 14) for p in pool}
+    pool = engine_prompts([random.Random(7).randint(1, 14) for _ in range(40)], seed=12)
+    return target, drafter, pool, {tuple(p): plain_greedy_ids(target, p, 14) for p in pool}
 
 
 @pytest.mark.parametrize("mode,n_requests", [("packed", 2000), ("rectangular", 300), ("fixed", 300), ("off", 300)])

@@ -26,19 +26,9 @@ from adaflash_hf.engine import (
 )
 from adaflash_hf.engine.attention import INACTIVE as INACTIVE_START
 
-from generation_helpers import make_drafter, make_target
+from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids
 
 MODES = ("packed", "rectangular", "fixed", "off")
-
-
-def _prompts(lengths, seed, vocab=126):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def _greedy(target, prompt, n):
-    out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
@@ -148,8 +138,8 @@ def test_static_forward_equals_eager(pair, prompt_lens, q_lens, max_tokens, max_
     it writes the same K/V to the same places, touching no other slot (padding goes to the spare row)."""
     target, drafter = pair
     layers = list(drafter.config.target_layer_ids) + [target.config.num_hidden_layers - 1]
-    prompts = _prompts(prompt_lens, seed=sum(prompt_lens))
-    chunks = _prompts(q_lens, seed=len(q_lens))
+    prompts = engine_prompts(prompt_lens, seed=sum(prompt_lens))
+    chunks = engine_prompts(q_lens, seed=len(q_lens))
     ref_cache, slots = _prefilled(target, prompts, 6, 32, spare=1)
     cache, _ = _prefilled(target, prompts, 6, 32, spare=1)
     lay = PackedLayout.from_cache(cache, slots, q_lens)
@@ -165,7 +155,8 @@ def test_static_forward_equals_eager(pair, prompt_lens, q_lens, max_tokens, max_
     torch.testing.assert_close(cache.k[:, :n], ref_cache.k[:, :n], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(cache.v[:, :n], ref_cache.v[:, :n], atol=1e-6, rtol=1e-6)
     (bucket,) = graphs.replays
-    assert bucket == graphs.bucket(lay.num_tokens, max(q_lens)) and bucket[0] <= max_tokens
+    assert bucket[:2] == graphs.bucket(lay.num_tokens, max(q_lens)) and bucket[0] <= max_tokens
+    assert bucket[2] == pick_bucket(graphs.row_buckets, max(slots) + 1)  # slot rows attended: 0 .. R_b
     assert graphs.padded_tokens == bucket[0] - lay.num_tokens
 
 
@@ -173,8 +164,8 @@ def test_padding_never_leaks(pair):
     """Poisoned padding (NaN in the spare row, stale rows and the static buffers) and a different
     bucket for the same requests leave every real token's logits unchanged."""
     target, _ = pair
-    prompts = _prompts([4, 7, 2], seed=21)
-    chunks = _prompts([2, 3, 1], seed=22)
+    prompts = engine_prompts([4, 7, 2], seed=21)
+    chunks = engine_prompts([2, 3, 1], seed=22)
     results = []
     # buckets: exact (6, 3), padded tokens (8, 3), padded rows (6, 4), both (8, 4)
     for max_tokens, max_q, poison in ((6, 3, False), (48, 3, True), (6, 8, True), (48, 8, True)):
@@ -190,7 +181,7 @@ def test_padding_never_leaks(pair):
         logits, hidden = graphs.run(sum(chunks, []), lay)
         assert hidden is None and torch.isfinite(logits).all()
         results.append((next(iter(graphs.replays)), logits))
-    assert [b for b, _ in results] == [(6, 3), (8, 3), (6, 4), (8, 4)]
+    assert [b for b, _ in results] == [(6, 3, 4), (8, 3, 4), (6, 4, 4), (8, 4, 4)]
     for _, logits in results[1:]:
         torch.testing.assert_close(logits, results[0][1], atol=1e-5, rtol=1e-5)
 
@@ -200,14 +191,14 @@ def test_compiled_flex_backend_equals_eager():
     the static ``start`` every forward), compiled here by inductor for CPU: two rounds with different
     slots and prefixes reuse one compiled kernel and both equal the eager packed forward."""
     target = make_target("qwen3", seed=3, hidden=64)  # head_dim 16: the smallest flex compiles for
-    prompts = _prompts([5, 9, 3], seed=31)
+    prompts = engine_prompts([5, 9, 3], seed=31)
     ref_cache, slots = _prefilled(target, prompts, 4, 32, spare=1)
     cache, _ = _prefilled(target, prompts, 4, 32, spare=1)
     graphs = DecodeGraphs(target, cache, [1], max_tokens=8, max_q=4, attention="flex")
     assert graphs.attention.backend == "flex"
     for round_, q_lens in enumerate(([2, 4, 1], [3, 3, 2])):
         lay = PackedLayout.from_cache(cache, slots[round_:], q_lens[round_:])
-        toks = torch.tensor(sum(_prompts(q_lens[round_:], seed=40 + round_), []))
+        toks = torch.tensor(sum(engine_prompts(q_lens[round_:], seed=40 + round_), []))
         ref_logits, ref_hidden = target_forward(target, ref_cache, toks, lay.token_slots(), lay.positions(), lay, [1])
         logits, hidden = graphs.run(toks.tolist(), lay)
         torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
@@ -215,7 +206,35 @@ def test_compiled_flex_backend_equals_eager():
         for s, q in zip(lay.slots, lay.q_lens):
             cache.advance(s, q)
             ref_cache.advance(s, q)
-    assert set(graphs.replays) == {(8, 4)} and graphs.attention_note == ""
+    assert set(graphs.replays) == {(8, 4, 4)} and graphs.attention_note == ""
+
+
+@pytest.mark.parametrize("used,rows", [([0, 1, 2], 4), ([0, 9], 16), ([5], 8), ([15], 16)])
+def test_idle_slot_rows_are_not_attended(pair, used, rows):
+    """Attention runs over slot rows 0 .. R_b only (R_b: bucket of the highest slot in use + 1, row R_b takes the
+    padding queries): NaN in every other row, the spare row included, changes no real token's logits."""
+    target, _ = pair
+    chunks = engine_prompts([2, 3, 1][: len(used)], seed=23)
+    out = []
+    for poison in (False, True):
+        cache = make_target_cache(target, 16, 32, spare_slots=1)
+        for s in used:
+            cache.alloc(s)
+        prompts = engine_prompts([4, 7, 2][: len(used)], seed=24)
+        lay = PackedLayout.from_cache(cache, used, [len(p) for p in prompts])
+        target_forward(target, cache, torch.tensor(sum(prompts, [])), lay.token_slots(), lay.positions(), lay)
+        for s, p in zip(used, prompts):
+            cache.advance(s, len(p))
+        graphs = DecodeGraphs(target, cache, None, max_tokens=16, max_q=4)
+        if poison:
+            idle = [r for r in range(cache.k.shape[1]) if r not in used]
+            cache.k[:, idle] = float("nan")
+            cache.v[:, idle] = float("nan")
+        logits, _ = graphs.run(sum(chunks, []), PackedLayout.from_cache(cache, used, [len(c) for c in chunks]))
+        assert torch.isfinite(logits).all()
+        out.append(logits)
+        assert [k[2] for k in graphs.replays] == [rows]
+    torch.testing.assert_close(out[1], out[0], atol=0, rtol=0)
 
 
 def test_decode_graphs_needs_a_spare_row(pair):
@@ -236,7 +255,7 @@ def test_engine_static_path_lossless(pair, mode):
     """``cuda_graphs=True`` on CPU (static padded buckets, SDPA): every request's greedy output is its
     own plain greedy decoding, rounds mixing prefill and decode included, and no slot leaks."""
     target, drafter = pair
-    prompts = _prompts(RAGGED, seed=4)
+    prompts = engine_prompts(RAGGED, seed=4)
     infos = []
     engine = Engine(target, drafter, verify_mode=mode, max_slots=3, max_len=32, token_budget=40, cuda_graphs=True,
                     step_hook=infos.append)
@@ -244,13 +263,13 @@ def test_engine_static_path_lossless(pair, mode):
     handles = [engine.submit(p, n) for p, n in zip(prompts, MAX_NEW)]
     engine.run_until_idle()
     for h, p, n in zip(handles, prompts, MAX_NEW):
-        assert h.result().token_ids == _greedy(target, p, n)
+        assert h.result().token_ids == plain_greedy_ids(target, p, n)
     assert engine.cache.num_free == 3 and engine.idle
     assert any(i.num_prefill and i.num_verify for i in infos)  # split rounds: eager prefill + static decode
     decode_rounds = sum(1 for i in infos if i.num_verify)
     assert sum(engine.graphs.replays.values()) == decode_rounds
     if mode == "off":
-        assert {q for _, q in engine.graphs.replays} == {1}
+        assert {k[1] for k in engine.graphs.replays} == {1}
     else:
         assert len(engine.graphs.replays) > 1
 
@@ -259,3 +278,28 @@ def test_engine_default_is_eager_on_cpu(pair):
     target, drafter = pair
     engine = Engine(target, drafter, max_slots=2, max_len=16, token_budget=16)
     assert engine.graphs is None and not engine.cuda_graphs and engine.cache.spare_slots == 0
+
+
+# ---------------------------------------------------------------- fewer kernels, same numbers
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 5, 37])
+def test_merged_qk_norm_rope_is_bit_identical_to_the_hf_modules(family, dtype, T):
+    """decoder_forward's q/k norm + RoPE on one concatenated tensor == the HF modules, bit for bit."""
+    import importlib
+
+    from adaflash_hf.engine.target import _qk_norm_rope
+
+    rope = importlib.import_module(f"transformers.models.{family}.modeling_{family}").apply_rotary_pos_emb
+    model = make_target(family).to(dtype)
+    attn = model.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(1, T, model.config.hidden_size, generator=g).to(dtype)
+    with torch.no_grad():
+        q = attn.q_proj(x).view(1, T, -1, attn.head_dim)
+        k = attn.k_proj(x).view(1, T, -1, attn.head_dim)
+        cos, sin = model.model.rotary_emb(x, torch.arange(7, 7 + T)[None])
+        q2, k2 = (attn.q_norm(q), attn.k_norm(k)) if hasattr(attn, "q_norm") else (q, k)
+        ref_q, ref_k = rope(q2.transpose(1, 2), k2.transpose(1, 2), cos, sin)
+        got_q, got_k = _qk_norm_rope(attn, q, k, cos, sin, rope)
+    assert torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k)

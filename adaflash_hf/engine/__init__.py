@@ -5,9 +5,9 @@ EMA admission; on CUDA the decode forwards are CUDA graphs per bucket with flex_
 from .admission import AdmissionController
 from .attention import SlotAttention, slot_block_mask, slot_mask_mod
 from .async_engine import AsyncEngine, EngineClosed, EngineFailed, RequestFuture, TokenStream
-from .drafter import SlotCacheView, draft_blocks, make_drafter_cache
+from .drafter import DraftGraphs, DraftOutput, SlotCacheView, append_context, draft_blocks, make_drafter_cache
 from .engine import VERIFY_MODES, Engine, EngineOutput, RequestHandle, RequestRejected, StepInfo
-from .graphs import DecodeGraphs, pick_bucket, q_buckets, token_buckets
+from .graphs import DecodeGraphs, GraphRunner, pick_bucket, q_buckets, token_buckets
 from .kv_cache import SlotKVCache
 from .sampling import SamplingParams, processed_probs
 from .server import OpenAIServer, make_server
@@ -27,5 +27,7 @@ __all__ = [
     "draft_blocks", "make_drafter_cache", "make_target_cache", "packed_attention", "processed_probs", "target_forward",
     # the CUDA-graph decode path
     "DecodeGraphs", "SlotAttention", "decoder_forward", "pick_bucket", "q_buckets", "slot_block_mask", "slot_mask_mod",
-    "token_buckets",
+    "token_buckets", "GraphRunner",
+    # the batched drafter step
+    "DraftGraphs", "DraftOutput", "append_context",
 ]

@@ -44,52 +44,63 @@ def _flex():
     return _compiled_flex
 
 
-def slot_mask_mod(start: torch.Tensor):
-    """flex_attention ``mask_mod``: batch row ``b`` (a slot), query row ``q_idx`` sees ``kv_idx <= start[b] + q_idx``."""
+def slot_mask_mod(start: torch.Tensor, causal: bool = True):
+    """flex_attention ``mask_mod``: batch row ``b`` (a slot), query row ``q_idx`` sees ``kv_idx <= start[b] + q_idx``
+    (``causal``) or, for a bidirectional block (the drafter), every ``kv_idx <= start[b]``."""
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return kv_idx <= start[b] + q_idx
+    if causal:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= start[b] + q_idx
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= start[b]
 
     return mask_mod
 
 
-def slot_block_mask(start: torch.Tensor, q_len: int, kv_len: int, mask_mod=None, block: int = BLOCK):
+def slot_block_mask(start: torch.Tensor, q_len: int, kv_len: int, mask_mod=None, block: int = BLOCK, causal: bool = True):
     """The :class:`BlockMask` of :func:`slot_mask_mod`, computed with tensor ops only (capturable).
 
     A KV block is listed for a query block iff it holds a key some row of that query block may see:
-    blocks ``0 .. (start + last row) // block``. None is marked "full" (mask_mod skipped), as
-    ``create_block_mask`` does when ``q_len`` is below the block size.
+    blocks ``0 .. (start + last row) // block`` (``0 .. start // block`` when not ``causal``). None is
+    marked "full" (mask_mod skipped), as ``create_block_mask`` does when ``q_len`` is below the block size.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
     n_q, n_kv = -(-q_len // block), -(-kv_len // block)
     # Device ops only (a host list -> tensor copy is not allowed while a CUDA graph is being captured).
     last_row = ((torch.arange(n_q, dtype=torch.int32, device=start.device) + 1) * block).clamp(max=q_len) - 1
+    if not causal:
+        last_row = torch.zeros_like(last_row)
     num = ((start[:, None] + last_row[None, :]).div(block, rounding_mode="floor") + 1).clamp(0, n_kv).to(torch.int32)
     indices = torch.arange(n_kv, dtype=torch.int32, device=start.device).expand(start.shape[0], 1, n_q, n_kv).contiguous()
     # compute_q_blocks=False: the transposed (query-side) indices only serve the backward pass.
-    return BlockMask.from_kv_blocks(num[:, None, :], indices, BLOCK_SIZE=block, mask_mod=mask_mod or slot_mask_mod(start),
+    return BlockMask.from_kv_blocks(num[:, None, :], indices, BLOCK_SIZE=block, mask_mod=mask_mod or slot_mask_mod(start, causal),
                                     seq_lengths=(q_len, kv_len), compute_q_blocks=False)
 
 
 class SlotAttention:
     """Per-slot attention for one cache: ``start`` (int32 ``[slot_rows]``) is the static input the
     caller fills before each forward; :meth:`mask` once per forward, then ``self(q, k, v, mask, scale)``
-    per layer. ``backend``: ``"flex"`` (compiled flex_attention, CUDA) or ``"sdpa"`` (boolean mask)."""
+    per layer. ``backend``: ``"flex"`` (compiled flex_attention, CUDA) or ``"sdpa"`` (boolean mask).
+    ``causal=False`` (the drafter's bidirectional block): ``start[b]`` is the slot's last visible key
+    for every query row."""
 
-    def __init__(self, slot_rows: int, kv_len: int, device, backend: str):
+    def __init__(self, slot_rows: int, kv_len: int, device, backend: str, causal: bool = True):
         if backend not in ("flex", "sdpa"):
             raise ValueError(f"unknown attention backend {backend!r}")
-        self.kv_len, self.backend = kv_len, backend
+        self.kv_len, self.backend, self.causal = kv_len, backend, causal
         self.start = torch.full((slot_rows,), INACTIVE, dtype=torch.int32, device=device)
-        self._mask_mod = slot_mask_mod(self.start)  # one function object: compiled flex guards on it
+        self._mask_mod = slot_mask_mod(self.start, causal)  # one function object: compiled flex guards on it
 
-    def mask(self, q_len: int):
+    def mask(self, q_len: int, slot_rows: int | None = None):
+        """The mask of the first ``slot_rows`` slot rows (default: all) for ``q_len`` query rows each."""
+        start = self.start if slot_rows is None else self.start[:slot_rows]
         if self.backend == "flex":
-            return slot_block_mask(self.start, q_len, self.kv_len, self._mask_mod)
-        keys = torch.arange(self.kv_len, device=self.start.device)
-        rows = torch.arange(q_len, device=self.start.device)
-        return (keys[None, None, :] <= self.start[:, None, None] + rows[None, :, None])[:, None]  # [slots, 1, q, K]
+            return slot_block_mask(start, q_len, self.kv_len, self._mask_mod, causal=self.causal)
+        keys = torch.arange(self.kv_len, device=start.device)
+        rows = torch.arange(q_len, device=start.device) * int(self.causal)
+        return (keys[None, None, :] <= start[:, None, None] + rows[None, :, None])[:, None]  # [slots, 1, q, K]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
         """``q [slots, heads, q_len, d]`` over ``k, v [slots, kv_heads, kv_len, d]`` -> ``[slots, heads, q_len, d]``."""

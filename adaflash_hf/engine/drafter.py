@@ -7,25 +7,44 @@ request appends the features of its newly verified tokens (bonus + accepted draf
 prompt after prefill) and drafts one block, in one padded drafter forward for all requests. The
 block's K/V are written past the context and not counted, so they are overwritten next round.
 
-The drafter's own ``forward`` does the work; :class:`SlotCacheView` is the ``past_key_values`` it
-writes to, and the 4D boolean mask lets each row see its slot's valid keys only.
+Two paths, like the target's:
+
+- :func:`draft_blocks` (the eager reference, ``cuda_graphs=False``): the drafter's own ``forward``
+  over a padded ``[b, max m_i + B]`` batch; :class:`SlotCacheView` is the ``past_key_values`` it
+  writes to (per row), and the 4D boolean mask lets each row see its slot's valid keys only.
+- :class:`DraftGraphs` (``cuda_graphs=True``): one static, bucketed forward for every running
+  request, captured as a CUDA graph per ``(context tokens, rows)`` bucket on CUDA (eager on CPU).
+  The new context tokens are *packed* (``sum_i m_i`` rows, no ``max m_i`` padding), the blocks are
+  ``[R_b, B]``; K/V are stored with ``index_put_`` and the block attends per slot over the cache
+  storage (:class:`~.attention.SlotAttention`, bidirectional). No per-row Python loop, no host
+  synchronisation: the engine reads drafts, lengths and ratios back in one transfer per round.
+
+:func:`append_context` stores context K/V only (no block): what a round that skips drafting (every
+verify length would be 1) still owes the drafter cache, so later rounds draft with full context.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
+import torch
+from transformers.models.qwen3.modeling_qwen3 import rotate_half
+
+from .attention import INACTIVE, SlotAttention
+from .graphs import GraphRunner, copy_to_device, pick_bucket, q_buckets, token_buckets
 from .kv_cache import SlotKVCache
 
-__all__ = ["SlotCacheView", "draft_blocks", "make_drafter_cache"]
+__all__ = ["DraftGraphs", "DraftOutput", "SlotCacheView", "append_context", "draft_blocks", "make_drafter_cache"]
 
 
-def make_drafter_cache(drafter, num_slots: int, max_len: int) -> SlotKVCache:
-    """Room for ``max_len`` context positions plus one block past them."""
+def make_drafter_cache(drafter, num_slots: int, max_len: int, spare_slots: int = 0, len_multiple: int = 1) -> SlotKVCache:
+    """Room for ``max_len`` context positions plus one block past them (rounded up to ``len_multiple``;
+    ``spare_slots``: padding rows for :class:`DraftGraphs`)."""
     cfg = drafter.config
     param = next(drafter.parameters())
-    return SlotKVCache(cfg.num_hidden_layers, num_slots, max_len + cfg.block_size, cfg.num_key_value_heads, cfg.head_dim,
-                       dtype=param.dtype, device=param.device)
+    length = -(-(max_len + cfg.block_size) // len_multiple) * len_multiple
+    return SlotKVCache(cfg.num_hidden_layers, num_slots, length, cfg.num_key_value_heads, cfg.head_dim,
+                       dtype=param.dtype, device=param.device, spare_slots=spare_slots)
 
 
 class SlotCacheView:
@@ -94,3 +113,228 @@ def draft_blocks(drafter, cache: SlotKVCache, slots: list[int], bonus: torch.Ten
     for slot, m in zip(slots, ctx_lens):
         cache.advance(slot, m)
     return out.last_hidden_state
+
+
+# ----------------------------------------------------------------------------- static, batched path
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+def _context_kv(attn, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """One drafter layer's context K/V: ``ctx [1, T, H]`` (fused features) -> ``k, v [T, kv_heads, d]`` (k after RoPE)."""
+    T = ctx.shape[1]
+    k = attn.k_norm(attn.k_proj(ctx).view(1, T, -1, attn.head_dim)).transpose(1, 2)  # [1, kvh, T, d]
+    k = _rope(k, cos[:, None], sin[:, None])
+    v = attn.v_proj(ctx).view(T, -1, attn.head_dim)
+    return k[0].transpose(0, 1), v
+
+
+@torch.no_grad()
+def append_context(drafter, cache: SlotKVCache, slots: list[int], ctx: list[torch.Tensor]) -> None:
+    """Store the context K/V of ``ctx[i]`` (``[m_i, K*H]`` raw target features) at slot ``i``'s next
+    positions and advance its length by ``m_i``; no block is drafted. One packed pass, no per-row loop
+    over layers (the context K/V of a layer depend on the fused features only, not on earlier layers)."""
+    if not slots:
+        return
+    device = cache.k.device
+    lens = [c.shape[0] for c in ctx]
+    feats = torch.cat(list(ctx)).to(drafter.dtype)[None]
+    pos = torch.cat([torch.arange(cache.length(s), cache.length(s) + m) for s, m in zip(slots, lens)]).to(device)
+    tslots = torch.cat([torch.full((m,), s, dtype=torch.long) for s, m in zip(slots, lens)]).to(device)
+    fused = drafter.fuse_context(feats)
+    cos, sin = drafter.rotary_emb(fused, pos[None])
+    for li, layer in enumerate(drafter.layers):
+        k, v = _context_kv(layer.self_attn, fused, cos, sin)
+        cache.write(li, tslots, pos, k, v)
+    for s, m in zip(slots, lens):
+        cache.advance(s, m)
+
+
+@dataclass
+class DraftOutput:
+    """One batched draft (views of static buffers, valid until the next draft): ``tokens [R, B-1]``
+    (argmax, NaN-safe), ``logits [R, B-1, V]`` (drafter dtype), ``ratio [R]`` float32 or ``None``,
+    ``finite [R]`` (all draft logits finite)."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    ratio: torch.Tensor | None
+    finite: torch.Tensor
+
+
+class DraftGraphs(GraphRunner):
+    """The drafter step for all running requests at fixed shapes, CUDA graphs per bucket, in two parts.
+
+    ``("body", C_b, R_b)``: store the packed new context's K/V (``C_b`` the token bucket of
+    ``sum_i m_i``) and run the drafter layers over ``[R_b, B]`` blocks (``R_b`` the power-of-two
+    bucket of the request count) into the static final-normed block states, plus the length head's
+    ratios. ``R_b = 0`` stores context only (a round that drafts nothing). ``("head", R_b, K_b)``:
+    draft logits / argmax tokens for the first ``K_b`` draft positions only (``K_b`` the bucket of the
+    round's longest draft): the LM head over ``R_b * K_b`` rows instead of ``R_b * (B - 1)``, and none
+    at all when the length policy leaves nothing to verify.
+
+    Padding context tokens and padding block rows write K/V into the cache's spare slot row and query
+    from it (``start`` there is :data:`~.attention.INACTIVE`); their outputs are never read.
+
+    Args:
+        drafter: the :class:`AdaFlashDrafter` (bound to the target).
+        cache: its :class:`SlotKVCache` with a spare slot row (``make_drafter_cache(..., spare_slots=1)``).
+        max_rows: most requests per draft (the engine's ``max_slots``).
+        max_ctx: most new context tokens per draft (the engine's token budget: one target forward's tokens).
+        use_graphs / attention: as :class:`~.graphs.DecodeGraphs`.
+        feat_dtype: dtype of the target features (default: the drafter's).
+    """
+
+    def __init__(self, drafter, cache: SlotKVCache, max_rows: int, max_ctx: int, use_graphs: bool | None = None,
+                 attention: str | None = None, feat_dtype: torch.dtype | None = None):
+        device = cache.k.device
+        on_cuda = device.type == "cuda"
+        use_graphs = self._init_graphs(cache, use_graphs)
+        cfg = drafter.config
+        self.drafter, self.cache, self.B = drafter, cache, cfg.block_size
+        self.ctx_buckets, self.row_buckets = token_buckets(max(1, max_ctx)), q_buckets(max(1, max_rows))
+        self.width_buckets = q_buckets(max(1, self.B - 1))
+        self.scratch, self.slot_rows = cache.num_slots, cache.k.shape[1]
+        self.attention = SlotAttention(self.slot_rows, cache.max_len, device, attention or ("flex" if on_cuda else "sdpa"),
+                                       causal=False)
+        C, R = self.ctx_buckets[-1], self.row_buckets[-1]
+        param = next(drafter.parameters())
+        # int inputs: [0] context positions, [1] context slots (C wide); [2] block slots, [3] block starts, [4] bonus (R wide)
+        self.inputs = torch.zeros(5, max(C, R), dtype=torch.long, device=device)
+        self.inputs[1] = self.inputs[2] = self.scratch
+        # the target's features as they come (the forward casts them to the drafter dtype, as draft_blocks does)
+        self.feats = torch.zeros(C, len(cfg.target_layer_ids) * cfg.hidden_size, dtype=feat_dtype or param.dtype, device=device)
+        self.block_cols = torch.arange(self.B, device=device)
+        self.mask_ids = torch.full((R, self.B - 1), cfg.mask_token_id, dtype=torch.long, device=device)
+        vocab = drafter._target_ref("lm_head").weight.shape[0]
+        self.out = torch.zeros(R, self.B, cfg.hidden_size, dtype=param.dtype, device=device)  # final-normed block states
+        self.logits = torch.zeros(R, self.B - 1, vocab, dtype=param.dtype, device=device)
+        self.tokens = torch.zeros(R, self.B - 1, dtype=torch.long, device=device)
+        self.finite = torch.zeros(R, dtype=torch.bool, device=device)
+        self.ratio = torch.zeros(R, dtype=torch.float32, device=device) if drafter.length_head is not None else None
+        self.padded_tokens = 0
+        self._rows = 0  # R_b of the last body run (the head reads its block states)
+
+    def bucket(self, num_ctx: int, num_rows: int) -> tuple[str, int, int]:
+        return "body", pick_bucket(self.ctx_buckets, num_ctx), (pick_bucket(self.row_buckets, num_rows) if num_rows else 0)
+
+    def prepare(self, slots: list[int], ctx: list[torch.Tensor], bonus: list[int] | None) -> tuple[str, int, int]:
+        """Fill the static inputs: ``ctx[i]`` the raw features of slot ``i``'s new context tokens (device
+        tensors, ``m_i >= 1``), ``bonus[i]`` its bonus token (``None``: context only). One device copy of the
+        features, one host-to-device copy of the indices. Returns the body bucket."""
+        lens = [c.shape[0] for c in ctx]
+        C, R = sum(lens), (len(slots) if bonus is not None else 0)
+        bucket = self.bucket(C, R)
+        _, Cb, Rb = bucket
+        if len(ctx) == 1 or ctx[0].dtype != self.feats.dtype:
+            self.feats[:C].copy_(torch.cat(list(ctx)) if len(ctx) > 1 else ctx[0])
+        else:
+            torch.cat(list(ctx), out=self.feats[:C])
+        starts = torch.tensor([self.cache.length(s) for s in slots], dtype=torch.long)
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        slots_t = torch.tensor(slots, dtype=torch.long)
+        host = torch.zeros(5, max(Cb, Rb), dtype=torch.long)
+        # context token t of request i: position starts[i] + (t - first token of i)
+        first = torch.repeat_interleave(torch.cumsum(lens_t, 0) - lens_t, lens_t)
+        host[0, :C] = torch.repeat_interleave(starts, lens_t) + torch.arange(C) - first
+        host[0, C:Cb] = torch.arange(Cb - C) % self.cache.max_len
+        host[1, :C] = torch.repeat_interleave(slots_t, lens_t)
+        host[1, C:Cb] = self.scratch
+        start = torch.full((self.slot_rows,), INACTIVE, dtype=torch.int32)
+        if R:
+            host[2, :R], host[2, R:Rb] = slots_t, self.scratch
+            host[3, :R] = starts + lens_t  # the bonus token's position
+            host[4, :R] = torch.tensor(bonus, dtype=torch.long)
+            start[slots_t] = (starts + lens_t + self.B - 1).to(torch.int32)  # last visible key: the block's end
+        if int((starts + lens_t).max()) + (self.B if R else 0) > self.cache.max_len:
+            raise ValueError(f"drafter cache write past max_len {self.cache.max_len}")
+        copy_to_device(self.inputs[:, : host.shape[1]], host)
+        copy_to_device(self.attention.start, start)
+        self.padded_tokens += (Cb - C) + (Rb - R) * self.B
+        return bucket
+
+    def _reset_inputs(self) -> None:
+        self.inputs.zero_()
+        self.inputs[1] = self.inputs[2] = self.scratch
+        self.attention.start.fill_(INACTIVE)
+
+    @torch.no_grad()
+    def _forward(self, part: str, a: int, b: int) -> None:
+        if part == "head":
+            self._head(a, b)
+        else:
+            self._body(a, b)
+
+    def _body(self, Cb: int, Rb: int) -> None:
+        d, B = self.drafter, self.B
+        cpos, cslot = self.inputs[0, :Cb], self.inputs[1, :Cb]
+        ctx = d.fuse_context(self.feats[:Cb][None].to(d.dtype))  # [1, Cb, H]
+        cos_c, sin_c = d.rotary_emb(ctx, cpos[None])
+        k_cache, v_cache = self.cache.k, self.cache.v
+        for li, layer in enumerate(d.layers):
+            kc, vc = _context_kv(layer.self_attn, ctx, cos_c, sin_c)
+            k_cache[li][cslot, :, cpos] = kc.to(k_cache.dtype)
+            v_cache[li][cslot, :, cpos] = vc.to(v_cache.dtype)
+        if not Rb:
+            return
+        bslot, bstart, bonus = self.inputs[2, :Rb], self.inputs[3, :Rb], self.inputs[4, :Rb]
+        h = d.embed(torch.cat([bonus[:, None], self.mask_ids[:Rb]], dim=1))  # [Rb, B, H]
+        bpos = bstart[:, None] + self.block_cols[None]  # [Rb, B]
+        cos_b, sin_b = d.rotary_emb(h, bpos)
+        cos_b, sin_b = cos_b[:, None], sin_b[:, None]
+        mask = self.attention.mask(B)
+        for li, layer in enumerate(d.layers):
+            attn = layer.self_attn
+            hd = attn.head_dim
+            x = layer.input_layernorm(h)
+            q = _rope(attn.q_norm(attn.q_proj(x).view(Rb, B, -1, hd)).transpose(1, 2), cos_b, sin_b)  # [Rb, nq, B, d]
+            k = _rope(attn.k_norm(attn.k_proj(x).view(Rb, B, -1, hd)).transpose(1, 2), cos_b, sin_b)
+            v = attn.v_proj(x).view(Rb, B, -1, hd)
+            kc, vc = k_cache[li], v_cache[li]
+            kc[bslot[:, None], :, bpos] = k.transpose(1, 2).to(kc.dtype)
+            vc[bslot[:, None], :, bpos] = v.to(vc.dtype)
+            qs = q.new_zeros(self.slot_rows, q.shape[1], B, hd)
+            qs[bslot] = q
+            o = self.attention(qs, kc, vc, mask, attn.scaling)[bslot]  # [Rb, nq, B, d]
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(Rb, B, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        out = d.norm(h)
+        self.out[:Rb].copy_(out)
+        if self.ratio is not None:
+            self.ratio[:Rb].copy_(d.predict_accept_ratio(out).float())
+
+    def _head(self, Rb: int, Kb: int) -> None:
+        logits = self.drafter.compute_logits(self.out[:Rb, 1 : 1 + Kb])  # [Rb, Kb, V]
+        self.logits[:Rb, :Kb].copy_(logits)
+        self.tokens[:Rb, :Kb].copy_(torch.nan_to_num(logits).argmax(dim=-1))
+        self.finite[:Rb].copy_(torch.isfinite(logits).all(dim=-1).all(dim=-1))
+
+    @torch.no_grad()
+    def run_body(self, slots: list[int], ctx: list[torch.Tensor], bonus: list[int] | None) -> torch.Tensor | None:
+        """Append each slot's new context and (``bonus`` given) run the drafter over one block per slot;
+        advances the slots' drafter lengths by ``m_i``. Returns the ratios ``[R]`` (a view; ``None``
+        without a length head or when context only)."""
+        bucket = self.prepare(slots, ctx, bonus)
+        self.replay(bucket)
+        self._rows = bucket[2]
+        for s, c in zip(slots, ctx):
+            self.cache.advance(s, c.shape[0])
+        if bonus is None or self.ratio is None:
+            return None
+        return self.ratio[: len(slots)]
+
+    @torch.no_grad()
+    def run_head(self, rows: int, width: int) -> DraftOutput:
+        """Draft logits / tokens of the last body run's first ``rows`` blocks, positions ``0 .. width - 1``
+        (computed for the bucket of ``width``; ``finite`` covers those positions)."""
+        if not 1 <= rows <= self._rows or not 1 <= width <= self.B - 1:
+            raise ValueError(f"run_head({rows}, {width}) after a body of {self._rows} rows, block {self.B}")
+        Kb = pick_bucket(self.width_buckets, width)
+        self.replay(("head", self._rows, Kb))
+        return DraftOutput(self.tokens[:rows, :width], self.logits[:rows, :width],
+                           self.ratio[:rows] if self.ratio is not None else None, self.finite[:rows])
+
+    def run(self, slots: list[int], ctx: list[torch.Tensor], bonus: list[int] | None) -> DraftOutput | None:
+        """Body, then the full-width head (``None`` when context only)."""
+        self.run_body(slots, ctx, bonus)
+        return None if bonus is None else self.run_head(len(slots), self.B - 1)

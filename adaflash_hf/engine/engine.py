@@ -21,27 +21,34 @@ verify lengths are trimmed (a shorter verify is always lossless).
 On CUDA the decode forward of step 3 (every verify round, every ``off`` step) is a CUDA graph per
 (tokens, tokens-per-request) bucket with flex_attention over the slotted cache
 (:class:`~.graphs.DecodeGraphs`); prefill of newly admitted requests stays an eager packed forward
-next to it. ``cuda_graphs=False`` keeps the all-eager reference path (SDPA, any shapes);
+next to it. The drafter step of 1 is one static forward for all running requests too
+(:class:`~.drafter.DraftGraphs`, CUDA graphs per bucket). A round reads the device back at most
+three times: the verify lengths (length head), the drafts, then accepted counts + next tokens after
+the target. The drafter's LM head runs only for the draft positions some request verifies: not at
+all when every ``k_hat`` is 1 or every request has one token left (the round is then plain
+decoding); when the load-scaled rate alone caps every ``k_hat`` at 1 the drafter layers are skipped
+too and only the new context is stored. ``cuda_graphs=False`` keeps the all-eager reference path (SDPA, any shapes);
 ``examples/engine_gpu_check.py`` checks both agree and measures them.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
+import time
+from collections import Counter, deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from ..generation.acceptance import greedy_accept, speculative_accept
+from ..generation.acceptance import _accepted_prefix_len, speculative_accept
 from ..generation.length_policy import adaptive_verify_length, load_scaled_rate
 from ..generation.stats import RoundSink, VerifiedRound, mean_tokens_per_round
 from .admission import AdmissionController
 from .attention import BLOCK
-from .drafter import draft_blocks, make_drafter_cache
-from .graphs import DecodeGraphs
+from .drafter import DraftGraphs, append_context, draft_blocks, make_drafter_cache
+from .graphs import DecodeGraphs, to_device
 from .sampling import SamplingParams, processed_probs
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
 
@@ -156,9 +163,12 @@ class Engine:
         ema_beta: admission EMA weight.
         round_sink: receives every verified round (default: an OnlineAdapter attached to the drafter).
         step_hook: called with a :class:`StepInfo` before each target forward (tests, metrics).
-        cuda_graphs: decode forwards as CUDA graphs per bucket with flex_attention (default: on when
-            the target is on CUDA). ``True`` on CPU runs the same static, padded bucket forwards
-            eagerly with SDPA (what the CPU tests check); ``False`` is the eager reference path.
+        cuda_graphs: decode and drafter forwards as CUDA graphs per bucket with flex_attention
+            (default: on when the target is on CUDA). ``True`` on CPU runs the same static, padded
+            bucket forwards eagerly with SDPA (what the CPU tests check); ``False`` is the eager
+            reference path.
+        profile: time each step's phases (``phase_seconds``: draft, target, accept, host), with a
+            device synchronisation at every phase boundary (measurement only: it adds syncs).
 
     Example:
         >>> engine = Engine(target, drafter, verify_mode="packed", max_slots=8, max_len=256)  # doctest: +SKIP
@@ -168,7 +178,8 @@ class Engine:
     def __init__(self, target, drafter=None, verify_mode: str = "packed", max_slots: int = 16, max_len: int = 1024,
                  token_budget: int = 512, length_rate: float | None = None, length_min: int | None = None,
                  halving_batch: int = 64, ema_beta: float = 0.2, round_sink: RoundSink | None = None,
-                 step_hook: Callable[[StepInfo], None] | None = None, cuda_graphs: bool | None = None):
+                 step_hook: Callable[[StepInfo], None] | None = None, cuda_graphs: bool | None = None,
+                 profile: bool = False):
         if verify_mode not in VERIFY_MODES:
             raise ValueError(f"unknown verify_mode {verify_mode!r}: choose one of {', '.join(VERIFY_MODES)}")
         check_target_supported(target)
@@ -192,7 +203,14 @@ class Engine:
                                        use_graphs=self.device.type == "cuda")
         else:
             self.cache, self.graphs = make_target_cache(target, max_slots, max_len), None
-        self.dcache = make_drafter_cache(drafter, max_slots, max_len) if self.drafter is not None else None
+        self.dcache, self.draft_graphs = None, None
+        if self.drafter is not None and self.cuda_graphs:
+            self.dcache = make_drafter_cache(drafter, max_slots, max_len, spare_slots=1, len_multiple=BLOCK)
+            self.draft_graphs = DraftGraphs(drafter, self.dcache, max_rows=max_slots, max_ctx=token_budget,
+                                            use_graphs=self.device.type == "cuda",
+                                            feat_dtype=next(target.parameters()).dtype)
+        elif self.drafter is not None:
+            self.dcache = make_drafter_cache(drafter, max_slots, max_len)
         self.length_rate = length_rate if length_rate is not None else (getattr(cfg, "length_rate", 1.0) if cfg else 1.0)
         self.length_min = length_min if length_min is not None else (getattr(cfg, "length_min", 1) if cfg else 1)
         self.halving_batch = halving_batch
@@ -206,6 +224,12 @@ class Engine:
         self._in_step = False
         self.num_steps = 0
         self.forward_tokens: list[int] = []  # tokens per target forward (benchmarks, tests)
+        self.skipped_drafts = 0  # rounds whose drafter forward was skipped (nothing could be verified)
+        self.host_syncs = 0  # device -> host reads the round logic makes (2 per round with drafts)
+        self.profile = profile
+        self.phase_seconds: Counter = Counter()  # with profile=True: draft / target / accept / host
+        self.profiled_steps = 0
+        self._t_last = 0.0
 
     # ------------------------------------------------------------------ API
     def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams | None = None,
@@ -267,10 +291,25 @@ class Engine:
             raise RuntimeError("Engine.step is not reentrant (called from a callback?)")
         self._in_step = True
         try:
-            return self._step()
+            if self.profile:
+                self._tick(None)
+            did = self._step()
+            if self.profile:
+                self._tick("host")
+                self.profiled_steps += int(did)
+            return did
         finally:
             self._in_step = False
             self._reap_cancelled()
+
+    def _tick(self, phase: str | None) -> None:
+        """``profile=True``: charge the time since the last tick to ``phase`` (after a device sync)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        if phase is not None:
+            self.phase_seconds[phase] += now - self._t_last
+        self._t_last = now
 
     def _step(self) -> bool:
         self._reap_cancelled()
@@ -279,19 +318,22 @@ class Engine:
             return False
         n = len(running)
 
-        # 1. Draft and choose verify lengths.
+        # 1. Draft and choose verify lengths (host tensors: one device read inside _propose).
         draft = torch.zeros(n, max(self.block_size - 1, 0), dtype=torch.long)
         draft_len = torch.zeros(n, dtype=torch.long)
         draft_logits, ratio, q_probs = None, None, [None] * n
         if n and self.drafter is not None:
             draft, draft_logits, ratio, draft_len = self._propose(running)
+        if self.profile:
+            self._tick("draft")
         draft_len = self._fit_budget(draft_len)
+        dl_host = draft_len.tolist()
         if self.verify_mode == "rectangular" and n:
-            q_lens = [int(draft_len.max()) + 1] * n
+            q_lens = [max(dl_host) + 1] * n
         else:
-            q_lens = [int(d) + 1 for d in draft_len]
+            q_lens = [d + 1 for d in dl_host]
         for i, r in enumerate(running):
-            if not r.params.greedy and draft_len[i] > 0:  # drafts drawn from the processed draft distribution
+            if not r.params.greedy and dl_host[i] > 0:  # drafts drawn from the processed draft distribution
                 q = processed_probs(draft_logits[i, : q_lens[i] - 1], r.params)
                 q_probs[i] = q
                 draft[i, : q_lens[i] - 1] = torch.multinomial(q, 1, generator=r.generator).squeeze(1)
@@ -315,67 +357,89 @@ class Engine:
             return False  # unreachable while submit rejects what never fits; kept as a guard
 
         # 3. The target: prefill segments, then verify segments (bonus + drafts).
+        draft_rows = draft.tolist()
         segs = [(r.slot, r.prompt) for r in admitted]
-        segs += [(r.slot, [r.bonus] + draft[i, : q_lens[i] - 1].tolist()) for i, r in enumerate(running)]
+        segs += [(r.slot, [r.bonus] + draft_rows[i][: q_lens[i] - 1]) for i, r in enumerate(running)]
         layout = PackedLayout.from_cache(self.cache, [s for s, _ in segs], [len(t) for _, t in segs])
         if self.step_hook is not None:
             self.step_hook(StepInfo(layout.num_tokens, self.token_budget, len(admitted), n,
                                     self.max_slots - self.cache.num_free, self.max_slots, self.admission.n_hat))
         assert layout.num_tokens <= self.token_budget
         offs = layout.offsets
+        base = len(admitted)
+        kmax = max(q_lens) - 1 if n else 0
+        if n:  # acceptance inputs, queued before the forward: one host-to-device copy, no stream sync
+            ql = torch.tensor(q_lens)
+            starts = base + torch.cumsum(ql, 0) - ql
+            # row i, position j -> packed logits row of its j-th verify token (past its own q_i: its last one)
+            vidx = starts[:, None] + torch.minimum(torch.arange(kmax + 1)[None, :], ql[:, None] - 1)
+            up = to_device(torch.cat([vidx.flatten(), draft[:, :kmax].flatten(), draft_len]), self.device)
+            vidx = up[: n * (kmax + 1)].view(n, kmax + 1)
+            draft_dev = up[n * (kmax + 1) : n * (2 * kmax + 1)].view(n, kmax)
+            dl_dev = up[n * (2 * kmax + 1) :]
+        if self.profile:
+            self._tick("host")
         logits, hidden = self._target_forward(segs, layout, len(admitted))
         self.forward_tokens.append(layout.num_tokens)
         self.num_steps += 1
+        if self.profile:
+            self._tick("target")
+
+        # 4. Accept on the device, then one read: prefill first tokens, accepted counts, next tokens.
+        top = logits.argmax(dim=-1)  # [prefill + verify tokens]: greedy needs nothing else
+        first = top[:base].clone()
+        for j, r in enumerate(admitted):
+            if not r.params.greedy:
+                first[j] = torch.multinomial(processed_probs(logits[j : j + 1], r.params), 1, generator=r.generator)[0, 0]
+        vlogits = None
+        accepted = next_tokens = top.new_zeros(0)
+        if n:
+            tv = top[vidx]  # [n, kmax + 1] target argmax per verify position
+            accepted = _accepted_prefix_len(draft_dev == tv[:, :kmax], dl_dev)  # == greedy_accept
+            next_tokens = tv.gather(1, accepted[:, None]).squeeze(1)
+            if self.round_sink is not None and self.drafter is not None:
+                vlogits = logits[vidx].float()
+            for i, r in enumerate(running):
+                if r.params.greedy:
+                    continue
+                dl = dl_host[i]
+                p = processed_probs(logits[vidx[i, : dl + 1]], r.params)
+                q = q_probs[i] if q_probs[i] is not None else p.new_zeros(0, p.shape[-1])
+                res = speculative_accept(draft[i : i + 1, :dl].to(p.device), q[None, :dl], p[None], generator=r.generator)
+                accepted[i], next_tokens[i] = res.num_accepted[0], res.next_tokens[0]
+        packed = torch.cat([first, accepted, next_tokens]).tolist()  # the round's one device read
+        self.host_syncs += 1
+        first_h, acc_h, next_h = packed[:base], packed[base : base + n], packed[base + n :]
+        if self.profile:
+            self._tick("accept")
 
         # 4a. Prefill: the first token, the prompt's features as the drafter's first context.
         for j, r in enumerate(admitted):
             self.cache.advance(r.slot, len(r.prompt))
             if hidden is not None:
                 r.pending_ctx = hidden[offs[j] : offs[j + 1]]
-            lg = logits[j : j + 1]
-            tok = int(lg[0].argmax()) if r.params.greedy else int(torch.multinomial(processed_probs(lg, r.params), 1, generator=r.generator))
             self._running.append(r)
-            self._commit(r, [tok])
+            self._commit(r, [first_h[j]])
 
-        # 4b. Verify: accept, commit, advance the target cache over bonus + accepted drafts.
-        base = len(admitted)
-        kmax = max(q_lens) - 1 if n else 0
-        vlogits = logits.new_full((n, kmax + 1, logits.shape[-1]), 0.0)
-        at = base
-        for i in range(n):
-            vlogits[i, : q_lens[i]] = logits[at : at + q_lens[i]]
-            at += q_lens[i]
-        accepted, next_tokens = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
-        greedy_rows = [i for i, r in enumerate(running) if r.params.greedy]
-        if greedy_rows:
-            g = torch.tensor(greedy_rows)
-            dev = vlogits.device  # drafts and lengths live on the host; acceptance runs where the logits are
-            res = greedy_accept(draft[g, :kmax].to(dev), vlogits[g.to(dev)], draft_len[g].to(dev))
-            accepted[g], next_tokens[g] = res.num_accepted.cpu(), res.next_tokens.cpu()
+        # 4b. Verify: commit, advance the target cache over bonus + accepted drafts.
         for i, r in enumerate(running):
-            if r.params.greedy:
-                continue
-            dl = int(draft_len[i])
-            p = processed_probs(vlogits[i, : dl + 1], r.params)
-            q = q_probs[i] if q_probs[i] is not None else p.new_zeros(0, p.shape[-1])
-            res = speculative_accept(draft[i : i + 1, :dl].to(p.device), q[None, :dl], p[None], generator=r.generator)
-            accepted[i], next_tokens[i] = int(res.num_accepted), int(res.next_tokens)
-        for i, r in enumerate(running):
-            a, j = int(accepted[i]), base + i
+            a, j = acc_h[i], base + i
             r.accepted.append(a)
-            r.verify_lengths.append(int(draft_len[i]) + 1)
+            r.verify_lengths.append(dl_host[i] + 1)
             if self.drafter is not None and self.round_sink is not None:
                 self._emit_round(r, draft, draft_logits, vlogits, draft_len, ratio, i, a)
             self.cache.advance(r.slot, a + 1)
             if hidden is not None:
                 r.pending_ctx = hidden[offs[j] : offs[j] + a + 1]
-            self._commit(r, draft[i, :a].tolist() + [int(next_tokens[i])])
+            self._commit(r, draft_rows[i][:a] + [next_h[i]])
         return True
 
     def _target_forward(self, segs, layout: PackedLayout, num_prefill: int):
         """Logits of each prefill's last token, then of every verify token; hidden states of every
         token, in ``layout``'s packed order. One eager packed forward, or (CUDA graphs on) an eager
-        prefill forward plus the graph-replayed decode forward (distinct slots: order is free)."""
+        prefill forward plus the graph-replayed decode forward (distinct slots: order is free).
+        With graphs, a decode-only round returns views of the static buffers in the model dtype
+        (read before the next replay: the drafter consumes the features at the start of the next round)."""
         offs = layout.offsets
         dec_start = offs[num_prefill]
         if self.graphs is None or num_prefill == len(segs):
@@ -385,40 +449,85 @@ class Engine:
                                   layout.positions(self.device), layout, self.hidden_layers,
                                   torch.tensor(logits_index, device=self.device))
         pre_layout, dec_layout = layout.split(num_prefill)
-        logits, hidden = self.graphs.run([t for _, toks in segs[num_prefill:] for t in toks], dec_layout)
+        logits, hidden = self.graphs.run([t for _, toks in segs[num_prefill:] for t in toks], dec_layout, copy=False)
         if num_prefill:
             tokens = torch.tensor([t for _, toks in segs[:num_prefill] for t in toks], dtype=torch.long, device=self.device)
             last = torch.tensor([offs[j + 1] - 1 for j in range(num_prefill)], device=self.device)
             pre_logits, pre_hidden = target_forward(self.target, self.cache, tokens, pre_layout.token_slots(self.device),
                                                     pre_layout.positions(self.device), pre_layout, self.hidden_layers, last)
-            logits = torch.cat([pre_logits, logits])
+            logits = torch.cat([pre_logits, logits.float()])
             hidden = torch.cat([pre_hidden, hidden]) if hidden is not None else None
         return logits, hidden
 
+    def _skip_drafting(self, running) -> bool:
+        """True when no request could verify more than its bonus token this round, whatever the drafter
+        says: the load-scaled length rate caps every ``k_hat`` at 1 (``packed`` / ``rectangular``), or
+        every request has one token left. Skipping is lossless (a 1-token verify is plain decoding).
+        Not while a round sink is attached: it is promised the length head's prediction for every round."""
+        if self.round_sink is not None:
+            return False
+        if all(r.remaining <= 1 for r in running):
+            return True
+        if self.verify_mode in ("packed", "rectangular") and self.drafter.length_head is not None:
+            rate = load_scaled_rate(self.length_rate, len(running), self.halving_batch)
+            most = adaptive_verify_length(torch.ones(1), self.block_size, rate=rate, min_len=self.length_min)
+            return int(most) <= 1  # the policy is monotone in the ratio: a ratio of 1 gives the largest k_hat
+        return False
+
     def _propose(self, running):
-        """One drafter forward for all running requests: drafts, raw logits, ratios, draft lengths."""
+        """One drafter forward for all running requests: drafts ``[n, B-1]`` and draft lengths ``[n]`` (host),
+        raw draft logits ``[n, K, V]`` (``K`` >= the longest draft) and ratios (device; ``None`` when the
+        round drafts nothing).
+
+        The drafter body runs first (the length head needs it), the verify lengths are read back, and the
+        LM head then runs for the positions some request will verify only: none when every ``k_hat`` is 1
+        (or one token is left everywhere). When the rate alone caps every ``k_hat`` at 1, the body is
+        skipped too and the drafter only stores the new context (:meth:`_skip_drafting`)."""
         d = self.drafter
         B = self.block_size
+        n = len(running)
+        skip = self._skip_drafting(running)
+        slots, ctx = [r.slot for r in running], [r.pending_ctx for r in running]
+        bonus = None if skip else [r.bonus for r in running]
+        hidden = ratio = None
         lock = getattr(d, "_weights_lock", None) or nullcontext()
         with lock:
-            bonus = torch.tensor([r.bonus for r in running], dtype=torch.long, device=self.device)
-            hidden = draft_blocks(d, self.dcache, [r.slot for r in running], bonus, [r.pending_ctx for r in running])
-            logits = d.compute_logits(hidden[:, 1:]).float()
-            ratio = d.predict_accept_ratio(hidden).float() if d.length_head is not None else None
-        for r in running:
-            r.pending_ctx = None
-        n = len(running)
-        finite = torch.isfinite(logits).all(dim=-1).all(dim=-1)
-        if self.verify_mode == "fixed" or ratio is None:
-            k_hat = torch.full((n,), B, dtype=torch.long)
-        else:
-            rate = load_scaled_rate(self.length_rate, n, self.halving_batch)
-            k_hat = adaptive_verify_length(ratio, B, rate=rate, min_len=self.length_min).cpu()
-        remaining = torch.tensor([r.remaining for r in running])
-        draft_len = torch.minimum(k_hat - 1, remaining - 1).clamp(min=0)
-        draft_len = torch.where(finite.cpu(), draft_len, torch.zeros_like(draft_len))
-        tokens = torch.nan_to_num(logits).argmax(dim=-1).cpu()
-        return tokens, logits, ratio, draft_len
+            if self.draft_graphs is not None:
+                ratio = self.draft_graphs.run_body(slots, ctx, bonus)
+            elif skip:
+                append_context(d, self.dcache, slots, ctx)
+            else:
+                hidden = draft_blocks(d, self.dcache, slots, torch.tensor(bonus, device=self.device), ctx)
+                ratio = d.predict_accept_ratio(hidden).float() if d.length_head is not None else None
+            for r in running:
+                r.pending_ctx = None
+            draft_len = torch.zeros(n, dtype=torch.long)
+            if not skip:
+                remaining = torch.tensor([r.remaining for r in running])
+                if self.verify_mode == "fixed" or ratio is None:
+                    k_hat = torch.full((n,), B, dtype=torch.long)
+                else:
+                    rate = load_scaled_rate(self.length_rate, n, self.halving_batch)
+                    k_hat = adaptive_verify_length(ratio, B, rate=rate, min_len=self.length_min).cpu()  # read 1
+                    self.host_syncs += 1
+                draft_len = torch.minimum(k_hat - 1, remaining - 1).clamp(min=0)
+            width = int(draft_len.max()) if n else 0
+            if width == 0:  # nothing to verify: no draft logits (the LM head is most of a drafter step)
+                self.skipped_drafts += 1
+                return torch.zeros(n, B - 1, dtype=torch.long), None, ratio, draft_len
+            if self.draft_graphs is not None:
+                out = self.draft_graphs.run_head(n, width)
+                tokens, logits, finite = out.tokens, out.logits, out.finite
+            else:
+                logits = d.compute_logits(hidden[:, 1 : 1 + width]).float()
+                finite = torch.isfinite(logits).all(dim=-1).all(dim=-1)
+                tokens = torch.nan_to_num(logits).argmax(dim=-1)
+        host = torch.cat([finite[:, None].long(), tokens], dim=1).cpu()  # read 2: the drafts
+        self.host_syncs += 1
+        draft = torch.zeros(n, B - 1, dtype=torch.long)
+        draft[:, :width] = host[:, 1:]
+        draft_len = torch.where(host[:, 0].bool(), draft_len, torch.zeros_like(draft_len))
+        return draft, logits, ratio, draft_len
 
     def _fit_budget(self, draft_len: torch.Tensor) -> torch.Tensor:
         """Trim the longest verify lengths until the round fits the token budget (lossless)."""
@@ -439,12 +548,14 @@ class Engine:
 
     def _emit_round(self, r, draft, draft_logits, vlogits, draft_len, ratio, i, a):
         dl = int(draft_len[i])
+        if draft_logits is None:  # a round that skipped drafting: nothing was drafted
+            draft_logits = vlogits.new_zeros(len(draft_len), 0, vlogits.shape[-1])
         self.round_sink.on_round(VerifiedRound(
             row=r.id,
             context_ids=torch.tensor(r.prompt + r.tokens[:-1]),
             bonus_token=r.bonus,
             draft_tokens=draft[i, :dl].clone(),
-            draft_logits=draft_logits[i, :dl].clone(),
+            draft_logits=draft_logits[i, :dl].to(torch.float32, copy=True),  # the static buffer is reused next round
             target_logits=vlogits[i, : dl + 1].clone(),
             verify_len=dl + 1,
             num_accepted=a,

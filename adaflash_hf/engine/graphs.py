@@ -1,19 +1,22 @@
 """The decode-time target forward at fixed shapes, captured as one CUDA graph per bucket.
 
 A verify round (or an ``off``-mode decode step) sends ``T = sum_i q_i`` tokens of ``R`` running
-requests. Its bucket is ``(T_b, q_b)``: ``T_b`` the smallest token bucket ``>= T`` (linear layers
-run on ``T_b`` packed rows) and ``q_b`` the smallest per-request bucket ``>= max_i q_i`` (attention
-runs on ``[slot rows, heads, q_b, d]``, see :mod:`.attention`). Padding stays packed (``T_b - T``
-extra rows, not ``R * q_b``), so ``packed`` verification keeps its ``sum_i k_hat_i`` cost.
+requests. Its graph key is ``(T_b, q_b, R_b)``: ``T_b`` the smallest token bucket ``>= T`` (linear
+layers run on ``T_b`` packed rows), ``q_b`` the smallest per-request bucket ``>= max_i q_i`` and
+``R_b`` the power-of-two bucket of the highest slot in use + 1 (attention runs on
+``[R_b + 1, heads, q_b, d]`` over the first ``R_b + 1`` cache rows, see :mod:`.attention`: idle
+slots past ``R_b`` cost nothing). Padding stays packed (``T_b - T`` extra rows, not ``R * q_b``), so
+``packed`` verification keeps its ``sum_i k_hat_i`` cost.
 
 Everything the forward reads lives in static buffers (token ids, positions, cache slots, rows
 within a request's query block, each slot's ``start``); :meth:`DecodeGraphs.prepare` fills them
-with one host-to-device copy, the graph replays, and logits / hidden states land in static
+with non-blocking host-to-device copies (pinned memory: no stream sync), the graph replays, and logits / hidden states land in static
 output buffers. Inside the forward there is no host synchronisation: K/V are stored with
 ``index_put_`` on the cache tensors and the flex_attention block mask is computed on the device.
 
 Padding tokens are lossless by construction: they write K/V into the cache's spare slot row
-(never handed to a request), their queries sit in that row (masked out entirely), and each
+(never handed to a request), their queries sit in row ``R_b`` (masked out entirely, no request of
+the forward uses it; the spare row when ``R_b`` is the slot count), and each
 token's logits depend only on its own row of every matmul and on its own slot's keys. Their
 outputs are never returned.
 
@@ -36,7 +39,7 @@ from .attention import INACTIVE, SlotAttention
 from .kv_cache import SlotKVCache
 from .target import PackedLayout, decoder_forward
 
-__all__ = ["DecodeGraphs", "pick_bucket", "q_buckets", "token_buckets"]
+__all__ = ["DecodeGraphs", "GraphRunner", "copy_to_device", "pick_bucket", "q_buckets", "to_device", "token_buckets"]
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -64,6 +67,22 @@ def q_buckets(max_q: int) -> list[int]:
     return out + [max_q]
 
 
+def copy_to_device(dst: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """``dst.copy_(host)`` without a stream synchronisation on CUDA: a plain copy from pageable host
+    memory waits for all queued device work (``memcpy_and_sync``); a pinned, non-blocking one is just
+    queued (the pinned block is kept until the copy has run)."""
+    if dst.is_cuda:
+        return dst.copy_(host.pin_memory(), non_blocking=True)
+    return dst.copy_(host)
+
+
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """``host.to(device)``, queued without a stream synchronisation on CUDA (see :func:`copy_to_device`)."""
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def pick_bucket(buckets: list[int], n: int) -> int:
     for b in buckets:
         if b >= n:
@@ -71,105 +90,38 @@ def pick_bucket(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-class DecodeGraphs:
-    """Static-shape decode forwards of ``model`` over ``cache``, one CUDA graph per bucket.
+class GraphRunner:
+    """What every static-shape runner shares: lazily captured CUDA graphs per bucket (one memory pool),
+    replay counts, the flex -> SDPA fallback. Subclasses own the static inputs / outputs and define
+    ``_forward(*bucket)`` (device ops only) and ``_reset_inputs()`` (inputs touching spare rows only)."""
 
-    Args:
-        model: the target (Qwen3 / Llama ``*ForCausalLM``).
-        cache: its :class:`SlotKVCache`, with at least one spare slot row (padding goes there).
-        hidden_layers: decoder layers whose outputs the drafter needs (or ``None``).
-        max_tokens: most tokens one decode forward carries (the largest token bucket).
-        max_q: most tokens one request sends (the drafter block size; 1 for plain decoding).
-        use_graphs: capture and replay CUDA graphs (default: on CUDA). Off, the same static forward
-            runs eagerly.
-        attention: ``"flex"`` or ``"sdpa"`` (default: flex on CUDA, SDPA otherwise). If compiling
-            flex fails, the runner warns and falls back to SDPA (see :attr:`attention_note`).
-    """
+    attention: SlotAttention
 
-    def __init__(self, model, cache: SlotKVCache, hidden_layers: list[int] | None, max_tokens: int, max_q: int,
-                 use_graphs: bool | None = None, attention: str | None = None):
+    def _init_graphs(self, cache: SlotKVCache, use_graphs: bool | None) -> bool:
+        """Check ``cache`` (a spare padding row; CUDA when graphs are asked for) and set up the graph
+        store; ``use_graphs=None`` means "on CUDA". Returns whether graphs are used."""
+        name = type(self).__name__
         if cache.spare_slots < 1:
-            raise ValueError("DecodeGraphs needs a cache with a spare slot row for padding (spare_slots=1)")
-        device = cache.k.device
-        on_cuda = device.type == "cuda"
-        self.use_graphs = on_cuda if use_graphs is None else use_graphs
-        if self.use_graphs and not on_cuda:
-            raise ValueError("CUDA graphs need the model and cache on a CUDA device")
-        self.model, self.cache, self.hidden_layers = model, cache, list(hidden_layers) if hidden_layers else None
-        self.token_buckets, self.q_buckets = token_buckets(max_tokens), q_buckets(max_q)
-        self.scratch = cache.num_slots  # the first spare row
-        self.slot_rows = cache.k.shape[1]
-        self.attention = SlotAttention(self.slot_rows, cache.max_len, device, attention or ("flex" if on_cuda else "sdpa"))
-        self.attention_note = ""
-        T = self.token_buckets[-1]
-        # rows: token ids, positions, cache slots, row within the request's query block
-        self.inputs = torch.zeros(4, T, dtype=torch.long, device=device)
-        self.inputs[2] = self.scratch
-        param = next(model.parameters())
-        vocab = model.get_output_embeddings().weight.shape[0]
-        self.logits = torch.zeros(T, vocab, dtype=param.dtype, device=device)
-        hsize = model.config.get_text_config(decoder=True).hidden_size
-        self.hidden = torch.zeros(T, len(self.hidden_layers) * hsize, dtype=param.dtype, device=device) if self.hidden_layers else None
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+            raise ValueError(f"{name} needs a cache with a spare slot row for padding (spare_slots=1)")
+        on_cuda = cache.k.device.type == "cuda"
+        use_graphs = on_cuda if use_graphs is None else use_graphs
+        if use_graphs and not on_cuda:
+            raise ValueError(f"CUDA graphs need {name}'s cache (and model) on a CUDA device")
+        self.use_graphs = use_graphs
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.capture_seconds = 0.0
         self.replays: Counter = Counter()
-        self.padded_tokens = 0
+        self.attention_note = ""
+        return use_graphs
 
-    # ------------------------------------------------------------------ buckets and inputs
-    def bucket(self, num_tokens: int, max_q: int) -> tuple[int, int]:
-        return pick_bucket(self.token_buckets, num_tokens), pick_bucket(self.q_buckets, max_q)
+    def _forward(self, *bucket) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
 
-    def prepare(self, tokens, layout: PackedLayout) -> tuple[int, int]:
-        """Fill the static inputs for ``layout`` (decode segments only); returns the bucket."""
-        T = layout.num_tokens
-        Tb, qb = self.bucket(T, max(layout.q_lens))
-        pad = torch.arange(Tb - T) % qb  # padding: scratch slot, distinct rows / positions where they fit
-        host = torch.empty(4, Tb, dtype=torch.long)
-        host[0, :T] = torch.as_tensor(tokens, dtype=torch.long).cpu()
-        host[0, T:] = 0
-        host[1, :T] = layout.positions()
-        host[1, T:] = pad
-        host[2, :T] = layout.token_slots()
-        host[2, T:] = self.scratch
-        host[3, :T] = torch.cat([torch.arange(q) for q in layout.q_lens])
-        host[3, T:] = pad
-        start = torch.full((self.slot_rows,), INACTIVE, dtype=torch.int32)
-        start[list(layout.slots)] = torch.tensor(layout.prefix_lens, dtype=torch.int32)
-        if max(p + q for p, q in zip(layout.prefix_lens, layout.q_lens)) > self.cache.max_len:
-            raise ValueError(f"write past max_len {self.cache.max_len}")
-        self.inputs[:, :Tb].copy_(host)
-        self.attention.start.copy_(start)
-        self.padded_tokens += Tb - T
-        return Tb, qb
+    def _reset_inputs(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
 
-    def _reset_inputs(self) -> None:
-        """Inputs that touch nothing but the scratch row (for captures ahead of use)."""
-        self.inputs.zero_()
-        self.inputs[2] = self.scratch
-        self.attention.start.fill_(INACTIVE)
-
-    # ------------------------------------------------------------------ the forward
-    @torch.no_grad()  # also when replay / precapture are called directly: flex's backward needs more of the mask
-    def _forward(self, Tb: int, qb: int) -> None:
-        tokens, positions, slots, rows = self.inputs[:, :Tb]
-        mask = self.attention.mask(qb)
-        k_cache, v_cache = self.cache.k, self.cache.v
-
-        def attend(li, q, k, v, scaling):
-            kc, vc = k_cache[li], v_cache[li]
-            kc[slots, :, positions] = k.to(kc.dtype)
-            vc[slots, :, positions] = v.to(vc.dtype)
-            qs = q.new_zeros(self.slot_rows, q.shape[0], qb, q.shape[-1])
-            qs[slots, :, rows] = q.transpose(0, 1)
-            return self.attention(qs, kc, vc, mask, scaling)[slots, :, rows]
-
-        logits, hidden = decoder_forward(self.model, tokens, positions, attend, self.hidden_layers)
-        self.logits[:Tb].copy_(logits)
-        if hidden is not None:
-            self.hidden[:Tb].copy_(hidden)
-
-    def _capture(self, bucket: tuple[int, int]) -> torch.cuda.CUDAGraph:
+    def _capture(self, bucket: tuple) -> torch.cuda.CUDAGraph:
         t0 = time.perf_counter()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -187,7 +139,7 @@ class DecodeGraphs:
         self.capture_seconds += time.perf_counter() - t0
         return graph
 
-    def _capture_or_fall_back(self, bucket: tuple[int, int]) -> torch.cuda.CUDAGraph:
+    def _capture_or_fall_back(self, bucket: tuple) -> torch.cuda.CUDAGraph:
         try:
             return self._capture(bucket)
         except Exception as exc:  # noqa: BLE001 - any compile failure: keep serving with SDPA
@@ -200,11 +152,12 @@ class DecodeGraphs:
             self.graphs.clear()  # recapture earlier buckets too: one backend per runner keeps timings comparable
             return self._capture(bucket)
 
-    def replay(self, bucket: tuple[int, int]) -> None:
+    def replay(self, bucket: tuple) -> None:
         """Run the forward for the prepared inputs (capturing the bucket's graph on first use)."""
         self.replays[bucket] += 1
         if not self.use_graphs:
-            self._forward(*bucket)
+            with torch.no_grad():
+                self._forward(*bucket)
             return
         graph = self.graphs.get(bucket)
         if graph is None:
@@ -212,21 +165,125 @@ class DecodeGraphs:
         graph.replay()
 
     def precapture(self, buckets) -> None:
-        """Capture ``buckets`` now, on inputs that only touch the scratch row (between rounds only)."""
+        """Capture ``buckets`` now, on inputs that only touch the spare row. Before serving (or while no
+        request is running): the warm-up overwrites the static outputs, and the engine reads the last
+        forward's features from them at the start of the next round."""
         if not self.use_graphs:
             return
         for bucket in buckets:
-            if bucket not in self.graphs:
+            if tuple(bucket) not in self.graphs:
                 self._reset_inputs()
                 self._capture_or_fall_back(tuple(bucket))
 
+
+class DecodeGraphs(GraphRunner):
+    """Static-shape decode forwards of ``model`` over ``cache``, one CUDA graph per bucket.
+
+    Args:
+        model: the target (Qwen3 / Llama ``*ForCausalLM``).
+        cache: its :class:`SlotKVCache`, with at least one spare slot row (padding goes there).
+        hidden_layers: decoder layers whose outputs the drafter needs (or ``None``).
+        max_tokens: most tokens one decode forward carries (the largest token bucket).
+        max_q: most tokens one request sends (the drafter block size; 1 for plain decoding).
+        use_graphs: capture and replay CUDA graphs (default: on CUDA). Off, the same static forward
+            runs eagerly.
+        attention: ``"flex"`` or ``"sdpa"`` (default: flex on CUDA, SDPA otherwise). If compiling
+            flex fails, the runner warns and falls back to SDPA (see :attr:`attention_note`).
+    """
+
+    def __init__(self, model, cache: SlotKVCache, hidden_layers: list[int] | None, max_tokens: int, max_q: int,
+                 use_graphs: bool | None = None, attention: str | None = None):
+        device = cache.k.device
+        on_cuda = device.type == "cuda"
+        use_graphs = self._init_graphs(cache, use_graphs)
+        self.model, self.cache, self.hidden_layers = model, cache, list(hidden_layers) if hidden_layers else None
+        self.token_buckets, self.q_buckets = token_buckets(max_tokens), q_buckets(max_q)
+        self.row_buckets = q_buckets(cache.num_slots)  # attention runs over slot rows 0 .. R_b (R_b: the padding row)
+        self.scratch = cache.num_slots  # the first spare row
+        self.slot_rows = cache.k.shape[1]
+        self.attention = SlotAttention(self.slot_rows, cache.max_len, device, attention or ("flex" if on_cuda else "sdpa"))
+        T = self.token_buckets[-1]
+        # rows: token ids, positions, cache slots (K/V), row within the request's query block, query slot row
+        self.inputs = torch.zeros(5, T, dtype=torch.long, device=device)
+        self.inputs[2] = self.scratch
+        param = next(model.parameters())
+        vocab = model.get_output_embeddings().weight.shape[0]
+        self.logits = torch.zeros(T, vocab, dtype=param.dtype, device=device)
+        hsize = model.config.get_text_config(decoder=True).hidden_size
+        self.hidden = torch.zeros(T, len(self.hidden_layers) * hsize, dtype=param.dtype, device=device) if self.hidden_layers else None
+        self.padded_tokens = 0
+
+    # ------------------------------------------------------------------ buckets and inputs
+    def bucket(self, num_tokens: int, max_q: int) -> tuple[int, int]:
+        return pick_bucket(self.token_buckets, num_tokens), pick_bucket(self.q_buckets, max_q)
+
+    def prepare(self, tokens, layout: PackedLayout) -> tuple[int, int, int]:
+        """Fill the static inputs for ``layout`` (decode segments only); returns the graph's key
+        ``(T_b, q_b, R_b)``: ``R_b`` the power-of-two bucket of the highest slot in use + 1. Attention
+        runs over slot rows ``0 .. R_b`` only (row ``R_b``, unused by the forward's requests and fully
+        masked, takes the padding queries): idle slots past ``R_b`` cost nothing."""
+        T = layout.num_tokens
+        Tb, qb = self.bucket(T, max(layout.q_lens))
+        Rb = pick_bucket(self.row_buckets, max(layout.slots) + 1)
+        pad = torch.arange(Tb - T) % qb  # padding: scratch slot, distinct rows / positions where they fit
+        host = torch.empty(5, Tb, dtype=torch.long)
+        host[0, :T] = torch.as_tensor(tokens, dtype=torch.long).cpu()
+        host[0, T:] = 0
+        host[1, :T] = layout.positions()
+        host[1, T:] = pad
+        host[2, :T] = layout.token_slots()
+        host[2, T:] = self.scratch
+        host[3, :T] = layout.rows()
+        host[3, T:] = pad
+        host[4, :T] = host[2, :T]
+        host[4, T:] = Rb
+        start = torch.full((self.slot_rows,), INACTIVE, dtype=torch.int32)
+        start[list(layout.slots)] = torch.tensor(layout.prefix_lens, dtype=torch.int32)
+        if max(p + q for p, q in zip(layout.prefix_lens, layout.q_lens)) > self.cache.max_len:
+            raise ValueError(f"write past max_len {self.cache.max_len}")
+        copy_to_device(self.inputs[:, :Tb], host)
+        copy_to_device(self.attention.start, start)
+        self.padded_tokens += Tb - T
+        return Tb, qb, Rb
+
+    def _reset_inputs(self) -> None:
+        """Inputs that write nothing but the scratch row (for captures ahead of use)."""
+        self.inputs.zero_()
+        self.inputs[2] = self.scratch
+        self.attention.start.fill_(INACTIVE)
+
+    # ------------------------------------------------------------------ the forward
+    @torch.no_grad()  # also when replay / precapture are called directly: flex's backward needs more of the mask
+    def _forward(self, Tb: int, qb: int, Rb: int | None = None) -> None:
+        tokens, positions, slots, rows, qslots = self.inputs[:, :Tb]
+        A = (self.cache.num_slots if Rb is None else Rb) + 1  # slot rows attention runs over
+        mask = self.attention.mask(qb, A)
+        k_cache, v_cache = self.cache.k, self.cache.v
+
+        def attend(li, q, k, v, scaling):
+            kc, vc = k_cache[li], v_cache[li]
+            kc[slots, :, positions] = k.to(kc.dtype)
+            vc[slots, :, positions] = v.to(vc.dtype)
+            qs = q.new_zeros(A, q.shape[0], qb, q.shape[-1])
+            qs[qslots, :, rows] = q.transpose(0, 1)
+            return self.attention(qs, kc[:A], vc[:A], mask, scaling)[qslots, :, rows]
+
+        logits, hidden = decoder_forward(self.model, tokens, positions, attend, self.hidden_layers)
+        self.logits[:Tb].copy_(logits)
+        if hidden is not None:
+            self.hidden[:Tb].copy_(hidden)
+
     @torch.no_grad()
-    def run(self, tokens, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, tokens, layout: PackedLayout, copy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode forward over ``layout``: ``(logits [T, V] float32, hidden [T, K*H] or None)``, fresh
-        tensors (the static buffers are overwritten by the next replay). Cache lengths are not changed."""
+        tensors (the static buffers are overwritten by the next replay). Cache lengths are not changed.
+        ``copy=False``: views of the static buffers in the model dtype (no ``[T, V]`` float32 copy;
+        valid until the next replay; the engine reads them before that)."""
         bucket = self.prepare(tokens, layout)
         self.replay(bucket)
         T = layout.num_tokens
+        if not copy:
+            return self.logits[:T], (self.hidden[:T] if self.hidden is not None else None)
         logits = self.logits[:T].to(torch.float32, copy=True)
         return logits, (self.hidden[:T].clone() if self.hidden is not None else None)
 

@@ -21,8 +21,15 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb as _qwen3_rope
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as _llama_rope
+from transformers.models.qwen3.modeling_qwen3 import rotate_half as _rotate_half
 
 from .kv_cache import SlotKVCache
+
+_RMSNORM_FORWARD = Qwen3RMSNorm.forward
+_ROPE_CODES = {getattr(f, "__wrapped__", f).__code__ for f in (_qwen3_rope, _llama_rope)}  # the same stock function
 
 __all__ = ["PackedLayout", "check_target_supported", "decoder_forward", "make_target_cache", "packed_attention",
            "target_forward"]
@@ -67,14 +74,20 @@ class PackedLayout:
         return (PackedLayout(self.slots[:n], self.q_lens[:n], self.prefix_lens[:n]),
                 PackedLayout(self.slots[n:], self.q_lens[n:], self.prefix_lens[n:]))
 
+    def rows(self) -> torch.Tensor:
+        """Each token's index within its request's new tokens (``0 .. q_i - 1``), host tensor."""
+        q = torch.tensor(self.q_lens, dtype=torch.long)
+        return torch.arange(int(q.sum())) - torch.repeat_interleave(torch.cumsum(q, 0) - q, q)
+
     def positions(self, device=None) -> torch.Tensor:
-        return torch.cat([torch.arange(p, p + q) for p, q in zip(self.prefix_lens, self.q_lens)]).to(device)
+        q = torch.tensor(self.q_lens, dtype=torch.long)
+        return (torch.repeat_interleave(torch.tensor(self.prefix_lens, dtype=torch.long), q) + self.rows()).to(device)
 
     def token_slots(self, device=None) -> torch.Tensor:
-        return torch.cat([torch.full((q,), s, dtype=torch.long) for s, q in zip(self.slots, self.q_lens)]).to(device)
+        return torch.repeat_interleave(torch.tensor(self.slots, dtype=torch.long), torch.tensor(self.q_lens)).to(device)
 
     def token_requests(self, device=None) -> torch.Tensor:
-        return torch.cat([torch.full((q,), i, dtype=torch.long) for i, q in enumerate(self.q_lens)]).to(device)
+        return torch.repeat_interleave(torch.arange(len(self.q_lens)), torch.tensor(self.q_lens)).to(device)
 
     def attention_mask(self, device=None) -> torch.Tensor:
         """Boolean ``[T, K]`` "may attend": queries = packed tokens, keys = each request's slot
@@ -127,6 +140,35 @@ def packed_attention(q: torch.Tensor, cache: SlotKVCache, layer: int, layout: Pa
     return out[0].transpose(0, 1)
 
 
+def _qk_norm_rope(attn, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope):
+    """``q [1, T, heads, d]``, ``k [1, T, kv_heads, d]`` (projections) -> ``[1, heads, T, d]``, ``[1, kv_heads, T, d]``
+    after Qwen3's per-head RMSNorm (if any) and RoPE.
+
+    The HF modules' exact elementwise math (``Qwen3RMSNorm.forward``, ``apply_rotary_pos_emb``), run once on
+    ``cat([q, k])`` instead of once per tensor: ~11 fewer kernels per decoder layer (each row's values and
+    operations are unchanged; ``tests/test_engine_graphs.py`` checks bit equality with the modules). Models whose
+    norm or RoPE is not the stock one take the modules' own path.
+    """
+    qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    stock_norm = qn is None or (type(qn).forward is _RMSNORM_FORWARD and type(kn).forward is _RMSNORM_FORWARD
+                                and qn.variance_epsilon == kn.variance_epsilon)
+    if not stock_norm or getattr(rope, "__wrapped__", rope).__code__ not in _ROPE_CODES:
+        if qn is not None:
+            q, k = qn(q), kn(k)
+        return rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    nq = q.shape[2]
+    qk = torch.cat([q, k], dim=2)
+    if qn is not None:
+        dtype = qk.dtype
+        x = qk.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + qn.variance_epsilon)
+        qk = torch.cat([qn.weight.expand(nq, -1), kn.weight.expand(k.shape[2], -1)]) * x.to(dtype)
+    qk = qk.transpose(1, 2)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    qk = (qk * cos) + (_rotate_half(qk) * sin)
+    return qk[:, :nq], qk[:, nq:]
+
+
 # attend(layer, q [heads, T, d] after RoPE, k [T, kv_heads, d] after RoPE, v [T, kv_heads, d], scaling) -> [T, heads, d];
 # it also stores k / v wherever the caller keeps its cache.
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -154,9 +196,7 @@ def decoder_forward(model, tokens: torch.Tensor, positions: torch.Tensor, attend
         q = attn.q_proj(x).view(1, T, -1, attn.head_dim)
         k = attn.k_proj(x).view(1, T, -1, attn.head_dim)
         v = attn.v_proj(x).view(1, T, -1, attn.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [1, heads, T, d]
+        q, k = _qk_norm_rope(attn, q, k, cos, sin, rope)  # Qwen3's per-head norm, RoPE: [1, heads, T, d]
         o = attend(li, q[0], k[0].transpose(0, 1), v[0], attn.scaling)  # [T, heads, d]
         h = h + attn.o_proj(o.reshape(1, T, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))

@@ -1,0 +1,319 @@
+"""CPU tests of the engine's batched drafter step (``DraftGraphs``, ``append_context``), the skipped
+drafter forward when nothing can be verified, and the round's device reads / per-request op count.
+
+On CPU ``DraftGraphs`` runs its static, padded forward eagerly with SDPA (what these tests check);
+capture / replay and flex are exercised on the GPU by ``examples/engine_gpu_check.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from adaflash_hf.engine import Engine, draft_blocks, make_drafter_cache
+from adaflash_hf.engine.attention import BLOCK
+from adaflash_hf.engine.drafter import DraftGraphs, append_context
+
+from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def pair(request):
+    target = make_target(request.param)
+    return target, make_drafter(target, block_size=8)
+
+
+def _feats(drafter, lens, g):
+    KH = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    return [torch.randn(n, KH, generator=g) for n in lens]
+
+
+# ---------------------------------------------------------------- DraftGraphs == draft_blocks
+# (context lengths of round 1, of round 2, slots used, max_rows): ragged, prefill-sized, row / context padding
+LAYOUTS = [
+    ([5], [1], [0], 4),
+    ([5, 2, 7], [1, 3, 2], [1, 2, 3], 4),
+    ([30, 1, 12], [8, 8, 1], [3, 0, 2], 8),  # 3 rows padded to a bucket of 4; slots out of order
+    ([2] * 5, [4, 1, 6, 2, 3], [0, 1, 2, 3, 4], 8),
+]
+
+
+@pytest.mark.parametrize("lens1,lens2,slots,max_rows", LAYOUTS)
+def test_batched_draft_equals_eager_draft(pair, lens1, lens2, slots, max_rows):
+    """Two rounds: static padded draft (packed context, [R_b, B] blocks) == the eager padded drafter forward:
+    same draft logits / tokens / ratios, same stored context K/V, same slot lengths."""
+    target, drafter = pair
+    B = drafter.config.block_size
+    g = torch.Generator().manual_seed(len(lens1))
+    ctx1, ctx2 = _feats(drafter, lens1, g), _feats(drafter, lens2, g)
+    bonus1, bonus2 = torch.randint(0, 120, (len(slots),), generator=g), torch.randint(0, 120, (len(slots),), generator=g)
+    ref_cache = make_drafter_cache(drafter, 8, 64)
+    st_cache = make_drafter_cache(drafter, 8, 64, spare_slots=1, len_multiple=BLOCK)
+    for s in sorted(slots):
+        ref_cache.alloc(s), st_cache.alloc(s)
+    runner = DraftGraphs(drafter, st_cache, max_rows=max_rows, max_ctx=64)
+    for ctx, bonus in ((ctx1, bonus1), (ctx2, bonus2)):
+        hidden = draft_blocks(drafter, ref_cache, slots, bonus, ctx)
+        with torch.no_grad():
+            ref_logits = drafter.compute_logits(hidden[:, 1:]).float()
+            ref_ratio = drafter.predict_accept_ratio(hidden).float()
+        out = runner.run(slots, ctx, bonus.tolist())
+        torch.testing.assert_close(out.logits.float(), ref_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.ratio, ref_ratio, atol=1e-5, rtol=1e-5)
+        assert torch.equal(out.tokens, ref_logits.argmax(-1)) and bool(out.finite.all())
+    assert [st_cache.length(s) for s in slots] == [ref_cache.length(s) for s in slots] == [a + b for a, b in zip(lens1, lens2)]
+    for s in slots:  # the stored context (not the block past it) is the same
+        n = st_cache.length(s)
+        for layer in range(drafter.config.num_hidden_layers):
+            torch.testing.assert_close(st_cache.read(layer, s, n)[0], ref_cache.read(layer, s, n)[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(st_cache.read(layer, s, n)[1], ref_cache.read(layer, s, n)[1], atol=1e-5, rtol=1e-5)
+    rows = 1 << (len(slots) - 1).bit_length()  # the request-count bucket (powers of two)
+    assert {k[2] for k in runner.replays if k[0] == "body"} == {rows}
+    assert {k[1:] for k in runner.replays if k[0] == "head"} == {(rows, drafter.config.block_size - 1)}
+
+
+def test_batched_draft_padding_never_leaks(pair):
+    """NaN in the spare row, the static inputs' padding and the outputs: real rows are unaffected."""
+    target, drafter = pair
+    g = torch.Generator().manual_seed(3)
+    ctx, bonus = _feats(drafter, [3, 2, 4], g), [5, 6, 7]
+    outs = []
+    for poison in (False, True):
+        cache = make_drafter_cache(drafter, 4, 32, spare_slots=1, len_multiple=BLOCK)
+        slots = [cache.alloc() for _ in range(3)]
+        runner = DraftGraphs(drafter, cache, max_rows=4, max_ctx=16)
+        if poison:
+            cache.k[:, cache.num_slots] = float("nan")
+            cache.v[:, cache.num_slots] = float("nan")
+            runner.feats.fill_(float("nan"))
+            runner.logits.fill_(float("nan"))
+        out = runner.run(slots, ctx, bonus)
+        outs.append((out.logits.clone(), out.ratio.clone(), out.tokens.clone()))
+        assert runner.padded_tokens > 0  # 9 context tokens -> bucket 10, 3 rows -> 4
+    for a, b in zip(*outs):
+        assert torch.isfinite(a.float()).all() and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_context_only_update_then_draft_equals_drafting_every_round(pair, static):
+    """Round 1 stores context only (a skipped draft); round 2 drafts. Same drafts and cache as drafting in both rounds."""
+    target, drafter = pair
+    g = torch.Generator().manual_seed(7)
+    ctx1, ctx2 = _feats(drafter, [4, 1, 6], g), _feats(drafter, [2, 3, 1], g)
+    bonus = torch.tensor([9, 10, 11])
+    ref_cache = make_drafter_cache(drafter, 4, 32)
+    slots = [ref_cache.alloc() for _ in range(3)]
+    draft_blocks(drafter, ref_cache, slots, bonus, ctx1)
+    ref = drafter.compute_logits(draft_blocks(drafter, ref_cache, slots, bonus, ctx2)[:, 1:]).float()
+    if static:
+        cache = make_drafter_cache(drafter, 4, 32, spare_slots=1, len_multiple=BLOCK)
+        [cache.alloc() for _ in range(3)]
+        runner = DraftGraphs(drafter, cache, max_rows=4, max_ctx=16)
+        assert runner.run(slots, ctx1, None) is None  # context only: bucket (C_b, 0)
+        got = runner.run(slots, ctx2, bonus.tolist()).logits.float()
+        assert ("body", 12, 0) in runner.replays  # 4 + 1 + 6 = 11 context tokens -> bucket 12, no block rows
+    else:
+        cache = make_drafter_cache(drafter, 4, 32)
+        [cache.alloc() for _ in range(3)]
+        append_context(drafter, cache, slots, ctx1)
+        assert [cache.length(s) for s in slots] == [4, 1, 6]
+        got = drafter.compute_logits(draft_blocks(drafter, cache, slots, bonus, ctx2)[:, 1:]).float()
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert [cache.length(s) for s in slots] == [ref_cache.length(s) for s in slots] == [6, 4, 7]
+
+
+# ---------------------------------------------------------------- skipping the drafter when nothing can be verified
+# (length_rate, halving_batch, requests, cuda_graphs, head predicts a high ratio, what the drafter does after prefill)
+SKIP_CASES = [
+    (0.125, 64, 3, False, True, "context only"),  # B * rate = 1: every k_hat is 1 whatever the head says
+    (0.125, 64, 3, True, True, "context only"),
+    (0.15, 2, 4, True, True, "context only"),  # load-scaled: rate floor 0.15 -> round(8 * 0.15) = 1
+    (1.0, 64, 3, True, False, "no head"),  # the head predicts ~0: k_hat = 1, the body runs, the LM head does not
+    (1.0, 64, 3, False, False, "no head"),
+    (1.0, 64, 1, True, True, "drafts"),
+    (1.0, 64, 3, False, True, "drafts"),
+]
+
+
+@pytest.mark.parametrize("rate,halving,requests,graphs,high,expect", SKIP_CASES)
+def test_packed_drafts_nothing_when_every_k_hat_is_one(rate, halving, requests, graphs, high, expect):
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=8)
+    force_length_head(drafter, ratio_high=high)
+    prompts = engine_prompts([3, 7, 5, 4][:requests], seed=11)
+    engine = Engine(target, drafter, verify_mode="packed", max_slots=4, max_len=32, token_budget=40,
+                    length_rate=rate, length_min=1, halving_batch=halving, cuda_graphs=graphs)
+    outs = engine.generate(prompts, max_new_tokens=6)
+    assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 6) for p in prompts]  # lossless
+    rounds = max(o.rounds for o in outs)
+    longest = max(v for o in outs for v in o.verify_lengths)
+    if expect == "drafts":
+        assert longest > 1 and engine.skipped_drafts <= 1  # only the last round (one token left) drafts nothing
+    else:
+        assert longest == 1 and engine.skipped_drafts == rounds
+    if graphs:
+        bodies = [k for k in engine.draft_graphs.replays if k[0] == "body"]
+        heads = [k for k in engine.draft_graphs.replays if k[0] == "head"]
+        if expect == "context only":  # the drafter layers never ran: context K/V only
+            assert bodies and all(k[2] == 0 for k in bodies) and not heads
+        elif expect == "no head":  # the layers + length head ran, the LM head never did
+            assert any(k[2] > 0 for k in bodies) and not heads
+        else:
+            assert heads
+    assert engine.dcache.num_free == 4 and all(engine.dcache.length(s) == 0 for s in range(4))
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_draft_width_follows_the_longest_verify(graphs):
+    """The LM head runs for the longest draft only: k_hat = round(a * B * rate) = 3 -> 2 draft positions."""
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=8)
+    force_length_head(drafter, ratio_high=True)
+    engine = Engine(target, drafter, verify_mode="packed", max_slots=2, max_len=32, token_budget=32, length_rate=0.375,
+                    cuda_graphs=graphs)
+    prompts = engine_prompts([5, 6], seed=3)
+    outs = engine.generate(prompts, max_new_tokens=7)
+    assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 7) for p in prompts]
+    assert max(v for o in outs for v in o.verify_lengths) == 3
+    if graphs:
+        # width 2, then 1 when a request has two tokens left (never the full block: 7)
+        assert {k[2] for k in engine.draft_graphs.replays if k[0] == "head"} == {1, 2}
+
+
+def test_sink_attached_never_skips_the_drafter_layers(pair):
+    target, drafter = pair
+    rounds = []
+
+    class Sink:
+        def on_round(self, v):
+            rounds.append(v)
+
+    engine = Engine(target, drafter, verify_mode="packed", max_slots=2, max_len=32, token_budget=32, length_rate=0.125,
+                    round_sink=Sink(), cuda_graphs=True)
+    engine.generate(engine_prompts([3, 5], seed=2), max_new_tokens=4)
+    assert rounds and all(v.predicted_ratio is not None and v.verify_len == 1 for v in rounds)
+    assert all(k[2] > 0 for k in engine.draft_graphs.replays if k[0] == "body")
+
+
+# ---------------------------------------------------------------- device reads and per-request work
+class _Ops(TorchDispatchMode):
+    VIEWS = {"view", "_unsafe_view", "transpose", "t", "slice", "select", "unsqueeze", "squeeze", "expand", "as_strided",
+             "permute", "alias", "detach", "split", "split_with_sizes", "unbind", "narrow", "lift_fresh", "reshape"}
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.overloadpacket.__name__ not in self.VIEWS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode,reads", [("fixed", 2), ("packed", 3), ("off", 1)])
+def test_static_round_work_does_not_grow_with_requests(mode, reads):
+    """A verify-only round on the static path dispatches the same number of (non-view) tensor ops for 2 and for
+    6 requests (no per-request kernels or reads) and reads the device ``reads`` times: verify lengths (packed),
+    drafts, acceptance."""
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=8)
+    force_length_head(drafter, ratio_high=True)
+    counts = []
+    for n in (2, 6):
+        engine = Engine(target, drafter if mode != "off" else None, verify_mode=mode, max_slots=8, max_len=48,
+                        token_budget=64, cuda_graphs=True)
+        handles = [engine.submit(p, 30) for p in engine_prompts([4] * n, seed=n)]
+        engine.step()  # prefill
+        engine.step()  # first draft consumes the prompts' features
+        syncs = engine.host_syncs
+        ops = _Ops()
+        with ops:
+            engine.step()
+        assert not any(h.done for h in handles) and engine.skipped_drafts == 0
+        assert engine.host_syncs - syncs == reads
+        counts.append(ops.n)
+    assert counts[0] == counts[1], counts
+
+
+def test_profile_phases(pair):
+    target, drafter = pair
+    engine = Engine(target, drafter, verify_mode="packed", max_slots=2, max_len=32, token_budget=32, cuda_graphs=True,
+                    profile=True)
+    engine.generate(engine_prompts([3, 5], seed=1), max_new_tokens=5)
+    assert set(engine.phase_seconds) == {"draft", "target", "accept", "host"}
+    assert engine.profiled_steps == engine.num_steps and all(v >= 0 for v in engine.phase_seconds.values())
+
+
+# ---------------------------------------------------------------- the drafter's bidirectional slot mask
+@pytest.mark.parametrize("q_len", [1, 8, 16])
+def test_bidirectional_slot_mask(q_len):
+    """causal=False: every query row of slot b sees keys 0 .. start[b]; the capturable block mask equals
+    create_block_mask's, and flex_attention with it equals SDPA with the boolean mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from adaflash_hf.engine import SlotAttention, slot_block_mask, slot_mask_mod
+    from adaflash_hf.engine.attention import INACTIVE
+
+    starts = [12, 130, 127, 0, INACTIVE, 383]
+    start = torch.tensor(starts, dtype=torch.int32)
+    L = 384
+    ours = slot_block_mask(start, q_len, L, causal=False)
+    ref = create_block_mask(slot_mask_mod(start, causal=False), len(starts), None, q_len, L, device="cpu")
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    att = SlotAttention(len(starts), L, "cpu", "sdpa", causal=False)
+    att.start.copy_(start)
+    bool_mask = att.mask(q_len)[:, 0]
+    assert [int(bool_mask[s, -1].sum()) for s in range(len(starts))] == [max(0, min(L, st + 1)) for st in starts]
+    assert torch.equal(bool_mask, bool_mask[:, :1].expand_as(bool_mask))  # the same keys for every row
+    g = torch.Generator().manual_seed(0)
+    qs, ks, vs = (torch.randn(len(starts), h, n, 16, generator=g) for h, n in ((4, q_len), (2, L), (2, L)))
+    active = torch.tensor(starts) != INACTIVE
+    out = att(qs, ks, vs, att.mask(q_len), 0.25)
+    flex = flex_attention(qs, ks, vs, block_mask=ours, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(flex[active], out[active], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["packed", "fixed"])
+def test_round_sink_sees_the_same_rounds_on_both_drafter_paths(pair, mode):
+    """The static drafter path hands the sink the same drafts / draft logits as the eager path, and they are
+    copies (the static buffers are reused by the next round)."""
+    target, drafter = pair
+    prompts = engine_prompts([4, 9, 2], seed=6)
+    seen = {}
+    for graphs in (False, True):
+        rounds = []
+
+        class Sink:
+            def on_round(self, v):
+                rounds.append(v)
+
+        engine = Engine(target, drafter, verify_mode=mode, max_slots=3, max_len=32, token_budget=40, round_sink=Sink(),
+                        cuda_graphs=graphs)
+        engine.generate(prompts, max_new_tokens=6)
+        seen[graphs] = rounds
+    assert len(seen[False]) == len(seen[True]) > 0
+    for a, b in zip(seen[False], seen[True]):
+        assert (a.row, a.verify_len, a.num_accepted) == (b.row, b.verify_len, b.num_accepted)
+        assert torch.equal(a.draft_tokens, b.draft_tokens)
+        torch.testing.assert_close(b.draft_logits, a.draft_logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(b.target_logits, a.target_logits, atol=1e-4, rtol=1e-4)
+        assert abs(a.predicted_ratio - b.predicted_ratio) < 1e-5
+
+
+def test_compiled_flex_drafter_equals_eager_draft():
+    """The drafter's flex backend as on CUDA (compiled flex_attention, bidirectional block mask rebuilt from the
+    static ``start``), compiled by inductor for CPU: two rounds equal the eager drafter."""
+    target = make_target("qwen3", seed=3, hidden=64)  # head_dim 16: the smallest flex compiles for
+    drafter = make_drafter(target, block_size=8)
+    g = torch.Generator().manual_seed(0)
+    ref = make_drafter_cache(drafter, 4, 32)
+    cache = make_drafter_cache(drafter, 4, 32, spare_slots=1, len_multiple=BLOCK)
+    slots = [ref.alloc() for _ in range(3)]
+    [cache.alloc() for _ in range(3)]
+    runner = DraftGraphs(drafter, cache, max_rows=4, max_ctx=16, attention="flex")
+    for lens in ([4, 1, 6], [2, 3, 1]):
+        ctx, bonus = _feats(drafter, lens, g), torch.tensor([3, 4, 5])
+        with torch.no_grad():
+            expect = drafter.compute_logits(draft_blocks(drafter, ref, slots, bonus, ctx)[:, 1:]).float()
+        torch.testing.assert_close(runner.run(slots, ctx, bonus.tolist()).logits.float(), expect, atol=1e-4, rtol=1e-4)
+    assert runner.attention.backend == "flex" and runner.attention_note == ""
