@@ -308,14 +308,25 @@ def test_round_sink_receives_verified_rounds(pair):
     target, drafter = pair
     rounds = []
 
+    requests = []
+
     class Sink:
         def on_round(self, v):
             rounds.append(v)
 
-    prompts = engine_prompts([3, 6], seed=10)
+        def on_request(self, finished):
+            requests.append(finished)
+
+    prompts = engine_prompts([3, 6, 5], seed=10)
     engine = Engine(target, drafter, verify_mode="packed", max_slots=2, max_len=32, token_budget=32, round_sink=Sink())
-    outs = engine.generate(prompts, max_new_tokens=6)
+    handles = [engine.submit(p, 6) for p in prompts]
+    handles[2].cancel()  # a cancelled request is not a finished one
+    outs = [h.result() for h in handles[:2]]
     assert len(rounds) == sum(o.rounds for o in outs)
+    assert sorted(r.row for r in requests) == sorted(o.request_id for o in outs)
+    for r in requests:
+        o = next(o for o in outs if o.request_id == r.row)
+        assert r.prompt_ids.tolist() == o.prompt_ids and r.output_ids.tolist() == o.token_ids
     for v in rounds:
         assert v.target_logits.shape[0] == v.verify_len and v.draft_tokens.shape[0] == v.verify_len - 1
         assert 0 <= v.num_accepted < v.verify_len and v.predicted_ratio is not None

@@ -818,3 +818,23 @@ def test_online_experiment_curve_on_the_reference_pair(tmp_path):
     assert (tmp_path / "a" / "online_tau.png").is_file()
     one_by_one = run(tmp_path / "b", "--methods", "opd", "--updates", "0", "--measure-batch", "1")
     assert one_by_one["methods"]["opd"]["curve"][0]["tau"] == pytest.approx(r["methods"]["opd"]["curve"][0]["tau"])
+
+
+def test_engine_requests_feed_an_attached_adapter(pair):
+    """The serving engine reports finished requests: an attached adapter (request samples) updates."""
+    from adaflash_hf.engine import Engine
+
+    d = fresh_drafter(pair)
+    adapter = OnlineAdapter(d, pair, samples_per_update=2, epochs=1, lr=1e-2).attach()
+    try:
+        start = snapshot(d)
+        engine = Engine(pair, d, verify_mode="packed", max_slots=2, max_len=48, token_budget=48)
+        prompts = [row.tolist() for row in ragged_prompts(4, [5, 7, 6, 4], 3)[2]]
+        outs = engine.generate(prompts, max_new_tokens=8)
+        assert adapter.wait_for_update(30) and adapter.stats["updates"] >= 1
+        assert not same(start, snapshot(d)) and adapter.rounds_seen == sum(o.rounds for o in outs)
+        for p, o in zip(prompts, outs):  # lossless while the weights change under it
+            ref = pair.generate(torch.tensor([p]), do_sample=False, max_new_tokens=8, pad_token_id=PAD_ID)
+            assert o.token_ids == ref[0, len(p):].tolist()
+    finally:
+        adapter.close()

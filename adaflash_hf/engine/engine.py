@@ -44,7 +44,7 @@ import torch
 
 from ..generation.acceptance import _accepted_prefix_len, speculative_accept
 from ..generation.length_policy import adaptive_verify_length, load_scaled_rate
-from ..generation.stats import RoundSink, VerifiedRound, mean_tokens_per_round
+from ..generation.stats import FinishedRequest, RoundSink, VerifiedRound, mean_tokens_per_round
 from .admission import AdmissionController
 from .attention import BLOCK
 from .drafter import DraftGraphs, append_context, draft_blocks, make_drafter_cache
@@ -161,7 +161,8 @@ class Engine:
         length_rate, length_min: the length head policy (default: the drafter config's); the rate
             is scaled down with the batch (``load_scaled_rate(length_rate, batch, halving_batch)``).
         ema_beta: admission EMA weight.
-        round_sink: receives every verified round (default: an OnlineAdapter attached to the drafter).
+        round_sink: receives every verified round, and every finished (not cancelled) request when it
+            has ``on_request`` (default: an OnlineAdapter attached to the drafter).
         step_hook: called with a :class:`StepInfo` before each target forward (tests, metrics).
         cuda_graphs: decode and drafter forwards as CUDA graphs per bucket with flex_attention
             (default: on when the target is on CUDA). ``True`` on CPU runs the same static, padded
@@ -589,6 +590,9 @@ class Engine:
             self._queue.remove(r)
         r.state, r.pending_ctx = "done", None
         r.output = EngineOutput(r.id, list(r.prompt), list(r.tokens), reason, list(r.accepted), list(r.verify_lengths))
+        on_request = getattr(self.round_sink, "on_request", None)
+        if on_request is not None and reason != "cancelled" and self.drafter is not None:
+            on_request(FinishedRequest(r.id, torch.tensor(r.prompt), torch.tensor(r.tokens)))
 
     def _cancel(self, r: _Request) -> None:
         if r.output is not None:
