@@ -232,10 +232,15 @@ def test_adaflash_uses_the_adaptive_policy_with_a_trained_head(setup, tmp_path):
 def test_online_flags():
     args = bench.add_arguments(argparse.ArgumentParser()).parse_args([])
     assert (args.online_samples_per_update, args.online_epochs, args.online_lr, args.online_wait) == (128, 2, 3e-4, True)
+    assert args.online_sample_unit == "request"
     args = bench.add_arguments(argparse.ArgumentParser()).parse_args(
-        ["--online-samples-per-update", "8", "--online-epochs", "1", "--online-lr", "1e-3", "--no-online-wait"]
+        ["--online-samples-per-update", "8", "--online-epochs", "1", "--online-lr", "1e-3", "--no-online-wait",
+         "--online-sample-unit", "round"]
     )
     assert (args.online_samples_per_update, args.online_epochs, args.online_lr, args.online_wait) == (8, 1, 1e-3, False)
+    assert args.online_sample_unit == "round"
+    with pytest.raises(SystemExit):
+        bench.add_arguments(argparse.ArgumentParser()).parse_args(["--online-sample-unit", "token"])
 
 
 def _lossy(ctx, input_ids, attention_mask, streamer):

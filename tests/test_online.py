@@ -414,6 +414,7 @@ def test_adapter_writes_versions_with_card(pair, tmp_path):
         assert same(snapshot(d), snapshot(AdaFlashDrafter.from_pretrained(latest)))
         card = (latest / "README.md").read_text()
         assert "tiny/qwen3-target" in card and "math (9 samples)" in card and "{{" not in card
+        assert "samples per update: 1000 verified rounds" in card
         assert "| 3 | 3 |" in card
     finally:
         adapter.close()

@@ -877,7 +877,7 @@ class OnlineAdapter:
             "latest_version": latest.get("version"),
             "latest_tau_before": latest.get("tau_before"),
             "block_size": self.block_size,
-            "samples_per_update": self.samples_per_update,
+            "samples_per_update": f"{self.samples_per_update} {'finished requests' if self.sample_unit == 'request' else 'verified rounds'}",
             "epochs": self.epochs,
             "domains": domains,
             "history": history,
