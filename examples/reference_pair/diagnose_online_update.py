@@ -5,6 +5,9 @@ trains one OPD update on 128 rounds of the latter, and prints the OPD loss on bo
 held-out greedy tau, and the acceptance of draft slots 1-3, before and after the update.
 
     ADAFLASH_DATA=../shared/data python examples/reference_pair/diagnose_online_update.py
+
+It studies round samples (``sample_unit="round"``), the unit that overfit; the adapter's default
+unit is now the finished request (BENCHMARKS.md section 3).
 """
 
 import argparse
@@ -50,7 +53,7 @@ def main(argv=None):
         drafter = copy_drafter(base, target)
         held, tau0, slots0 = serve(target, drafter, tok, prompts[:8], a.max_new_tokens)
         train, _, _ = serve(target, drafter, tok, prompts[8:11], a.max_new_tokens)
-        adapter = OnlineAdapter(drafter, target, method="opd", samples_per_update=10**6, label_mode=mode)
+        adapter = OnlineAdapter(drafter, target, method="opd", sample_unit="round", samples_per_update=10**6, label_mode=mode)
         before = adapter.evaluate(held)["loss"], adapter.evaluate(train)["loss"]
         for r in train[:128]:
             adapter.on_round(r)
