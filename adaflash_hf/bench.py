@@ -14,7 +14,10 @@ each concurrency (prompts decoded together in one left-padded batch) times every
   ``osd`` (forward-KL online distillation, fixed policy) and ``adaflash`` (on-policy distillation
   + length head, adaptive policy when the drafter's length head is trained, else fixed). Their
   wall time includes the adapter's cost (with ``--online-wait``, the wait for every triggered
-  update); tau per update goes to ``BenchResult.online`` and the ``tau_online.png`` plot.
+  update); tau per update goes to ``BenchResult.online`` and the ``tau_online.png`` plot;
+- ``engine_off``, ``engine_fixed``, ``engine_packed``: the serving engine
+  (`adaflash_hf.engine.Engine`, continuous batching over a slotted KV cache, CUDA graphs on GPU)
+  in that verify mode, the batch submitted at once.
 
 For greedy runs every method's generated ids are compared, prompt by prompt, with plain decoding
 of the same batch layout; a mismatch is a *failure* (``BenchResult.failures``), printed loudly, and
@@ -73,6 +76,7 @@ __all__ = [
 BASELINES = ("plain", "plain_static")
 DEFAULT_METHODS = (
     "plain", "plain_static", "hf_assisted", "dflash_native", "fixed", "adaptive", "expected_gain", "osd", "adaflash",
+    "engine_off", "engine_fixed", "engine_packed",
 )  # fmt: skip
 
 
@@ -133,6 +137,7 @@ class BenchContext:
     tokenizer: Any
     device: torch.device
     generate_kwargs: dict
+    engines: dict = field(default_factory=dict)  # the engine methods' engines, kept across batches
 
 
 @dataclass
@@ -231,6 +236,53 @@ def _ours(policy):
     return run
 
 
+def _pow2_at_least(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _engine(mode):
+    """The serving engine (`adaflash_hf.engine.Engine`) in verify mode `mode`, one request per row.
+
+    The batch is submitted at once (concurrency = batch size). One engine per (mode, batch size) is
+    kept in the context, sized with power-of-two headroom so that later batches reuse it (and its
+    captured CUDA graphs); the warmup batch builds it outside the timed runs.
+    """
+
+    def run(ctx, input_ids, attention_mask, streamer):
+        from .engine import Engine, SamplingParams
+        from .generation.stats import GenerationStats
+
+        kw = ctx.generate_kwargs
+        max_new = int(kw["max_new_tokens"])
+        prompts = [row[m.bool()].tolist() for row, m in zip(input_ids, attention_mask)]
+        drafter = ctx.drafter if mode != "off" else None
+        block = drafter.config.block_size if drafter is not None else 1
+        need_len = _pow2_at_least(max(map(len, prompts)) + max_new + block, 256)
+        need_budget = _pow2_at_least(max(max(map(len, prompts)), len(prompts) * block), 64)
+        eng = ctx.engines.get((mode, len(prompts)))
+        if eng is None or eng.max_len < need_len or eng.token_budget < need_budget:
+            eng = Engine(ctx.target, drafter, verify_mode=mode, max_slots=len(prompts), max_len=need_len, token_budget=need_budget)
+            ctx.engines[(mode, len(prompts))] = eng
+        eos = kw.get("eos_token_id", ctx.target.generation_config.eos_token_id)
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else eos
+        params = SamplingParams(kw.get("temperature") or 0.0, kw.get("top_k") or None, kw.get("top_p"), None, eos)
+        streamer.put(input_ids)  # like generate: the prompt first, then every new token
+        handles = [eng.submit(p, max_new, params, on_token=lambda t: streamer.put(t)) for p in prompts]
+        outs = [h.result() for h in handles]
+        width = max(len(o.token_ids) for o in outs)
+        seq = torch.full((len(outs), input_ids.shape[1] + width), int(kw.get("pad_token_id") or 0), dtype=input_ids.dtype)
+        seq[:, : input_ids.shape[1]] = input_ids.cpu()
+        stats = GenerationStats(block_size=block, policy=f"engine {mode}")
+        for i, o in enumerate(outs):
+            seq[i, input_ids.shape[1] : input_ids.shape[1] + len(o.token_ids)] = torch.tensor(o.token_ids, dtype=seq.dtype)
+            for a, v in zip(o.accepted, o.verify_lengths):
+                stats.record(i, v, a)
+        stats.new_tokens = sum(len(o.token_ids) for o in outs)
+        return MethodOutput(seq.to(input_ids.device), stats=stats)
+
+    return run
+
+
 def _has_trained_length_head(drafter) -> bool:
     return getattr(drafter, "length_head", None) is not None and bool(getattr(drafter.config, "length_head_trained", False))
 
@@ -265,6 +317,12 @@ METHODS: dict[str, Method] = {
     "adaflash": Method(
         "adaflash", _ours(_adaflash_policy), "AdaFlash loop, adaptive verify length + online OPD",
         needs_drafter=True, online="opd",
+    ),
+    "engine_off": Method("engine_off", _engine("off"), "serving engine, plain decoding (continuous batching)"),
+    "engine_fixed": Method("engine_fixed", _engine("fixed"), "serving engine, fixed full-block verify", needs_drafter=True),
+    "engine_packed": Method(
+        "engine_packed", _engine("packed"), "serving engine, per-request verify lengths packed in one forward",
+        needs_drafter=True, skip=_needs_length_head,
     ),
 }  # fmt: skip
 
