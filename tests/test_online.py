@@ -839,3 +839,18 @@ def test_engine_requests_feed_an_attached_adapter(pair):
             assert o.token_ids == ref[0, len(p):].tolist()
     finally:
         adapter.close()
+
+
+def test_request_training_shadow_leaves_a_flash_serving_drafter_alone(pair):
+    """Request samples train under a block mask (SDPA); a flash-attention serving drafter keeps flash."""
+    d = fresh_drafter(pair)
+    d.config._attn_implementation = "flash_attention_2"  # as a GPU deployment would set it (not runnable on CPU)
+    adapter = OnlineAdapter(d, pair, samples_per_update=1000, epochs=1)
+    try:
+        shadow = adapter._make_shadow()
+        assert shadow.config._attn_implementation == "sdpa" and d.config._attn_implementation == "flash_attention_2"
+        adapter._request_model(shadow)  # the training wrapper accepts it (it refuses flash kernels)
+        with pytest.raises(ValueError, match="block attention mask"):
+            adapter._request_model(d)
+    finally:
+        adapter.close()

@@ -629,6 +629,11 @@ class OnlineAdapter:
     # ------------------------------------------------------------------ shadow / optimizer
     def _make_shadow(self) -> AdaFlashDrafter:
         shadow = copy_drafter(self.drafter, self.target)
+        impl = str(getattr(shadow.config, "_attn_implementation", "") or "")
+        if self.sample_unit == "request" and (impl.startswith("flash") or "paged" in impl):
+            # Many blocks per request train in one pass under a block attention mask, which flash
+            # kernels cannot take; only the shadow changes, the serving drafter keeps its kernel.
+            shadow.set_attn_implementation("sdpa")
         shadow.to(device=self.device, dtype=self.train_dtype)
         shadow.train()
         for p in shadow.parameters():
