@@ -54,6 +54,8 @@ from typing import Any, Callable
 
 import torch
 
+from .generation.prompts import encode_prompt, left_pad
+
 __all__ = [
     "BASELINES",
     "BenchCell",
@@ -596,27 +598,6 @@ def _load_prompts(spec: str, limit: int, data_dir) -> tuple[str, list[list[dict]
     return label, out
 
 
-def _encode(tokenizer, messages: list[dict] | str) -> list[int]:
-    if isinstance(messages, str):  # a continuation prompt: the raw text, no chat template
-        return tokenizer(messages, add_special_tokens=False)["input_ids"]
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    else:
-        text = "\n".join(m["content"] for m in messages)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
-
-
 # ----------------------------------------------------------------------------- timing
 class _FirstTokenTimer:
     """A streamer that timestamps the first `put` after the prompt (generate puts the prompt first)."""
@@ -733,7 +714,7 @@ def run_bench(config: BenchConfig) -> BenchResult:
     # Plain first: it is the correctness reference of every other method.
     methods = sorted(dict.fromkeys(config.methods), key=lambda m: m != "plain")
     datasets = [_load_prompts(d, config.num_prompts, config.data_dir) for d in config.datasets]
-    encoded = {label: [_encode(tokenizer, m) for m in msgs] for label, msgs in datasets}
+    encoded = {label: [encode_prompt(tokenizer, m) for m in msgs] for label, msgs in datasets}
     warm_pool = encoded[datasets[0][0]]
     warmed: set[tuple[str, int]] = set()
 
@@ -741,7 +722,7 @@ def run_bench(config: BenchConfig) -> BenchResult:
         prompts = encoded[label]
         for conc in config.concurrency:
             batches = [list(range(i, min(i + conc, len(prompts)))) for i in range(0, len(prompts), conc)]
-            layouts = [_left_pad([prompts[j] for j in b], pad_id, device) for b in batches]
+            layouts = [left_pad([prompts[j] for j in b], pad_id, device) for b in batches]
             reference: list[list[int]] | None = None
             if greedy and "plain" not in methods:
                 reference = []
@@ -804,7 +785,7 @@ def _measure(method, ctx, cell, layouts, config, eos_ids, warm_pool, warmed, pad
     if config.warmup > 0 and (method.name, conc) not in warmed:
         picks = [warm_pool[i % len(warm_pool)] for i in range(max(config.warmup, conc))]
         for i in range(0, len(picks) - conc + 1, conc):
-            ids, mask = _left_pad(picks[i : i + conc], pad_id, device)
+            ids, mask = left_pad(picks[i : i + conc], pad_id, device)
             _run_batch(method, ctx, ids, mask, eos_ids, config.seed, on_cuda)
         warmed.add((method.name, conc))
     if on_cuda:

@@ -322,18 +322,6 @@ def _encode(tok, messages: list[dict], chat_template: bool = True, system: str |
     return list(ids)
 
 
-def _left_pad(rows: list[list[int]], pad_id: int, device):
-    import torch
-
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
-
-
 def _sampling_kwargs(args) -> dict:
     kw = {"max_new_tokens": args.max_new_tokens}
     if args.temperature > 0:
@@ -447,6 +435,8 @@ def cmd_demo(args) -> int:
 def cmd_generate(args) -> int:
     import torch
 
+    from .generation.prompts import left_pad
+
     if not args.prompt and not args.prompts_file:
         raise UsageError("no prompt given", "pass --prompt TEXT (repeatable) or --prompts-file FILE.jsonl")
     records = [{"messages": [{"role": "user", "content": p}], "domain": None} for p in (args.prompt or [])]
@@ -477,7 +467,7 @@ def cmd_generate(args) -> int:
     try:
         for b0 in range(0, len(rows), args.batch_size):
             batch = rows[b0 : b0 + args.batch_size]
-            ids, mask = _left_pad(batch, pad, device)
+            ids, mask = left_pad(batch, pad, device)
             torch.manual_seed(args.seed)
             t0 = time.perf_counter()
             with torch.inference_mode():

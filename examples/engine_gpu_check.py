@@ -49,6 +49,8 @@ from pathlib import Path
 
 import torch
 
+from adaflash_hf.generation.stats import mean_tokens_per_round
+
 T0 = time.perf_counter()
 SPEC_FLEX_MS = {  # SPEC.md section 6, flex_attention column (gpu_attn_probe.py), for side-by-side reading
     1: {1: 6.0, 2: 6.1, 4: 6.6, 8: 6.8, 16: 7.1},
@@ -179,7 +181,8 @@ def tiny_pair(device, dtype, hidden: int, head_dim: int, vocab: int = 512, block
 
 def reference_pair(device, dtype, dataset: str, n: int):
     from adaflash_hf import load_reference_pair
-    from adaflash_hf.bench import _encode, _load_prompts
+    from adaflash_hf.bench import _load_prompts
+    from adaflash_hf.generation.prompts import encode_prompt
 
     target, drafter, tok = load_reference_pair(device=device, dtype=dtype)
     try:
@@ -189,7 +192,7 @@ def reference_pair(device, dtype, dataset: str, n: int):
         log(f"prompts: {dataset} not loadable ({type(exc).__name__}: {exc}); using built-in questions")
         messages = [[{"role": "user", "content": FALLBACK_QUESTIONS[i % len(FALLBACK_QUESTIONS)]}] for i in range(n)]
         source = "built-in gsm8k-style questions"
-    return target.eval(), drafter.eval(), [_encode(tok, m) for m in messages], tok.eos_token_id, source
+    return target.eval(), drafter.eval(), [encode_prompt(tok, m) for m in messages], tok.eos_token_id, source
 
 
 def qwen3_8b_shape(device, smoke: bool):
@@ -472,7 +475,7 @@ def throughput(target, drafter, prompts, eos, *, concurrency, modes, max_new, ma
                 row.update(tokens=toks, wall_s=wall, capture_s=cap, tok_per_s=toks / max(wall - cap, 1e-9),
                            tok_per_s_incl_capture=toks / wall, steps=eng.num_steps - steps0,
                            mean_forward_tokens=sum(fwd) / max(1, len(fwd)), rounds=len(acc),
-                           tau=(sum(acc) + len(acc)) / max(1, len(acc)), mean_verify_len=sum(vl) / max(1, len(vl)),
+                           tau=mean_tokens_per_round(acc), mean_verify_len=sum(vl) / max(1, len(vl)),
                            verify_len_hist={str(k): vl.count(k) for k in sorted(set(vl))},
                            accepted_hist={str(k): acc.count(k) for k in sorted(set(acc))})
                 log(f"d: {mode:7s} c={c:4d} {row['tok_per_s']:9.1f} tok/s  tau {row['tau']:.2f}  verify len "

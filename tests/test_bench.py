@@ -320,15 +320,16 @@ def test_continuation_prompts_skip_the_chat_template(tmp_path):
 
     from transformers import AutoTokenizer
 
+    from adaflash_hf.generation.prompts import encode_prompt
     from adaflash_hf.reference import REFERENCE_DIR
 
     tok = AutoTokenizer.from_pretrained(os.path.join(REFERENCE_DIR, "target"))
     label, prompts = bench._load_prompts("prose", 3, None)
     assert label == "prose" and len(prompts) == 3 and all(isinstance(p, str) for p in prompts)
-    ids = bench._encode(tok, prompts[0])
+    ids = encode_prompt(tok, prompts[0])
     assert ids == tok(prompts[0], add_special_tokens=False)["input_ids"]
     assert "<|im_start|>" not in tok.decode(ids)
-    chat = bench._encode(tok, [{"role": "user", "content": prompts[0]}])
+    chat = encode_prompt(tok, [{"role": "user", "content": prompts[0]}])
     assert "<|im_start|>" in tok.decode(chat) and len(chat) > len(ids)
     path = tmp_path / "mixed.jsonl"
     path.write_text('{"text": "Once upon"}\n{"prompt": "hi"}\n{"other": 1}\n')

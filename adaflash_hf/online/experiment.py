@@ -15,14 +15,9 @@ import time
 
 import torch
 
+from ..generation.prompts import encode_prompt, left_pad
 from ..modeling import AdaFlashDrafter
 from .adapter import OnlineAdapter, copy_drafter
-
-
-def _encode(tokenizer, prompt: dict, device):
-    if "messages" not in prompt:  # a continuation prompt (the prose set): raw text
-        return tokenizer(prompt["text"], add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
-    return tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"].to(device)
 
 
 def _measure(target, drafter, batches, max_new_tokens, references, policy, pad):
@@ -38,15 +33,6 @@ def _measure(target, drafter, batches, max_new_tokens, references, policy, pad):
     return (accepted + rounds) / max(rounds, 1), identical
 
 
-def _left_pad(batch: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(x.shape[1] for x in batch)
-    ids = torch.full((len(batch), width), pad, dtype=torch.long, device=batch[0].device)
-    mask = torch.zeros_like(ids)
-    for i, x in enumerate(batch):
-        ids[i, width - x.shape[1] :], mask[i, width - x.shape[1] :] = x[0], 1
-    return ids, mask
-
-
 def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=("opd", "osd"), updates=6, samples_per_update=128, epochs=2, max_new_tokens=128, seed=0, policy="fixed", lr=3e-4, head_lr=2e-4, label_mode="verified", sample_unit="request", stream_batch=16, measure_batch=16, checkpoint=None) -> dict:
     """Tau on `held_out` after each online update, for each method (see the module docstring).
 
@@ -58,10 +44,10 @@ def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=
     a timeout).
     """
     device = next(target.parameters()).device
-    stream_ids = [_encode(tokenizer, p, device) for p in stream]
+    stream_ids = [encode_prompt(tokenizer, p.get("messages", p.get("text"))) for p in stream]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    held_ids = [_encode(tokenizer, p, device) for p in held_out]
-    held = [_left_pad(held_ids[i : i + measure_batch], pad) for i in range(0, len(held_ids), measure_batch)]
+    held_ids = [encode_prompt(tokenizer, p.get("messages", p.get("text"))) for p in held_out]
+    held = [left_pad(held_ids[i : i + measure_batch], pad, device) for i in range(0, len(held_ids), measure_batch)]
     references = [target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad) for ids, mask in held]
     result = {"methods": {}, "samples_per_update": samples_per_update, "epochs": epochs, "max_new_tokens": max_new_tokens, "policy": policy, "lr": lr, "head_lr": head_lr, "label_mode": label_mode, "sample_unit": sample_unit, "stream_batch": stream_batch, "measure_batch": measure_batch}
     for method in methods:
@@ -75,7 +61,7 @@ def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=
         for update in range(1, updates + 1):
             adapter.attach()
             while adapter.stats["updates"] + adapter.stats["failures"] < update and served < len(stream_ids):
-                ids, mask = _left_pad(stream_ids[served : served + stream_batch], pad)
+                ids, mask = left_pad(stream_ids[served : served + stream_batch], pad, device)
                 target.generate(ids, attention_mask=mask, assistant_model=d, max_new_tokens=max_new_tokens, do_sample=False, length_policy=policy, pad_token_id=pad)
                 served += ids.shape[0]
                 adapter.wait_for_update()
