@@ -3,17 +3,17 @@
 Sections, in run order (each in its own try/except: an error is recorded in the JSON, the next
 section still runs, and the JSON + markdown are rewritten after every section):
 
-  a_tiny  equivalence on a tiny random Qwen3 (float32): graph replay == eager path per bucket
-          (logits allclose) and end to end (greedy outputs of every verify mode identical to the
+  a_tiny  equivalence on a tiny random Qwen3 (float32): graph replay (fused layers, compiled
+          kernels) == the eager forward through the HF modules per bucket (logits allclose) and end to end (greedy outputs of every verify mode identical to the
           eager engine and to HF ``generate``);
   b_8b    Qwen3-8B shape, random bf16 weights built on the GPU: copy bandwidth and the batch-1
           floor (weight bytes / bandwidth), plain decoding in the engine (``verify_mode="off"``) at
-          batch 1 and context ~1024 with a per-step breakdown (target graph replay, acceptance read,
+          batch 1 and context ~1024 (also through the HF modules, ``fused_kernels=False``) with a per-step breakdown (target graph replay, acceptance read,
           host bookkeeping; ``Engine(profile=True)``), the tensor ops per decoder layer of the graphed
           forward (~ kernels per layer; SPEC's probe has 28), the batch-1 decode forward against the
           cache's slot rows (1 / 16 / 128 slots: attention runs over every slot row), the
-          forward-cost table (requests x tokens each, context 1024, ms per graph replay) and the
-          16-token / 1-token verify ratio at batch 1;
+          forward-cost table (requests x tokens each, context 1024, ms per graph replay; kernel
+          profile of the batch-1 rows) and the 16-token / 1-token verify ratio at batch 1;
   a_ref   the same equivalence checks for the reference pair (``--check-dtype``, float32 default);
   d       measured throughput of off / fixed / packed at each concurrency with the reference pair
           on real prompts (also records the acceptance traces: accepted drafts and verify lengths),
@@ -151,6 +151,28 @@ def ops_per_layer(graphs, bucket) -> dict:
     return {"total": total, "layers": layers, "per_layer": total / layers, "by_op": ops.n}
 
 
+def kernel_profile(fn, device, top: int = 12) -> dict:
+    """Device kernels of one ``fn()`` (torch.profiler): how many, their summed time, and the ``top`` names
+    by time. Run on the eager forward: in a CUDA graph the kernels are the same, the launch gaps gone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if torch.device(device).type != "cuda":
+        return {}
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t > 0:
+            rows.append((t, e.count, e.key))
+    rows.sort(reverse=True)
+    return {"kernels": sum(c for _, c, _ in rows), "kernel_ms": sum(t for t, _, _ in rows) / 1e3,
+            "top": [{"us": round(t, 1), "count": c, "name": k[:120]} for t, c, k in rows[:top]]}
+
+
 def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -235,9 +257,10 @@ def _first_diff(a, b):
 
 
 def equivalence(target, drafter, prompts, *, slots: int, max_len: int, budget: int, max_new: int, tol: float):
-    """Per bucket: graph replay logits / features vs the eager packed forward on the same cache.
-    End to end: every verify mode, graphs on vs off vs HF greedy ``generate``."""
-    from adaflash_hf.engine import DecodeGraphs, Engine, PackedLayout, make_target_cache, target_forward
+    """Per bucket: graph replay (fused layers, compiled kernels) logits / features vs the eager packed
+    forward through the HF modules on the same cache. End to end: every verify mode, graphs on vs off
+    vs HF greedy ``generate``."""
+    from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, make_target_cache, target_forward
     from adaflash_hf.engine.attention import BLOCK
 
     device = next(target.parameters()).device
@@ -246,7 +269,8 @@ def equivalence(target, drafter, prompts, *, slots: int, max_len: int, budget: i
     report = {"tolerance_rel": tol, "buckets": [], "engine": {}}
 
     cache = make_target_cache(target, slots, max_len, spare_slots=1, len_multiple=BLOCK)
-    graphs = DecodeGraphs(target, cache, layers, max_tokens=min(budget, slots * B), max_q=B)
+    fused, report["fusion_note"] = FusedTarget.build(target)
+    graphs = DecodeGraphs(target, cache, layers, max_tokens=min(budget, slots * B), max_q=B, fused=fused)
     R = min(slots, 8, len(prompts))
     pre = [p[:48] for p in prompts[:R]]
     used = [cache.alloc() for _ in pre]
@@ -303,7 +327,7 @@ def equivalence(target, drafter, prompts, *, slots: int, max_len: int, budget: i
 
 # ----------------------------------------------------------------------------- b: 8B-shape cost
 def cost_8b(device, smoke: bool, quick: bool):
-    from adaflash_hf.engine import DecodeGraphs, Engine, PackedLayout, make_target_cache
+    from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, make_target_cache
     from adaflash_hf.engine.attention import BLOCK
 
     rep = {}
@@ -332,11 +356,35 @@ def cost_8b(device, smoke: bool, quick: bool):
     log(f"b: copy bandwidth {rep['copy_bandwidth_TBps']:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB, "
         f"batch-1 floor {rep['floor_ms_per_token']:.2f} ms/token ({rep['floor_tok_per_s']:.0f} tok/s)")
 
+    # The same decode through the HF modules (fused_kernels=False): what the fused layers buy.
+    new = 16 if smoke else (48 if quick else 96)
+    try:
+        eng = Engine(model, None, verify_mode="off", max_slots=1, max_len=ctx + new + 8, token_budget=ctx + 8,
+                     cuda_graphs=True, fused_kernels=False)
+        h = eng.submit(torch.randint(0, embed.shape[0], (ctx - 8,), generator=torch.Generator().manual_seed(0)).tolist(), new)
+        eng.step()
+        eng.step()
+        sync(device)
+        t, done0 = time.perf_counter(), len(h.token_ids)
+        while not h.done:
+            eng.step()
+        sync(device)
+        steps = len(h.token_ids) - done0
+        rep["off_batch1_modules"] = {"tok_per_s": steps / (time.perf_counter() - t), "steps_timed": steps}
+        log(f"b: off, batch 1, HF modules (fused_kernels=False): {rep['off_batch1_modules']['tok_per_s']:.1f} tok/s")
+        del eng, h
+        free_memory()
+    except Exception:  # noqa: BLE001
+        rep["off_batch1_modules"] = {"error": traceback.format_exc()}
+        log("b: off batch-1 (modules) FAILED\n" + rep["off_batch1_modules"]["error"])
+
     # Plain decoding in the engine at batch 1, context ~ctx.
     try:
-        new = 16 if smoke else (48 if quick else 96)
+        t = time.perf_counter()
         eng = Engine(model, None, verify_mode="off", max_slots=1, max_len=ctx + new + 8, token_budget=ctx + 8,
                      cuda_graphs=True)
+        rep["fuse_s"], rep["fusion_note"] = time.perf_counter() - t, eng.fusion_note
+        log(f"b: engine built in {rep['fuse_s']:.1f}s, fused layers: {eng.fused is not None} {eng.fusion_note}")
         g = torch.Generator().manual_seed(0)
         vocab = embed.shape[0]
         h = eng.submit(torch.randint(0, vocab, (ctx - 8,), generator=g).tolist(), new)
@@ -351,7 +399,7 @@ def cost_8b(device, smoke: bool, quick: bool):
         steps = len(h.token_ids) - done0
         bucket = next(iter(eng.graphs.replays))
         replay_ms = time_ms(lambda: eng.graphs.graphs[bucket].replay(), device, iters) if eng.graphs.use_graphs else None
-        rep["off_batch1"] = {"tok_per_s": steps / dt, "ms_per_token": 1e3 * dt / steps, "graph_replay_ms": replay_ms,
+        rep["off_batch1"] = {"fused": eng.fused is not None, "tok_per_s": steps / dt, "ms_per_token": 1e3 * dt / steps, "graph_replay_ms": replay_ms,
                              "steps_timed": steps, "context": ctx, "of_floor": (steps / dt) / rep["floor_tok_per_s"]}
         log(f"b: off, batch 1: {steps / dt:.1f} tok/s ({1e3 * dt / steps:.2f} ms/token; graph alone "
             f"{replay_ms if replay_ms is None else round(replay_ms, 2)} ms; floor {rep['floor_ms_per_token']:.2f} ms)")
@@ -375,12 +423,13 @@ def cost_8b(device, smoke: bool, quick: bool):
 
     # Batch-1 decode forward against the number of cache slot rows (attention and its query scatter run over
     # every slot row, used or not): the cost of a large max_slots at low load.
+    fused, _ = FusedTarget.build(model)
     rep["slot_rows"] = []
     for S in ([1, 4] if smoke else [1, 16, 128]):
         row = {"slots": S}
         try:
             c1 = make_target_cache(model, S, ctx + 8, spare_slots=1, len_multiple=BLOCK)
-            g1 = DecodeGraphs(model, c1, None, max_tokens=1, max_q=1)
+            g1 = DecodeGraphs(model, c1, None, max_tokens=1, max_q=1, fused=fused)
             s1 = c1.alloc()
             c1.advance(s1, ctx)
             b1 = g1.prepare([1], PackedLayout.from_cache(c1, [s1], [1]))
@@ -398,7 +447,7 @@ def cost_8b(device, smoke: bool, quick: bool):
     # The forward-cost table through one DecodeGraphs: slots filled to ctx (values do not matter for timing).
     slots = max(requests)
     cache = make_target_cache(model, slots, ctx + max(tokens_each), spare_slots=1, len_multiple=BLOCK)
-    graphs = DecodeGraphs(model, cache, None, max_tokens=slots * max(tokens_each), max_q=max(tokens_each))
+    graphs = DecodeGraphs(model, cache, None, max_tokens=slots * max(tokens_each), max_q=max(tokens_each), fused=fused)
     used = [cache.alloc() for _ in range(slots)]
     for s in used:
         cache.advance(s, ctx)
@@ -417,6 +466,12 @@ def cost_8b(device, smoke: bool, quick: bool):
                 row["ms"] = time_ms(fn, device, iters)
                 row["us_per_token"] = 1e3 * row["ms"] / (R * q)
                 row["spec_flex_ms"] = SPEC_FLEX_MS.get(R, {}).get(q)
+                if R == 1 and q in (1, max(tokens_each)):  # where the time goes, kernel by kernel
+                    row["kernel_profile"] = kernel_profile(lambda: graphs._forward(*bucket), device)
+                    if row["kernel_profile"]:
+                        kp = row["kernel_profile"]
+                        log(f"b: R=1 q={q} eager forward: {kp['kernels']} kernels, {kp['kernel_ms']:.2f} ms of kernel time; "
+                            + "; ".join(f"{k['name'][:50]} {k['us'] / 1e3:.2f}ms x{k['count']}" for k in kp["top"][:8]))
                 log(f"b: R={R:4d} q={q:3d} {row['ms']:7.2f} ms  (SPEC flex {row['spec_flex_ms']})  "
                     f"first call {row['first_call_s']:.1f}s")
             except Exception:  # noqa: BLE001

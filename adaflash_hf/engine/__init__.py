@@ -1,12 +1,13 @@
 """Continuous-batching speculative decoding engine (issue 6): slotted KV caches, packed verification,
 EMA admission; on CUDA the decode forwards are CUDA graphs per bucket with flex_attention
-(``graphs.py``, ``attention.py``; checked and measured by examples/engine_gpu_check.py)."""
+(``graphs.py``, ``attention.py``) over the target's fused layers (``fused.py``; checked and measured by examples/engine_gpu_check.py)."""
 
 from .admission import AdmissionController
 from .attention import SlotAttention, slot_block_mask, slot_mask_mod
 from .async_engine import AsyncEngine, EngineClosed, EngineFailed, RequestFuture, TokenStream
 from .drafter import DraftGraphs, DraftOutput, SlotCacheView, append_context, draft_blocks, make_drafter_cache
 from .engine import VERIFY_MODES, Engine, EngineOutput, RequestHandle, RequestRejected, StepInfo
+from .fused import FusedTarget
 from .graphs import DecodeGraphs, GraphRunner, pick_bucket, q_buckets, token_buckets
 from .kv_cache import SlotKVCache
 from .sampling import SamplingParams, processed_probs
@@ -27,7 +28,7 @@ __all__ = [
     "draft_blocks", "make_drafter_cache", "make_target_cache", "packed_attention", "processed_probs", "target_forward",
     # the CUDA-graph decode path
     "DecodeGraphs", "SlotAttention", "decoder_forward", "pick_bucket", "q_buckets", "slot_block_mask", "slot_mask_mod",
-    "token_buckets", "GraphRunner",
+    "token_buckets", "GraphRunner", "FusedTarget",
     # the batched drafter step
     "DraftGraphs", "DraftOutput", "append_context",
 ]

@@ -50,6 +50,7 @@ from .attention import BLOCK
 from .drafter import DraftGraphs, append_context, draft_blocks, make_drafter_cache
 from .graphs import DecodeGraphs, to_device
 from .sampling import SamplingParams, processed_probs
+from .fused import FusedTarget
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
 
 __all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo", "VERIFY_MODES"]
@@ -168,6 +169,10 @@ class Engine:
             (default: on when the target is on CUDA). ``True`` on CPU runs the same static, padded
             bucket forwards eagerly with SDPA (what the CPU tests check); ``False`` is the eager
             reference path.
+        fused_kernels: run the target's layers with fused projections and elementwise kernels
+            (:class:`~.fused.FusedTarget`: q/k/v and gate/up weights become views of one tensor per
+            layer; elementwise math compiled on CUDA). Kept off automatically, with the reason in
+            :attr:`fusion_note`, for layers that are not the stock Qwen3 / Llama math (e.g. LoRA).
         profile: time each step's phases (``phase_seconds``: draft, target, accept, host), with a
             device synchronisation at every phase boundary (measurement only: it adds syncs).
 
@@ -180,7 +185,7 @@ class Engine:
                  token_budget: int = 512, length_rate: float | None = None, length_min: int | None = None,
                  halving_batch: int = 64, ema_beta: float = 0.2, round_sink: RoundSink | None = None,
                  step_hook: Callable[[StepInfo], None] | None = None, cuda_graphs: bool | None = None,
-                 profile: bool = False):
+                 fused_kernels: bool = True, profile: bool = False):
         if verify_mode not in VERIFY_MODES:
             raise ValueError(f"unknown verify_mode {verify_mode!r}: choose one of {', '.join(VERIFY_MODES)}")
         check_target_supported(target)
@@ -197,11 +202,12 @@ class Engine:
         cfg = self.drafter.config if self.drafter is not None else None
         self.hidden_layers = list(cfg.target_layer_ids) if cfg is not None else None
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        self.fused, self.fusion_note = FusedTarget.build(target) if fused_kernels else (None, "fused_kernels=False")
         if self.cuda_graphs:  # one spare slot row takes the bucket padding; slots are whole flex blocks
             self.cache = make_target_cache(target, max_slots, max_len, spare_slots=1, len_multiple=BLOCK)
             self.graphs = DecodeGraphs(target, self.cache, self.hidden_layers,
                                        max_tokens=min(token_budget, max_slots * self.block_size), max_q=self.block_size,
-                                       use_graphs=self.device.type == "cuda")
+                                       use_graphs=self.device.type == "cuda", fused=self.fused)
         else:
             self.cache, self.graphs = make_target_cache(target, max_slots, max_len), None
         self.dcache, self.draft_graphs = None, None
@@ -448,14 +454,15 @@ class Engine:
             tokens = torch.tensor([t for _, toks in segs for t in toks], dtype=torch.long, device=self.device)
             return target_forward(self.target, self.cache, tokens, layout.token_slots(self.device),
                                   layout.positions(self.device), layout, self.hidden_layers,
-                                  torch.tensor(logits_index, device=self.device))
+                                  torch.tensor(logits_index, device=self.device), self.fused)
         pre_layout, dec_layout = layout.split(num_prefill)
         logits, hidden = self.graphs.run([t for _, toks in segs[num_prefill:] for t in toks], dec_layout, copy=False)
         if num_prefill:
             tokens = torch.tensor([t for _, toks in segs[:num_prefill] for t in toks], dtype=torch.long, device=self.device)
             last = torch.tensor([offs[j + 1] - 1 for j in range(num_prefill)], device=self.device)
             pre_logits, pre_hidden = target_forward(self.target, self.cache, tokens, pre_layout.token_slots(self.device),
-                                                    pre_layout.positions(self.device), pre_layout, self.hidden_layers, last)
+                                                    pre_layout.positions(self.device), pre_layout, self.hidden_layers, last,
+                                                    self.fused)
             logits = torch.cat([pre_logits, logits.float()])
             hidden = torch.cat([pre_hidden, hidden]) if hidden is not None else None
         return logits, hidden

@@ -36,6 +36,7 @@ from collections import Counter
 import torch
 
 from .attention import INACTIVE, SlotAttention
+from .fused import FusedTarget
 from .kv_cache import SlotKVCache
 from .target import PackedLayout, decoder_forward
 
@@ -187,16 +188,19 @@ class DecodeGraphs(GraphRunner):
         max_q: most tokens one request sends (the drafter block size; 1 for plain decoding).
         use_graphs: capture and replay CUDA graphs (default: on CUDA). Off, the same static forward
             runs eagerly.
+        fused: run the layers through this :class:`~.fused.FusedTarget` of ``model`` (default: the
+            HF modules).
         attention: ``"flex"`` or ``"sdpa"`` (default: flex on CUDA, SDPA otherwise). If compiling
             flex fails, the runner warns and falls back to SDPA (see :attr:`attention_note`).
     """
 
     def __init__(self, model, cache: SlotKVCache, hidden_layers: list[int] | None, max_tokens: int, max_q: int,
-                 use_graphs: bool | None = None, attention: str | None = None):
+                 use_graphs: bool | None = None, attention: str | None = None, fused: FusedTarget | None = None):
         device = cache.k.device
         on_cuda = device.type == "cuda"
         use_graphs = self._init_graphs(cache, use_graphs)
         self.model, self.cache, self.hidden_layers = model, cache, list(hidden_layers) if hidden_layers else None
+        self.fused = fused
         self.token_buckets, self.q_buckets = token_buckets(max_tokens), q_buckets(max_q)
         self.row_buckets = q_buckets(cache.num_slots)  # attention runs over slot rows 0 .. R_b (R_b: the padding row)
         self.scratch = cache.num_slots  # the first spare row
@@ -268,7 +272,7 @@ class DecodeGraphs(GraphRunner):
             qs[qslots, :, rows] = q.transpose(0, 1)
             return self.attention(qs, kc[:A], vc[:A], mask, scaling)[qslots, :, rows]
 
-        logits, hidden = decoder_forward(self.model, tokens, positions, attend, self.hidden_layers)
+        logits, hidden = decoder_forward(self.model, tokens, positions, attend, self.hidden_layers, fused=self.fused)
         self.logits[:Tb].copy_(logits)
         if hidden is not None:
             self.hidden[:Tb].copy_(hidden)

@@ -10,7 +10,9 @@ mask with a per-block prefix. Weights are the HF model's (``embed_tokens``, each
 The layer loop (:func:`decoder_forward`) takes the K/V write + attention as a callback:
 :func:`target_forward` (the eager reference, any shapes) writes through :meth:`SlotKVCache.write`
 and attends with :func:`packed_attention`; the CUDA-graph decode path (:mod:`.graphs`) writes with
-static indices and attends per slot (:mod:`.attention`, flex_attention on CUDA).
+static indices and attends per slot (:mod:`.attention`, flex_attention on CUDA). Both run the
+layers either through the HF modules or, given a :class:`~.fused.FusedTarget`, with fused
+projections and elementwise kernels (the engine's default; same math).
 """
 
 from __future__ import annotations
@@ -21,15 +23,9 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb as _qwen3_rope
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as _llama_rope
-from transformers.models.qwen3.modeling_qwen3 import rotate_half as _rotate_half
 
+from .fused import FusedTarget
 from .kv_cache import SlotKVCache
-
-_RMSNORM_FORWARD = Qwen3RMSNorm.forward
-_ROPE_CODES = {getattr(f, "__wrapped__", f).__code__ for f in (_qwen3_rope, _llama_rope)}  # the same stock function
 
 __all__ = ["PackedLayout", "check_target_supported", "decoder_forward", "make_target_cache", "packed_attention",
            "target_forward"]
@@ -140,69 +136,63 @@ def packed_attention(q: torch.Tensor, cache: SlotKVCache, layer: int, layout: Pa
     return out[0].transpose(0, 1)
 
 
-def _qk_norm_rope(attn, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope):
-    """``q [1, T, heads, d]``, ``k [1, T, kv_heads, d]`` (projections) -> ``[1, heads, T, d]``, ``[1, kv_heads, T, d]``
-    after Qwen3's per-head RMSNorm (if any) and RoPE.
-
-    The HF modules' exact elementwise math (``Qwen3RMSNorm.forward``, ``apply_rotary_pos_emb``), run once on
-    ``cat([q, k])`` instead of once per tensor: ~11 fewer kernels per decoder layer (each row's values and
-    operations are unchanged; ``tests/test_engine_graphs.py`` checks bit equality with the modules). Models whose
-    norm or RoPE is not the stock one take the modules' own path.
-    """
-    qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    stock_norm = qn is None or (type(qn).forward is _RMSNORM_FORWARD and type(kn).forward is _RMSNORM_FORWARD
-                                and qn.variance_epsilon == kn.variance_epsilon)
-    if not stock_norm or getattr(rope, "__wrapped__", rope).__code__ not in _ROPE_CODES:
-        if qn is not None:
-            q, k = qn(q), kn(k)
-        return rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    nq = q.shape[2]
-    qk = torch.cat([q, k], dim=2)
-    if qn is not None:
-        dtype = qk.dtype
-        x = qk.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + qn.variance_epsilon)
-        qk = torch.cat([qn.weight.expand(nq, -1), kn.weight.expand(k.shape[2], -1)]) * x.to(dtype)
-    qk = qk.transpose(1, 2)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    qk = (qk * cos) + (_rotate_half(qk) * sin)
-    return qk[:, :nq], qk[:, nq:]
-
-
 # attend(layer, q [heads, T, d] after RoPE, k [T, kv_heads, d] after RoPE, v [T, kv_heads, d], scaling) -> [T, heads, d];
 # it also stores k / v wherever the caller keeps its cache.
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 def decoder_forward(model, tokens: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
-                    hidden_layers: list[int] | None = None,
-                    logits_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    hidden_layers: list[int] | None = None, logits_index: torch.Tensor | None = None,
+                    fused: FusedTarget | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The HF model's layers over ``T`` packed tokens, attention delegated to ``attend``.
 
+    ``fused`` (a :class:`~.fused.FusedTarget` of ``model``): the same math with fused projections and
+    elementwise kernels; ``None``: through the HF modules (the reference).
     Returns ``(logits [T', V] in the model dtype, hidden [T, len(hidden_layers) * H] or None)``.
     No host synchronisation: the CUDA-graph path captures exactly this function.
     """
     family = _family(model)
     rope = importlib.import_module(f"transformers.models.{family}.modeling_{family}").apply_rotary_pos_emb
     base = model.model
-    h = base.embed_tokens(tokens)[None]  # [1, T, H]
-    cos, sin = base.rotary_emb(h, positions[None])
+    h = base.embed_tokens(tokens)  # [T, H]
+    cos, sin = base.rotary_emb(h[None], positions[None])
     wanted = set(hidden_layers or [])
     captured: dict[int, torch.Tensor] = {}
-    T = tokens.shape[0]
-    for li, layer in enumerate(base.layers):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(1, T, -1, attn.head_dim)
-        k = attn.k_proj(x).view(1, T, -1, attn.head_dim)
-        v = attn.v_proj(x).view(1, T, -1, attn.head_dim)
-        q, k = _qk_norm_rope(attn, q, k, cos, sin, rope)  # Qwen3's per-head norm, RoPE: [1, heads, T, d]
-        o = attend(li, q[0], k[0].transpose(0, 1), v[0], attn.scaling)  # [T, heads, d]
-        h = h + attn.o_proj(o.reshape(1, T, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        if li in wanted:
-            captured[li] = h[0]
-    out = base.norm(h[0])
+    if fused is None:
+        for li, layer in enumerate(base.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q, k, v = (p(x).view(1, -1, p.out_features // attn.head_dim, attn.head_dim) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [1, heads, T, d]
+            o = attend(li, q[0], k[0].transpose(0, 1), v[0], attn.scaling)  # [T, heads, d]
+            h = h + attn.o_proj(o.flatten(1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if li in wanted:
+                captured[li] = h
+        out = base.norm(h)
+    else:
+        cos, sin = cos[0], sin[0]
+        x, delta = fused.rms_norm(h, base.layers[0].input_layernorm.weight, base.layers[0].input_layernorm.variance_epsilon), None
+        for li, (layer, w) in enumerate(zip(base.layers, fused.layers)):
+            attn = layer.self_attn
+            if delta is not None:  # the previous layer's MLP residual, added with this layer's input norm
+                norm = layer.input_layernorm
+                h, x = fused.add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
+                if li - 1 in wanted:
+                    captured[li - 1] = h
+            q, k, v = (t.view(t.shape[0], -1, attn.head_dim) for t in F.linear(x, w.qkv, w.qkv_bias).split(w.splits, dim=-1))
+            qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            q, k = fused.qk_norm_rope(q, k, qn.weight if qn is not None else None, kn.weight if kn is not None else None,
+                                      qn.variance_epsilon if qn is not None else 0.0, cos, sin)
+            o = attend(li, q, k, v, attn.scaling)
+            norm = layer.post_attention_layernorm
+            h, x = fused.add_rms_norm(h, attn.o_proj(o.flatten(1)), norm.weight, norm.variance_epsilon)
+            delta = layer.mlp.down_proj(fused.act_mul(F.linear(x, w.gate_up, w.gate_up_bias)))
+        h, out = fused.add_rms_norm(h, delta, base.norm.weight, base.norm.variance_epsilon)
+        if len(base.layers) - 1 in wanted:
+            captured[len(base.layers) - 1] = h
     if len(base.layers) - 1 in captured:  # HF's last hidden_states entry is after the final norm
         captured[len(base.layers) - 1] = out
     hidden = torch.cat([captured[i] for i in hidden_layers], dim=-1) if hidden_layers else None
@@ -214,7 +204,8 @@ def decoder_forward(model, tokens: torch.Tensor, positions: torch.Tensor, attend
 @torch.no_grad()
 def target_forward(model, cache: SlotKVCache, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                    seq_layout: PackedLayout, hidden_layers: list[int] | None = None,
-                   logits_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   logits_index: torch.Tensor | None = None,
+                   fused: FusedTarget | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One eager forward over a packed batch (any shapes); writes every new token's K/V into its slot.
 
     Args:
@@ -224,6 +215,7 @@ def target_forward(model, cache: SlotKVCache, tokens: torch.Tensor, slots: torch
         hidden_layers: decoder-layer indices whose outputs to return, concatenated on the feature
             axis (the drafter's ``target_layer_ids``; HF ``hidden_states[i + 1]``).
         logits_index: packed indices to compute logits for (default: all tokens).
+        fused: run the layers through this :class:`~.fused.FusedTarget` (default: the HF modules).
 
     Returns:
         ``(logits [T' , V] float32, hidden [T, len(hidden_layers) * H] or None)``. Cache lengths
@@ -235,5 +227,5 @@ def target_forward(model, cache: SlotKVCache, tokens: torch.Tensor, slots: torch
         cache.write(li, slots, positions, k, v)
         return packed_attention(q, cache, li, seq_layout, mask, scaling)
 
-    logits, hidden = decoder_forward(model, tokens, positions, attend, hidden_layers, logits_index)
+    logits, hidden = decoder_forward(model, tokens, positions, attend, hidden_layers, logits_index, fused)
     return logits.float(), hidden
