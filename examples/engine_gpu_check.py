@@ -9,8 +9,7 @@ section still runs, and the JSON + markdown are rewritten after every section):
   b_8b    Qwen3-8B shape, random bf16 weights built on the GPU: copy bandwidth and the batch-1
           floor (weight bytes / bandwidth), plain decoding in the engine (``verify_mode="off"``) at
           batch 1 and context ~1024 (also through the HF modules, ``fused_kernels=False``) with a per-step breakdown (target graph replay, acceptance read,
-          host bookkeeping; ``Engine(profile=True)``), the tensor ops per decoder layer of the graphed
-          forward (~ kernels per layer; SPEC's probe has 28), the batch-1 decode forward against the
+          host bookkeeping; ``Engine(profile=True)``), the kernels of that forward (torch.profiler), the batch-1 decode forward against the
           cache's slot rows (1 / 16 / 128 slots: attention runs over every slot row), the
           forward-cost table (requests x tokens each, context 1024, ms per graph replay; kernel
           profile of the batch-1 rows) and the 16-token / 1-token verify ratio at batch 1;
@@ -122,33 +121,6 @@ def phase_breakdown(eng, fn) -> dict:
 def fmt_phases(ph: dict) -> str:
     keys = [k for k in ("draft_ms", "target_ms", "accept_ms", "host_ms") if k in ph]
     return " + ".join(f"{k[:-3]} {ph[k]:.2f}" for k in keys) + f" = {ph.get('step_ms', 0):.2f} ms/step"
-
-
-def ops_per_layer(graphs, bucket) -> dict:
-    """Non-view tensor ops one eager run of ``graphs``' forward dispatches (~ kernels in its CUDA graph),
-    per decoder layer (difference of the whole forward and the part outside the layers is small)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    views = {"view", "_unsafe_view", "transpose", "t", "slice", "select", "unsqueeze", "squeeze", "expand", "as_strided",
-             "permute", "alias", "detach", "split", "split_with_sizes", "unbind", "narrow", "lift_fresh", "reshape"}
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name not in views:
-                self.n[name] = self.n.get(name, 0) + 1
-            return func(*args, **(kwargs or {}))
-
-    ops = Ops()
-    with ops, torch.no_grad():
-        graphs._forward(*bucket)
-    layers = len(graphs.model.model.layers)
-    total = sum(ops.n.values())
-    return {"total": total, "layers": layers, "per_layer": total / layers, "by_op": ops.n}
 
 
 def kernel_profile(fn, device, top: int = 12) -> dict:
@@ -409,9 +381,11 @@ def cost_8b(device, smoke: bool, quick: bool):
             ph = phase_breakdown(eng, lambda: h2.result())
             rep["off_batch1"]["phases"] = ph
             log(f"b: off, batch 1, per step: {fmt_phases(ph)}")
-            rep["off_batch1"]["ops"] = ops_per_layer(eng.graphs, bucket)
-            log(f"b: graphed decode forward: {rep['off_batch1']['ops']['per_layer']:.0f} tensor ops per layer "
-                f"(~kernels; SPEC probe: 28)")
+            kp = rep["off_batch1"]["kernel_profile"] = kernel_profile(lambda: eng.graphs._forward(*bucket), device)
+            if kp:
+                log(f"b: off decode forward (eager, flex): {kp['kernels']} kernels ({kp['kernels'] / len(model.model.layers):.0f} "
+                    f"per layer), {kp['kernel_ms']:.2f} ms of kernel time; "
+                    + "; ".join(f"{k['name'][:40]} {k['us'] / 1e3:.2f}ms x{k['count']}" for k in kp["top"][:10]))
         except Exception:  # noqa: BLE001
             rep["off_batch1"]["phases_error"] = traceback.format_exc()
             log("b: off batch-1 breakdown FAILED\n" + rep["off_batch1"]["phases_error"])
@@ -644,9 +618,12 @@ def markdown(res: dict) -> str:
                 out += ["", "off batch-1 failed:", "```", o.get("error", "")[-1500:], "```"]
             if "phases" in o:
                 out.append(f"\nper step (profiled, device synced per phase): {fmt_phases(o['phases'])}")
-            if "ops" in o:
-                out.append(f"\ngraphed decode forward: {o['ops']['per_layer']:.0f} tensor ops per decoder layer (~kernels; "
-                           f"SPEC's probe: 28)")
+            if b.get("off_batch1_modules", {}).get("tok_per_s"):
+                out.append(f"\nthe same through the HF modules (fused_kernels=False): {b['off_batch1_modules']['tok_per_s']:.1f} tok/s")
+            if o.get("kernel_profile"):
+                kp = o["kernel_profile"]
+                out += [f"\nkernels of that forward (eager, torch.profiler): {kp['kernels']}, {kp['kernel_ms']:.2f} ms; top:", ""]
+                out += [f"- {k['us'] / 1e3:.3f} ms x{k['count']} `{k['name']}`" for k in kp["top"]]
             if b.get("slot_rows"):
                 out.append("\nbatch-1 decode forward vs cache slots: " + ", ".join(
                     f"{r['slots']} slots {r['ms']:.2f} ms" if "ms" in r else f"{r['slots']} slots failed" for r in b["slot_rows"]))

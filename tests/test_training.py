@@ -431,7 +431,7 @@ def test_cli_smoke(tmp_path, chat_tokenizer):
         "--num-prompts", "4", "--max-new-tokens", "12", "--gen-batch-size", "2", "--steps", "3",
         "--block-size", "4", "--batch-size", "2", "--max-length", "64", "--logging-steps", "1",
         "--eval-per-domain", "1", "--eval-domains", "chat", "--no-progress", "--temperature", "1.0",
-        "--regen-cache", str(tmp_path / "regen.jsonl"),
+        "--regen-cache", str(tmp_path / "regen.jsonl"), "--sampled-answers", "2",
     ])
     assert rc == 0
     d = AdaFlashDrafter.from_pretrained(str(out))
@@ -441,6 +441,8 @@ def test_cli_smoke(tmp_path, chat_tokenizer):
     assert any("loss" in r and "lr" in r for r in log)
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["steps"] == 3 and "chat" in summary["eval_accept_proxy"]
+    per = summary["regeneration"]["per_domain"]  # 2 chat prompts, each answered once greedily + 2 sampled
+    assert per["prose"] <= 2 < per["chat"] <= 6
     assert (tmp_path / "regen.jsonl").is_file()
 
 

@@ -11,7 +11,9 @@ Three stages, one command:
    itself with batched, left-padded ``target.generate`` (greedy unless ``--temperature > 0``,
    ``--max-new-tokens``, stop at ``<|im_end|>`` / eos). Chat-style domains use the first user turn
    through the chat template; prose uses the first ``--prose-prefix`` tokens of a chunk as the
-   prompt. The drafter learns the target's distribution, not the data's. ``--regen-cache FILE``
+   prompt; ``--sampled-answers N`` adds N answers sampled at ``--sampled-temperature`` per prompt
+   of ``--sampled-domains`` (where prompts are scarce, e.g. ShareGPT's ~2k conversations). The
+   drafter learns the target's distribution, not the data's. ``--regen-cache FILE``
    stores (or reuses) the regenerated samples as jsonl.
 2. **Training** with :class:`~adaflash_hf.training.trainer.DrafterTrainer`: a fresh drafter
    (``--num-layers`` 2, ``--block-size`` 16, mask token from the tokenizer), AdamW lr 6e-4,
@@ -243,6 +245,11 @@ def add_arguments(ap: argparse.ArgumentParser, require_target: bool = True) -> a
     ap.add_argument("--gen-batch-size", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy regeneration")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--sampled-answers", type=int, default=0,
+                    help="extra answers per prompt of --sampled-domains, sampled at --sampled-temperature: more of the "
+                         "target's distribution where prompts are scarce")
+    ap.add_argument("--sampled-domains", default="chat")
+    ap.add_argument("--sampled-temperature", type=float, default=0.7)
     ap.add_argument("--prose-prefix", type=int, default=32, help="prompt tokens of a prose chunk")
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
     ap.add_argument("--prompts-per-sample", type=int, default=1,
@@ -339,6 +346,10 @@ def run(a: argparse.Namespace) -> int:
         prompts = build_prompts(tok, domains, a.num_prompts, "train", a.seed, a.prose_prefix, a.max_prompt_tokens, a.data,
                                 prompts_per_sample=a.prompts_per_sample)
         samples = regenerate(target, tok, prompts, a.max_new_tokens, a.gen_batch_size, a.temperature, a.top_p, progress)
+        sampled_domains = {d.strip() for d in a.sampled_domains.split(",") if d.strip()}
+        extra = [p for p in prompts if p["domain"] in sampled_domains] * a.sampled_answers
+        if extra:
+            samples += regenerate(target, tok, extra, a.max_new_tokens, a.gen_batch_size, a.sampled_temperature, 1.0, progress)
         if cache is not None and main_process:
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text("".join(json.dumps(s) + "\n" for s in samples))

@@ -21,14 +21,16 @@ timeout 150 python3 -m adaflash_hf.training.train_target --data .devdata --out $
 tar cf - -C $W/t target | split -b 15M - "$OUT/target.tar.part-"
 else TARGET=adaflash_hf/reference/target; fi
 
-# 2. drafter: target's own greedy answers to chat + prose prompts (up to 4 per conversation / prose
-# chunk), DFlash recipe, block 16. Earlier: v1 memorised 1536 answers (24 epochs, train accept 7.4,
-# held-out tau 1.5); v2 (5020 answers, 108 s) was still improving when it stopped; v3 (shipped) is this step.
+# 2. drafter: target's own answers to chat + prose prompts, DFlash recipe, block 16: greedy answers to
+# every user turn of the ~2k ShareGPT conversations (up to 16) and to prose prefixes, plus 2 answers
+# sampled at T=0.7 per chat prompt (chat prompts are scarce). Earlier: v1 memorised 1536 answers (24
+# epochs, train accept 7.4, held-out tau 1.5); v2 (5020 answers, 108 s) was still improving when it
+# stopped; v3 (15082 greedy answers, up to 4 prompts per conversation) left chat tau below mathqa's.
 DRAFTER=adaflash_hf/reference/drafter
 if [[ $STEPS == *drafter* ]]; then
 DRAFTER=$W/d
-timeout ${DRAFT_TIMEOUT:-420} python3 -m adaflash_hf.training.train_drafter --target $TARGET --out $W/d --domains chat,prose \
-  --minutes ${DRAFT_MINUTES:-3.5} --num-prompts ${DRAFT_PROMPTS:-20000} --prompts-per-sample 4 --max-new-tokens 192 \
+timeout ${DRAFT_TIMEOUT:-480} python3 -m adaflash_hf.training.train_drafter --target $TARGET --out $W/d --domains chat,prose \
+  --minutes ${DRAFT_MINUTES:-3.5} --num-prompts ${DRAFT_PROMPTS:-20000} --prompts-per-sample 16 --sampled-answers 2 --max-new-tokens 192 \
   --gen-batch-size 4096 --batch-size 32 --eval-per-domain 16 --no-progress 2>&1 | tail -n 16
 tar cf "$OUT/drafter.tar" -C $W d
 fi
