@@ -159,3 +159,16 @@ def test_elementwise_functions_trace_whole_for_compilation(name):
     for a, b in zip(compiled(*args) if isinstance(fn(*args), tuple) else (compiled(*args),),
                     fn(*args) if isinstance(fn(*args), tuple) else (fn(*args),)):
         assert torch.equal(a, b)
+
+
+def test_replaced_weights_are_refused_before_any_work():
+    """model.to(...) after building the engine re-allocates every parameter: the fused weights would be
+    stale, so the next request is refused with a message that says what happened."""
+    target = make_target("qwen3")
+    eng = Engine(target, None, verify_mode="off", max_slots=2, max_len=32)
+    prompt = engine_prompts([5], seed=3)[0]
+    assert eng.generate([prompt], max_new_tokens=4)[0].token_ids == plain_greedy_ids(target, prompt, 4)
+    target.to(torch.float64)
+    with pytest.raises(RuntimeError, match="replaced after the engine was built"):
+        eng.submit(prompt, 4)
+    assert eng.num_queued == 0 and eng.num_running == 0

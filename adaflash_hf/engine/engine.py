@@ -242,6 +242,8 @@ class Engine:
     def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams | None = None,
                on_token: Callable[[int], None] | None = None, **sampling_kwargs) -> RequestHandle:
         """Queue a request; raises :class:`RequestRejected` if it can never fit."""
+        if self.fused is not None:
+            self.fused.check_current()
         prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
         params = sampling if sampling is not None else SamplingParams(**sampling_kwargs)
         if not prompt:

@@ -177,6 +177,18 @@ class FusedTarget:
         self.rms_norm, self.add_rms_norm, self.qk_norm_rope, self.act_mul = (
             fns["rms_norm"], fns["add_rms_norm"], fns["qk_norm_rope"], fns["act_mul"])
 
+    def check_current(self) -> None:
+        """Raise a clear ``RuntimeError`` if the model's projections no longer live in the fused
+        weights (e.g. ``model.to(...)`` or a parameter assigned anew after the engine was built):
+        the fused path would otherwise compute with the old weights."""
+        for li, (layer, w) in enumerate(zip(self.model.model.layers, self.layers)):
+            if (layer.self_attn.q_proj.weight.data_ptr() != w.qkv.data_ptr()
+                    or layer.mlp.gate_proj.weight.data_ptr() != w.gate_up.data_ptr()):
+                raise RuntimeError(
+                    f"the target's weights were replaced after the engine was built (layer {li}'s projections no "
+                    "longer live in the fused weights, e.g. after model.to(...)); build a new Engine, or update "
+                    "weights in place (load_state_dict, copy_)")
+
     @classmethod
     def build(cls, model, compile: bool | None = None) -> tuple["FusedTarget | None", str]:
         """``(FusedTarget, "")``, or ``(None, why)`` when the model's layers are not the stock math.
