@@ -201,6 +201,8 @@ def test_modes_greedy_identical_with_acceptance(pair, mode):
         assert any(i.num_tokens % i.num_verify for i in verify_only)
     for o, p in zip(outs, prompts):
         assert o.token_ids == refs[tuple(p)][:14]
+        # rounds count emitted tokens (the prefill's first + accepted + 1 each), also when max_new_tokens cuts a block
+        assert 1 + sum(a + 1 for a in o.accepted) == len(o.token_ids)
     if mode != "off":
         assert max(o.tau for o in outs) > 1.5  # acceptance actually happened
         assert all(o.rounds == len(o.verify_lengths) for o in outs)
@@ -216,6 +218,7 @@ def test_eos_stops_like_plain_generate(pair):
                           refs={tuple(prompt): ref + [0] * 8})
     out = engine.generate([prompt], max_new_tokens=12, eos_token_id=eos)[0]
     assert out.token_ids == expected and out.finish_reason == "eos"
+    assert 1 + sum(a + 1 for a in out.accepted) == len(out.token_ids)  # the round that hit EOS counts what it emitted
 
 
 # ---------------------------------------------------------------- admission, rejection, cancellation

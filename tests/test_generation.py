@@ -186,15 +186,21 @@ def test_batch_rows_equal_rows_alone(family, seed, lengths, block, policy, kind,
     )
 
     assert torch.equal(out, ref)  # the batch equals plain batched generate
+    emitted = []
     for i, row in enumerate(rows):  # and each row equals that row generated alone
         alone = plain(target, row[None], **kw)[0]
         got = unpad(out, mask)[i]
         assert torch.equal(got[: alone.shape[0]], alone)
         assert (got[alone.shape[0]:] == PAD_ID).all()
+        emitted.append(alone.shape[0] - row.shape[0])
     assert sorted(set(stats.rows)) == list(range(batch))
     assert all(1 <= v <= block for v in stats.verify_lengths)
-    if kind == "oracle":  # the stats are real: every row's every round is accepted whole
-        assert stats.accepted == [v - 1 for v in stats.verify_lengths]
+    for i in range(batch):  # rounds count emitted tokens: the prefill's first token + (accepted + 1) per round
+        assert 1 + sum(a + 1 for r, a in zip(stats.rows, stats.accepted) if r == i) == emitted[i]
+    if kind == "oracle":  # the stats are real: every round but a row's last (it may stop inside) is accepted whole
+        for i in range(batch):
+            mine = [(a, v) for r, a, v in zip(stats.rows, stats.accepted, stats.verify_lengths) if r == i]
+            assert all(a == v - 1 for a, v in mine[:-1]) and mine[-1][0] <= mine[-1][1] - 1
         if policy == "fixed":
             assert stats.tau >= min(block, MAX_NEW / 2) * 0.5
     else:
@@ -260,20 +266,19 @@ def test_stopping_and_processors_inside_accepted_blocks(case, family):
 
     assert torch.equal(out, ref)
     new = ref.shape[1] - ids.shape[1]
-    if oracle_ref is not None:
-        assert stats.accepted == [v - 1 for v in stats.verify_lengths]  # the oracle is accepted whole
-    else:  # it knows the processed output only up to where that output stopped
-        assert stats.accepted[:-1] == [v - 1 for v in stats.verify_lengths[:-1]]
+    for i in range(len(batch_lengths)):  # every round but a row's last is accepted whole (the oracle knows
+        mine = [(a, v) for r, a, v in zip(stats.rows, stats.accepted, stats.verify_lengths) if r == i]
+        assert all(a == v - 1 for a, v in mine[:-1])  # the processed output only up to where it stopped)
     if case == "max_new_inside_block":
         assert new == 11 and stats.verify_lengths == [8, 2]  # the last block is cut to the budget
     if case in ("eos_mid_block", "eos_mid_block_batch", "stop_strings"):
-        # row 0 stops early, inside a block: its last round accepted more tokens than it kept
+        # row 0 stops early, inside a block the target accepted whole: the stats count what it emitted
         cont = ref[0, ids.shape[1]:].tolist()
         kept = len(cont) if "eos_token_id" not in kw else cont.index(kw["eos_token_id"]) + 1
         assert kept < MAX_NEW
-        row0 = [a for r, a in zip(stats.rows, stats.accepted) if r == 0]
-        before_last = 1 + sum(a + 1 for a in row0[:-1])
-        assert kept - before_last < row0[-1] + 1
+        row0 = [(a, v) for r, a, v in zip(stats.rows, stats.accepted, stats.verify_lengths) if r == 0]
+        assert 1 + sum(a + 1 for a, _ in row0) == kept  # the prefill's token + each round's emitted tokens
+        assert row0[-1][0] < row0[-1][1] - 1  # the stop cut the last block short
     if case == "eos_mid_block_batch":
         assert out.shape[1] - ids.shape[1] > kept and int(out[0, -1]) == PAD_ID  # others ran on; row 0 padded
 

@@ -440,7 +440,13 @@ class Engine:
             self.cache.advance(r.slot, a + 1)
             if hidden is not None:
                 r.pending_ctx = hidden[offs[j] : offs[j] + a + 1]
+            emitted = len(r.tokens)
             self._commit(r, draft_rows[i][:a] + [next_h[i]])
+            emitted = len(r.tokens) - emitted
+            if emitted < a + 1:  # stopped inside the round (EOS, max_new_tokens, cancel): count what it emitted
+                r.accepted[-1] = emitted - 1
+                if r.output is not None:
+                    r.output.accepted[-1] = emitted - 1
         return True
 
     def _target_forward(self, segs, layout: PackedLayout, num_prefill: int):

@@ -126,9 +126,10 @@ class _Output:
         `hidden[i][j]` is the per-layer hidden-state tuple of the step that made row `i`'s token
         `j` (None unless `want_hidden`).
         """
-        done = []
+        done, self.committed = [], []
         for i, toks in enumerate(new_tokens):
             row, stop = int(batch.index[i]), False
+            self.committed.append(len(toks))
             for j, tok in enumerate(toks):
                 batch.seqs[i] = torch.cat([batch.seqs[i], tok[None]])
                 if self.want_scores:
@@ -140,7 +141,7 @@ class _Output:
                 if self.streamer is not None:
                     self.streamer.put(tok[None].cpu())
                 if bool(self.stopping_criteria(batch.seqs[i][None], None)[0]):
-                    stop = True
+                    stop, self.committed[-1] = True, j + 1
                     break
             if stop:
                 self.finished[row] = batch.seqs[i]
@@ -248,15 +249,16 @@ def adaflash_decoding(
         t2 = clock()
         stats.draft_time_s, stats.verify_time_s = stats.draft_time_s + t1 - t0, stats.verify_time_s + t2 - t1
 
-        # 4. Record the round, commit tokens (stopping token by token), roll back rejected K/V.
-        for i in range(len(batch.seqs)):
-            stats.record(int(batch.index[i]), int(block.draft_len[i]) + 1, int(acc[i]))
-            if sink is not None:
+        # 4. Commit tokens (stopping token by token), record the round, roll back rejected K/V.
+        if sink is not None:
+            for i in range(len(batch.seqs)):
                 sink.on_round(_verified_round(batch, i, block, draft, logits, acc))
         new = [torch.cat([d[:a], t[None]]) for d, a, t in zip(draft, acc.tolist(), res.next_tokens)]
         kept = [slice(0, a + 1) for a in acc.tolist()]
         hidden = _token_hidden(out.hidden_states, (acc + 1).tolist()) if output.want_hidden else None
         done = output.commit(batch, new, [l[s] for l, s in zip(logits, kept)], [p[s] for p, s in zip(processed, kept)], hidden)
+        for i in range(len(batch.seqs)):  # a row that stops inside the round counts the tokens it emitted, not acc + 1
+            stats.record(int(batch.index[i]), int(block.draft_len[i]) + 1, output.committed[i] - 1)
         batch.advance(drafter.select_context(out.hidden_states), acc, res.next_tokens, k + 1, cache)
 
     if streamer is not None:
