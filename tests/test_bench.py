@@ -209,9 +209,11 @@ def test_online_methods_record_tau_per_update(full_run, setup):
                 updates = int(notes.split(" online update(s) from ")[0].rsplit(" ", 1)[-1])
                 assert updates >= 1, (m, ds, c)
                 # One record per weights version (0 = as given) that served rounds; with --online-wait the
-                # stream's rounds are split exactly between them.
-                assert [r["update"] for r in mine] == list(range(len(mine))) and len(mine) >= 2
-                assert len(mine) <= updates + 1
+                # stream's rounds are split exactly between them. Two requests finishing together can trigger
+                # two updates back to back (one sample each), and a version that served no round has no record.
+                versions = [r["update"] for r in mine]
+                assert versions[0] == 0 and versions == sorted(set(versions)) and len(mine) >= 2
+                assert versions[-1] <= updates
                 assert all(r["tau"] >= 1 and r["rounds"] > 0 for r in mine)
                 assert sum(r["rounds"] for r in mine) == cell.rounds
     # The online copies trained; the drafter every other method uses did not change.
