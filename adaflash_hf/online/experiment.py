@@ -33,7 +33,7 @@ def _measure(target, drafter, batches, max_new_tokens, references, policy, pad):
     return (accepted + rounds) / max(rounds, 1), identical
 
 
-def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=("opd", "osd"), updates=6, samples_per_update=128, epochs=2, max_new_tokens=128, seed=0, policy="fixed", lr=3e-4, head_lr=2e-4, label_mode="verified", sample_unit="request", stream_batch=16, measure_batch=16, checkpoint=None, alpha=0.8, clip=0.01) -> dict:
+def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=("opd", "osd"), updates=6, samples_per_update=128, epochs=2, max_new_tokens=128, seed=0, policy="fixed", lr=3e-4, head_lr=2e-4, label_mode="verified", sample_unit="request", stream_batch=16, measure_batch=16, checkpoint=None, alpha=0.8, clip=0.01, clip_mode="entry") -> dict:
     """Tau on `held_out` after each online update, for each method (see the module docstring).
 
     `policy` is the verify-length policy used both to serve the stream and to measure: `fixed`
@@ -41,7 +41,7 @@ def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=
     the drafter's own quality, not the length head's choice. The stream is served in left-padded
     batches of `stream_batch` prompts (batched speculative decoding; every row is a request).
     `checkpoint(result)`, when given, is called after every measurement (partial results survive
-    a timeout). `alpha`, `clip`: the OPD loss settings (``adaflash_hf.losses.opd_loss``).
+    a timeout). `alpha`, `clip`, `clip_mode`: the OPD loss settings (``adaflash_hf.losses.opd_loss``).
     """
     device = next(target.parameters()).device
     stream_ids = [encode_prompt(tokenizer, p.get("messages", p.get("text"))) for p in stream]
@@ -49,14 +49,14 @@ def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=
     held_ids = [encode_prompt(tokenizer, p.get("messages", p.get("text"))) for p in held_out]
     held = [left_pad(held_ids[i : i + measure_batch], pad, device) for i in range(0, len(held_ids), measure_batch)]
     references = [target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad) for ids, mask in held]
-    result = {"methods": {}, "samples_per_update": samples_per_update, "epochs": epochs, "max_new_tokens": max_new_tokens, "policy": policy, "lr": lr, "head_lr": head_lr, "label_mode": label_mode, "sample_unit": sample_unit, "stream_batch": stream_batch, "measure_batch": measure_batch, "alpha": alpha, "clip": clip}
+    result = {"methods": {}, "samples_per_update": samples_per_update, "epochs": epochs, "max_new_tokens": max_new_tokens, "policy": policy, "lr": lr, "head_lr": head_lr, "label_mode": label_mode, "sample_unit": sample_unit, "stream_batch": stream_batch, "measure_batch": measure_batch, "alpha": alpha, "clip": clip, "clip_mode": clip_mode}
     for method in methods:
         torch.manual_seed(seed)
         d = copy_drafter(drafter, target)
         tau, same = _measure(target, d, held, max_new_tokens, references, policy, pad)
         curve = [{"update": 0, "tau": tau, "identical": same, "served_prompts": 0}]
         result["methods"][method] = {"curve": curve, "complete": False}
-        adapter = OnlineAdapter(d, target, method=method, samples_per_update=samples_per_update, epochs=epochs, lr=lr, head_lr=head_lr, label_mode=label_mode, sample_unit=sample_unit, seed=seed, alpha=alpha, clip=clip)
+        adapter = OnlineAdapter(d, target, method=method, samples_per_update=samples_per_update, epochs=epochs, lr=lr, head_lr=head_lr, label_mode=label_mode, sample_unit=sample_unit, seed=seed, alpha=alpha, clip=clip, clip_mode=clip_mode)
         served, start = 0, time.perf_counter()
         for update in range(1, updates + 1):
             adapter.attach()
@@ -121,6 +121,8 @@ def main(argv=None) -> int:
     p.add_argument("--policy", default="fixed", choices=("fixed", "adaptive", "expected_gain"))
     p.add_argument("--alpha", type=float, default=0.8, help="OPD: weight of the hard-label term (paper: 0.8)")
     p.add_argument("--clip", type=float, default=0.01, help="OPD: per-entry clip of the reverse-KL terms (paper: 0.01)")
+    p.add_argument("--clip-mode", default="entry", choices=("entry", "token"),
+                   help="OPD: clip per vocabulary entry (paper) or per token (released code)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
@@ -136,7 +138,7 @@ def main(argv=None) -> int:
         with open(os.path.join(a.out, "online.json"), "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
 
-    result = run_online_experiment(target, drafter, tok, prompts[a.held_out :], prompts[: a.held_out], methods=tuple(a.methods.split(",")), updates=a.updates, samples_per_update=a.samples_per_update, epochs=a.epochs, max_new_tokens=a.max_new_tokens, policy=a.policy, lr=a.lr, head_lr=a.head_lr, label_mode=a.label_mode, sample_unit=a.sample_unit, stream_batch=a.stream_batch, measure_batch=a.measure_batch, checkpoint=save, alpha=a.alpha, clip=a.clip)
+    result = run_online_experiment(target, drafter, tok, prompts[a.held_out :], prompts[: a.held_out], methods=tuple(a.methods.split(",")), updates=a.updates, samples_per_update=a.samples_per_update, epochs=a.epochs, max_new_tokens=a.max_new_tokens, policy=a.policy, lr=a.lr, head_lr=a.head_lr, label_mode=a.label_mode, sample_unit=a.sample_unit, stream_batch=a.stream_batch, measure_batch=a.measure_batch, checkpoint=save, alpha=a.alpha, clip=a.clip, clip_mode=a.clip_mode)
     save(result)
     plot_curves(result, os.path.join(a.out, "online_tau.png"))
     return 0 if all(c["identical"] for r in result["methods"].values() for c in r["curve"]) else 1
