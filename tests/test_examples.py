@@ -37,3 +37,20 @@ def test_example_smoke(script, tmp_path):
     for words in EXPECTED[script]:
         assert words in proc.stdout, f"{script}: {words!r} missing from:\n{proc.stdout}"
     assert "Traceback" not in proc.stderr
+
+
+def test_plot_online_methods_draws_one_panel_per_dataset(tmp_path):
+    """The comparison plot of BENCHMARKS section 3, from committed online runs."""
+    logs = Path(__file__).resolve().parents[1] / "adaflash_hf" / "reference" / "logs"
+    out = tmp_path / "cmp.png"
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "reference_pair" / "plot_online_methods.py"), str(out),
+         f"opd token={logs / 'online_gpu_v4_gsm8k_opd_token'}:opd", f"v4={logs / 'online_gpu_v4_gsm8k'}",
+         f"v4={logs / 'online_gpu_v4_codealpaca'}:osd"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:4] == b"\x89PNG" and f"wrote {out}" in proc.stdout
+    bad = subprocess.run([sys.executable, str(EXAMPLES / "reference_pair" / "plot_online_methods.py"), str(out)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "LABEL=RUN_DIR" in bad.stderr

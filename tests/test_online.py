@@ -854,3 +854,23 @@ def test_request_training_shadow_leaves_a_flash_serving_drafter_alone(pair):
             adapter._request_model(d)
     finally:
         adapter.close()
+
+
+@pytest.mark.parametrize("kwargs,expected", [({}, "token"), ({"clip_mode": "entry"}, "entry")])
+def test_request_updates_use_the_configured_opd_clip(pair, monkeypatch, kwargs, expected):
+    """The adapter trains with the released code's per-token clip unless told otherwise (opd_loss itself keeps
+    the paper's per-entry default); the setting reaches the loss the worker calls."""
+    import adaflash_hf.training.trainer as trainer_mod
+
+    seen = []
+    real = trainer_mod.opd_loss
+    monkeypatch.setattr(trainer_mod, "opd_loss", lambda *a, **kw: seen.append(kw["clip_mode"]) or real(*a, **kw))
+    d = fresh_drafter(pair)
+    adapter = OnlineAdapter(d, pair, method="opd", samples_per_update=1000, epochs=1, **kwargs)
+    try:
+        for r in real_requests(pair, d):
+            adapter.on_request(r)
+        assert adapter.flush(60) and adapter.stats["updates"] == 1
+    finally:
+        adapter.close()
+    assert seen and set(seen) == {expected}

@@ -206,7 +206,11 @@ class OnlineAdapter:
     Keyword-only extras: ``sample_unit`` (``"request"``, default: a sample is a finished request,
     trained on with up to ``max_anchors`` blocks anchored in its response and the target's
     distributions recomputed for the whole sequence, as the released code does; ``"round"``: a
-    sample is one verified round), ``clip_mode``, ``position_gamma`` (``"auto"``, default:
+    sample is one verified round), ``clip_mode`` (``"token"``, default: the released code's per-token
+    clip; ``"entry"``: the paper's per-vocabulary-entry clip, ``opd_loss``'s own default. Measured on
+    the reference pair (BENCHMARKS.md section 3), the per-entry variant trails OSD, and its clipped
+    reverse-KL term alone (``alpha=0``) drives tau from 1.78 to 1.15. With the per-token clip, OPD
+    ends above OSD), ``position_gamma`` (``"auto"``, default:
     ``default_gamma(B)``, the offline recipe's decay; ``None``: plain mean over positions; or a
     number), ``head_weight``, ``weight_decay``,
     ``max_buffer_samples`` / ``max_buffer_bytes`` (buffer bounds), ``store_features``,
@@ -242,7 +246,7 @@ class OnlineAdapter:
         *,
         sample_unit: str = "request",
         max_anchors: int = 512,
-        clip_mode: str = "entry",
+        clip_mode: str = "token",
         position_gamma: float | str | None = "auto",
         head_weight: float = 1.0,
         weight_decay: float = 0.0,
