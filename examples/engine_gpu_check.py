@@ -123,6 +123,12 @@ def fmt_phases(ph: dict) -> str:
     return " + ".join(f"{k[:-3]} {ph[k]:.2f}" for k in keys) + f" = {ph.get('step_ms', 0):.2f} ms/step"
 
 
+def fmt_kernels(kp: dict, top: int = 8) -> str:
+    """One log line of :func:`kernel_profile`: count, kernel time, the ``top`` kernels by time."""
+    return (f"{kp['kernels']} kernels, {kp['kernel_ms']:.2f} ms of kernel time; "
+            + "; ".join(f"{k['name'][:50]} {k['us'] / 1e3:.2f}ms x{k['count']}" for k in kp["top"][:top]))
+
+
 def kernel_profile(fn, device, top: int = 12) -> dict:
     """Device kernels of one ``fn()`` (torch.profiler): how many, their summed time, and the ``top`` names
     by time. Run on the eager forward: in a CUDA graph the kernels are the same, the launch gaps gone."""
@@ -383,9 +389,8 @@ def cost_8b(device, smoke: bool, quick: bool):
             log(f"b: off, batch 1, per step: {fmt_phases(ph)}")
             kp = rep["off_batch1"]["kernel_profile"] = kernel_profile(lambda: eng.graphs._forward(*bucket), device)
             if kp:
-                log(f"b: off decode forward (eager, flex): {kp['kernels']} kernels ({kp['kernels'] / len(model.model.layers):.0f} "
-                    f"per layer), {kp['kernel_ms']:.2f} ms of kernel time; "
-                    + "; ".join(f"{k['name'][:40]} {k['us'] / 1e3:.2f}ms x{k['count']}" for k in kp["top"][:10]))
+                log(f"b: off decode forward (eager, flex), {kp['kernels'] / len(model.model.layers):.0f} kernels per layer: "
+                    + fmt_kernels(kp, 10))
         except Exception:  # noqa: BLE001
             rep["off_batch1"]["phases_error"] = traceback.format_exc()
             log("b: off batch-1 breakdown FAILED\n" + rep["off_batch1"]["phases_error"])
@@ -443,9 +448,7 @@ def cost_8b(device, smoke: bool, quick: bool):
                 if R == 1 and q in (1, max(tokens_each)):  # where the time goes, kernel by kernel
                     row["kernel_profile"] = kernel_profile(lambda: graphs._forward(*bucket), device)
                     if row["kernel_profile"]:
-                        kp = row["kernel_profile"]
-                        log(f"b: R=1 q={q} eager forward: {kp['kernels']} kernels, {kp['kernel_ms']:.2f} ms of kernel time; "
-                            + "; ".join(f"{k['name'][:50]} {k['us'] / 1e3:.2f}ms x{k['count']}" for k in kp["top"][:8]))
+                        log(f"b: R=1 q={q} eager forward: {fmt_kernels(row['kernel_profile'])}")
                 log(f"b: R={R:4d} q={q:3d} {row['ms']:7.2f} ms  (SPEC flex {row['spec_flex_ms']})  "
                     f"first call {row['first_call_s']:.1f}s")
             except Exception:  # noqa: BLE001

@@ -433,20 +433,12 @@ class Engine:
         # 4b. Verify: commit, advance the target cache over bonus + accepted drafts.
         for i, r in enumerate(running):
             a, j = acc_h[i], base + i
-            r.accepted.append(a)
-            r.verify_lengths.append(dl_host[i] + 1)
             if self.drafter is not None and self.round_sink is not None:
                 self._emit_round(r, draft, draft_logits, vlogits, draft_len, ratio, i, a)
             self.cache.advance(r.slot, a + 1)
             if hidden is not None:
                 r.pending_ctx = hidden[offs[j] : offs[j] + a + 1]
-            emitted = len(r.tokens)
-            self._commit(r, draft_rows[i][:a] + [next_h[i]])
-            emitted = len(r.tokens) - emitted
-            if emitted < a + 1:  # stopped inside the round (EOS, max_new_tokens, cancel): count what it emitted
-                r.accepted[-1] = emitted - 1
-                if r.output is not None:
-                    r.output.accepted[-1] = emitted - 1
+            self._commit(r, draft_rows[i][:a] + [next_h[i]], verify_len=dl_host[i] + 1)
         return True
 
     def _target_forward(self, segs, layout: PackedLayout, num_prefill: int):
@@ -579,19 +571,25 @@ class Engine:
         ))
 
     # ------------------------------------------------------------------ bookkeeping
-    def _commit(self, r: _Request, new: list[int]) -> None:
-        """Append tokens one by one; stop at EOS or ``max_new_tokens`` exactly where plain decoding would."""
-        eos = r.params.eos_ids
+    def _commit(self, r: _Request, new: list[int], verify_len: int | None = None) -> None:
+        """Append tokens one by one; stop at EOS, ``max_new_tokens`` or a cancellation exactly where plain
+        decoding would. ``verify_len``: ``new`` ends a verify round of that length, recorded (before the
+        request can finish) with the tokens it emitted: fewer than accepted + 1 when it stopped inside."""
+        eos, emitted, reason = r.params.eos_ids, 0, None
         for tok in new:
             r.tokens.append(tok)
+            emitted += 1
             if r.on_token is not None:
                 r.on_token(tok)
-            if tok in eos:
-                return self._finish(r, "eos")
-            if len(r.tokens) >= r.max_new:
-                return self._finish(r, "length")
-            if r.cancel_requested:
-                return self._finish(r, "cancelled")
+            reason = ("eos" if tok in eos else "length" if len(r.tokens) >= r.max_new
+                      else "cancelled" if r.cancel_requested else None)
+            if reason is not None:
+                break
+        if verify_len is not None:
+            r.accepted.append(emitted - 1)
+            r.verify_lengths.append(verify_len)
+        if reason is not None:
+            self._finish(r, reason)
 
     def _finish(self, r: _Request, reason: str) -> None:
         if r.output is not None:

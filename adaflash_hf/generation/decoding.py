@@ -119,6 +119,7 @@ class _Output:
     scores: dict = field(default_factory=lambda: defaultdict(list))
     raw: dict = field(default_factory=lambda: defaultdict(list))
     hidden: dict = field(default_factory=lambda: defaultdict(list))
+    committed: list = field(default_factory=list)  # tokens each row kept in the last commit
 
     def commit(self, batch: _Batch, new_tokens, raw_logits, processed, hidden) -> torch.Tensor:
         """Append each row's new tokens one by one, checking the stopping criteria after each.
