@@ -105,15 +105,15 @@ def phase_breakdown(eng, fn) -> dict:
     so the sum is a little above the unprofiled step time), device reads and drafts skipped per step."""
     eng.phase_seconds.clear()
     eng.profiled_steps = 0
-    syncs0, skipped0 = eng.host_syncs, eng.skipped_drafts
+    syncs0, skipped0, forwards0 = eng.host_syncs, eng.skipped_drafts, eng.num_steps
     eng.profile = True
     try:
         fn()
     finally:
         eng.profile = False
-    steps = max(1, eng.profiled_steps)
+    steps = max(1, eng.num_steps - forwards0)  # target decode steps: an ``off`` replay may run several
     out = {f"{k}_ms": 1e3 * v / steps for k, v in sorted(eng.phase_seconds.items())}
-    out.update(steps=eng.profiled_steps, step_ms=sum(out.values()), reads_per_step=(eng.host_syncs - syncs0) / steps,
+    out.update(steps=steps, step_ms=sum(out.values()), reads_per_step=(eng.host_syncs - syncs0) / steps,
                drafts_skipped_per_step=(eng.skipped_drafts - skipped0) / steps)
     return out
 
@@ -334,71 +334,75 @@ def cost_8b(device, smoke: bool, quick: bool):
     log(f"b: copy bandwidth {rep['copy_bandwidth_TBps']:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB, "
         f"batch-1 floor {rep['floor_ms_per_token']:.2f} ms/token ({rep['floor_tok_per_s']:.0f} tok/s)")
 
-    # The same decode through the HF modules (fused_kernels=False): what the fused layers buy.
     new = 16 if smoke else (48 if quick else 96)
+    vocab = embed.shape[0]
+
+    def decode(eng, seed):
+        """Batch-1 plain decoding of ``new`` tokens after a ~ctx-token prompt: (tokens timed, seconds). A first
+        request of the same length captures every decode bucket it meets (untimed); the second is timed."""
+        for s in (seed + 1000, seed):
+            h = eng.submit(torch.randint(0, vocab, (ctx - 8,), generator=torch.Generator().manual_seed(s)).tolist(), new)
+            eng.step()  # prefill (eager) + first token
+            sync(device)
+            t, done0 = time.perf_counter(), len(h.token_ids)
+            while not h.done:
+                eng.step()
+            sync(device)
+        return len(h.token_ids) - done0, time.perf_counter() - t
+
+    # The same decode through the HF modules (fused_kernels=False, one step per replay): the old path.
     try:
         eng = Engine(model, None, verify_mode="off", max_slots=1, max_len=ctx + new + 8, token_budget=ctx + 8,
-                     cuda_graphs=True, fused_kernels=False)
-        h = eng.submit(torch.randint(0, embed.shape[0], (ctx - 8,), generator=torch.Generator().manual_seed(0)).tolist(), new)
-        eng.step()
-        eng.step()
-        sync(device)
-        t, done0 = time.perf_counter(), len(h.token_ids)
-        while not h.done:
-            eng.step()
-        sync(device)
-        steps = len(h.token_ids) - done0
-        rep["off_batch1_modules"] = {"tok_per_s": steps / (time.perf_counter() - t), "steps_timed": steps}
-        log(f"b: off, batch 1, HF modules (fused_kernels=False): {rep['off_batch1_modules']['tok_per_s']:.1f} tok/s")
-        del eng, h
+                     cuda_graphs=True, fused_kernels=False, decode_steps=1)
+        steps, dt = decode(eng, 0)
+        rep["off_batch1_modules"] = {"tok_per_s": steps / dt, "steps_timed": steps}
+        log(f"b: off, batch 1, HF modules (fused_kernels=False, decode_steps=1): {steps / dt:.1f} tok/s")
+        del eng
         free_memory()
     except Exception:  # noqa: BLE001
         rep["off_batch1_modules"] = {"error": traceback.format_exc()}
         log("b: off batch-1 (modules) FAILED\n" + rep["off_batch1_modules"]["error"])
 
-    # Plain decoding in the engine at batch 1, context ~ctx.
-    try:
-        t = time.perf_counter()
-        eng = Engine(model, None, verify_mode="off", max_slots=1, max_len=ctx + new + 8, token_budget=ctx + 8,
-                     cuda_graphs=True)
-        rep["fuse_s"], rep["fusion_note"] = time.perf_counter() - t, eng.fusion_note
-        log(f"b: engine built in {rep['fuse_s']:.1f}s, fused layers: {eng.fused is not None} {eng.fusion_note}")
-        g = torch.Generator().manual_seed(0)
-        vocab = embed.shape[0]
-        h = eng.submit(torch.randint(0, vocab, (ctx - 8,), generator=g).tolist(), new)
-        eng.step()  # prefill (eager) + first token
-        eng.step()  # first decode step: captures the (1, 1) graph
-        sync(device)
-        t, done0 = time.perf_counter(), len(h.token_ids)
-        while not h.done:
-            eng.step()
-        sync(device)
-        dt = time.perf_counter() - t
-        steps = len(h.token_ids) - done0
-        bucket = next(iter(eng.graphs.replays))
-        replay_ms = time_ms(lambda: eng.graphs.graphs[bucket].replay(), device, iters) if eng.graphs.use_graphs else None
-        rep["off_batch1"] = {"fused": eng.fused is not None, "tok_per_s": steps / dt, "ms_per_token": 1e3 * dt / steps, "graph_replay_ms": replay_ms,
-                             "steps_timed": steps, "context": ctx, "of_floor": (steps / dt) / rep["floor_tok_per_s"]}
-        log(f"b: off, batch 1: {steps / dt:.1f} tok/s ({1e3 * dt / steps:.2f} ms/token; graph alone "
-            f"{replay_ms if replay_ms is None else round(replay_ms, 2)} ms; floor {rep['floor_ms_per_token']:.2f} ms)")
-        try:  # the same decode with profile=True: where a step's time goes
-            h2 = eng.submit(torch.randint(0, vocab, (ctx - 8,), generator=g).tolist(), new)
-            eng.step()  # prefill
-            ph = phase_breakdown(eng, lambda: h2.result())
-            rep["off_batch1"]["phases"] = ph
-            log(f"b: off, batch 1, per step: {fmt_phases(ph)}")
-            kp = rep["off_batch1"]["kernel_profile"] = kernel_profile(lambda: eng.graphs._forward(*bucket), device)
-            if kp:
-                log(f"b: off decode forward (eager, flex), {kp['kernels'] / len(model.model.layers):.0f} kernels per layer: "
-                    + fmt_kernels(kp, 10))
+    # Plain decoding in the engine at batch 1, context ~ctx: one step per replay, then the default
+    # (several greedy steps per replay); the fused layers' one-row kernels as measured at build.
+    for k in (1, 8):
+        key = "off_batch1" if k == 8 else "off_batch1_single_step"
+        try:
+            t = time.perf_counter()
+            eng = Engine(model, None, verify_mode="off", max_slots=1, max_len=ctx + new + 8, token_budget=ctx + 8,
+                         cuda_graphs=True, decode_steps=k)
+            rep["fuse_s"], rep["fusion_note"] = time.perf_counter() - t, eng.fusion_note
+            if eng.fused is not None:
+                rep.update(row_kernels=eng.fused.row_kernels, row_timings_ms=eng.fused.row_timings, row_note=eng.fused.row_note)
+            log(f"b: engine built in {rep['fuse_s']:.1f}s, fused layers: {eng.fused is not None} {eng.fusion_note}; "
+                f"one-row kernels {rep.get('row_kernels')} {rep.get('row_note', '')}; ms per layer {rep.get('row_timings_ms')}")
+            steps, dt = decode(eng, 0)
+            bucket = max(eng.graphs.replays, key=eng.graphs.replays.get)  # the most replayed decode bucket
+            per = bucket[3] if len(bucket) == 4 else 1
+            replay_ms = time_ms(lambda: eng.graphs.graphs[bucket].replay(), device, iters) / per if eng.graphs.use_graphs else None
+            r = rep[key] = {"fused": eng.fused is not None, "decode_steps": k, "tok_per_s": steps / dt,
+                            "ms_per_token": 1e3 * dt / steps, "graph_replay_ms_per_token": replay_ms, "steps_timed": steps,
+                            "context": ctx, "of_floor": (steps / dt) / rep["floor_tok_per_s"]}
+            log(f"b: off, batch 1, decode_steps={k}: {steps / dt:.1f} tok/s ({1e3 * dt / steps:.2f} ms/token; graph alone "
+                f"{replay_ms if replay_ms is None else round(replay_ms, 2)} ms/token; floor {rep['floor_ms_per_token']:.2f} ms)")
+            try:  # the same decode with profile=True: where a step's time goes
+                h2 = eng.submit(torch.randint(0, vocab, (ctx - 8,), generator=torch.Generator().manual_seed(1)).tolist(), new)
+                eng.step()  # prefill
+                r["phases"] = ph = phase_breakdown(eng, lambda: h2.result())
+                log(f"b: off, batch 1, decode_steps={k}, per token: {fmt_phases(ph)}")
+                if k == 1:
+                    kp = r["kernel_profile"] = kernel_profile(lambda: eng.graphs._forward(*bucket[:3]), device)
+                    if kp:
+                        log(f"b: off decode forward (eager, flex), {kp['kernels'] / len(model.model.layers):.0f} kernels per layer: "
+                            + fmt_kernels(kp, 10))
+            except Exception:  # noqa: BLE001
+                r["phases_error"] = traceback.format_exc()
+                log("b: off batch-1 breakdown FAILED\n" + r["phases_error"])
+            del eng
+            free_memory()
         except Exception:  # noqa: BLE001
-            rep["off_batch1"]["phases_error"] = traceback.format_exc()
-            log("b: off batch-1 breakdown FAILED\n" + rep["off_batch1"]["phases_error"])
-        del eng, h
-        free_memory()
-    except Exception:  # noqa: BLE001
-        rep["off_batch1"] = {"error": traceback.format_exc()}
-        log("b: off batch-1 FAILED\n" + rep["off_batch1"]["error"])
+            rep[key] = {"error": traceback.format_exc()}
+            log(f"b: off batch-1 decode_steps={k} FAILED\n" + rep[key]["error"])
 
     # Batch-1 decode forward against the number of cache slot rows (attention and its query scatter run over
     # every slot row, used or not): the cost of a large max_slots at low load.
@@ -612,21 +616,27 @@ def markdown(res: dict) -> str:
             out.append(f"copy bandwidth {b['copy_bandwidth_TBps']:.2f} TB/s; weights read per token "
                        f"{b['weight_bytes_per_token'] / 1e9:.2f} GB; batch-1 floor {b['floor_ms_per_token']:.2f} ms/token "
                        f"({b['floor_tok_per_s']:.0f} tok/s)")
-            o = b.get("off_batch1", {})
-            if "tok_per_s" in o:
-                out.append(f"\nplain decoding in the engine (off, batch 1, context {o['context']}): {o['tok_per_s']:.1f} tok/s "
-                           f"({o['ms_per_token']:.2f} ms/token, {100 * o['of_floor']:.0f}% of the floor; graph replay alone "
-                           f"{o['graph_replay_ms'] if o['graph_replay_ms'] is None else round(o['graph_replay_ms'], 2)} ms)")
-            elif o:
-                out += ["", "off batch-1 failed:", "```", o.get("error", "")[-1500:], "```"]
-            if "phases" in o:
-                out.append(f"\nper step (profiled, device synced per phase): {fmt_phases(o['phases'])}")
+            for key in ("off_batch1", "off_batch1_single_step"):
+                o = b.get(key, {})
+                if "tok_per_s" in o:
+                    g = o["graph_replay_ms_per_token"]
+                    out.append(f"\nplain decoding in the engine (off, batch 1, context {o['context']}, decode_steps="
+                               f"{o['decode_steps']}): {o['tok_per_s']:.1f} tok/s ({o['ms_per_token']:.2f} ms/token, "
+                               f"{100 * o['of_floor']:.0f}% of the floor; graph replay alone {g if g is None else round(g, 2)} ms/token)")
+                elif o:
+                    out += ["", f"{key} failed:", "```", o.get("error", "")[-1500:], "```"]
+                if "phases" in o:
+                    out.append(f"\nper token (profiled, device synced per phase): {fmt_phases(o['phases'])}")
+                if o.get("kernel_profile"):
+                    kp = o["kernel_profile"]
+                    out += [f"\nkernels of one decode forward (eager, torch.profiler): {kp['kernels']}, {kp['kernel_ms']:.2f} ms; top:", ""]
+                    out += [f"- {k['us'] / 1e3:.3f} ms x{k['count']} `{k['name']}`" for k in kp["top"]]
+            if b.get("row_kernels"):
+                out.append(f"\none-row kernels chosen at build: {b['row_kernels']} {b.get('row_note', '')}; ms per layer: "
+                           + ", ".join(f"{k} " + "/".join(f"{n} {v:.4f}" for n, v in t.items()) for k, t in b.get("row_timings_ms", {}).items()))
             if b.get("off_batch1_modules", {}).get("tok_per_s"):
-                out.append(f"\nthe same through the HF modules (fused_kernels=False): {b['off_batch1_modules']['tok_per_s']:.1f} tok/s")
-            if o.get("kernel_profile"):
-                kp = o["kernel_profile"]
-                out += [f"\nkernels of that forward (eager, torch.profiler): {kp['kernels']}, {kp['kernel_ms']:.2f} ms; top:", ""]
-                out += [f"- {k['us'] / 1e3:.3f} ms x{k['count']} `{k['name']}`" for k in kp["top"]]
+                out.append(f"\nthe same through the HF modules (fused_kernels=False, decode_steps=1): "
+                           f"{b['off_batch1_modules']['tok_per_s']:.1f} tok/s")
             if b.get("slot_rows"):
                 out.append("\nbatch-1 decode forward vs cache slots: " + ", ".join(
                     f"{r['slots']} slots {r['ms']:.2f} ms" if "ms" in r else f"{r['slots']} slots failed" for r in b["slot_rows"]))

@@ -14,7 +14,7 @@ import importlib
 import pytest
 import torch
 
-from adaflash_hf.engine import Engine, FusedTarget, PackedLayout, make_target_cache, target_forward
+from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, make_target_cache, target_forward
 from adaflash_hf.engine import fused as F
 
 from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids
@@ -172,3 +172,65 @@ def test_replaced_weights_are_refused_before_any_work():
     with pytest.raises(RuntimeError, match="replaced after the engine was built"):
         eng.submit(prompt, 4)
     assert eng.num_queued == 0 and eng.num_running == 0
+
+
+@pytest.mark.parametrize("family,dtype,extra", CASES)
+def test_row_kernel_dispatch_equals_cublas_path(family, dtype, extra):
+    """With every one-row projection routed to its own function (what ``row_kernels="gemv"`` compiles
+    on CUDA; eager here), a one-token forward equals the modules' (bit for bit in float32), and forwards
+    of more tokens never take the one-row functions."""
+    model = _model(family, dtype, extra)
+    rows = {k: "gemv" for k in F.ROW_PROJECTIONS}
+    routed = FusedTarget(model, compile=False, row_kernels=rows)
+    calls = []
+    routed._row_fns = {k: (lambda f, k=k: lambda *a: calls.append(k) or f(*a))(f) for k, f in routed._row_fns.items()}
+    for T, expect_calls in ((1, True), (4, False)):
+        outs = []
+        for f in (None, routed):
+            cache = make_target_cache(model, 2, 16)
+            slot = cache.alloc()
+            layout = PackedLayout.from_cache(cache, [slot], [T])
+            tokens = torch.arange(T) + 5
+            outs.append(target_forward(model, cache, tokens, layout.token_slots(), layout.positions(), layout, fused=f)[0])
+        a, b = outs
+        assert torch.equal(a, b) if dtype == torch.float32 else torch.allclose(a, b, atol=0.05, rtol=0.02)
+        assert bool(calls) == expect_calls
+        if expect_calls:
+            n = len(model.model.layers)
+            assert sorted(calls) == sorted(["qkv"] * n + ["o"] * n + ["down"] * n + ["lm_head"])
+            calls.clear()
+
+
+def test_row_kernels_are_validated_and_tuned_only_on_cuda():
+    model = make_target("qwen3")
+    with pytest.raises(ValueError, match="row_kernels"):
+        FusedTarget(model, compile=False, row_kernels={"gate_up": "gemv"})
+    with pytest.raises(ValueError, match="row_kernels"):
+        FusedTarget(model, compile=False, row_kernels={"qkv": "triton"})
+    fused, _ = FusedTarget.build(model)
+    assert fused.row_kernels == {k: "cublas" for k in F.ROW_PROJECTIONS} and not fused.row_timings
+    with pytest.raises(RuntimeError, match="CUDA"):
+        fused.tune_row_kernels()
+
+
+@pytest.mark.parametrize("family,dtype,extra", CASES)
+def test_static_fused_forward_stores_like_the_modules(family, dtype, extra):
+    """The static decode path with the fused layers (RoPE, K/V writes and query layout in one function,
+    :class:`SlotStore`) == the same path through the HF modules: logits and every cache entry, padding
+    and a second bucket included (float32: bit for bit)."""
+    model = _model(family, dtype, extra)
+    fused, _ = FusedTarget.build(model)
+    results = []
+    for f in (None, fused):
+        cache = make_target_cache(model, 3, 32, spare_slots=1)
+        slots = [cache.alloc() for _ in range(2)]
+        prompt = PackedLayout.from_cache(cache, slots, [4, 6])
+        target_forward(model, cache, torch.arange(10) + 2, prompt.token_slots(), prompt.positions(), prompt)
+        for s, n in zip(slots, (4, 6)):
+            cache.advance(s, n)
+        graphs = DecodeGraphs(model, cache, None, max_tokens=8, max_q=4, fused=f)
+        out = [graphs.run([7, 8, 9, 10], PackedLayout.from_cache(cache, slots, [3, 1]))[0]]
+        out.append(graphs.run([11, 12], PackedLayout.from_cache(cache, slots, [1, 1]))[0])
+        results.append(out + [cache.k.clone(), cache.v.clone()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b) if dtype == torch.float32 else torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.02)

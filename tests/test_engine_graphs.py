@@ -280,3 +280,107 @@ def test_engine_default_is_eager_on_cpu(pair):
     assert engine.graphs is None and not engine.cuda_graphs and engine.cache.spare_slots == 0
 
 
+
+
+# ---------------------------------------------------------------- greedy decode steps in one replay
+@pytest.mark.parametrize("steps", [1, 2, 5])
+def test_run_greedy_equals_single_steps(pair, steps):
+    """``run_greedy(steps)`` == ``steps`` calls of ``run`` with the argmax fed back: the same tokens and
+    K/V, and the inputs left as ``prepare`` wrote them (a second replay repeats the first exactly)."""
+    target, _ = pair
+    prompts = engine_prompts([5, 1, 9], seed=3)
+    ref_cache, slots = _prefilled(target, prompts, 4, 32, spare=1)
+    cache, _ = _prefilled(target, prompts, 4, 32, spare=1)
+    single = DecodeGraphs(target, ref_cache, None, max_tokens=4, max_q=1)
+    multi = DecodeGraphs(target, cache, None, max_tokens=4, max_q=1, max_steps=8)
+    current, expected = [3, 7, 11], []
+    for _ in range(steps):
+        logits, _ = single.run(current, PackedLayout.from_cache(ref_cache, slots, [1, 1, 1]))
+        current = logits.argmax(dim=-1).tolist()
+        expected.append(current)
+        for s in slots:
+            ref_cache.advance(s, 1)
+    layout = PackedLayout.from_cache(cache, slots, [1, 1, 1])
+    assert multi.run_greedy([3, 7, 11], layout, steps).tolist() == expected
+    n = cache.num_slots
+    torch.testing.assert_close(cache.k[:, :n], ref_cache.k[:, :n], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(cache.v[:, :n], ref_cache.v[:, :n], atol=1e-6, rtol=1e-6)
+    inputs, start = multi.inputs.clone(), multi.attention.start.clone()
+    (bucket,) = multi.replays
+    assert len(bucket) == (4 if steps > 1 else 3)
+    multi.replay(bucket)
+    assert torch.equal(multi.inputs, inputs) and torch.equal(multi.attention.start, start)
+    assert multi.run_greedy([3, 7, 11], layout, steps).tolist() == expected
+
+
+def test_run_greedy_refuses_what_it_cannot_do(pair):
+    target, drafter = pair
+    cache, slots = _prefilled(target, engine_prompts([4, 30], seed=1), 3, 32, spare=1)
+    graphs = DecodeGraphs(target, cache, None, max_tokens=8, max_q=4, max_steps=4)
+    with pytest.raises(ValueError, match="steps must be in"):
+        graphs.run_greedy([1, 2], PackedLayout.from_cache(cache, slots, [1, 1]), 5)
+    with pytest.raises(ValueError, match="one token per request"):
+        graphs.run_greedy([1, 2, 3], PackedLayout.from_cache(cache, slots, [2, 1]), 2)
+    with pytest.raises(ValueError, match="past max_len"):  # slot 1 holds 30 of 32 positions
+        graphs.run_greedy([1, 2], PackedLayout.from_cache(cache, slots, [1, 1]), 4)
+
+
+def _first_new(ids):
+    """An index >= 2 whose token does not occur earlier (a usable mid-output EOS)."""
+    return next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+
+
+@pytest.mark.parametrize("decode_steps", [2, 8])
+def test_engine_decode_steps_are_lossless(pair, decode_steps):
+    """``off`` mode with several greedy steps per replay: every output, finish reason, per-round stat and
+    streamed token equals ``decode_steps=1``; an EOS inside a replay ends the request exactly there; a
+    request submitted mid-run is admitted; every slot comes back; the device is read fewer times."""
+    target, _ = pair
+    prompts = engine_prompts([3, 8, 5], seed=11)
+    ref0 = plain_greedy_ids(target, prompts[0], 12)
+    eos = ref0[_first_new(ref0)]
+    runs = []
+    for k in (1, decode_steps):
+        engine = Engine(target, None, verify_mode="off", max_slots=3, max_len=32, token_budget=32, cuda_graphs=True,
+                        decode_steps=k)
+        streamed = [[] for _ in prompts]
+        handles = [engine.submit(prompts[0], 12, eos_token_id=eos, on_token=streamed[0].append),
+                   engine.submit(prompts[1], 13, on_token=streamed[1].append)]
+        for _ in range(3):
+            engine.step()
+        handles.append(engine.submit(prompts[2], 7, on_token=streamed[2].append))
+        engine.run_until_idle()
+        outs = [h.result() for h in handles]
+        assert [s for s in streamed] == [o.token_ids for o in outs]
+        assert engine.cache.num_free == 3 and engine.idle
+        runs.append((outs, engine))
+    (ref, eng1), (outs, engk) = runs
+    for o, r in zip(outs, ref):
+        assert (o.token_ids, o.finish_reason, o.accepted, o.verify_lengths) == (
+            r.token_ids, r.finish_reason, r.accepted, r.verify_lengths)
+    assert outs[0].finish_reason == "eos" and outs[0].token_ids == ref0[: ref0.index(eos) + 1]
+    assert outs[1].token_ids == plain_greedy_ids(target, prompts[1], 13)
+    assert outs[2].token_ids == plain_greedy_ids(target, prompts[2], 7)
+    assert any(len(b) == 4 and b[3] > 1 for b in engk.graphs.replays)  # several steps per replay happened
+    assert engk.host_syncs < eng1.host_syncs
+
+
+def test_engine_decode_steps_wait_for_admission_and_sampling(pair):
+    """Several steps per replay only when nothing waits for a slot and every running request is greedy:
+    admission latency and sampled requests are those of single steps."""
+    target, _ = pair
+    engine = Engine(target, None, verify_mode="off", max_slots=1, max_len=32, token_budget=32, cuda_graphs=True,
+                    decode_steps=8)
+    a = engine.submit([1, 2, 3], 10)
+    engine.step()
+    b = engine.submit([4, 5], 6)
+    assert engine._greedy_steps(engine._running) == 1  # b is queued
+    engine.run_until_idle()
+    assert b.result().token_ids == plain_greedy_ids(target, [4, 5], 6) and a.result().token_ids == plain_greedy_ids(target, [1, 2, 3], 10)
+    c = engine.submit([1, 2, 3], 10, temperature=1.0, seed=0)
+    engine.step()
+    assert engine._greedy_steps(engine._running) == 1
+    engine.run_until_idle()
+    assert len(c.result().token_ids) == 10
+    with pytest.raises(ValueError, match="decode_steps"):
+        Engine(target, None, verify_mode="off", decode_steps=0)

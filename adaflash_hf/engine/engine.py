@@ -173,6 +173,12 @@ class Engine:
             (:class:`~.fused.FusedTarget`: q/k/v and gate/up weights become views of one tensor per
             layer; elementwise math compiled on CUDA). Kept off automatically, with the reason in
             :attr:`fusion_note`, for layers that are not the stock Qwen3 / Llama math (e.g. LoRA).
+        decode_steps: ``off`` mode with graphs: while nothing waits for admission and every running
+            request is greedy, run up to this many decode steps in one replay (a power of two no larger
+            than any request's remaining tokens), read back once (:meth:`.DecodeGraphs.run_greedy`).
+            The host's per-step work and the launch gap then come once per ``decode_steps`` tokens.
+            Outputs are unchanged (tokens past a request's end are computed and dropped); streaming
+            callbacks and cancellations act at that granularity. 1 turns it off.
         profile: time each step's phases (``phase_seconds``: draft, target, accept, host), with a
             device synchronisation at every phase boundary (measurement only: it adds syncs).
 
@@ -185,9 +191,11 @@ class Engine:
                  token_budget: int = 512, length_rate: float | None = None, length_min: int | None = None,
                  halving_batch: int = 64, ema_beta: float = 0.2, round_sink: RoundSink | None = None,
                  step_hook: Callable[[StepInfo], None] | None = None, cuda_graphs: bool | None = None,
-                 fused_kernels: bool = True, profile: bool = False):
+                 fused_kernels: bool = True, decode_steps: int = 8, profile: bool = False):
         if verify_mode not in VERIFY_MODES:
             raise ValueError(f"unknown verify_mode {verify_mode!r}: choose one of {', '.join(VERIFY_MODES)}")
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         check_target_supported(target)
         if verify_mode != "off":
             if drafter is None:
@@ -202,12 +210,14 @@ class Engine:
         cfg = self.drafter.config if self.drafter is not None else None
         self.hidden_layers = list(cfg.target_layer_ids) if cfg is not None else None
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        self.decode_steps = decode_steps if verify_mode == "off" and self.cuda_graphs else 1
         self.fused, self.fusion_note = FusedTarget.build(target) if fused_kernels else (None, "fused_kernels=False")
         if self.cuda_graphs:  # one spare slot row takes the bucket padding; slots are whole flex blocks
             self.cache = make_target_cache(target, max_slots, max_len, spare_slots=1, len_multiple=BLOCK)
             self.graphs = DecodeGraphs(target, self.cache, self.hidden_layers,
                                        max_tokens=min(token_budget, max_slots * self.block_size), max_q=self.block_size,
-                                       use_graphs=self.device.type == "cuda", fused=self.fused)
+                                       use_graphs=self.device.type == "cuda", fused=self.fused,
+                                       max_steps=self.decode_steps)
         else:
             self.cache, self.graphs = make_target_cache(target, max_slots, max_len), None
         self.dcache, self.draft_graphs = None, None
@@ -325,6 +335,9 @@ class Engine:
         running = list(self._running)
         if not running and not self._queue:
             return False
+        steps = self._greedy_steps(running)
+        if steps > 1:
+            return self._decode_steps(running, steps)
         n = len(running)
 
         # 1. Draft and choose verify lengths (host tensors: one device read inside _propose).
@@ -439,6 +452,41 @@ class Engine:
             if hidden is not None:
                 r.pending_ctx = hidden[offs[j] : offs[j] + a + 1]
             self._commit(r, draft_rows[i][:a] + [next_h[i]], verify_len=dl_host[i] + 1)
+        return True
+
+    def _greedy_steps(self, running) -> int:
+        """How many plain greedy decode steps the next replay may run (1: a normal round)."""
+        if self.decode_steps == 1 or not running or self._queue or not all(r.params.greedy for r in running):
+            return 1
+        limit = min(self.decode_steps, min(r.remaining for r in running))
+        return 1 << (limit.bit_length() - 1)  # powers of two: few graph buckets
+
+    def _decode_steps(self, running, steps: int) -> bool:
+        """``steps`` plain greedy decode steps for every running request in one replay and one device
+        read; each step is committed as a round of one token, exactly as ``steps`` normal rounds would."""
+        n = len(running)
+        layout = PackedLayout.from_cache(self.cache, [r.slot for r in running], [1] * n)
+        if self.step_hook is not None:
+            self.step_hook(StepInfo(n, self.token_budget, 0, n, self.max_slots - self.cache.num_free, self.max_slots,
+                                    self.admission.n_hat))
+        self.admission.observe(1.0, sum(len(r.prompt) + r.max_new for r in running) / n)
+        if self.profile:
+            self._tick("host")
+        new = self.graphs.run_greedy([r.bonus for r in running], layout, steps)
+        self.forward_tokens.extend([n] * steps)
+        self.num_steps += steps
+        if self.profile:
+            self._tick("target")
+        rows = new.tolist()  # the replay's one device read
+        self.host_syncs += 1
+        if self.profile:
+            self._tick("accept")
+        for i, r in enumerate(running):
+            self.cache.advance(r.slot, steps)  # a request that ends inside frees its slot (length reset) on commit
+            for s in range(steps):
+                self._commit(r, [rows[s][i]], verify_len=1)
+                if r.output is not None:
+                    break
         return True
 
     def _target_forward(self, segs, layout: PackedLayout, num_prefill: int):

@@ -8,10 +8,19 @@ microseconds, which is why the engine's 8B-shape decode ran at 34% of the bandwi
 * **projections**: each layer's ``q/k/v_proj`` and ``gate/up_proj`` weights (and biases) are
   re-stored as row blocks of one tensor, and the HF modules' parameters become views into it: no
   extra memory, the model's own forward is unchanged, and each group is one GEMM;
-* **elementwise math**: residual add + RMSNorm, Qwen3's q/k RMSNorm + RoPE, and ``act(gate) * up``
+* **elementwise math**: residual add + RMSNorm, Qwen3's q/k RMSNorm + RoPE (on the static decode
+  path together with the K/V cache writes and the query layout, :class:`SlotStore`), and ``act(gate) * up``
   are one function each, compiled with ``torch.compile`` on CUDA (one kernel each) and run eagerly
   elsewhere. They do the HF modules' operations in the same order and dtypes (``tests/test_engine_fused.py``
   checks bit equality on CPU); ``emulate_precision_casts`` keeps Inductor's rounding at the casts.
+* **one-row projections** (a forward of one token: batch-1 decoding): cuBLAS picks GEMM kernels that
+  read the q/k/v, o and down weights at 62-80% of the H200's bandwidth. Inductor writes a matrix-vector
+  product as a reduction and tunes it (``coordinate_descent_tuning``, as gpt-fast does), which reads
+  them faster. (Not fused with ``act(gate) * up``: Inductor then recomputes the activation in every
+  output tile, and the down projection got 40% slower on the H200.) Which kernel serves
+  each projection is measured, not assumed: :meth:`FusedTarget.build` times both on the model's own
+  weights (CUDA graphs, every layer's weight in turn, so nothing is served from L2) and keeps the
+  faster (:attr:`FusedTarget.row_kernels`). Forwards of more than one token always use cuBLAS.
 
 :meth:`FusedTarget.build` returns ``None`` with a reason (the engine then keeps the modules' path)
 when a layer is not the stock Qwen3 / Llama math: adapters such as PEFT LoRA on a projection,
@@ -22,7 +31,7 @@ update them in place (``load_state_dict``, ``copy_``), not by assigning new para
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +39,7 @@ from torch import nn
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen3 import modeling_qwen3
 
-__all__ = ["FusedTarget", "add_rms_norm", "qk_norm_rope", "rms_norm"]
+__all__ = ["FusedTarget", "SlotStore", "add_rms_norm", "qk_norm_rope", "qk_norm_rope_store", "rms_norm"]
 
 
 # ------------------------------------------------------------------ elementwise math (the HF modules' ops)
@@ -67,12 +76,70 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
     return x[:, :nq].transpose(0, 1), x[:, nq:]
 
 
+class SlotStore(NamedTuple):
+    """Where the static decode forward keeps one layer's new K/V and queries (see :mod:`.graphs`):
+    token ``t`` stores its K/V at ``k_cache[layer, slots[t], :, positions[t]]`` (``layer``: a one-element
+    index tensor, so one compiled kernel serves every layer) and its query at
+    ``q_out[q_slots[t], :, q_rows[t]]`` (``[slot rows, heads, q bucket, d]``, attention's layout)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    layer: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    q_out: torch.Tensor
+    q_slots: torch.Tensor
+    q_rows: torch.Tensor
+
+
+def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                       k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       *store: torch.Tensor) -> torch.Tensor:
+    """:func:`qk_norm_rope`, then the cache writes and the query layout of a :class:`SlotStore` (its
+    fields, positionally): on CUDA one compiled function instead of a RoPE kernel, three scatters and a
+    fill. Returns ``store.q_out``."""
+    s = SlotStore(*store)
+    q, k = qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
+    s.k_cache[s.layer, s.slots, :, s.positions] = k.to(s.k_cache.dtype)
+    s.v_cache[s.layer, s.slots, :, s.positions] = v.to(s.v_cache.dtype)
+    s.q_out[s.q_slots, :, s.q_rows] = q.transpose(0, 1)
+    return s.q_out
+
+
 def _act_mul(act: Callable) -> Callable:
     def act_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return act(gate) * up
 
     return act_mul
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+ROW_PROJECTIONS = ("qkv", "o", "down", "lm_head")  # gate_up: cuBLAS reads it at ~96% of copy bandwidth already
+
+
+def _graph_ms(fn: Callable[[], None], reps: int = 10) -> float:
+    """Device milliseconds of ``fn`` (a loop of kernel launches), captured as a CUDA graph so that
+    launch overhead does not hide the kernels' own time."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 # ------------------------------------------------------------------ fused projections
@@ -154,12 +221,18 @@ class FusedTarget:
     """A Qwen3 / Llama target's layers for :func:`.target.decoder_forward`: fused projections and
     fused elementwise kernels (see the module docstring).
 
+    ``row_kernels`` maps each of :data:`ROW_PROJECTIONS` to ``"gemv"`` (the compiled one-row kernel)
+    or ``"cublas"`` for forwards of one token; :meth:`build` measures it on CUDA, and it is all
+    ``"cublas"`` elsewhere unless given (the CPU tests give it to run the same dispatch eagerly).
+
     Example:
-        >>> fused = FusedTarget.build(target, compile=False)  # doctest: +SKIP
+        >>> fused, why = FusedTarget.build(target)  # doctest: +SKIP
+        >>> fused.row_kernels  # doctest: +SKIP
+        {'qkv': 'gemv', 'o': 'gemv', 'down': 'gemv', 'lm_head': 'gemv'}
         >>> logits, _ = decoder_forward(target, tokens, positions, attend, fused=fused)  # doctest: +SKIP
     """
 
-    def __init__(self, model, compile: bool):
+    def __init__(self, model, compile: bool, row_kernels: dict[str, str] | None = None):
         self.model, self.compiled = model, compile
         self.layers = []
         for layer in model.model.layers:
@@ -168,14 +241,84 @@ class FusedTarget:
             gate_up, gate_up_bias = _fuse_rows([mlp.gate_proj, mlp.up_proj])
             splits = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
             self.layers.append(_Layer(qkv, qkv_bias, gate_up, gate_up_bias, splits))
+        act = model.model.layers[0].mlp.act_fn
         fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qk_norm_rope": qk_norm_rope,
-               "act_mul": _act_mul(model.model.layers[0].mlp.act_fn)}
+               "qk_norm_rope_store": qk_norm_rope_store, "act_mul": _act_mul(act)}
+        rows = {k: _linear for k in ROW_PROJECTIONS}
         if compile:
             # One kernel per function; the first call per shape class compiles (a few seconds), shapes then
             # become dynamic on their own (one more compile), so every token bucket reuses the kernels.
             fns = {k: torch.compile(f, fullgraph=True, options={"emulate_precision_casts": True}) for k, f in fns.items()}
-        self.rms_norm, self.add_rms_norm, self.qk_norm_rope, self.act_mul = (
-            fns["rms_norm"], fns["add_rms_norm"], fns["qk_norm_rope"], fns["act_mul"])
+            # One-row products, static shapes: Inductor rewrites them as tuned reductions (its mm decomposition
+            # for one row runs only with coordinate descent tuning on). One compiled function per projection.
+            opts = {"emulate_precision_casts": True, "coordinate_descent_tuning": True}
+            rows = {k: torch.compile(f, fullgraph=True, dynamic=False, options=opts) for k, f in rows.items()}
+        self.rms_norm, self.add_rms_norm, self.qk_norm_rope, self.qk_norm_rope_store, self.act_mul = (
+            fns["rms_norm"], fns["add_rms_norm"], fns["qk_norm_rope"], fns["qk_norm_rope_store"], fns["act_mul"])
+        self._row_fns = rows
+        unknown = set(row_kernels or {}) - set(ROW_PROJECTIONS)
+        if unknown or any(v not in ("gemv", "cublas") for v in (row_kernels or {}).values()):
+            raise ValueError(f"row_kernels maps {', '.join(ROW_PROJECTIONS)} to 'gemv' or 'cublas'; got {row_kernels!r}")
+        self.row_kernels = {k: (row_kernels or {}).get(k, "cublas") for k in ROW_PROJECTIONS}
+        self.row_timings: dict[str, dict[str, float]] = {}  # per projection: device ms per layer of each kernel
+        self.row_note = ""
+
+    # ------------------------------------------------------------------ projections
+    def _row(self, role: str, x: torch.Tensor) -> bool:
+        return x.shape[0] == 1 and self.row_kernels[role] == "gemv"
+
+    def qkv(self, x: torch.Tensor, w: _Layer) -> torch.Tensor:
+        return (self._row_fns["qkv"] if self._row("qkv", x) else _linear)(x, w.qkv, w.qkv_bias)
+
+    def o_proj(self, o: torch.Tensor, attn) -> torch.Tensor:
+        return (self._row_fns["o"] if self._row("o", o) else _linear)(o, attn.o_proj.weight, attn.o_proj.bias)
+
+    def mlp(self, x: torch.Tensor, w: _Layer, mlp) -> torch.Tensor:
+        """``down_proj(act(gate) * up)`` of the fused gate/up projection."""
+        h = self.act_mul(F.linear(x, w.gate_up, w.gate_up_bias))
+        down = mlp.down_proj
+        return (self._row_fns["down"] if self._row("down", h) else _linear)(h, down.weight, down.bias)
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        head = self.model.lm_head
+        return (self._row_fns["lm_head"] if self._row("lm_head", x) else _linear)(x, head.weight, head.bias)
+
+    @torch.no_grad()
+    def tune_row_kernels(self, reps: int = 10) -> dict[str, str]:
+        """Time cuBLAS and the compiled one-row kernel for each of :data:`ROW_PROJECTIONS` on this
+        model's weights (CUDA graphs; every layer's weight in turn, as a decode step reads them) and
+        keep the faster in :attr:`row_kernels`; the times go to :attr:`row_timings`. If compiling the
+        one-row kernels fails, everything stays on cuBLAS and :attr:`row_note` says why."""
+        if not (self.compiled and torch.cuda.is_available() and self.layers[0].qkv.is_cuda):
+            raise RuntimeError("tune_row_kernels needs the compiled FusedTarget of a model on CUDA")
+        p = self.layers[0].qkv
+        gen = torch.Generator(device=p.device).manual_seed(0)
+
+        def row(n: int) -> torch.Tensor:
+            return torch.randn(1, n, generator=gen, device=p.device, dtype=p.dtype)
+
+        base = self.model.model
+        head = self.model.lm_head
+        x, o, h = row(p.shape[1]), row(base.layers[0].self_attn.o_proj.in_features), row(base.layers[0].mlp.down_proj.in_features)
+        cases = {  # projection -> one row through every layer with fn
+            "qkv": lambda f: [f(x, w.qkv, w.qkv_bias) for w in self.layers],
+            "o": lambda f: [f(o, l.self_attn.o_proj.weight, l.self_attn.o_proj.bias) for l in base.layers],
+            "down": lambda f: [f(h, l.mlp.down_proj.weight, l.mlp.down_proj.bias) for l in base.layers],
+            "lm_head": lambda f: [f(x, head.weight, head.bias) for _ in range(2)],
+        }
+        try:
+            for role, loop in cases.items():
+                # Compiled (and tuned) outside the timed graphs, without autograd as the engine runs it: with
+                # grad mode on, Inductor would compile a training graph with other kernels.
+                loop(self._row_fns[role])
+                t = {"cublas": _graph_ms(lambda: loop(_linear), reps), "gemv": _graph_ms(lambda: loop(self._row_fns[role]), reps)}
+                calls = 2 if role == "lm_head" else len(self.layers)
+                self.row_timings[role] = {k: v / calls for k, v in t.items()}
+                self.row_kernels[role] = min(t, key=t.get)
+        except Exception as exc:  # noqa: BLE001 - a compiler failure must not stop serving: cuBLAS does the job
+            self.row_kernels = {k: "cublas" for k in ROW_PROJECTIONS}
+            self.row_note = f"one-row kernels unavailable ({type(exc).__name__}: {str(exc)[:200]}); cuBLAS throughout"
+        return dict(self.row_kernels)
 
     def check_current(self) -> None:
         """Raise a clear ``RuntimeError`` if the model's projections no longer live in the fused
@@ -192,9 +335,13 @@ class FusedTarget:
     @classmethod
     def build(cls, model, compile: bool | None = None) -> tuple["FusedTarget | None", str]:
         """``(FusedTarget, "")``, or ``(None, why)`` when the model's layers are not the stock math.
-        ``compile``: compile the elementwise functions (default: when the model is on CUDA)."""
+        ``compile``: compile the elementwise functions (default: when the model is on CUDA); compiled
+        on CUDA, the one-row kernels are then measured (:meth:`tune_row_kernels`, a few seconds)."""
         why = _unsupported(model)
         if why is not None:
             return None, why
         on_cuda = next(model.parameters()).device.type == "cuda"
-        return cls(model, on_cuda if compile is None else compile), ""
+        fused = cls(model, on_cuda if compile is None else compile)
+        if fused.compiled and on_cuda:
+            fused.tune_row_kernels()
+        return fused, ""

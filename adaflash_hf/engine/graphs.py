@@ -36,7 +36,7 @@ from collections import Counter
 import torch
 
 from .attention import INACTIVE, SlotAttention
-from .fused import FusedTarget
+from .fused import FusedTarget, SlotStore
 from .kv_cache import SlotKVCache
 from .target import PackedLayout, decoder_forward
 
@@ -188,6 +188,7 @@ class DecodeGraphs(GraphRunner):
         max_q: most tokens one request sends (the drafter block size; 1 for plain decoding).
         use_graphs: capture and replay CUDA graphs (default: on CUDA). Off, the same static forward
             runs eagerly.
+        max_steps: most greedy decode steps one replay may run (:meth:`run_greedy`; 1: none).
         fused: run the layers through this :class:`~.fused.FusedTarget` of ``model`` (default: the
             HF modules).
         attention: ``"flex"`` or ``"sdpa"`` (default: flex on CUDA, SDPA otherwise). If compiling
@@ -195,7 +196,8 @@ class DecodeGraphs(GraphRunner):
     """
 
     def __init__(self, model, cache: SlotKVCache, hidden_layers: list[int] | None, max_tokens: int, max_q: int,
-                 use_graphs: bool | None = None, attention: str | None = None, fused: FusedTarget | None = None):
+                 use_graphs: bool | None = None, attention: str | None = None, fused: FusedTarget | None = None,
+                 max_steps: int = 1):
         device = cache.k.device
         on_cuda = device.type == "cuda"
         use_graphs = self._init_graphs(cache, use_graphs)
@@ -215,6 +217,10 @@ class DecodeGraphs(GraphRunner):
         self.logits = torch.zeros(T, vocab, dtype=param.dtype, device=device)
         hsize = model.config.get_text_config(decoder=True).hidden_size
         self.hidden = torch.zeros(T, len(self.hidden_layers) * hsize, dtype=param.dtype, device=device) if self.hidden_layers else None
+        self.max_steps = max_steps
+        self._q_out: dict[tuple[int, int], torch.Tensor] = {}
+        self._layer_ids = torch.arange(cache.num_layers, device=device)
+        self.step_tokens = torch.zeros(max_steps, T, dtype=torch.long, device=device)  # run_greedy's output
         self.padded_tokens = 0
 
     # ------------------------------------------------------------------ buckets and inputs
@@ -258,24 +264,53 @@ class DecodeGraphs(GraphRunner):
 
     # ------------------------------------------------------------------ the forward
     @torch.no_grad()  # also when replay / precapture are called directly: flex's backward needs more of the mask
-    def _forward(self, Tb: int, qb: int, Rb: int | None = None) -> None:
+    def _forward(self, Tb: int, qb: int, Rb: int | None = None, steps: int = 1) -> None:
+        if steps == 1:
+            self._forward_once(Tb, qb, Rb)
+            return
+        # Greedy decode steps in one replay: each step's argmax is the next step's input token, one
+        # position later (the slot's ``start`` too). The inputs are restored at the end, so that
+        # replays (and capture's warm-up runs) always start from what prepare() wrote.
+        saved, saved_start = self.inputs[:, :Tb].clone(), self.attention.start.clone()
+        tokens, positions = self.inputs[0, :Tb], self.inputs[1, :Tb]
+        for s in range(steps):
+            logits, _ = self._forward_once(Tb, qb, Rb, keep=False)
+            self.step_tokens[s, :Tb] = logits.argmax(dim=-1)
+            tokens.copy_(self.step_tokens[s, :Tb])
+            positions.add_(1)
+            self.attention.start.add_(1)  # INACTIVE rows stay far below every key position
+        self.inputs[:, :Tb].copy_(saved)
+        self.attention.start.copy_(saved_start)
+
+    def _forward_once(self, Tb: int, qb: int, Rb: int | None, keep: bool = True):
         tokens, positions, slots, rows, qslots = self.inputs[:, :Tb]
         A = (self.cache.num_slots if Rb is None else Rb) + 1  # slot rows attention runs over
         mask = self.attention.mask(qb, A)
         k_cache, v_cache = self.cache.k, self.cache.v
 
+        # Queries in attention's layout: one buffer per (slot rows, q bucket), never cleared. Rows no token
+        # writes hold earlier queries; attention rows are independent and those rows' outputs are dropped.
+        q_out = self._q_out.get((A, qb))
+        if q_out is None:
+            cfg = self.model.config.get_text_config(decoder=True)
+            q_out = self._q_out[(A, qb)] = k_cache.new_zeros(A, cfg.num_attention_heads, qb, k_cache.shape[-1])
+
         def attend(li, q, k, v, scaling):
-            kc, vc = k_cache[li], v_cache[li]
-            kc[slots, :, positions] = k.to(kc.dtype)
-            vc[slots, :, positions] = v.to(vc.dtype)
-            qs = q.new_zeros(A, q.shape[0], qb, q.shape[-1])
-            qs[qslots, :, rows] = q.transpose(0, 1)
-            return self.attention(qs, kc[:A], vc[:A], mask, scaling)[qslots, :, rows]
+            if k is not None:  # the HF modules' path: RoPE done, store here (the fused layers use slot_store)
+                k_cache[li, slots, :, positions] = k.to(k_cache.dtype)
+                v_cache[li, slots, :, positions] = v.to(v_cache.dtype)
+                q_out[qslots, :, rows] = q.transpose(0, 1)
+            return self.attention(q_out, k_cache[li, :A], v_cache[li, :A], mask, scaling)[qslots, :, rows]
+
+        attend.slot_store = lambda li: SlotStore(k_cache, v_cache, self._layer_ids[li : li + 1], slots, positions, q_out,
+                                                 qslots, rows)
 
         logits, hidden = decoder_forward(self.model, tokens, positions, attend, self.hidden_layers, fused=self.fused)
-        self.logits[:Tb].copy_(logits)
-        if hidden is not None:
-            self.hidden[:Tb].copy_(hidden)
+        if keep:
+            self.logits[:Tb].copy_(logits)
+            if hidden is not None:
+                self.hidden[:Tb].copy_(hidden)
+        return logits, hidden
 
     @torch.no_grad()
     def run(self, tokens, layout: PackedLayout, copy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -290,4 +325,23 @@ class DecodeGraphs(GraphRunner):
             return self.logits[:T], (self.hidden[:T] if self.hidden is not None else None)
         logits = self.logits[:T].to(torch.float32, copy=True)
         return logits, (self.hidden[:T].clone() if self.hidden is not None else None)
+
+    @torch.no_grad()
+    def run_greedy(self, tokens, layout: PackedLayout, steps: int) -> torch.Tensor:
+        """``steps`` greedy plain-decoding steps of every request in ``layout`` (one token each) in one
+        replay: ``[steps, T]`` next tokens on the device (a view of a static buffer, valid until the next
+        replay). Step ``s`` feeds back step ``s - 1``'s argmax; each step writes its input token's K/V.
+        Cache lengths are not changed (the caller advances them by what it keeps). Equal to ``steps``
+        calls of :meth:`run` with the argmax fed back (``tests/test_engine_graphs.py``)."""
+        if not 1 <= steps <= self.max_steps:
+            raise ValueError(f"steps must be in [1, {self.max_steps}], got {steps}")
+        if max(layout.q_lens) != 1 or self.hidden is not None:
+            raise ValueError("run_greedy decodes one token per request, without hidden states (plain decoding)")
+        if max(p + steps for p in layout.prefix_lens) > self.cache.max_len:
+            raise ValueError(f"write past max_len {self.cache.max_len}")
+        bucket = self.prepare(tokens, layout)
+        self.replay(bucket + (steps,) if steps > 1 else bucket)
+        if steps == 1:
+            return self.logits[: layout.num_tokens].argmax(dim=-1)[None]
+        return self.step_tokens[:steps, : layout.num_tokens]
 

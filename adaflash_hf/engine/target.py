@@ -137,8 +137,10 @@ def packed_attention(q: torch.Tensor, cache: SlotKVCache, layer: int, layout: Pa
 
 
 # attend(layer, q [heads, T, d] after RoPE, k [T, kv_heads, d] after RoPE, v [T, kv_heads, d], scaling) -> [T, heads, d];
-# it also stores k / v wherever the caller keeps its cache.
-AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# it also stores k / v wherever the caller keeps its cache. An attend with a ``slot_store(layer) -> SlotStore``
+# attribute (the static decode path) lets the fused layers write K/V and lay out the queries themselves, in
+# the RoPE kernel; it is then called as attend(layer, q_out, None, None, scaling).
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, float], torch.Tensor]
 
 
 def decoder_forward(model, tokens: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
@@ -174,6 +176,7 @@ def decoder_forward(model, tokens: torch.Tensor, positions: torch.Tensor, attend
         out = base.norm(h)
     else:
         cos, sin = cos[0], sin[0]
+        store = getattr(attend, "slot_store", None)
         x, delta = fused.rms_norm(h, base.layers[0].input_layernorm.weight, base.layers[0].input_layernorm.variance_epsilon), None
         for li, (layer, w) in enumerate(zip(base.layers, fused.layers)):
             attn = layer.self_attn
@@ -182,14 +185,18 @@ def decoder_forward(model, tokens: torch.Tensor, positions: torch.Tensor, attend
                 h, x = fused.add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
                 if li - 1 in wanted:
                     captured[li - 1] = h
-            q, k, v = (t.view(t.shape[0], -1, attn.head_dim) for t in F.linear(x, w.qkv, w.qkv_bias).split(w.splits, dim=-1))
+            q, k, v = (t.view(t.shape[0], -1, attn.head_dim) for t in fused.qkv(x, w).split(w.splits, dim=-1))
             qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            q, k = fused.qk_norm_rope(q, k, qn.weight if qn is not None else None, kn.weight if kn is not None else None,
-                                      qn.variance_epsilon if qn is not None else 0.0, cos, sin)
-            o = attend(li, q, k, v, attn.scaling)
+            norms = (qn.weight if qn is not None else None, kn.weight if kn is not None else None,
+                     qn.variance_epsilon if qn is not None else 0.0)
+            if store is not None:
+                o = attend(li, fused.qk_norm_rope_store(q, k, v, *norms, cos, sin, *store(li)), None, None, attn.scaling)
+            else:
+                q, k = fused.qk_norm_rope(q, k, *norms, cos, sin)
+                o = attend(li, q, k, v, attn.scaling)
             norm = layer.post_attention_layernorm
-            h, x = fused.add_rms_norm(h, attn.o_proj(o.flatten(1)), norm.weight, norm.variance_epsilon)
-            delta = layer.mlp.down_proj(fused.act_mul(F.linear(x, w.gate_up, w.gate_up_bias)))
+            h, x = fused.add_rms_norm(h, fused.o_proj(o.flatten(1), attn), norm.weight, norm.variance_epsilon)
+            delta = fused.mlp(x, w, layer.mlp)
         h, out = fused.add_rms_norm(h, delta, base.norm.weight, base.norm.variance_epsilon)
         if len(base.layers) - 1 in wanted:
             captured[len(base.layers) - 1] = h
@@ -198,7 +205,7 @@ def decoder_forward(model, tokens: torch.Tensor, positions: torch.Tensor, attend
     hidden = torch.cat([captured[i] for i in hidden_layers], dim=-1) if hidden_layers else None
     if logits_index is not None:
         out = out[logits_index]
-    return model.lm_head(out), hidden
+    return (model.lm_head(out) if fused is None else fused.lm_head(out)), hidden
 
 
 @torch.no_grad()
