@@ -365,8 +365,8 @@ def cost_8b(device, smoke: bool, quick: bool):
 
     # Plain decoding in the engine at batch 1, context ~ctx: one step per replay, then the default
     # (several greedy steps per replay); the fused layers' one-row kernels as measured at build.
-    for k in (1, 8):
-        key = "off_batch1" if k == 8 else "off_batch1_single_step"
+    for k in (1, 8, 16):
+        key = "off_batch1" if k == 8 else f"off_batch1_steps_{k}"
         try:
             t = time.perf_counter()
             eng = Engine(model, None, verify_mode="off", max_slots=1, max_len=ctx + new + 8, token_budget=ctx + 8,
@@ -390,7 +390,7 @@ def cost_8b(device, smoke: bool, quick: bool):
                 eng.step()  # prefill
                 r["phases"] = ph = phase_breakdown(eng, lambda: h2.result())
                 log(f"b: off, batch 1, decode_steps={k}, per token: {fmt_phases(ph)}")
-                if k == 1:
+                if k == 8:
                     kp = r["kernel_profile"] = kernel_profile(lambda: eng.graphs._forward(*bucket[:3]), device)
                     if kp:
                         log(f"b: off decode forward (eager, flex), {kp['kernels'] / len(model.model.layers):.0f} kernels per layer: "
@@ -616,7 +616,7 @@ def markdown(res: dict) -> str:
             out.append(f"copy bandwidth {b['copy_bandwidth_TBps']:.2f} TB/s; weights read per token "
                        f"{b['weight_bytes_per_token'] / 1e9:.2f} GB; batch-1 floor {b['floor_ms_per_token']:.2f} ms/token "
                        f"({b['floor_tok_per_s']:.0f} tok/s)")
-            for key in ("off_batch1", "off_batch1_single_step"):
+            for key in ("off_batch1_steps_1", "off_batch1", "off_batch1_steps_16"):
                 o = b.get(key, {})
                 if "tok_per_s" in o:
                     g = o["graph_replay_ms_per_token"]

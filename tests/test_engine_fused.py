@@ -177,21 +177,22 @@ def test_replaced_weights_are_refused_before_any_work():
 @pytest.mark.parametrize("family,dtype,extra", CASES)
 def test_row_kernel_dispatch_equals_cublas_path(family, dtype, extra):
     """With every one-row projection routed to its own function (what ``row_kernels="gemv"`` compiles
-    on CUDA; eager here), a one-token forward equals the modules' (bit for bit in float32), and forwards
-    of more tokens never take the one-row functions."""
+    on CUDA; eager here), a one-token static decode forward equals the HF modules' (bit for bit in
+    float32), o_proj gathering from the slot layout included; forwards of more tokens never take them."""
     model = _model(family, dtype, extra)
-    rows = {k: "gemv" for k in F.ROW_PROJECTIONS}
-    routed = FusedTarget(model, compile=False, row_kernels=rows)
+    routed = FusedTarget(model, compile=False, row_kernels={k: "gemv" for k in F.ROW_PROJECTIONS})
     calls = []
     routed._row_fns = {k: (lambda f, k=k: lambda *a: calls.append(k) or f(*a))(f) for k, f in routed._row_fns.items()}
-    for T, expect_calls in ((1, True), (4, False)):
+    for q_lens, expect_calls in (([1], True), ([3, 1], False)):
         outs = []
         for f in (None, routed):
-            cache = make_target_cache(model, 2, 16)
-            slot = cache.alloc()
-            layout = PackedLayout.from_cache(cache, [slot], [T])
-            tokens = torch.arange(T) + 5
-            outs.append(target_forward(model, cache, tokens, layout.token_slots(), layout.positions(), layout, fused=f)[0])
+            cache = make_target_cache(model, 3, 16, spare_slots=1)
+            slots = [cache.alloc() for _ in range(3)][1:]  # slot rows 1, 2: the gather must pick the right row
+            for s in slots:
+                cache.advance(s, 2)
+            graphs = DecodeGraphs(model, cache, None, max_tokens=4, max_q=4, fused=f)
+            layout = PackedLayout.from_cache(cache, slots[: len(q_lens)], q_lens)
+            outs.append(graphs.run(list(range(5, 5 + sum(q_lens))), layout)[0])
         a, b = outs
         assert torch.equal(a, b) if dtype == torch.float32 else torch.allclose(a, b, atol=0.05, rtol=0.02)
         assert bool(calls) == expect_calls

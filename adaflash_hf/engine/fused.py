@@ -118,6 +118,13 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return F.linear(x, weight, bias)
 
 
+def _gather_linear(out: torch.Tensor, q_slots: torch.Tensor, q_rows: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """``o_proj`` of attention output in the slot layout ``[slot rows, heads, q, d]``, each token's row
+    gathered at ``(q_slots[t], q_rows[t])`` (compiled for one row: the gather is the reduction's loads)."""
+    return F.linear(out[q_slots, :, q_rows].flatten(1), weight, bias)
+
+
 ROW_PROJECTIONS = ("qkv", "o", "down", "lm_head")  # gate_up: cuBLAS reads it at ~96% of copy bandwidth already
 
 
@@ -244,7 +251,7 @@ class FusedTarget:
         act = model.model.layers[0].mlp.act_fn
         fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qk_norm_rope": qk_norm_rope,
                "qk_norm_rope_store": qk_norm_rope_store, "act_mul": _act_mul(act)}
-        rows = {k: _linear for k in ROW_PROJECTIONS}
+        rows = {"qkv": _linear, "o": _gather_linear, "down": _linear, "lm_head": _linear}
         if compile:
             # One kernel per function; the first call per shape class compiles (a few seconds), shapes then
             # become dynamic on their own (one more compile), so every token bucket reuses the kernels.
@@ -271,7 +278,13 @@ class FusedTarget:
         return (self._row_fns["qkv"] if self._row("qkv", x) else _linear)(x, w.qkv, w.qkv_bias)
 
     def o_proj(self, o: torch.Tensor, attn) -> torch.Tensor:
-        return (self._row_fns["o"] if self._row("o", o) else _linear)(o, attn.o_proj.weight, attn.o_proj.bias)
+        """``o_proj`` of attention output ``[T, heads * d]`` (the eager path: always cuBLAS)."""
+        return _linear(o, attn.o_proj.weight, attn.o_proj.bias)
+
+    def o_proj_slots(self, out: torch.Tensor, q_slots: torch.Tensor, q_rows: torch.Tensor, attn) -> torch.Tensor:
+        """``o_proj`` of the static decode path's attention output (slot layout, see :class:`SlotStore`)."""
+        fn = self._row_fns["o"] if self._row("o", q_slots) else _gather_linear
+        return fn(out, q_slots, q_rows, attn.o_proj.weight, attn.o_proj.bias)
 
     def mlp(self, x: torch.Tensor, w: _Layer, mlp) -> torch.Tensor:
         """``down_proj(act(gate) * up)`` of the fused gate/up projection."""
@@ -299,10 +312,13 @@ class FusedTarget:
 
         base = self.model.model
         head = self.model.lm_head
-        x, o, h = row(p.shape[1]), row(base.layers[0].self_attn.o_proj.in_features), row(base.layers[0].mlp.down_proj.in_features)
+        x, h = row(p.shape[1]), row(base.layers[0].mlp.down_proj.in_features)
+        attn = base.layers[0].self_attn
+        o = row(attn.o_proj.in_features).view(1, -1, 1, attn.head_dim).expand(2, -1, -1, -1).contiguous()
+        zero = torch.zeros(1, dtype=torch.long, device=p.device)
         cases = {  # projection -> one row through every layer with fn
             "qkv": lambda f: [f(x, w.qkv, w.qkv_bias) for w in self.layers],
-            "o": lambda f: [f(o, l.self_attn.o_proj.weight, l.self_attn.o_proj.bias) for l in base.layers],
+            "o": lambda f: [f(o, zero, zero, l.self_attn.o_proj.weight, l.self_attn.o_proj.bias) for l in base.layers],
             "down": lambda f: [f(h, l.mlp.down_proj.weight, l.mlp.down_proj.bias) for l in base.layers],
             "lm_head": lambda f: [f(x, head.weight, head.bias) for _ in range(2)],
         }
@@ -311,7 +327,8 @@ class FusedTarget:
                 # Compiled (and tuned) outside the timed graphs, without autograd as the engine runs it: with
                 # grad mode on, Inductor would compile a training graph with other kernels.
                 loop(self._row_fns[role])
-                t = {"cublas": _graph_ms(lambda: loop(_linear), reps), "gemv": _graph_ms(lambda: loop(self._row_fns[role]), reps)}
+                eager = _gather_linear if role == "o" else _linear
+                t = {"cublas": _graph_ms(lambda: loop(eager), reps), "gemv": _graph_ms(lambda: loop(self._row_fns[role]), reps)}
                 calls = 2 if role == "lm_head" else len(self.layers)
                 self.row_timings[role] = {k: v / calls for k, v in t.items()}
                 self.row_kernels[role] = min(t, key=t.get)

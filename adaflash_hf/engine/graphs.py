@@ -300,7 +300,8 @@ class DecodeGraphs(GraphRunner):
                 k_cache[li, slots, :, positions] = k.to(k_cache.dtype)
                 v_cache[li, slots, :, positions] = v.to(v_cache.dtype)
                 q_out[qslots, :, rows] = q.transpose(0, 1)
-            return self.attention(q_out, k_cache[li, :A], v_cache[li, :A], mask, scaling)[qslots, :, rows]
+            out = self.attention(q_out, k_cache[li, :A], v_cache[li, :A], mask, scaling)
+            return out if k is None else out[qslots, :, rows]  # the fused layers gather in o_proj
 
         attend.slot_store = lambda li: SlotStore(k_cache, v_cache, self._layer_ids[li : li + 1], slots, positions, q_out,
                                                  qslots, rows)

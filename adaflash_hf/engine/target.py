@@ -139,7 +139,8 @@ def packed_attention(q: torch.Tensor, cache: SlotKVCache, layer: int, layout: Pa
 # attend(layer, q [heads, T, d] after RoPE, k [T, kv_heads, d] after RoPE, v [T, kv_heads, d], scaling) -> [T, heads, d];
 # it also stores k / v wherever the caller keeps its cache. An attend with a ``slot_store(layer) -> SlotStore``
 # attribute (the static decode path) lets the fused layers write K/V and lay out the queries themselves, in
-# the RoPE kernel; it is then called as attend(layer, q_out, None, None, scaling).
+# the RoPE kernel; it is then called as attend(layer, q_out, None, None, scaling) and returns attention's output in
+# the slot layout, ``[slot rows, heads, q, d]`` (the fused o_proj gathers each token's row).
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, float], torch.Tensor]
 
 
@@ -189,13 +190,15 @@ def decoder_forward(model, tokens: torch.Tensor, positions: torch.Tensor, attend
             qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             norms = (qn.weight if qn is not None else None, kn.weight if kn is not None else None,
                      qn.variance_epsilon if qn is not None else 0.0)
-            if store is not None:
-                o = attend(li, fused.qk_norm_rope_store(q, k, v, *norms, cos, sin, *store(li)), None, None, attn.scaling)
+            if store is not None:  # attention output stays in the slot layout; o_proj gathers each token's row
+                s = store(li)
+                out = attend(li, fused.qk_norm_rope_store(q, k, v, *norms, cos, sin, *s), None, None, attn.scaling)
+                o = fused.o_proj_slots(out, s.q_slots, s.q_rows, attn)
             else:
                 q, k = fused.qk_norm_rope(q, k, *norms, cos, sin)
-                o = attend(li, q, k, v, attn.scaling)
+                o = fused.o_proj(attend(li, q, k, v, attn.scaling).flatten(1), attn)
             norm = layer.post_attention_layernorm
-            h, x = fused.add_rms_norm(h, fused.o_proj(o.flatten(1), attn), norm.weight, norm.variance_epsilon)
+            h, x = fused.add_rms_norm(h, o, norm.weight, norm.variance_epsilon)
             delta = fused.mlp(x, w, layer.mlp)
         h, out = fused.add_rms_norm(h, delta, base.norm.weight, base.norm.variance_epsilon)
         if len(base.layers) - 1 in wanted:
