@@ -387,15 +387,17 @@ def soak_pair():
     return target, drafter, pool, {tuple(p): plain_greedy_ids(target, p, 14) for p in pool}
 
 
-@pytest.mark.parametrize("mode,n_requests", [("packed", 2000), ("rectangular", 300), ("fixed", 300), ("off", 300)])
-def test_soak_random_arrivals_and_cancellations(soak_pair, mode, n_requests):
+@pytest.mark.parametrize("mode,n_requests,graphs", [("packed", 2000, False), ("rectangular", 300, False), ("fixed", 300, False),
+                                                    ("off", 300, False), ("off", 300, True)])
+def test_soak_random_arrivals_and_cancellations(soak_pair, mode, n_requests, graphs):
     """Requests of random lengths arrive between steps, some are cancelled at random: every output
-    is a prefix (cancelled) or exactly (finished) its plain greedy decoding; no slot or length leaks."""
+    is a prefix (cancelled) or exactly (finished) its plain greedy decoding; no slot or length leaks.
+    ``graphs``: the static bucket path, where ``off`` runs several decode steps per replay when it can."""
     target, drafter, pool, refs = soak_pair
     rng = random.Random(MODES.index(mode))
     seen = []
     eng = OracleEngine(target, drafter, verify_mode=mode, max_slots=12, max_len=32, token_budget=48, refs=refs, seed=3,
-                       step_hook=seen.append)
+                       step_hook=seen.append, cuda_graphs=graphs)
     handles, to_submit = [], n_requests
     while to_submit or not eng.idle:
         for _ in range(min(rng.randint(0, 5), to_submit)):
@@ -420,3 +422,5 @@ def test_soak_random_arrivals_and_cancellations(soak_pair, mode, n_requests):
     assert eng.cache.num_free == 12 and all(length == 0 for length in eng.cache.lengths)
     if eng.dcache is not None:
         assert eng.dcache.num_free == 12 and all(length == 0 for length in eng.dcache.lengths)
+    if graphs and mode == "off":
+        assert any(len(b) == 4 for b in eng.graphs.replays)  # several decode steps per replay did happen

@@ -14,10 +14,10 @@ microseconds, which is why the engine's 8B-shape decode ran at 34% of the bandwi
   elsewhere. They do the HF modules' operations in the same order and dtypes (``tests/test_engine_fused.py``
   checks bit equality on CPU); ``emulate_precision_casts`` keeps Inductor's rounding at the casts.
 * **one-row projections** (a forward of one token: batch-1 decoding): cuBLAS picks GEMM kernels that
-  read the q/k/v, o and down weights at 62-80% of the H200's bandwidth. Inductor writes a matrix-vector
+  read the q/k/v, o and down weights at 60-80% of the H200's copy bandwidth. Inductor writes a matrix-vector
   product as a reduction and tunes it (``coordinate_descent_tuning``, as gpt-fast does), which reads
   them faster. (Not fused with ``act(gate) * up``: Inductor then recomputes the activation in every
-  output tile, and the down projection got 40% slower on the H200.) Which kernel serves
+  output tile, and the down projection got ~40% slower on the H200.) Which kernel serves
   each projection is measured, not assumed: :meth:`FusedTarget.build` times both on the model's own
   weights (CUDA graphs, every layer's weight in turn, so nothing is served from L2) and keeps the
   faster (:attr:`FusedTarget.row_kernels`). Forwards of more than one token always use cuBLAS.
