@@ -8,14 +8,18 @@ section still runs, and the JSON + markdown are rewritten after every section):
           eager engine and to HF ``generate``);
   b_8b    Qwen3-8B shape, random bf16 weights built on the GPU: copy bandwidth and the batch-1
           floor (weight bytes / bandwidth), plain decoding in the engine (``verify_mode="off"``) at
-          batch 1 and context ~1024 (also through the HF modules, ``fused_kernels=False``) with a per-step breakdown (target graph replay, acceptance read,
-          host bookkeeping; ``Engine(profile=True)``), the kernels of that forward (torch.profiler), the batch-1 decode forward against the
+          batch 1 and context ~1024 with ``decode_steps`` 1, 8 (the default) and 16, after an untimed
+          request of the same length (also through the HF modules, ``fused_kernels=False``), the
+          one-row kernels the fused layers chose at build and their timings, a per-token breakdown
+          (target graph replay, acceptance read, host bookkeeping; ``Engine(profile=True)``), the
+          kernels of one decode forward (torch.profiler), the batch-1 decode forward against the
           cache's slot rows (1 / 16 / 128 slots: attention runs over every slot row), the
           forward-cost table (requests x tokens each, context 1024, ms per graph replay; kernel
           profile of the batch-1 rows) and the 16-token / 1-token verify ratio at batch 1;
   a_ref   the same equivalence checks for the reference pair (``--check-dtype``, float32 default);
   d       measured throughput of off / fixed / packed at each concurrency with the reference pair
-          on real prompts (also records the acceptance traces: accepted drafts and verify lengths),
+          on real prompts: one untimed run of the workload, then the median of 2 (``--quick``) or 3
+          timed runs, every run listed (also records the acceptance traces: accepted drafts and verify lengths),
           then a second, profiled run per row: ms per step in the drafter (body + length head + LM
           head + its reads), the target forward, acceptance + its read, host bookkeeping; device
           reads, skipped drafter LM heads and drafter graph buckets per step;
