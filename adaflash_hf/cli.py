@@ -753,7 +753,8 @@ def cmd_serve(args) -> int:
         token_budget = args.token_budget or max_len
         try:
             engine = Engine(target, drafter if need_drafter else None, verify_mode=args.verify_mode,
-                            max_slots=args.max_slots, max_len=max_len, token_budget=token_budget)
+                            max_slots=args.max_slots, max_len=max_len, token_budget=token_budget,
+                            decode_steps=args.decode_steps)
         except ValueError as e:
             raise UsageError(f"cannot serve this model: {_one_line(e)}", "the engine drives Qwen3 / Llama-family targets") from None
         name = args.model_name or ("adaflash-reference" if args.reference else args.target.rstrip("/"))
@@ -1159,6 +1160,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="positions per request, prompt + completion (default: min(2048, the target's max positions))")
     g.add_argument("--token-budget", type=_positive_int, default=None,
                    help="most tokens in one target forward; also the longest prompt (default: --max-len)")
+    g.add_argument("--decode-steps", type=_positive_int, default=8,
+                   help="--verify-mode off on CUDA: greedy decode steps per graph replay while no request waits "
+                        "(streaming then arrives in groups of up to this many tokens; 1: one at a time)")
     p.set_defaults(func=cmd_serve)
 
     # ---- export

@@ -41,6 +41,7 @@ def _cases(c, port):
         "zero-slots": (["--max-slots", "0"], ["--max-slots", "positive integer"]),
         "max-len-one": (["--max-len", "1"], ["--max-len", "integer >= 2"]),
         "bad-verify-mode": (["--verify-mode", "bogus"], ["--verify-mode", "bogus"]),
+        "zero-decode-steps": (["--decode-steps", "0"], ["--decode-steps", "positive integer"]),
         "drafter-without-target": (["--drafter", c["drafter"]], ["--drafter given without --target"]),
         "reference-and-target": (["--reference", "--target", c["target"], "--drafter", c["drafter"]], ["not both"]),
         "missing-target": (["--target", c["missing"], "--drafter", c["drafter"]], ["--target", "not found"]),
