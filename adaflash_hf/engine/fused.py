@@ -251,7 +251,7 @@ class FusedTarget:
         act = model.model.layers[0].mlp.act_fn
         fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qk_norm_rope": qk_norm_rope,
                "qk_norm_rope_store": qk_norm_rope_store, "act_mul": _act_mul(act)}
-        rows = {"qkv": _linear, "o": _gather_linear, "down": _linear, "lm_head": _linear}
+        rows = self._row_eager = {"qkv": _linear, "o": _gather_linear, "down": _linear, "lm_head": _linear}
         if compile:
             # One kernel per function; the first call per shape class compiles (a few seconds), shapes then
             # become dynamic on their own (one more compile), so every token bucket reuses the kernels.
@@ -262,7 +262,7 @@ class FusedTarget:
             rows = {k: torch.compile(f, fullgraph=True, dynamic=False, options=opts) for k, f in rows.items()}
         self.rms_norm, self.add_rms_norm, self.qk_norm_rope, self.qk_norm_rope_store, self.act_mul = (
             fns["rms_norm"], fns["add_rms_norm"], fns["qk_norm_rope"], fns["qk_norm_rope_store"], fns["act_mul"])
-        self._row_fns = rows
+        self._row_fns = dict(rows)
         unknown = set(row_kernels or {}) - set(ROW_PROJECTIONS)
         if unknown or any(v not in ("gemv", "cublas") for v in (row_kernels or {}).values()):
             raise ValueError(f"row_kernels maps {', '.join(ROW_PROJECTIONS)} to 'gemv' or 'cublas'; got {row_kernels!r}")
@@ -271,11 +271,13 @@ class FusedTarget:
         self.row_note = ""
 
     # ------------------------------------------------------------------ projections
-    def _row(self, role: str, x: torch.Tensor) -> bool:
-        return x.shape[0] == 1 and self.row_kernels[role] == "gemv"
+    def _row(self, role: str, x: torch.Tensor) -> Callable:
+        """The function for projection ``role`` of rows ``x``: the one-row kernel if chosen and ``x`` is one row."""
+        one = x.shape[0] == 1 and self.row_kernels[role] == "gemv"
+        return self._row_fns[role] if one else self._row_eager[role]
 
     def qkv(self, x: torch.Tensor, w: _Layer) -> torch.Tensor:
-        return (self._row_fns["qkv"] if self._row("qkv", x) else _linear)(x, w.qkv, w.qkv_bias)
+        return self._row("qkv", x)(x, w.qkv, w.qkv_bias)
 
     def o_proj(self, o: torch.Tensor, attn) -> torch.Tensor:
         """``o_proj`` of attention output ``[T, heads * d]`` (the eager path: always cuBLAS)."""
@@ -283,18 +285,17 @@ class FusedTarget:
 
     def o_proj_slots(self, out: torch.Tensor, q_slots: torch.Tensor, q_rows: torch.Tensor, attn) -> torch.Tensor:
         """``o_proj`` of the static decode path's attention output (slot layout, see :class:`SlotStore`)."""
-        fn = self._row_fns["o"] if self._row("o", q_slots) else _gather_linear
-        return fn(out, q_slots, q_rows, attn.o_proj.weight, attn.o_proj.bias)
+        return self._row("o", q_slots)(out, q_slots, q_rows, attn.o_proj.weight, attn.o_proj.bias)
 
     def mlp(self, x: torch.Tensor, w: _Layer, mlp) -> torch.Tensor:
         """``down_proj(act(gate) * up)`` of the fused gate/up projection."""
         h = self.act_mul(F.linear(x, w.gate_up, w.gate_up_bias))
         down = mlp.down_proj
-        return (self._row_fns["down"] if self._row("down", h) else _linear)(h, down.weight, down.bias)
+        return self._row("down", h)(h, down.weight, down.bias)
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         head = self.model.lm_head
-        return (self._row_fns["lm_head"] if self._row("lm_head", x) else _linear)(x, head.weight, head.bias)
+        return self._row("lm_head", x)(x, head.weight, head.bias)
 
     @torch.no_grad()
     def tune_row_kernels(self, reps: int = 10) -> dict[str, str]:
@@ -327,8 +328,8 @@ class FusedTarget:
                 # Compiled (and tuned) outside the timed graphs, without autograd as the engine runs it: with
                 # grad mode on, Inductor would compile a training graph with other kernels.
                 loop(self._row_fns[role])
-                eager = _gather_linear if role == "o" else _linear
-                t = {"cublas": _graph_ms(lambda: loop(eager), reps), "gemv": _graph_ms(lambda: loop(self._row_fns[role]), reps)}
+                t = {"cublas": _graph_ms(lambda: loop(self._row_eager[role]), reps),
+                     "gemv": _graph_ms(lambda: loop(self._row_fns[role]), reps)}
                 calls = 2 if role == "lm_head" else len(self.layers)
                 self.row_timings[role] = {k: v / calls for k, v in t.items()}
                 self.row_kernels[role] = min(t, key=t.get)
