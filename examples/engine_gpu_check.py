@@ -377,9 +377,12 @@ def cost_8b(device, smoke: bool, quick: bool):
                          cuda_graphs=True, decode_steps=k)
             rep["fuse_s"], rep["fusion_note"] = time.perf_counter() - t, eng.fusion_note
             if eng.fused is not None:
-                rep.update(row_kernels=eng.fused.row_kernels, row_timings_ms=eng.fused.row_timings, row_note=eng.fused.row_note)
+                rep.update(row_kernels=eng.fused.row_kernels, block_kernels=eng.fused.block_kernels,
+                           triton_tiles={f"{r} x{n}": list(t) for (r, n), t in eng.fused.triton_configs.items()},
+                           row_timings_ms=eng.fused.row_timings, row_note=eng.fused.row_note)
             log(f"b: engine built in {rep['fuse_s']:.1f}s, fused layers: {eng.fused is not None} {eng.fusion_note}; "
-                f"one-row kernels {rep.get('row_kernels')} {rep.get('row_note', '')}; ms per layer {rep.get('row_timings_ms')}")
+                f"one-row kernels {rep.get('row_kernels')}, 16-row kernels {rep.get('block_kernels')}, Triton tiles "
+                f"{rep.get('triton_tiles')} {rep.get('row_note', '')}; ms per layer {rep.get('row_timings_ms')}")
             steps, dt = decode(eng, 0)
             bucket = max(eng.graphs.replays, key=eng.graphs.replays.get)  # the most replayed decode bucket
             per = bucket[3] if len(bucket) == 4 else 1
@@ -644,7 +647,8 @@ def markdown(res: dict) -> str:
                     out += [f"\nkernels of one decode forward (eager, torch.profiler): {kp['kernels']}, {kp['kernel_ms']:.2f} ms; top:", ""]
                     out += [f"- {k['us'] / 1e3:.3f} ms x{k['count']} `{k['name']}`" for k in kp["top"]]
             if b.get("row_kernels"):
-                out.append(f"\none-row kernels chosen at build: {b['row_kernels']} {b.get('row_note', '')}; ms per layer: "
+                out.append(f"\none-row kernels chosen at build: {b['row_kernels']}; 2-16 rows: {b.get('block_kernels')} "
+                           f"{b.get('row_note', '')}; ms per layer: "
                            + ", ".join(f"{k} " + "/".join(f"{n} {v:.4f}" for n, v in t.items()) for k, t in b.get("row_timings_ms", {}).items()))
             if b.get("off_batch1_modules", {}).get("tok_per_s"):
                 out.append(f"\nthe same through the HF modules (fused_kernels=False, decode_steps=1): "

@@ -11,8 +11,14 @@ also exposed as fixtures of the same name, so other test files can use whichever
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# The engine's Triton kernels run in Triton's interpreter on this CPU-only suite (read when a kernel
+# module is first imported, so before any test imports one).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Tiny models: one intra-op thread is faster than two (no OpenMP hand-off per op), and far faster
 # when the two cores are shared with other processes (spinning OpenMP workers oversubscribe them).

@@ -177,7 +177,7 @@ def test_replaced_weights_are_refused_before_any_work():
 @pytest.mark.parametrize("family,dtype,extra", CASES)
 def test_row_kernel_dispatch_equals_cublas_path(family, dtype, extra):
     """With every one-row projection routed to its own function (what ``row_kernels="gemv"`` compiles
-    on CUDA; eager here), a one-token static decode forward equals the HF modules' (bit for bit in
+    on CUDA; eager here; Triton's kernels: ``tests/test_engine_triton.py``), a one-token static decode forward equals the HF modules' (bit for bit in
     float32), o_proj gathering from the slot layout included; forwards of more tokens never take them."""
     model = _model(family, dtype, extra)
     routed = FusedTarget(model, compile=False, row_kernels={k: "gemv" for k in F.ROW_PROJECTIONS})
@@ -198,18 +198,23 @@ def test_row_kernel_dispatch_equals_cublas_path(family, dtype, extra):
         assert bool(calls) == expect_calls
         if expect_calls:
             n = len(model.model.layers)
-            assert sorted(calls) == sorted(["qkv"] * n + ["o"] * n + ["down"] * n + ["lm_head"])
+            assert sorted(calls) == sorted(["qkv"] * n + ["o"] * n + ["gate_up"] * n + ["down"] * n + ["lm_head"])
             calls.clear()
 
 
 def test_row_kernels_are_validated_and_tuned_only_on_cuda():
     model = make_target("qwen3")
     with pytest.raises(ValueError, match="row_kernels"):
-        FusedTarget(model, compile=False, row_kernels={"gate_up": "gemv"})
+        FusedTarget(model, compile=False, row_kernels={"attn": "gemv"})
     with pytest.raises(ValueError, match="row_kernels"):
-        FusedTarget(model, compile=False, row_kernels={"qkv": "triton"})
+        FusedTarget(model, compile=False, row_kernels={"qkv": "cutlass"})
+    with pytest.raises(ValueError, match="block_kernels"):  # Inductor's reduction is a one-row kernel
+        FusedTarget(model, compile=False, block_kernels={"qkv": "gemv"})
+    odd = make_target("qwen3", intermediate_size=72)  # no power-of-two step of 16 divides 72 features
+    with pytest.raises(ValueError, match="no Triton tile"):
+        FusedTarget(odd, compile=False, row_kernels={"down": "triton"})
     fused, _ = FusedTarget.build(model)
-    assert fused.row_kernels == {k: "cublas" for k in F.ROW_PROJECTIONS} and not fused.row_timings
+    assert fused.row_kernels == fused.block_kernels == {k: "cublas" for k in F.ROW_PROJECTIONS} and not fused.row_timings
     with pytest.raises(RuntimeError, match="CUDA"):
         fused.tune_row_kernels()
 

@@ -12,9 +12,11 @@ token: query row ``i`` of slot ``b`` attends key position ``j`` iff ``j <= start
 that are not in the forward hold :data:`INACTIVE` (nothing visible, the rows come out as zeros).
 Query rows past a request's own tokens see a few stale positions; their outputs are discarded.
 
-On CUDA the mask is a ``flex_attention`` :class:`BlockMask` built on the device from ``start``
-(no host synchronisation, so it is rebuilt inside the CUDA graph every replay) and only the KV
-blocks up to a slot's last visible key are computed. On CPU, SDPA with the same mask as booleans.
+Backends (:func:`default_backend` picks the first available): ``"triton"``, the split-KV kernel of
+:mod:`.decode_attention`, which reads ``start`` itself; ``"flex"``, ``flex_attention`` with a
+:class:`BlockMask` built on the device from ``start`` (no host synchronisation, so it is rebuilt
+inside the CUDA graph every replay; only the KV blocks up to a slot's last visible key are computed);
+``"sdpa"`` (CPU), the same mask as booleans.
 """
 
 from __future__ import annotations
@@ -22,12 +24,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK", "INACTIVE", "SlotAttention", "slot_block_mask", "slot_mask_mod"]
+__all__ = ["BACKENDS", "BLOCK", "INACTIVE", "SlotAttention", "default_backend", "slot_block_mask", "slot_mask_mod"]
 
 INACTIVE = -(2 ** 30)  # start of a slot outside the forward: far below any key position, no int32 overflow
 BLOCK = 128  # flex_attention's sparse block size (query and key)
 
+BACKENDS = ("triton", "flex", "sdpa")
 _compiled_flex = None
+
+
+def default_backend(device) -> str:
+    """``"triton"`` on CUDA when Triton is importable, else ``"flex"`` on CUDA, else ``"sdpa"``."""
+    if torch.device(device).type != "cuda":
+        return "sdpa"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "flex"
+    return "triton"
 
 
 def _flex():
@@ -82,13 +96,13 @@ def slot_block_mask(start: torch.Tensor, q_len: int, kv_len: int, mask_mod=None,
 class SlotAttention:
     """Per-slot attention for one cache: ``start`` (int32 ``[slot_rows]``) is the static input the
     caller fills before each forward; :meth:`mask` once per forward, then ``self(q, k, v, mask, scale)``
-    per layer. ``backend``: ``"flex"`` (compiled flex_attention, CUDA) or ``"sdpa"`` (boolean mask).
+    per layer. ``backend``: one of :data:`BACKENDS` (see the module docstring).
     ``causal=False`` (the drafter's bidirectional block): ``start[b]`` is the slot's last visible key
     for every query row."""
 
     def __init__(self, slot_rows: int, kv_len: int, device, backend: str, causal: bool = True):
-        if backend not in ("flex", "sdpa"):
-            raise ValueError(f"unknown attention backend {backend!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
         self.kv_len, self.backend, self.causal = kv_len, backend, causal
         self.start = torch.full((slot_rows,), INACTIVE, dtype=torch.int32, device=device)
         self._mask_mod = slot_mask_mod(self.start, causal)  # one function object: compiled flex guards on it
@@ -96,6 +110,8 @@ class SlotAttention:
     def mask(self, q_len: int, slot_rows: int | None = None):
         """The mask of the first ``slot_rows`` slot rows (default: all) for ``q_len`` query rows each."""
         start = self.start if slot_rows is None else self.start[:slot_rows]
+        if self.backend == "triton":
+            return start  # the kernel reads each slot's start itself
         if self.backend == "flex":
             return slot_block_mask(start, q_len, self.kv_len, self._mask_mod, causal=self.causal)
         keys = torch.arange(self.kv_len, device=start.device)
@@ -104,6 +120,10 @@ class SlotAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
         """``q [slots, heads, q_len, d]`` over ``k, v [slots, kv_heads, kv_len, d]`` -> ``[slots, heads, q_len, d]``."""
+        if self.backend == "triton":
+            from .decode_attention import decode_attention  # needs Triton: imported only when this backend runs
+
+            return decode_attention(q, k, v, mask, scale, causal=self.causal)
         gqa = q.shape[1] != k.shape[1]
         if self.backend == "flex":
             return _flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
-from .attention import INACTIVE, SlotAttention
+from .attention import INACTIVE, SlotAttention, default_backend
 from .graphs import GraphRunner, copy_to_device, pick_bucket, q_buckets, token_buckets
 from .kv_cache import SlotKVCache
 
@@ -188,14 +188,13 @@ class DraftGraphs(GraphRunner):
     def __init__(self, drafter, cache: SlotKVCache, max_rows: int, max_ctx: int, use_graphs: bool | None = None,
                  attention: str | None = None, feat_dtype: torch.dtype | None = None):
         device = cache.k.device
-        on_cuda = device.type == "cuda"
         use_graphs = self._init_graphs(cache, use_graphs)
         cfg = drafter.config
         self.drafter, self.cache, self.B = drafter, cache, cfg.block_size
         self.ctx_buckets, self.row_buckets = token_buckets(max(1, max_ctx)), q_buckets(max(1, max_rows))
         self.width_buckets = q_buckets(max(1, self.B - 1))
         self.scratch, self.slot_rows = cache.num_slots, cache.k.shape[1]
-        self.attention = SlotAttention(self.slot_rows, cache.max_len, device, attention or ("flex" if on_cuda else "sdpa"),
+        self.attention = SlotAttention(self.slot_rows, cache.max_len, device, attention or default_backend(device),
                                        causal=False)
         C, R = self.ctx_buckets[-1], self.row_buckets[-1]
         param = next(drafter.parameters())

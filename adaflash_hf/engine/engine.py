@@ -19,8 +19,8 @@ The round never sends more than ``token_budget`` tokens: if the drafts do not fi
 verify lengths are trimmed (a shorter verify is always lossless).
 
 On CUDA the decode forward of step 3 (every verify round, every ``off`` step) is a CUDA graph per
-(tokens, tokens-per-request) bucket with flex_attention over the slotted cache
-(:class:`~.graphs.DecodeGraphs`); prefill of newly admitted requests stays an eager packed forward
+(tokens, tokens-per-request) bucket with split-KV attention over the slotted cache (Triton;
+flex_attention without it; :class:`~.graphs.DecodeGraphs`); prefill of newly admitted requests stays an eager packed forward
 next to it. The drafter step of 1 is one static forward for all running requests too
 (:class:`~.drafter.DraftGraphs`, CUDA graphs per bucket). A round reads the device back at most
 three times: the verify lengths (length head), the drafts, then accepted counts + next tokens after
@@ -165,8 +165,8 @@ class Engine:
         round_sink: receives every verified round, and every finished (not cancelled) request when it
             has ``on_request`` (default: an OnlineAdapter attached to the drafter).
         step_hook: called with a :class:`StepInfo` before each target forward (tests, metrics).
-        cuda_graphs: decode and drafter forwards as CUDA graphs per bucket with flex_attention
-            (default: on when the target is on CUDA). ``True`` on CPU runs the same static, padded
+        cuda_graphs: decode and drafter forwards as CUDA graphs per bucket with split-KV Triton attention
+            (flex_attention without Triton) (default: on when the target is on CUDA). ``True`` on CPU runs the same static, padded
             bucket forwards eagerly with SDPA (what the CPU tests check); ``False`` is the eager
             reference path.
         fused_kernels: run the target's layers with fused projections and elementwise kernels

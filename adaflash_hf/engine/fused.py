@@ -13,14 +13,16 @@ microseconds, which is why the engine's 8B-shape decode ran at 34% of the bandwi
   are one function each, compiled with ``torch.compile`` on CUDA (one kernel each) and run eagerly
   elsewhere. They do the HF modules' operations in the same order and dtypes (``tests/test_engine_fused.py``
   checks bit equality on CPU); ``emulate_precision_casts`` keeps Inductor's rounding at the casts.
-* **one-row projections** (a forward of one token: batch-1 decoding): cuBLAS picks GEMM kernels that
-  read the q/k/v, o and down weights at 60-80% of the H200's copy bandwidth. Inductor writes a matrix-vector
-  product as a reduction and tunes it (``coordinate_descent_tuning``, as gpt-fast does), which reads
-  them faster. (Not fused with ``act(gate) * up``: Inductor then recomputes the activation in every
-  output tile, and the down projection got ~40% slower on the H200.) Which kernel serves
-  each projection is measured, not assumed: :meth:`FusedTarget.build` times both on the model's own
-  weights (CUDA graphs, every layer's weight in turn, so nothing is served from L2) and keeps the
-  faster (:attr:`FusedTarget.row_kernels`). Forwards of more than one token always use cuBLAS.
+* **few-row projections** (one token: batch-1 decoding; 2-16 tokens: a verify block): cuBLAS picks
+  GEMM kernels that read the weights below the H200's bandwidth at these shapes. Two other kinds of
+  kernel compete: Inductor's matrix-vector reduction tuned by ``coordinate_descent_tuning`` (one row,
+  as gpt-fast does) and :mod:`.skinny_linear`'s Triton kernels (one row, and 16-row ``tl.dot`` tiles).
+  Which serves each projection is measured, not assumed: :meth:`FusedTarget.build` times them on the
+  model's own weights (CUDA graphs, every layer's weight in turn, so nothing is served from L2) and
+  keeps the fastest (:attr:`FusedTarget.row_kernels` for one row, :attr:`FusedTarget.block_kernels`
+  for 2-16 rows). Larger forwards (prefill) always use cuBLAS. (``act(gate) * up`` is not fused into the
+  down projection: Inductor then recomputes the activation in every output tile, and the down
+  projection got ~40% slower on the H200.)
 
 :meth:`FusedTarget.build` returns ``None`` with a reason (the engine then keeps the modules' path)
 when a layer is not the stock Qwen3 / Llama math: adapters such as PEFT LoRA on a projection,
@@ -30,6 +32,8 @@ update them in place (``load_state_dict``, ``copy_``), not by assigning new para
 
 from __future__ import annotations
 
+import copy
+import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -38,6 +42,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen3 import modeling_qwen3
+
+_MAX_ROWS = 16  # skinny_linear.MAX_ROWS (that module needs Triton, imported only when used)
+_TUNING = ("row_kernels", "block_kernels", "triton_configs", "row_timings", "row_note")  # what tune_row_kernels sets
+_TUNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its tuning (FusedTarget.build)
 
 __all__ = ["FusedTarget", "SlotStore", "add_rms_norm", "qk_norm_rope", "qk_norm_rope_store", "rms_norm"]
 
@@ -125,7 +133,9 @@ def _gather_linear(out: torch.Tensor, q_slots: torch.Tensor, q_rows: torch.Tenso
     return F.linear(out[q_slots, :, q_rows].flatten(1), weight, bias)
 
 
-ROW_PROJECTIONS = ("qkv", "o", "down", "lm_head")  # gate_up: cuBLAS reads it at ~96% of copy bandwidth already
+ROW_PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")
+ROW_KINDS = ("cublas", "gemv", "triton")  # one row: cuBLAS, Inductor's tuned reduction, skinny_linear
+BLOCK_KINDS = ("cublas", "triton")  # 2-16 rows
 
 
 def _graph_ms(fn: Callable[[], None], reps: int = 10) -> float:
@@ -228,18 +238,20 @@ class FusedTarget:
     """A Qwen3 / Llama target's layers for :func:`.target.decoder_forward`: fused projections and
     fused elementwise kernels (see the module docstring).
 
-    ``row_kernels`` maps each of :data:`ROW_PROJECTIONS` to ``"gemv"`` (the compiled one-row kernel)
-    or ``"cublas"`` for forwards of one token; :meth:`build` measures it on CUDA, and it is all
-    ``"cublas"`` elsewhere unless given (the CPU tests give it to run the same dispatch eagerly).
+    ``row_kernels`` maps each of :data:`ROW_PROJECTIONS` to one of :data:`ROW_KINDS` for forwards of one
+    token (``"gemv"``: Inductor's compiled reduction; ``"triton"``: :func:`.skinny_linear.skinny_linear`),
+    ``block_kernels`` to one of :data:`BLOCK_KINDS` for 2-16 tokens. :meth:`build` measures both on CUDA;
+    elsewhere they are all ``"cublas"`` unless given (the CPU tests give them to run the same dispatch).
 
     Example:
         >>> fused, why = FusedTarget.build(target)  # doctest: +SKIP
         >>> fused.row_kernels  # doctest: +SKIP
-        {'qkv': 'gemv', 'o': 'gemv', 'down': 'gemv', 'lm_head': 'gemv'}
+        {'qkv': 'gemv', 'o': 'triton', 'gate_up': 'gemv', 'down': 'triton', 'lm_head': 'gemv'}
         >>> logits, _ = decoder_forward(target, tokens, positions, attend, fused=fused)  # doctest: +SKIP
     """
 
-    def __init__(self, model, compile: bool, row_kernels: dict[str, str] | None = None):
+    def __init__(self, model, compile: bool, row_kernels: dict[str, str] | None = None,
+                 block_kernels: dict[str, str] | None = None):
         self.model, self.compiled = model, compile
         self.layers = []
         for layer in model.model.layers:
@@ -251,7 +263,7 @@ class FusedTarget:
         act = model.model.layers[0].mlp.act_fn
         fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qk_norm_rope": qk_norm_rope,
                "qk_norm_rope_store": qk_norm_rope_store, "act_mul": _act_mul(act)}
-        rows = self._row_eager = {"qkv": _linear, "o": _gather_linear, "down": _linear, "lm_head": _linear}
+        rows = self._row_eager = {"qkv": _linear, "o": _gather_linear, "gate_up": _linear, "down": _linear, "lm_head": _linear}
         if compile:
             # One kernel per function; the first call per shape class compiles (a few seconds), shapes then
             # become dynamic on their own (one more compile), so every token bucket reuses the kernels.
@@ -263,21 +275,60 @@ class FusedTarget:
         self.rms_norm, self.add_rms_norm, self.qk_norm_rope, self.qk_norm_rope_store, self.act_mul = (
             fns["rms_norm"], fns["add_rms_norm"], fns["qk_norm_rope"], fns["qk_norm_rope_store"], fns["act_mul"])
         self._row_fns = dict(rows)
-        unknown = set(row_kernels or {}) - set(ROW_PROJECTIONS)
-        if unknown or any(v not in ("gemv", "cublas") for v in (row_kernels or {}).values()):
-            raise ValueError(f"row_kernels maps {', '.join(ROW_PROJECTIONS)} to 'gemv' or 'cublas'; got {row_kernels!r}")
+        for name, given, kinds in (("row_kernels", row_kernels, ROW_KINDS), ("block_kernels", block_kernels, BLOCK_KINDS)):
+            if set(given or {}) - set(ROW_PROJECTIONS) or any(v not in kinds for v in (given or {}).values()):
+                raise ValueError(f"{name} maps {', '.join(ROW_PROJECTIONS)} to one of {kinds}; got {given!r}")
         self.row_kernels = {k: (row_kernels or {}).get(k, "cublas") for k in ROW_PROJECTIONS}
-        self.row_timings: dict[str, dict[str, float]] = {}  # per projection: device ms per layer of each kernel
+        self.block_kernels = {k: (block_kernels or {}).get(k, "cublas") for k in ROW_PROJECTIONS}
+        # Triton tile per (projection, rows): 1 or MAX_ROWS. Given kernels get the first candidate that fits.
+        self.triton_configs: dict[tuple[str, int], object] = {}
+        for role in ROW_PROJECTIONS:
+            for rows_, kind in ((1, self.row_kernels[role]), (_MAX_ROWS, self.block_kernels[role])):
+                if kind == "triton":
+                    fits = self._triton_candidates(role, rows_)
+                    if not fits:
+                        raise ValueError(f"no Triton tile of skinny_linear fits the {role} projection's weight {tuple(self._weight(role)[0].shape)}")
+                    self.triton_configs[(role, rows_)] = fits[0]
+        self.row_timings: dict[str, dict[str, float]] = {}  # per projection and rows: device ms per layer of each kernel
         self.row_note = ""
 
     # ------------------------------------------------------------------ projections
-    def _row(self, role: str, x: torch.Tensor) -> Callable:
-        """The function for projection ``role`` of rows ``x``: the one-row kernel if chosen and ``x`` is one row."""
-        one = x.shape[0] == 1 and self.row_kernels[role] == "gemv"
-        return self._row_fns[role] if one else self._row_eager[role]
+    def _weight(self, role: str, li: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(weight, bias)`` of projection ``role`` in layer ``li`` (the LM head for ``"lm_head"``)."""
+        if role == "lm_head":
+            head = self.model.lm_head
+            return head.weight, head.bias
+        if role in ("qkv", "gate_up"):
+            w = self.layers[li]
+            return (w.qkv, w.qkv_bias) if role == "qkv" else (w.gate_up, w.gate_up_bias)
+        layer = self.model.model.layers[li]
+        lin = layer.self_attn.o_proj if role == "o" else layer.mlp.down_proj
+        return lin.weight, lin.bias
+
+    def _triton_candidates(self, role: str, rows: int) -> list:
+        """The tiles of :mod:`.skinny_linear` that fit projection ``role`` (empty without Triton)."""
+        try:
+            from .skinny_linear import BLOCK_CONFIGS, ROW_CONFIGS, fitting
+        except ImportError:
+            return []
+        weight = self._weight(role)[0]
+        return fitting(ROW_CONFIGS if rows == 1 else BLOCK_CONFIGS, weight.shape, rows)
+
+    def _project(self, role: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 gather: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Projection ``role`` of rows ``x`` (or of ``x``'s slot-layout rows ``gather``, for ``o``) on the
+        kernel chosen for its row count."""
+        rows = x.shape[0] if gather is None else gather[0].shape[0]
+        kind = self.row_kernels[role] if rows == 1 else self.block_kernels[role] if rows <= _MAX_ROWS else "cublas"
+        if kind == "triton":
+            from .skinny_linear import skinny_linear
+
+            return skinny_linear(x, weight, bias, self.triton_configs[(role, 1 if rows == 1 else _MAX_ROWS)], gather)
+        fn = self._row_fns[role] if kind == "gemv" else self._row_eager[role]
+        return fn(x, *gather, weight, bias) if gather is not None else fn(x, weight, bias)
 
     def qkv(self, x: torch.Tensor, w: _Layer) -> torch.Tensor:
-        return self._row("qkv", x)(x, w.qkv, w.qkv_bias)
+        return self._project("qkv", x, w.qkv, w.qkv_bias)
 
     def o_proj(self, o: torch.Tensor, attn) -> torch.Tensor:
         """``o_proj`` of attention output ``[T, heads * d]`` (the eager path: always cuBLAS)."""
@@ -285,57 +336,76 @@ class FusedTarget:
 
     def o_proj_slots(self, out: torch.Tensor, q_slots: torch.Tensor, q_rows: torch.Tensor, attn) -> torch.Tensor:
         """``o_proj`` of the static decode path's attention output (slot layout, see :class:`SlotStore`)."""
-        return self._row("o", q_slots)(out, q_slots, q_rows, attn.o_proj.weight, attn.o_proj.bias)
+        return self._project("o", out, attn.o_proj.weight, attn.o_proj.bias, gather=(q_slots, q_rows))
 
     def mlp(self, x: torch.Tensor, w: _Layer, mlp) -> torch.Tensor:
         """``down_proj(act(gate) * up)`` of the fused gate/up projection."""
-        h = self.act_mul(F.linear(x, w.gate_up, w.gate_up_bias))
+        h = self.act_mul(self._project("gate_up", x, w.gate_up, w.gate_up_bias))
         down = mlp.down_proj
-        return self._row("down", h)(h, down.weight, down.bias)
+        return self._project("down", h, down.weight, down.bias)
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         head = self.model.lm_head
-        return self._row("lm_head", x)(x, head.weight, head.bias)
+        return self._project("lm_head", x, head.weight, head.bias)
+
+    def _kernel_choices(self, role: str, rows: int) -> dict:
+        """Every kernel that can run projection ``role`` at ``rows`` rows: name -> ``fn(x, weight, bias,
+        gather)`` (names: ``"cublas"``, ``"gemv"``, ``("triton", tile)``)."""
+        eager, compiled = self._row_eager[role], self._row_fns[role]
+
+        def call(fn):
+            return lambda x, w, b, gather: fn(x, *gather, w, b) if gather is not None else fn(x, w, b)
+
+        out = {"cublas": call(eager)}
+        if rows == 1:
+            out["gemv"] = call(compiled)
+        tiles = self._triton_candidates(role, rows)
+        if tiles:
+            from .skinny_linear import skinny_linear
+
+            for tile in tiles:
+                out[("triton", tile)] = lambda x, w, b, gather, tile=tile: skinny_linear(x, w, b, tile, gather)
+        return out
 
     @torch.no_grad()
     def tune_row_kernels(self, reps: int = 10) -> dict[str, str]:
-        """Time cuBLAS and the compiled one-row kernel for each of :data:`ROW_PROJECTIONS` on this
-        model's weights (CUDA graphs; every layer's weight in turn, as a decode step reads them) and
-        keep the faster in :attr:`row_kernels`; the times go to :attr:`row_timings`. If compiling the
-        one-row kernels fails, everything stays on cuBLAS and :attr:`row_note` says why."""
+        """Time every kernel of :data:`ROW_KINDS` at one row and of :data:`BLOCK_KINDS` at 16 rows for each
+        of :data:`ROW_PROJECTIONS` on this model's weights (CUDA graphs; every layer's weight in turn, as a
+        decode step reads them) and keep the fastest in :attr:`row_kernels` / :attr:`block_kernels` (Triton:
+        the fastest tile too); the times go to :attr:`row_timings`. A kernel that fails to compile or run
+        is left out, and :attr:`row_note` says why (cuBLAS always remains)."""
         if not (self.compiled and torch.cuda.is_available() and self.layers[0].qkv.is_cuda):
             raise RuntimeError("tune_row_kernels needs the compiled FusedTarget of a model on CUDA")
         p = self.layers[0].qkv
         gen = torch.Generator(device=p.device).manual_seed(0)
+        head_dim = self.model.model.layers[0].self_attn.head_dim
+        notes = []
+        for rows in (1, _MAX_ROWS):
+            for role in ROW_PROJECTIONS:
+                x = torch.randn(rows, self._weight(role)[0].shape[1], generator=gen, device=p.device, dtype=p.dtype)
+                gather = None
+                if role == "o":  # one token per slot row in attention's layout, plus the padding row
+                    x = torch.cat([x, x[:1]]).view(rows + 1, -1, 1, head_dim)
+                    gather = (torch.arange(rows, device=p.device), torch.zeros(rows, dtype=torch.long, device=p.device))
+                weights = [self._weight(role, li) for li in range(2 if role == "lm_head" else len(self.layers))]
+                times = {}
+                for name, fn in self._kernel_choices(role, rows).items():
+                    def run(fn=fn):
+                        for w, b in weights:
+                            fn(x, w, b, gather)
 
-        def row(n: int) -> torch.Tensor:
-            return torch.randn(1, n, generator=gen, device=p.device, dtype=p.dtype)
-
-        base = self.model.model
-        head = self.model.lm_head
-        x, h = row(p.shape[1]), row(base.layers[0].mlp.down_proj.in_features)
-        attn = base.layers[0].self_attn
-        o = row(attn.o_proj.in_features).view(1, -1, 1, attn.head_dim).expand(2, -1, -1, -1).contiguous()
-        zero = torch.zeros(1, dtype=torch.long, device=p.device)
-        cases = {  # projection -> one row through every layer with fn
-            "qkv": lambda f: [f(x, w.qkv, w.qkv_bias) for w in self.layers],
-            "o": lambda f: [f(o, zero, zero, l.self_attn.o_proj.weight, l.self_attn.o_proj.bias) for l in base.layers],
-            "down": lambda f: [f(h, l.mlp.down_proj.weight, l.mlp.down_proj.bias) for l in base.layers],
-            "lm_head": lambda f: [f(x, head.weight, head.bias) for _ in range(2)],
-        }
-        try:
-            for role, loop in cases.items():
-                # Compiled (and tuned) outside the timed graphs, without autograd as the engine runs it: with
-                # grad mode on, Inductor would compile a training graph with other kernels.
-                loop(self._row_fns[role])
-                t = {"cublas": _graph_ms(lambda: loop(self._row_eager[role]), reps),
-                     "gemv": _graph_ms(lambda: loop(self._row_fns[role]), reps)}
-                calls = 2 if role == "lm_head" else len(self.layers)
-                self.row_timings[role] = {k: v / calls for k, v in t.items()}
-                self.row_kernels[role] = min(t, key=t.get)
-        except Exception as exc:  # noqa: BLE001 - a compiler failure must not stop serving: cuBLAS does the job
-            self.row_kernels = {k: "cublas" for k in ROW_PROJECTIONS}
-            self.row_note = f"one-row kernels unavailable ({type(exc).__name__}: {str(exc)[:200]}); cuBLAS throughout"
+                    try:
+                        run()  # compiled (and tuned) outside the timed graphs, without autograd as the engine runs it
+                        times[name] = _graph_ms(run, reps) / len(weights)
+                    except Exception as exc:  # noqa: BLE001 - a compiler failure must not stop serving: cuBLAS remains
+                        notes.append(f"{role} x{rows} {name}: {type(exc).__name__}: {str(exc)[:120]}")
+                best = min(times, key=times.get)
+                if isinstance(best, tuple):
+                    self.triton_configs[(role, rows)] = best[1]
+                (self.row_kernels if rows == 1 else self.block_kernels)[role] = best[0] if isinstance(best, tuple) else best
+                self.row_timings[f"{role} x{rows}"] = {
+                    (k if isinstance(k, str) else "triton " + "/".join(map(str, k[1]))): v for k, v in times.items()}
+        self.row_note = "; ".join(notes)
         return dict(self.row_kernels)
 
     def check_current(self) -> None:
@@ -354,12 +424,18 @@ class FusedTarget:
     def build(cls, model, compile: bool | None = None) -> tuple["FusedTarget | None", str]:
         """``(FusedTarget, "")``, or ``(None, why)`` when the model's layers are not the stock math.
         ``compile``: compile the elementwise functions (default: when the model is on CUDA); compiled
-        on CUDA, the one-row kernels are then measured (:meth:`tune_row_kernels`, a few seconds)."""
+        on CUDA, the few-row kernels are then measured (:meth:`tune_row_kernels`, ~10-30 s; once per
+        model and process: later builds on the same model reuse the choice)."""
         why = _unsupported(model)
         if why is not None:
             return None, why
         on_cuda = next(model.parameters()).device.type == "cuda"
         fused = cls(model, on_cuda if compile is None else compile)
         if fused.compiled and on_cuda:
-            fused.tune_row_kernels()
+            tuned = _TUNED.get(model)
+            if tuned is None:
+                fused.tune_row_kernels()
+                tuned = _TUNED[model] = {k: copy.deepcopy(getattr(fused, k)) for k in _TUNING}
+            for k in _TUNING:
+                setattr(fused, k, copy.deepcopy(tuned[k]))
         return fused, ""

@@ -12,7 +12,7 @@ Everything the forward reads lives in static buffers (token ids, positions, cach
 within a request's query block, each slot's ``start``); :meth:`DecodeGraphs.prepare` fills them
 with non-blocking host-to-device copies (pinned memory: no stream sync), the graph replays, and logits / hidden states land in static
 output buffers. Inside the forward there is no host synchronisation: K/V are stored with
-``index_put_`` on the cache tensors and the flex_attention block mask is computed on the device.
+``index_put_`` on the cache tensors and attention reads each slot's start from the device.
 
 Padding tokens are lossless by construction: they write K/V into the cache's spare slot row
 (never handed to a request), their queries sit in row ``R_b`` (masked out entirely, no request of
@@ -35,7 +35,7 @@ from collections import Counter
 
 import torch
 
-from .attention import INACTIVE, SlotAttention
+from .attention import BACKENDS, INACTIVE, SlotAttention, default_backend
 from .fused import FusedTarget, SlotStore
 from .kv_cache import SlotKVCache
 from .target import PackedLayout, decoder_forward
@@ -93,7 +93,7 @@ def pick_bucket(buckets: list[int], n: int) -> int:
 
 class GraphRunner:
     """What every static-shape runner shares: lazily captured CUDA graphs per bucket (one memory pool),
-    replay counts, the flex -> SDPA fallback. Subclasses own the static inputs / outputs and define
+    replay counts, the attention backend fallback (triton -> flex -> SDPA). Subclasses own the static inputs / outputs and define
     ``_forward(*bucket)`` (device ops only) and ``_reset_inputs()`` (inputs touching spare rows only)."""
 
     attention: SlotAttention
@@ -126,7 +126,7 @@ class GraphRunner:
         t0 = time.perf_counter()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        # Warm-up (compiles flex for a new q bucket). It runs on the current inputs: the K/V it writes
+        # Warm-up (compiles attention for a new q bucket). It runs on the current inputs: the K/V it writes
         # are the ones the replay writes again, so capturing in the middle of a round is harmless.
         with torch.cuda.stream(stream):
             for _ in range(2):
@@ -143,15 +143,17 @@ class GraphRunner:
     def _capture_or_fall_back(self, bucket: tuple) -> torch.cuda.CUDAGraph:
         try:
             return self._capture(bucket)
-        except Exception as exc:  # noqa: BLE001 - any compile failure: keep serving with SDPA
-            if self.attention.backend != "flex":
+        except Exception as exc:  # noqa: BLE001 - any kernel or compile failure: keep serving with the next backend
+            failed = self.attention.backend
+            if failed == BACKENDS[-1]:
                 raise
             torch.cuda.synchronize()
-            self.attention_note = f"flex_attention failed ({type(exc).__name__}: {str(exc)[:300]}); using SDPA"
+            self.attention.backend = BACKENDS[BACKENDS.index(failed) + 1]
+            self.attention_note = (self.attention_note + "; " if self.attention_note else "") + (
+                f"{failed} attention failed ({type(exc).__name__}: {str(exc)[:300]}); using {self.attention.backend}")
             warnings.warn(self.attention_note, RuntimeWarning, stacklevel=3)
-            self.attention.backend = "sdpa"
             self.graphs.clear()  # recapture earlier buckets too: one backend per runner keeps timings comparable
-            return self._capture(bucket)
+            return self._capture_or_fall_back(bucket)
 
     def replay(self, bucket: tuple) -> None:
         """Run the forward for the prepared inputs (capturing the bucket's graph on first use)."""
@@ -191,15 +193,15 @@ class DecodeGraphs(GraphRunner):
         max_steps: most greedy decode steps one replay may run (:meth:`run_greedy`; 1: none).
         fused: run the layers through this :class:`~.fused.FusedTarget` of ``model`` (default: the
             HF modules).
-        attention: ``"flex"`` or ``"sdpa"`` (default: flex on CUDA, SDPA otherwise). If compiling
-            flex fails, the runner warns and falls back to SDPA (see :attr:`attention_note`).
+        attention: one of :data:`~.attention.BACKENDS` (default: :func:`~.attention.default_backend`). If
+            a backend fails to compile or run, the runner warns and falls back to the next one
+            (see :attr:`attention_note`).
     """
 
     def __init__(self, model, cache: SlotKVCache, hidden_layers: list[int] | None, max_tokens: int, max_q: int,
                  use_graphs: bool | None = None, attention: str | None = None, fused: FusedTarget | None = None,
                  max_steps: int = 1):
         device = cache.k.device
-        on_cuda = device.type == "cuda"
         use_graphs = self._init_graphs(cache, use_graphs)
         self.model, self.cache, self.hidden_layers = model, cache, list(hidden_layers) if hidden_layers else None
         self.fused = fused
@@ -207,7 +209,7 @@ class DecodeGraphs(GraphRunner):
         self.row_buckets = q_buckets(cache.num_slots)  # attention runs over slot rows 0 .. R_b (R_b: the padding row)
         self.scratch = cache.num_slots  # the first spare row
         self.slot_rows = cache.k.shape[1]
-        self.attention = SlotAttention(self.slot_rows, cache.max_len, device, attention or ("flex" if on_cuda else "sdpa"))
+        self.attention = SlotAttention(self.slot_rows, cache.max_len, device, attention or default_backend(device))
         T = self.token_buckets[-1]
         # rows: token ids, positions, cache slots (K/V), row within the request's query block, query slot row
         self.inputs = torch.zeros(5, T, dtype=torch.long, device=device)

@@ -1,0 +1,212 @@
+"""CPU tests of the engine's Triton kernels, run in Triton's interpreter (``TRITON_INTERPRET=1``, set in
+``conftest.py``): split-KV slot attention (:mod:`adaflash_hf.engine.decode_attention`) against SDPA with
+the boolean slot mask, the few-row projections (:mod:`adaflash_hf.engine.skinny_linear`) against
+``F.linear``, and both inside the static decode forward, the drafter forward and the engine.
+
+The interpreter runs the kernels' own code (indexing, masking, the online softmax, the chunk merge);
+speed and bfloat16 are checked on the GPU (``examples/engine_gpu_check.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, make_target_cache, target_forward
+from adaflash_hf.engine import drafter as drafter_module
+from adaflash_hf.engine import graphs as graphs_module
+from adaflash_hf.engine import skinny_linear as SL
+from adaflash_hf.engine.attention import INACTIVE, SlotAttention
+from adaflash_hf.engine.decode_attention import decode_attention, merge_partials, splits_for
+
+from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids
+
+
+# ---------------------------------------------------------------- split-KV slot attention
+# slots' starts, heads, kv heads, query rows, head dim, keys, causal, chunks, dtype
+ATTENTION_CASES = [
+    ([30, INACTIVE, 5], 8, 2, 1, 16, 40, True, 1, torch.float32),  # decode, one chunk, a padding row
+    ([90, INACTIVE, 0], 8, 2, 4, 16, 100, True, 4, torch.float32),  # chunks, a slot with one key
+    ([113, 2], 4, 4, 16, 32, 130, True, 2, torch.float32),  # MHA, a verify block, keys past one chunk
+    ([60, INACTIVE, 7], 8, 2, 5, 16, 70, False, 3, torch.float32),  # the drafter's bidirectional block
+    ([90, INACTIVE, 11], 8, 2, 4, 16, 100, True, 8, torch.float16),  # more chunks than a short slot fills
+    ([127, 64], 16, 2, 8, 16, 128, True, 16, torch.float32),  # 8 heads per kv head x 8 rows = a 64-row tile
+]
+
+
+def _slot_inputs(starts, heads, kv_heads, q_len, d, kv_len, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(len(starts), h, n, d, generator=g).to(dtype)
+               for h, n in ((heads, q_len), (kv_heads, kv_len), (kv_heads, kv_len)))
+    return q, k, v
+
+
+@pytest.mark.parametrize("starts,heads,kv_heads,q_len,d,kv_len,causal,splits,dtype", ATTENTION_CASES)
+def test_decode_attention_equals_masked_sdpa(starts, heads, kv_heads, q_len, d, kv_len, causal, splits, dtype):
+    q, k, v = _slot_inputs(starts, heads, kv_heads, q_len, d, kv_len, dtype)
+    ref_att = SlotAttention(len(starts), kv_len, "cpu", "sdpa", causal=causal)
+    ref_att.start.copy_(torch.tensor(starts, dtype=torch.int32))
+    ref = torch.nan_to_num(ref_att(q.float(), k.float(), v.float(), ref_att.mask(q_len), d ** -0.5))
+    out = decode_attention(q, k, v, ref_att.start, d ** -0.5, causal=causal, splits=splits)
+    assert out.shape == q.shape and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    inactive = torch.tensor(starts) == INACTIVE
+    assert out[inactive].abs().max() == 0 if inactive.any() else True
+    if causal and q_len > 1:  # negative control: the same kernel without the causal rule sees later keys
+        wrong = decode_attention(q, k, v, ref_att.start, d ** -0.5, causal=False, splits=splits)
+        assert not torch.allclose(wrong.float()[~inactive], ref[~inactive], atol=1e-2)
+
+
+def test_slot_attention_triton_backend_reads_start_from_the_device_buffer():
+    """``SlotAttention(backend="triton")``: ``mask()`` hands the kernel the live ``start`` buffer, so a
+    forward after ``start`` changes (as in a CUDA-graph replay) uses the new starts."""
+    q, k, v = _slot_inputs([0, 0], 4, 2, 2, 16, 64, torch.float32, seed=1)
+    att, ref = SlotAttention(2, 64, "cpu", "triton"), SlotAttention(2, 64, "cpu", "sdpa")
+    mask = att.mask(2)
+    for starts in ([10, 40], [62, INACTIVE]):
+        att.start.copy_(torch.tensor(starts, dtype=torch.int32))
+        ref.start.copy_(att.start)
+        expect = torch.nan_to_num(ref(q, k, v, ref.mask(2), 0.25))
+        torch.testing.assert_close(att(q, k, v, mask, 0.25), expect, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        SlotAttention(2, 64, "cpu", "cutlass")
+
+
+def test_decode_attention_refuses_shapes_it_cannot_tile():
+    q, k, v = _slot_inputs([3], 4, 2, 1, 8, 16, torch.float32)  # head_dim 8: below one tensor-core tile
+    with pytest.raises(ValueError, match="head_dim 8"):
+        decode_attention(q, k, v, torch.tensor([3], dtype=torch.int32), 0.3)
+    q, k, v = _slot_inputs([3], 6, 4, 1, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="not a multiple"):
+        decode_attention(q, k, v, torch.tensor([3], dtype=torch.int32), 0.3)
+
+
+@pytest.mark.parametrize("chunks", [[5, 7, 4], [16], [1, 1, 30]])
+def test_merge_partials_equals_one_softmax(chunks):
+    """Attention computed chunk by chunk (each chunk's own max, base-2 scores) and merged == one softmax
+    over all keys; an empty chunk (no visible key) contributes nothing; a row with no key at all is 0.
+    Negative control: averaging the chunks' normalised outputs (a wrong merge) does not match."""
+    g = torch.Generator().manual_seed(len(chunks))
+    rows, d = 3, 8
+    scores = torch.randn(rows, sum(chunks), generator=g) * 3
+    values = torch.randn(sum(chunks), d, generator=g)
+    expect = torch.softmax(scores * torch.log(torch.tensor(2.0)), dim=-1) @ values  # base-2 scores
+    accs, ms, ls, outs = [], [], [], []
+    for part_s, part_v in zip(scores.split(chunks, dim=1), values.split(chunks)):
+        m = part_s.amax(dim=1)
+        p = torch.exp2(part_s - m[:, None])
+        accs.append(p @ part_v), ms.append(m), ls.append(p.sum(1)), outs.append(p @ part_v / p.sum(1)[:, None])
+    empty = (torch.zeros(rows, d), torch.full((rows,), float("-inf")), torch.zeros(rows))
+    acc, m, l = (torch.stack(list(x) + [e]) for x, e in zip((accs, ms, ls), empty))
+    torch.testing.assert_close(merge_partials(acc, m, l), expect, atol=1e-5, rtol=1e-5)
+    assert merge_partials(empty[0][None], empty[1][None], empty[2][None]).abs().max() == 0
+    if len(chunks) > 1:
+        assert not torch.allclose(torch.stack(outs).mean(0), expect, atol=1e-3)
+
+
+@pytest.mark.parametrize("slots,rows,kv_len,expect", [
+    (2, 4, 1152, 8), (2, 64, 1152, 4), (2, 4, 256, 4), (33, 4, 1152, 1), (129, 64, 1152, 1), (1, 4, 32, 1)])
+def test_chunks_per_slot(slots, rows, kv_len, expect):
+    """About one program per multiprocessor (132: the H200), half for 64-row tiles, never a chunk
+    shorter than one key block: the choices the H200 probe measured fastest."""
+    assert splits_for(slots, 8, kv_len, rows, sms=132) == expect
+
+
+# ---------------------------------------------------------------- few-row projections
+# rows, bias, gathered from the slot layout, dtype
+LINEAR_CASES = [(1, False, False, torch.float32), (1, True, True, torch.float32), (3, True, False, torch.float32),
+                (16, False, True, torch.float32), (5, True, True, torch.float16), (1, False, False, torch.float16)]
+
+
+@pytest.mark.parametrize("rows,bias,gathered,dtype", LINEAR_CASES)
+def test_skinny_linear_equals_f_linear(rows, bias, gathered, dtype):
+    g = torch.Generator().manual_seed(rows)
+    N, K, heads = 64, 128, 4
+    w = (torch.randn(N, K, generator=g) / 8).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    if gathered:  # attention output [slot rows, heads, q, d]; row m at (slots[m], :, rows[m])
+        x = torch.randn(4, heads, 3, K // heads, generator=g).to(dtype)
+        where = (torch.randint(0, 4, (rows,), generator=g), torch.randint(0, 3, (rows,), generator=g))
+        flat = x[where[0], :, where[1]].flatten(1)
+    else:
+        x = flat = torch.randn(rows, K, generator=g).to(dtype)
+        where = None
+    tile = SL.fitting(SL.ROW_CONFIGS if rows == 1 else SL.BLOCK_CONFIGS, w.shape, rows)[0]
+    out = SL.skinny_linear(x, w, b, tile, gather=where)
+    ref = F.linear(flat.float(), w.float(), None if b is None else b.float())
+    assert out.shape == (rows, N) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_skinny_linear_tiles_and_bad_input():
+    assert SL.fitting(SL.ROW_CONFIGS, (6144, 4096), 1) == list(SL.ROW_CONFIGS)  # Qwen3-8B qkv: every probe tile
+    assert SL.fitting(SL.BLOCK_CONFIGS, (96, 48), 16) == [SL.SkinnyConfig(32, 16, 4)]  # small: the largest that divides
+    assert SL.fitting(SL.ROW_CONFIGS, (96, 40), 1) == []  # 40 columns: no power-of-two step of 16
+    w = torch.randn(64, 128)
+    with pytest.raises(ValueError, match="17 rows"):
+        SL.skinny_linear(torch.randn(17, 128), w, None, SL.SkinnyConfig(16, 64, 4))
+    with pytest.raises(ValueError, match="tile"):
+        SL.skinny_linear(torch.randn(1, 128), w, None, SL.SkinnyConfig(48, 64, 4))
+
+
+# ---------------------------------------------------------------- inside the forwards and the engine
+def _hd16_target(family="qwen3", **kw):
+    return make_target(family, seed=3, hidden=64, **kw)  # head_dim 16: the smallest tile the attention kernel takes
+
+
+def _prefilled(target, prompts, num_slots, max_len):
+    cache = make_target_cache(target, num_slots, max_len, spare_slots=1)
+    slots = [cache.alloc() for _ in prompts]
+    lay = PackedLayout.from_cache(cache, slots, [len(p) for p in prompts])
+    target_forward(target, cache, torch.tensor(sum(prompts, [])), lay.token_slots(), lay.positions(), lay)
+    for s, p in zip(slots, prompts):
+        cache.advance(s, len(p))
+    return cache, slots
+
+
+@pytest.mark.parametrize("family,extra", [("qwen3", {}), ("llama", {"attention_bias": True, "mlp_bias": True})])
+@pytest.mark.parametrize("q_lens", [[1], [3, 1, 4]])
+def test_static_forward_with_triton_kernels_equals_eager(family, extra, q_lens, monkeypatch):
+    """The static decode forward with Triton attention and every projection on Triton (one row: the
+    matrix-vector kernel; 2-16 rows: the tile kernel; ``o`` gathered from the slot layout) == the eager
+    packed forward through the HF modules; each projection really ran on Triton."""
+    target = _hd16_target(family, **extra)
+    prompts = engine_prompts([5, 9, 3][: len(q_lens)], seed=31)
+    ref_cache, slots = _prefilled(target, prompts, 4, 32)
+    cache, _ = _prefilled(target, prompts, 4, 32)
+    every = {k: "triton" for k in FusedTarget(target, compile=False).row_kernels}
+    fused = FusedTarget(target, compile=False, row_kernels=every, block_kernels=every)
+    calls = []
+    real = SL.skinny_linear
+    monkeypatch.setattr(SL, "skinny_linear", lambda x, w, *a, **kw: calls.append(w.shape) or real(x, w, *a, **kw))
+    graphs = DecodeGraphs(target, cache, [1], max_tokens=8, max_q=4, attention="triton", fused=fused)
+    lay = PackedLayout.from_cache(cache, slots, q_lens)
+    toks = torch.tensor(sum(engine_prompts(q_lens, seed=40), []))
+    ref_logits, ref_hidden = target_forward(target, ref_cache, toks, lay.token_slots(), lay.positions(), lay, [1])
+    logits, hidden = graphs.run(toks.tolist(), lay)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(hidden, ref_hidden, atol=1e-4, rtol=1e-4)
+    n = cache.num_slots
+    torch.testing.assert_close(cache.k[:, :n], ref_cache.k[:, :n], atol=1e-5, rtol=1e-5)
+    assert len(calls) == 4 * len(target.model.layers) + 1  # qkv, o, gate_up, down per layer + the LM head
+    assert graphs.attention.backend == "triton" and graphs.attention_note == ""
+
+
+@pytest.mark.parametrize("mode", ["packed", "off"])
+def test_engine_with_triton_attention_is_lossless(mode, monkeypatch):
+    """The engine's static path (target and drafter forwards) on the Triton attention backend: every
+    request's greedy output equals its plain greedy decoding, and no slot leaks."""
+    for module in (graphs_module, drafter_module):
+        monkeypatch.setattr(module, "default_backend", lambda device: "triton")
+    target = _hd16_target()
+    drafter = make_drafter(target, block_size=4)
+    prompts = engine_prompts([3, 9, 5], seed=7)
+    eng = Engine(target, drafter, verify_mode=mode, max_slots=2, max_len=32, cuda_graphs=True)
+    outs = eng.generate(prompts, max_new_tokens=6)
+    assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 6) for p in prompts]
+    assert eng.graphs.attention.backend == "triton" and eng.cache.num_free == 2
+    if mode == "packed":
+        assert eng.draft_graphs.attention.backend == "triton" and eng.draft_graphs.attention.causal is False
