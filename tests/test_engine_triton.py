@@ -170,15 +170,15 @@ def _prefilled(target, prompts, num_slots, max_len):
 @pytest.mark.parametrize("family,extra", [("qwen3", {}), ("llama", {"attention_bias": True, "mlp_bias": True})])
 @pytest.mark.parametrize("q_lens", [[1], [3, 1, 4]])
 def test_static_forward_with_triton_kernels_equals_eager(family, extra, q_lens, monkeypatch):
-    """The static decode forward with Triton attention and every projection on Triton (one row: the
-    matrix-vector kernel; 2-16 rows: the tile kernel; ``o`` gathered from the slot layout) == the eager
-    packed forward through the HF modules; each projection really ran on Triton."""
+    """The static decode forward with every Triton kernel (attention; every projection: one row the
+    matrix-vector kernel, 2-16 rows the tile kernel, ``o`` gathered from the slot layout; norm + RoPE +
+    stores) == the eager packed forward through the HF modules; each projection really ran on Triton."""
     target = _hd16_target(family, **extra)
     prompts = engine_prompts([5, 9, 3][: len(q_lens)], seed=31)
     ref_cache, slots = _prefilled(target, prompts, 4, 32)
     cache, _ = _prefilled(target, prompts, 4, 32)
     every = {k: "triton" for k in FusedTarget(target, compile=False).row_kernels}
-    fused = FusedTarget(target, compile=False, row_kernels=every, block_kernels=every)
+    fused = FusedTarget(target, compile=False, row_kernels=every, block_kernels=every, store_kernel="triton")
     calls = []
     real = SL.skinny_linear
     monkeypatch.setattr(SL, "skinny_linear", lambda x, w, *a, **kw: calls.append(w.shape) or real(x, w, *a, **kw))
@@ -193,6 +193,11 @@ def test_static_forward_with_triton_kernels_equals_eager(family, extra, q_lens, 
     torch.testing.assert_close(cache.k[:, :n], ref_cache.k[:, :n], atol=1e-5, rtol=1e-5)
     assert len(calls) == 4 * len(target.model.layers) + 1  # qkv, o, gate_up, down per layer + the LM head
     assert graphs.attention.backend == "triton" and graphs.attention_note == ""
+    assert FusedTarget(target, compile=False).store_kernel == "torch"  # CPU default: the torch function
+    with pytest.raises(ValueError, match="store_kernel"):
+        FusedTarget(target, compile=False, store_kernel="cuda")
+    with pytest.raises(ValueError, match="head_dim 12"):
+        FusedTarget(make_target(family, hidden=48), compile=False, store_kernel="triton")
 
 
 @pytest.mark.parametrize("mode", ["packed", "off"])
@@ -210,3 +215,35 @@ def test_engine_with_triton_attention_is_lossless(mode, monkeypatch):
     assert eng.graphs.attention.backend == "triton" and eng.cache.num_free == 2
     if mode == "packed":
         assert eng.draft_graphs.attention.backend == "triton" and eng.draft_graphs.attention.causal is False
+
+
+@pytest.mark.parametrize("family,dtype", [("qwen3", torch.float32), ("llama", torch.float32), ("qwen3", torch.float16)])
+def test_rope_store_kernel_equals_the_torch_function(family, dtype):
+    """One kernel for q/k norm + RoPE + the K/V and query stores == :func:`fused.qk_norm_rope_store`
+    (values and every written place; nothing else of the cache or the query layout is touched)."""
+    from adaflash_hf.engine.fused import SlotStore, qk_norm_rope_store
+    from adaflash_hf.engine.rope_store import qk_norm_rope_store_triton
+
+    model = _hd16_target(family).to(dtype)
+    attn = model.model.layers[0].self_attn
+    T, hq, hkv, d = 5, 4, 2, attn.head_dim
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q, k, v = (t.view(T, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))  # strided views, as in the forward
+    positions = torch.tensor([3, 4, 9, 0, 7])
+    cos, sin = model.model.rotary_emb(q[None], positions[None])
+    qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    norms = (qn.weight, kn.weight, qn.variance_epsilon) if qn is not None else (None, None, 0.0)
+    outs = []
+    for fn in (qk_norm_rope_store, qk_norm_rope_store_triton):
+        kc = torch.full((2, 4, hkv, 16, d), 7.0, dtype=dtype)
+        vc = kc.clone()
+        q_out = torch.full((4, hq, 3, d), -5.0, dtype=dtype)
+        store = SlotStore(kc, vc, torch.tensor([1]), torch.tensor([0, 0, 2, 3, 1]), positions, q_out,
+                          torch.tensor([0, 0, 2, 3, 1]), torch.tensor([0, 1, 0, 2, 1]))
+        assert fn(q, k, v, *norms, cos[0], sin[0], *store) is q_out
+        outs.append((kc, vc, q_out))
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    for ref, got in zip(*outs):
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+    assert (outs[1][0][0] == 7.0).all() and (outs[1][2][:, :, 0] != -5.0).any()  # layer 0 untouched, queries written

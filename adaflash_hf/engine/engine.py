@@ -174,9 +174,10 @@ class Engine:
             layer; elementwise math compiled on CUDA). Kept off automatically, with the reason in
             :attr:`fusion_note`, for layers that are not the stock Qwen3 / Llama math (e.g. LoRA).
         decode_steps: ``off`` mode with graphs: while nothing waits for admission and every running
-            request is greedy, run up to this many decode steps in one replay (a power of two no larger
-            than any request's remaining tokens), read back once (:meth:`.DecodeGraphs.run_greedy`).
-            The host's per-step work and the launch gap then come once per ``decode_steps`` tokens.
+            request is greedy, queue up to this many decode steps (no more than any request's remaining
+            tokens; one graph replay each, launched while the previous runs) and read them back once
+            (:meth:`.DecodeGraphs.run_greedy`). The host's per-step work, the device read and the
+            exposed launch then come once per ``decode_steps`` tokens.
             Outputs are unchanged (tokens past a request's end are computed and dropped); streaming
             callbacks and cancellations act at that granularity. 1 turns it off.
         profile: time each step's phases (``phase_seconds``: draft, target, accept, host), with a
@@ -455,15 +456,14 @@ class Engine:
         return True
 
     def _greedy_steps(self, running) -> int:
-        """How many plain greedy decode steps the next replay may run (1: a normal round)."""
+        """How many plain greedy decode steps to queue before the next device read (1: a normal round)."""
         if self.decode_steps == 1 or not running or self._queue or not all(r.params.greedy for r in running):
             return 1
-        limit = min(self.decode_steps, min(r.remaining for r in running))
-        return 1 << (limit.bit_length() - 1)  # powers of two: few graph buckets
+        return min(self.decode_steps, min(r.remaining for r in running))
 
     def _decode_steps(self, running, steps: int) -> bool:
-        """``steps`` plain greedy decode steps for every running request in one replay and one device
-        read; each step is committed as a round of one token, exactly as ``steps`` normal rounds would."""
+        """``steps`` plain greedy decode steps for every running request, queued back to back, and one
+        device read; each step is committed as a round of one token, exactly as ``steps`` normal rounds would."""
         n = len(running)
         layout = PackedLayout.from_cache(self.cache, [r.slot for r in running], [1] * n)
         if self.step_hook is not None:

@@ -10,9 +10,11 @@ microseconds, which is why the engine's 8B-shape decode ran at 34% of the bandwi
   extra memory, the model's own forward is unchanged, and each group is one GEMM;
 * **elementwise math**: residual add + RMSNorm, Qwen3's q/k RMSNorm + RoPE (on the static decode
   path together with the K/V cache writes and the query layout, :class:`SlotStore`), and ``act(gate) * up``
-  are one function each, compiled with ``torch.compile`` on CUDA (one kernel each) and run eagerly
-  elsewhere. They do the HF modules' operations in the same order and dtypes (``tests/test_engine_fused.py``
-  checks bit equality on CPU); ``emulate_precision_casts`` keeps Inductor's rounding at the casts.
+  are one function each, compiled with ``torch.compile`` on CUDA and run eagerly elsewhere. They do
+  the HF modules' operations in the same order and dtypes (``tests/test_engine_fused.py`` checks bit
+  equality on CPU); ``emulate_precision_casts`` keeps Inductor's rounding at the casts. On CUDA with
+  Triton, the static path's norm + RoPE + stores are one hand-written kernel instead
+  (:mod:`.rope_store`; Inductor made four of them, one per scatter).
 * **few-row projections** (one token: batch-1 decoding; 2-16 tokens: a verify block): cuBLAS picks
   GEMM kernels that read the weights below the H200's bandwidth at these shapes. Two other kinds of
   kernel compete: Inductor's matrix-vector reduction tuned by ``coordinate_descent_tuning`` (one row,
@@ -251,7 +253,7 @@ class FusedTarget:
     """
 
     def __init__(self, model, compile: bool, row_kernels: dict[str, str] | None = None,
-                 block_kernels: dict[str, str] | None = None):
+                 block_kernels: dict[str, str] | None = None, store_kernel: str | None = None):
         self.model, self.compiled = model, compile
         self.layers = []
         for layer in model.model.layers:
@@ -274,6 +276,16 @@ class FusedTarget:
             rows = {k: torch.compile(f, fullgraph=True, dynamic=False, options=opts) for k, f in rows.items()}
         self.rms_norm, self.add_rms_norm, self.qk_norm_rope, self.qk_norm_rope_store, self.act_mul = (
             fns["rms_norm"], fns["add_rms_norm"], fns["qk_norm_rope"], fns["qk_norm_rope_store"], fns["act_mul"])
+        self.store_kernel = store_kernel or self._default_store_kernel()
+        if self.store_kernel not in ("torch", "triton"):
+            raise ValueError(f"store_kernel is 'torch' or 'triton', got {store_kernel!r}")
+        if self.store_kernel == "triton":  # norm + RoPE + the three stores in one kernel (rope_store.py)
+            from .rope_store import qk_norm_rope_store_triton, unsupported
+
+            why = unsupported(model.model.layers[0].self_attn.head_dim)
+            if why is not None:
+                raise ValueError(f"store_kernel='triton': {why}")
+            self.qk_norm_rope_store = qk_norm_rope_store_triton
         self._row_fns = dict(rows)
         for name, given, kinds in (("row_kernels", row_kernels, ROW_KINDS), ("block_kernels", block_kernels, BLOCK_KINDS)):
             if set(given or {}) - set(ROW_PROJECTIONS) or any(v not in kinds for v in (given or {}).values()):
@@ -291,6 +303,17 @@ class FusedTarget:
                     self.triton_configs[(role, rows_)] = fits[0]
         self.row_timings: dict[str, dict[str, float]] = {}  # per projection and rows: device ms per layer of each kernel
         self.row_note = ""
+
+    def _default_store_kernel(self) -> str:
+        """``"triton"`` (one kernel for q/k norm, RoPE and the stores) when compiling for CUDA with Triton
+        available and a head size it takes, else ``"torch"`` (:func:`qk_norm_rope_store`, compiled or eager)."""
+        if not (self.compiled and self.layers[0].qkv.is_cuda):
+            return "torch"
+        try:
+            from .rope_store import unsupported
+        except ImportError:
+            return "torch"
+        return "torch" if unsupported(self.model.model.layers[0].self_attn.head_dim) else "triton"
 
     # ------------------------------------------------------------------ projections
     def _weight(self, role: str, li: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -122,19 +122,29 @@ class GraphRunner:
     def _reset_inputs(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _input_state(self) -> tuple:
+        """What a forward may change of its own inputs (``_restore_inputs`` puts it back; default: nothing)."""
+        return ()
+
+    def _restore_inputs(self, state: tuple) -> None:
+        pass
+
     def _capture(self, bucket: tuple) -> torch.cuda.CUDAGraph:
         t0 = time.perf_counter()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         # Warm-up (compiles attention for a new q bucket). It runs on the current inputs: the K/V it writes
         # are the ones the replay writes again, so capturing in the middle of a round is harmless.
+        state = self._input_state()  # a forward that advances its own inputs (a greedy step) is undone after each run
         with torch.cuda.stream(stream):
             for _ in range(2):
                 self._forward(*bucket)
+                self._restore_inputs(state)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self._forward(*bucket)
+        self._restore_inputs(state)
         torch.cuda.synchronize()
         self.graphs[bucket] = graph
         self.capture_seconds += time.perf_counter() - t0
@@ -190,7 +200,7 @@ class DecodeGraphs(GraphRunner):
         max_q: most tokens one request sends (the drafter block size; 1 for plain decoding).
         use_graphs: capture and replay CUDA graphs (default: on CUDA). Off, the same static forward
             runs eagerly.
-        max_steps: most greedy decode steps one replay may run (:meth:`run_greedy`; 1: none).
+        max_steps: most greedy decode steps one :meth:`run_greedy` call may run (1: none).
         fused: run the layers through this :class:`~.fused.FusedTarget` of ``model`` (default: the
             HF modules).
         attention: one of :data:`~.attention.BACKENDS` (default: :func:`~.attention.default_backend`). If
@@ -223,6 +233,7 @@ class DecodeGraphs(GraphRunner):
         self._q_out: dict[tuple[int, int], torch.Tensor] = {}
         self._layer_ids = torch.arange(cache.num_layers, device=device)
         self.step_tokens = torch.zeros(max_steps, T, dtype=torch.long, device=device)  # run_greedy's output
+        self.step_index = torch.zeros(1, dtype=torch.long, device=device)  # its row for the next greedy step
         self.padded_tokens = 0
 
     # ------------------------------------------------------------------ buckets and inputs
@@ -266,23 +277,28 @@ class DecodeGraphs(GraphRunner):
 
     # ------------------------------------------------------------------ the forward
     @torch.no_grad()  # also when replay / precapture are called directly: flex's backward needs more of the mask
-    def _forward(self, Tb: int, qb: int, Rb: int | None = None, steps: int = 1) -> None:
-        if steps == 1:
+    def _forward(self, Tb: int, qb: int, Rb: int | None = None, greedy: str | None = None) -> None:
+        if greedy is None:
             self._forward_once(Tb, qb, Rb)
             return
-        # Greedy decode steps in one replay: each step's argmax is the next step's input token, one
-        # position later (the slot's ``start`` too). The inputs are restored at the end, so that
-        # replays (and capture's warm-up runs) always start from what prepare() wrote.
-        saved, saved_start = self.inputs[:, :Tb].clone(), self.attention.start.clone()
+        # One greedy decode step that sets up the next (run_greedy replays it back to back): its argmax
+        # is the next step's input token, one position later (the slot's ``start`` too), and goes to row
+        # ``step_index`` of ``step_tokens``.
         tokens, positions = self.inputs[0, :Tb], self.inputs[1, :Tb]
-        for s in range(steps):
-            logits, _ = self._forward_once(Tb, qb, Rb, keep=False)
-            self.step_tokens[s, :Tb] = logits.argmax(dim=-1)
-            tokens.copy_(self.step_tokens[s, :Tb])
-            positions.add_(1)
-            self.attention.start.add_(1)  # INACTIVE rows stay far below every key position
-        self.inputs[:, :Tb].copy_(saved)
-        self.attention.start.copy_(saved_start)
+        logits, _ = self._forward_once(Tb, qb, Rb, keep=False)
+        nxt = logits.argmax(dim=-1)
+        self.step_tokens[:, :Tb].index_copy_(0, self.step_index, nxt[None])
+        tokens.copy_(nxt)
+        positions.add_(1)
+        self.attention.start.add_(1)  # INACTIVE rows stay far below every key position
+        self.step_index.add_(1)
+
+    def _input_state(self) -> tuple:
+        return self.inputs.clone(), self.attention.start.clone(), self.step_index.clone()
+
+    def _restore_inputs(self, state: tuple) -> None:
+        for buf, saved in zip((self.inputs, self.attention.start, self.step_index), state):
+            buf.copy_(saved)
 
     def _forward_once(self, Tb: int, qb: int, Rb: int | None, keep: bool = True):
         tokens, positions, slots, rows, qslots = self.inputs[:, :Tb]
@@ -331,9 +347,10 @@ class DecodeGraphs(GraphRunner):
 
     @torch.no_grad()
     def run_greedy(self, tokens, layout: PackedLayout, steps: int) -> torch.Tensor:
-        """``steps`` greedy plain-decoding steps of every request in ``layout`` (one token each) in one
-        replay: ``[steps, T]`` next tokens on the device (a view of a static buffer, valid until the next
-        replay). Step ``s`` feeds back step ``s - 1``'s argmax; each step writes its input token's K/V.
+        """``steps`` greedy plain-decoding steps of every request in ``layout`` (one token each), queued
+        without a host synchronisation: ``[steps, T]`` next tokens on the device (a view of a static buffer,
+        valid until the next replay). Step ``s`` feeds back step ``s - 1``'s argmax; each step writes its
+        input token's K/V.
         Cache lengths are not changed (the caller advances them by what it keeps). Equal to ``steps``
         calls of :meth:`run` with the argmax fed back (``tests/test_engine_graphs.py``)."""
         if not 1 <= steps <= self.max_steps:
@@ -343,8 +360,12 @@ class DecodeGraphs(GraphRunner):
         if max(p + steps for p in layout.prefix_lens) > self.cache.max_len:
             raise ValueError(f"write past max_len {self.cache.max_len}")
         bucket = self.prepare(tokens, layout)
-        self.replay(bucket + (steps,) if steps > 1 else bucket)
-        if steps == 1:
+        if steps == 1:  # the plain decode bucket: no graph of its own
+            self.replay(bucket)
             return self.logits[: layout.num_tokens].argmax(dim=-1)[None]
+        # One graph per step, replayed back to back: a replay is launched while the previous one runs, so
+        # only the first launch is exposed (one graph of all the steps took ~1 ms to launch per replay).
+        self.step_index.zero_()
+        for _ in range(steps):
+            self.replay(bucket + ("greedy",))
         return self.step_tokens[:steps, : layout.num_tokens]
-
