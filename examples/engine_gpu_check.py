@@ -385,7 +385,13 @@ def cost_8b(device, smoke: bool, quick: bool):
                 f"{rep.get('triton_tiles')} {rep.get('row_note', '')}; ms per layer {rep.get('row_timings_ms')}")
             steps, dt = decode(eng, 0)
             bucket = max(eng.graphs.replays, key=eng.graphs.replays.get)  # the most replayed decode bucket
-            replay_ms = time_ms(lambda: eng.graphs.graphs[bucket].replay(), device, iters) if eng.graphs.use_graphs else None
+
+            def replay_steps(g=eng.graphs, graph=eng.graphs.graphs.get(bucket), state=eng.graphs._input_state()):
+                g._restore_inputs(state)  # a greedy step graph advances its own inputs (run_greedy's prepare resets them)
+                for _ in range(k):
+                    graph.replay()
+
+            replay_ms = time_ms(replay_steps, device, iters) / k if eng.graphs.use_graphs else None
             r = rep[key] = {"fused": eng.fused is not None, "decode_steps": k, "tok_per_s": steps / dt,
                             "ms_per_token": 1e3 * dt / steps, "graph_replay_ms_per_token": replay_ms, "steps_timed": steps,
                             "context": ctx, "of_floor": (steps / dt) / rep["floor_tok_per_s"]}
