@@ -388,6 +388,7 @@ def cost_8b(device, smoke: bool, quick: bool):
 
             def replay_steps(g=eng.graphs, graph=eng.graphs.graphs.get(bucket), state=eng.graphs._input_state()):
                 g._restore_inputs(state)  # a greedy step graph advances its own inputs (run_greedy's prepare resets them)
+                g.step_index.zero_()
                 for _ in range(k):
                     graph.replay()
 
