@@ -379,10 +379,12 @@ def cost_8b(device, smoke: bool, quick: bool):
             if eng.fused is not None:
                 rep.update(row_kernels=eng.fused.row_kernels, block_kernels=eng.fused.block_kernels,
                            triton_tiles={f"{r} x{n}": list(t) for (r, n), t in eng.fused.triton_configs.items()},
-                           row_timings_ms=eng.fused.row_timings, row_note=eng.fused.row_note)
+                           row_timings_ms=eng.fused.row_timings, row_note=eng.fused.row_note,
+                           store_kernel=eng.fused.store_kernel, store_note=eng.fused.store_note)
             log(f"b: engine built in {rep['fuse_s']:.1f}s, fused layers: {eng.fused is not None} {eng.fusion_note}; "
                 f"one-row kernels {rep.get('row_kernels')}, 16-row kernels {rep.get('block_kernels')}, Triton tiles "
-                f"{rep.get('triton_tiles')} {rep.get('row_note', '')}; ms per layer {rep.get('row_timings_ms')}")
+                f"{rep.get('triton_tiles')} {rep.get('row_note', '')}; norm + RoPE + store: {rep.get('store_kernel')} "
+                f"{rep.get('store_note', '')}; ms per layer {rep.get('row_timings_ms')}")
             steps, dt = decode(eng, 0)
             bucket = max(eng.graphs.replays, key=eng.graphs.replays.get)  # the most replayed decode bucket
 
@@ -653,6 +655,7 @@ def markdown(res: dict) -> str:
                     out += [f"\nkernels of one decode forward (eager, torch.profiler): {kp['kernels']}, {kp['kernel_ms']:.2f} ms; top:", ""]
                     out += [f"- {k['us'] / 1e3:.3f} ms x{k['count']} `{k['name']}`" for k in kp["top"]]
             if b.get("row_kernels"):
+                out.append(f"\nnorm + RoPE + store kernel: {b.get('store_kernel')} {b.get('store_note', '')}")
                 out.append(f"\none-row kernels chosen at build: {b['row_kernels']}; 2-16 rows: {b.get('block_kernels')} "
                            f"{b.get('row_note', '')}; ms per layer: "
                            + ", ".join(f"{k} " + "/".join(f"{n} {v:.4f}" for n, v in t.items()) for k, t in b.get("row_timings_ms", {}).items()))

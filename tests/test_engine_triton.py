@@ -247,3 +247,21 @@ def test_rope_store_kernel_equals_the_torch_function(family, dtype):
     for ref, got in zip(*outs):
         torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
     assert (outs[1][0][0] == 7.0).all() and (outs[1][2][:, :, 0] != -5.0).any()  # layer 0 untouched, queries written
+
+
+def test_store_kernel_is_checked_before_use():
+    """``check_store_kernel`` keeps the Triton kernel when it agrees with the torch function and falls back
+    (with a note) when it does not; the negative control is a kernel without the q/k norm."""
+    from adaflash_hf.engine import fused as fused_module
+
+    target = _hd16_target()
+    fused = FusedTarget(target, compile=False, store_kernel="triton")
+    assert fused.check_store_kernel() == "triton" and fused.store_note == ""
+
+    def no_norm(q, k, v, qw, kw, eps, cos, sin, *store):
+        return fused_module.qk_norm_rope_store(q, k, v, None, None, eps, cos, sin, *store)
+
+    wrong = FusedTarget(target, compile=False, store_kernel="triton")
+    wrong.qk_norm_rope_store = no_norm
+    assert wrong.check_store_kernel() == "torch" and "differs" in wrong.store_note
+    assert wrong.qk_norm_rope_store is wrong._store_torch

@@ -46,7 +46,8 @@ from transformers.models.llama import modeling_llama
 from transformers.models.qwen3 import modeling_qwen3
 
 _MAX_ROWS = 16  # skinny_linear.MAX_ROWS (that module needs Triton, imported only when used)
-_TUNING = ("row_kernels", "block_kernels", "triton_configs", "row_timings", "row_note")  # what tune_row_kernels sets
+# what tune_row_kernels and check_store_kernel set
+_TUNING = ("row_kernels", "block_kernels", "triton_configs", "row_timings", "row_note", "store_kernel", "store_note")
 _TUNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its tuning (FusedTarget.build)
 
 __all__ = ["FusedTarget", "SlotStore", "add_rms_norm", "qk_norm_rope", "qk_norm_rope_store", "rms_norm"]
@@ -279,6 +280,8 @@ class FusedTarget:
         self.store_kernel = store_kernel or self._default_store_kernel()
         if self.store_kernel not in ("torch", "triton"):
             raise ValueError(f"store_kernel is 'torch' or 'triton', got {store_kernel!r}")
+        self._store_torch = self.qk_norm_rope_store
+        self.store_note = ""
         if self.store_kernel == "triton":  # norm + RoPE + the three stores in one kernel (rope_store.py)
             from .rope_store import qk_norm_rope_store_triton, unsupported
 
@@ -431,6 +434,41 @@ class FusedTarget:
         self.row_note = "; ".join(notes)
         return dict(self.row_kernels)
 
+    @torch.no_grad()
+    def check_store_kernel(self) -> str:
+        """Run the Triton norm + RoPE + store kernel once against :func:`qk_norm_rope_store` (eager) on
+        random inputs of this model's shapes; if it fails or disagrees, use the torch function instead
+        (:attr:`store_note` says why). Returns :attr:`store_kernel`."""
+        if self.store_kernel != "triton":
+            return self.store_kernel
+        attn, p = self.model.model.layers[0].self_attn, self.layers[0].qkv
+        d, (nq, nk, _) = attn.head_dim, self.layers[0].splits
+        gen = torch.Generator(device=p.device).manual_seed(0)
+        T = 3
+        qkv = torch.randn(T, nq + 2 * nk, generator=gen, device=p.device, dtype=p.dtype)
+        q, k, v = (t.view(T, -1, d) for t in qkv.split([nq, nk, nk], dim=-1))
+        positions = torch.arange(T, device=p.device) * 5
+        cos, sin = self.model.model.rotary_emb(q[None], positions[None])
+        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        norms = (qn.weight, kn.weight, qn.variance_epsilon) if qn is not None else (None, None, 0.0)
+        outs = []
+        try:
+            for fn in (qk_norm_rope_store, self.qk_norm_rope_store):
+                kc = torch.zeros(1, T, nk // d, 16, d, device=p.device, dtype=p.dtype)
+                q_out = torch.zeros(T, nq // d, 1, d, device=p.device, dtype=p.dtype)
+                idx = torch.arange(T, device=p.device)
+                store = SlotStore(kc, kc.clone(), idx[:1] * 0, idx, positions, q_out, idx, idx * 0)
+                fn(q, k, v, *norms, cos[0], sin[0], *store)
+                outs.append((store.k_cache, store.v_cache, store.q_out))
+            ok = all(torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.02) for a, b in zip(*outs))
+            why = "" if ok else "its output differs from the torch function's"
+        except Exception as exc:  # noqa: BLE001 - a compiler failure must not stop serving: the torch function remains
+            why = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if why:
+            self.store_kernel, self.qk_norm_rope_store = "torch", self._store_torch
+            self.store_note = f"Triton norm + RoPE + store kernel unavailable ({why}); using the compiled torch function"
+        return self.store_kernel
+
     def check_current(self) -> None:
         """Raise a clear ``RuntimeError`` if the model's projections no longer live in the fused
         weights (e.g. ``model.to(...)`` or a parameter assigned anew after the engine was built):
@@ -458,7 +496,10 @@ class FusedTarget:
             tuned = _TUNED.get(model)
             if tuned is None:
                 fused.tune_row_kernels()
+                fused.check_store_kernel()
                 tuned = _TUNED[model] = {k: copy.deepcopy(getattr(fused, k)) for k in _TUNING}
             for k in _TUNING:
                 setattr(fused, k, copy.deepcopy(tuned[k]))
+            if fused.store_kernel == "torch":
+                fused.qk_norm_rope_store = fused._store_torch
         return fused, ""
