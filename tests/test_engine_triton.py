@@ -201,11 +201,15 @@ def test_static_forward_with_triton_kernels_equals_eager(family, extra, q_lens, 
 
 
 @pytest.mark.parametrize("mode", ["packed", "off"])
-def test_engine_with_triton_attention_is_lossless(mode, monkeypatch):
-    """The engine's static path (target and drafter forwards) on the Triton attention backend: every
-    request's greedy output equals its plain greedy decoding, and no slot leaks."""
+def test_engine_with_triton_kernels_is_lossless(mode, monkeypatch):
+    """The engine's static path with every Triton kernel (attention in the target and drafter forwards,
+    every projection, norm + RoPE + store), as on CUDA: every request's greedy output equals its plain
+    greedy decoding (``off``: several greedy steps per device read), and no slot leaks."""
     for module in (graphs_module, drafter_module):
         monkeypatch.setattr(module, "default_backend", lambda device: "triton")
+    every = dict.fromkeys(("qkv", "o", "gate_up", "down", "lm_head"), "triton")
+    monkeypatch.setattr(FusedTarget, "build", classmethod(lambda cls, model, compile=None: (
+        cls(model, False, row_kernels=every, block_kernels=every, store_kernel="triton"), "")))
     target = _hd16_target()
     drafter = make_drafter(target, block_size=4)
     prompts = engine_prompts([3, 9, 5], seed=7)
@@ -213,6 +217,7 @@ def test_engine_with_triton_attention_is_lossless(mode, monkeypatch):
     outs = eng.generate(prompts, max_new_tokens=6)
     assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 6) for p in prompts]
     assert eng.graphs.attention.backend == "triton" and eng.cache.num_free == 2
+    assert eng.fused.store_kernel == "triton" and set(eng.fused.row_kernels.values()) == {"triton"}
     if mode == "packed":
         assert eng.draft_graphs.attention.backend == "triton" and eng.draft_graphs.attention.causal is False
 
