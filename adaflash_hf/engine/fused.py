@@ -255,6 +255,17 @@ class FusedTarget:
 
     def __init__(self, model, compile: bool, row_kernels: dict[str, str] | None = None,
                  block_kernels: dict[str, str] | None = None, store_kernel: str | None = None):
+        for name, given, kinds in (("row_kernels", row_kernels, ROW_KINDS), ("block_kernels", block_kernels, BLOCK_KINDS)):
+            if set(given or {}) - set(ROW_PROJECTIONS) or any(v not in kinds for v in (given or {}).values()):
+                raise ValueError(f"{name} maps {', '.join(ROW_PROJECTIONS)} to one of {kinds}; got {given!r}")
+        if store_kernel not in (None, "torch", "triton"):
+            raise ValueError(f"store_kernel is 'torch' or 'triton', got {store_kernel!r}")
+        if store_kernel == "triton":
+            from .rope_store import unsupported
+
+            why = unsupported(model.model.layers[0].self_attn.head_dim)
+            if why is not None:
+                raise ValueError(f"store_kernel='triton': {why}")
         self.model, self.compiled = model, compile
         self.layers = []
         for layer in model.model.layers:
@@ -278,21 +289,13 @@ class FusedTarget:
         self.rms_norm, self.add_rms_norm, self.qk_norm_rope, self.qk_norm_rope_store, self.act_mul = (
             fns["rms_norm"], fns["add_rms_norm"], fns["qk_norm_rope"], fns["qk_norm_rope_store"], fns["act_mul"])
         self.store_kernel = store_kernel or self._default_store_kernel()
-        if self.store_kernel not in ("torch", "triton"):
-            raise ValueError(f"store_kernel is 'torch' or 'triton', got {store_kernel!r}")
         self._store_torch = self.qk_norm_rope_store
         self.store_note = ""
         if self.store_kernel == "triton":  # norm + RoPE + the three stores in one kernel (rope_store.py)
-            from .rope_store import qk_norm_rope_store_triton, unsupported
+            from .rope_store import qk_norm_rope_store_triton
 
-            why = unsupported(model.model.layers[0].self_attn.head_dim)
-            if why is not None:
-                raise ValueError(f"store_kernel='triton': {why}")
             self.qk_norm_rope_store = qk_norm_rope_store_triton
         self._row_fns = dict(rows)
-        for name, given, kinds in (("row_kernels", row_kernels, ROW_KINDS), ("block_kernels", block_kernels, BLOCK_KINDS)):
-            if set(given or {}) - set(ROW_PROJECTIONS) or any(v not in kinds for v in (given or {}).values()):
-                raise ValueError(f"{name} maps {', '.join(ROW_PROJECTIONS)} to one of {kinds}; got {given!r}")
         self.row_kernels = {k: (row_kernels or {}).get(k, "cublas") for k in ROW_PROJECTIONS}
         self.block_kernels = {k: (block_kernels or {}).get(k, "cublas") for k in ROW_PROJECTIONS}
         # Triton tile per (projection, rows): 1 or MAX_ROWS. Given kernels get the first candidate that fits.
