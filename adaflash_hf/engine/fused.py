@@ -496,11 +496,13 @@ class FusedTarget:
         on_cuda = next(model.parameters()).device.type == "cuda"
         fused = cls(model, on_cuda if compile is None else compile)
         if fused.compiled and on_cuda:
+            weight = fused.layers[0].qkv
             tuned = _TUNED.get(model)
-            if tuned is None:
+            if tuned is None or tuned["on"] != (weight.dtype, weight.device):  # e.g. after model.to(dtype)
                 fused.tune_row_kernels()
                 fused.check_store_kernel()
                 tuned = _TUNED[model] = {k: copy.deepcopy(getattr(fused, k)) for k in _TUNING}
+                tuned["on"] = (weight.dtype, weight.device)
             for k in _TUNING:
                 setattr(fused, k, copy.deepcopy(tuned[k]))
             if fused.store_kernel == "torch":
