@@ -179,3 +179,17 @@ def plain_greedy_ids(target, prompt: list[int], n: int) -> list[int]:
     """The `n` tokens plain greedy `generate` appends to `prompt` (the engine's reference)."""
     out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
     return out[0, len(prompt):].tolist()
+
+
+def prefilled_cache(target, prompts: list[list[int]], num_slots: int, max_len: int):
+    """A target cache (one spare padding row) with each prompt prefilled into its own slot by the eager
+    forward: ``(cache, slots)``."""
+    from adaflash_hf.engine import PackedLayout, make_target_cache, target_forward
+
+    cache = make_target_cache(target, num_slots, max_len, spare_slots=1)
+    slots = [cache.alloc() for _ in prompts]
+    lay = PackedLayout.from_cache(cache, slots, [len(p) for p in prompts])
+    target_forward(target, cache, torch.tensor(sum(prompts, [])), lay.token_slots(), lay.positions(), lay)
+    for s, p in zip(slots, prompts):
+        cache.advance(s, len(p))
+    return cache, slots

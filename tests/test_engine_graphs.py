@@ -26,7 +26,7 @@ from adaflash_hf.engine import (
 )
 from adaflash_hf.engine.attention import INACTIVE as INACTIVE_START
 
-from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids
+from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids, prefilled_cache
 
 MODES = ("packed", "rectangular", "fixed", "off")
 
@@ -110,16 +110,6 @@ def test_mask_mod_and_flex_equal_boolean_mask(q_len):
 
 
 # ---------------------------------------------------------------- the static padded forward
-def _prefilled(target, prompts, num_slots, max_len, spare):
-    cache = make_target_cache(target, num_slots, max_len, spare_slots=spare)
-    slots = [cache.alloc() for _ in prompts]
-    lay = PackedLayout.from_cache(cache, slots, [len(p) for p in prompts])
-    target_forward(target, cache, torch.tensor(sum(prompts, [])), lay.token_slots(), lay.positions(), lay)
-    for s, p in zip(slots, prompts):
-        cache.advance(s, len(p))
-    return cache, slots
-
-
 # (prompt lengths, decode tokens per request, largest token / q bucket): ragged, uniform, one request,
 # rectangular-like, a padded token bucket (T=7 -> 8) and a padded q bucket (max 3 -> 4)
 LAYOUTS = [
@@ -140,8 +130,8 @@ def test_static_forward_equals_eager(pair, prompt_lens, q_lens, max_tokens, max_
     layers = list(drafter.config.target_layer_ids) + [target.config.num_hidden_layers - 1]
     prompts = engine_prompts(prompt_lens, seed=sum(prompt_lens))
     chunks = engine_prompts(q_lens, seed=len(q_lens))
-    ref_cache, slots = _prefilled(target, prompts, 6, 32, spare=1)
-    cache, _ = _prefilled(target, prompts, 6, 32, spare=1)
+    ref_cache, slots = prefilled_cache(target, prompts, 6, 32)
+    cache, _ = prefilled_cache(target, prompts, 6, 32)
     lay = PackedLayout.from_cache(cache, slots, q_lens)
     toks = torch.tensor(sum(chunks, []))
     ref_logits, ref_hidden = target_forward(target, ref_cache, toks, lay.token_slots(), lay.positions(), lay, layers)
@@ -169,7 +159,7 @@ def test_padding_never_leaks(pair):
     results = []
     # buckets: exact (6, 3), padded tokens (8, 3), padded rows (6, 4), both (8, 4)
     for max_tokens, max_q, poison in ((6, 3, False), (48, 3, True), (6, 8, True), (48, 8, True)):
-        cache, slots = _prefilled(target, prompts, 4, 32, spare=1)
+        cache, slots = prefilled_cache(target, prompts, 4, 32)
         lay = PackedLayout.from_cache(cache, slots, [len(c) for c in chunks])
         graphs = DecodeGraphs(target, cache, None, max_tokens=max_tokens, max_q=max_q)
         if poison:
@@ -192,8 +182,8 @@ def test_compiled_flex_backend_equals_eager():
     slots and prefixes reuse one compiled kernel and both equal the eager packed forward."""
     target = make_target("qwen3", seed=3, hidden=64)  # head_dim 16: the smallest flex compiles for
     prompts = engine_prompts([5, 9, 3], seed=31)
-    ref_cache, slots = _prefilled(target, prompts, 4, 32, spare=1)
-    cache, _ = _prefilled(target, prompts, 4, 32, spare=1)
+    ref_cache, slots = prefilled_cache(target, prompts, 4, 32)
+    cache, _ = prefilled_cache(target, prompts, 4, 32)
     graphs = DecodeGraphs(target, cache, [1], max_tokens=8, max_q=4, attention="flex")
     assert graphs.attention.backend == "flex"
     for round_, q_lens in enumerate(([2, 4, 1], [3, 3, 2])):
@@ -289,8 +279,8 @@ def test_run_greedy_equals_single_steps(pair, steps):
     K/V, and the inputs left as ``prepare`` wrote them (a second replay repeats the first exactly)."""
     target, _ = pair
     prompts = engine_prompts([5, 1, 9], seed=3)
-    ref_cache, slots = _prefilled(target, prompts, 4, 32, spare=1)
-    cache, _ = _prefilled(target, prompts, 4, 32, spare=1)
+    ref_cache, slots = prefilled_cache(target, prompts, 4, 32)
+    cache, _ = prefilled_cache(target, prompts, 4, 32)
     single = DecodeGraphs(target, ref_cache, None, max_tokens=4, max_q=1)
     multi = DecodeGraphs(target, cache, None, max_tokens=4, max_q=1, max_steps=8)
     current, expected = [3, 7, 11], []
@@ -312,7 +302,7 @@ def test_run_greedy_equals_single_steps(pair, steps):
 
 def test_run_greedy_refuses_what_it_cannot_do(pair):
     target, drafter = pair
-    cache, slots = _prefilled(target, engine_prompts([4, 30], seed=1), 3, 32, spare=1)
+    cache, slots = prefilled_cache(target, engine_prompts([4, 30], seed=1), 3, 32)
     graphs = DecodeGraphs(target, cache, None, max_tokens=8, max_q=4, max_steps=4)
     with pytest.raises(ValueError, match="steps must be in"):
         graphs.run_greedy([1, 2], PackedLayout.from_cache(cache, slots, [1, 1]), 5)

@@ -13,14 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, make_target_cache, target_forward
+from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, target_forward
 from adaflash_hf.engine import drafter as drafter_module
 from adaflash_hf.engine import graphs as graphs_module
 from adaflash_hf.engine import skinny_linear as SL
 from adaflash_hf.engine.attention import INACTIVE, SlotAttention
 from adaflash_hf.engine.decode_attention import decode_attention, merge_partials, splits_for
 
-from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids
+from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids, prefilled_cache
 
 
 # ---------------------------------------------------------------- split-KV slot attention
@@ -157,16 +157,6 @@ def _hd16_target(family="qwen3", **kw):
     return make_target(family, seed=3, hidden=64, **kw)  # head_dim 16: the smallest tile the attention kernel takes
 
 
-def _prefilled(target, prompts, num_slots, max_len):
-    cache = make_target_cache(target, num_slots, max_len, spare_slots=1)
-    slots = [cache.alloc() for _ in prompts]
-    lay = PackedLayout.from_cache(cache, slots, [len(p) for p in prompts])
-    target_forward(target, cache, torch.tensor(sum(prompts, [])), lay.token_slots(), lay.positions(), lay)
-    for s, p in zip(slots, prompts):
-        cache.advance(s, len(p))
-    return cache, slots
-
-
 @pytest.mark.parametrize("family,extra", [("qwen3", {}), ("llama", {"attention_bias": True, "mlp_bias": True})])
 @pytest.mark.parametrize("q_lens", [[1], [3, 1, 4]])
 def test_static_forward_with_triton_kernels_equals_eager(family, extra, q_lens, monkeypatch):
@@ -175,8 +165,8 @@ def test_static_forward_with_triton_kernels_equals_eager(family, extra, q_lens, 
     stores) == the eager packed forward through the HF modules; each projection really ran on Triton."""
     target = _hd16_target(family, **extra)
     prompts = engine_prompts([5, 9, 3][: len(q_lens)], seed=31)
-    ref_cache, slots = _prefilled(target, prompts, 4, 32)
-    cache, _ = _prefilled(target, prompts, 4, 32)
+    ref_cache, slots = prefilled_cache(target, prompts, 4, 32)
+    cache, _ = prefilled_cache(target, prompts, 4, 32)
     every = {k: "triton" for k in FusedTarget(target, compile=False).row_kernels}
     fused = FusedTarget(target, compile=False, row_kernels=every, block_kernels=every, store_kernel="triton")
     calls = []
