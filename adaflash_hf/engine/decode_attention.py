@@ -139,7 +139,7 @@ def splits_for(slots: int, kv_heads: int, kv_len: int, rows: int, sms: int = 132
     at most 16, at most one per ``BLOCK_N`` keys), half that for tiles of 64 query rows or more. On the
     H200 at one slot (plus the padding row), 8 kv heads and 1024 keys this chose the fastest of 1-32
     chunks for 1 and for 16 query rows, and no split from 32 slots up
-    (``adaflash_hf/reference/logs/engine_probes/decode_kernels.json``)."""
+    (``docs/logs/engine_probes/decode_kernels.json``)."""
     want = max(1, sms // (slots * kv_heads))
     if rows >= 64:
         want //= 2

@@ -2,7 +2,7 @@
 
 At one to sixteen rows a projection is a pass over its weight: what matters is reading it at full
 bandwidth. cuBLAS and Inductor's tuned reduction leave some of it on the table at Qwen3-8B shapes on
-the H200 (``adaflash_hf/reference/logs/engine_probes/decode_kernels.json``): e.g. the down projection
+the H200 (``docs/logs/engine_probes/decode_kernels.json``): e.g. the down projection
 took 30.5 us (cuBLAS) and 31.2 us (Inductor) at one row, 24.9 us here; at 16 rows the o projection
 took 13.6 us (cuBLAS) and 11.3 us here. Neither wins everywhere, so :class:`~.fused.FusedTarget`
 times the candidates on the model's own weights and keeps the fastest per projection.

@@ -2,7 +2,7 @@
 (16 tokens) forwards at Qwen3-8B shape, context 1024: CUDA-graph replay ms of each, their ratio, and
 the 16-token forward's top kernels. Run on the H200 from the repository root:
 ``python3 examples/engine_probes/flex_kernel_options.py``; the run of 2026-11-29 is
-``adaflash_hf/reference/logs/engine_probes/flex_kernel_options.txt``."""
+``docs/logs/engine_probes/flex_kernel_options.txt``."""
 import sys, time, traceback
 sys.path.insert(0, "examples")  # engine_gpu_check: the 8B-shaped model and timers
 import torch

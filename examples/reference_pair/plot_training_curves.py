@@ -1,6 +1,6 @@
 """Plot the reference pair's training curves from the committed logs.
 
-    python examples/reference_pair/plot_training_curves.py [--out adaflash_hf/reference/logs/training_curves.png]
+    python examples/reference_pair/plot_training_curves.py [--out docs/logs/training_curves.png]
 """
 
 import argparse

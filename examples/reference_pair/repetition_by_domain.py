@@ -1,7 +1,7 @@
 """How repetitive are the reference target's greedy outputs, per held-out domain?
 
     OMP_NUM_THREADS=2 python examples/reference_pair/repetition_by_domain.py \
-        --out adaflash_hf/reference/logs/repetition_by_domain_v4
+        --out docs/logs/repetition_by_domain_v4
 
 BENCHMARKS.md section 1 reports greedy tau of drafter v4 per held-out set (cpu_tau_64_v4): MathQA
 (2.22) is as high as ShareGPT chat (2.15) although the drafter never saw math. The suspected reason
@@ -43,7 +43,7 @@ from adaflash_hf.generation.prompts import encode_prompt
 
 REPO = Path(__file__).resolve().parents[2]
 DATASETS = ("gsm8k", "mathqa", "codealpaca", "sharegpt", "math500", "prose")
-BENCH_JSON = REPO / "adaflash_hf/reference/logs/cpu_tau_64_v4/bench.json"
+BENCH_JSON = REPO / "docs/logs/cpu_tau_64_v4/bench.json"
 
 
 def copyable_fraction(prompt: list[int], generated: list[int], n: int = 4) -> float | None:
