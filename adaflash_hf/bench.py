@@ -7,6 +7,8 @@ each concurrency (prompts decoded together in one left-padded batch) times every
 - ``plain``: ``target.generate`` with the default dynamic cache (the reference for correctness);
 - ``plain_static``: ``target.generate(cache_implementation="static")``, compiled on CUDA;
 - ``hf_assisted``: HF assisted generation with ``--assistant`` (batch 1 only);
+- ``prompt_lookup``: HF prompt-lookup decoding (``prompt_lookup_num_tokens``, an n-gram copy of the
+  prompt and the text so far; no drafter, no training; batch 1 only), the baseline a user already has;
 - ``dflash_native``: transformers' own DFlash path, ``speculation_type="dflash"`` (batch 1 only);
 - ``fixed``, ``adaptive``, ``expected_gain``: our speculative loop with that length policy;
 - ``osd``, ``adaflash``: our loop serving the dataset's prompts in order while an
@@ -77,7 +79,7 @@ __all__ = [
 
 BASELINES = ("plain", "plain_static")
 DEFAULT_METHODS = (
-    "plain", "plain_static", "hf_assisted", "dflash_native", "fixed", "adaptive", "expected_gain", "osd", "adaflash",
+    "plain", "plain_static", "hf_assisted", "prompt_lookup", "dflash_native", "fixed", "adaptive", "expected_gain", "osd", "adaflash",
     "engine_off", "engine_fixed", "engine_packed",
 )  # fmt: skip
 
@@ -93,6 +95,7 @@ class BenchConfig:
     ``concurrency``: batch sizes; N prompts are decoded together in one left-padded batch.
     ``temperature`` 0 means greedy, and only greedy runs are compared token for token.
     ``warmup``: prompts decoded untimed before each (method, concurrency) is first timed.
+    ``prompt_lookup_num_tokens``: candidate tokens per round of the ``prompt_lookup`` baseline.
     ``online_*``: the online methods' adapter (``OnlineAdapter``) settings: what a sample is
     (``"request"``: a finished request, or ``"round"``), samples that trigger an
     update, epochs over them, learning rate, and whether each triggered update is waited for
@@ -117,6 +120,7 @@ class BenchConfig:
     dtype: str = "auto"
     attn_implementation: str = "sdpa"
     warmup: int = 1
+    prompt_lookup_num_tokens: int = 10
     online_sample_unit: str = "request"
     online_samples_per_update: int = 128
     online_epochs: int = 2
@@ -140,6 +144,7 @@ class BenchContext:
     device: torch.device
     generate_kwargs: dict
     engines: dict = field(default_factory=dict)  # the engine methods' engines, kept across batches
+    prompt_lookup_num_tokens: int = 10
 
 
 @dataclass
@@ -209,6 +214,12 @@ def _counting_target_forwards(ctx, input_ids, attention_mask, streamer, **kw) ->
 
 def _run_hf_assisted(ctx, input_ids, attention_mask, streamer):
     return _counting_target_forwards(ctx, input_ids, attention_mask, streamer, assistant_model=ctx.assistant)
+
+
+def _run_prompt_lookup(ctx, input_ids, attention_mask, streamer):
+    return _counting_target_forwards(
+        ctx, input_ids, attention_mask, streamer, prompt_lookup_num_tokens=ctx.prompt_lookup_num_tokens
+    )
 
 
 def _run_dflash_native(ctx, input_ids, attention_mask, streamer):
@@ -304,6 +315,9 @@ METHODS: dict[str, Method] = {
     "plain": Method("plain", _run_plain, "HF generate, dynamic cache"),
     "plain_static": Method("plain_static", _run_plain_static, "HF generate, static cache (compiled on CUDA)"),
     "hf_assisted": Method("hf_assisted", _run_hf_assisted, "HF assisted generation", needs_assistant=True, batch1_only=True),
+    "prompt_lookup": Method(
+        "prompt_lookup", _run_prompt_lookup, "HF prompt-lookup decoding (no drafter)", batch1_only=True
+    ),
     "dflash_native": Method(
         "dflash_native", _run_dflash_native, "transformers' native DFlash path", needs_drafter=True, batch1_only=True
     ),
@@ -686,7 +700,7 @@ def run_bench(config: BenchConfig) -> BenchResult:
         eos = tokenizer.eos_token_id
         gen["eos_token_id"] = eos
     eos_ids = set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
-    ctx = BenchContext(target, drafter, assistant, tokenizer, device, gen)
+    ctx = BenchContext(target, drafter, assistant, tokenizer, device, gen, prompt_lookup_num_tokens=config.prompt_lookup_num_tokens)
 
     cfg_dict = {k: v for k, v in asdict(config).items() if k not in ("target", "drafter", "tokenizer", "assistant")}
     for k in ("target", "drafter", "tokenizer", "assistant"):
@@ -781,7 +795,7 @@ def _private_drafter(drafter, target):
 def _measure(method, ctx, cell, layouts, config, eos_ids, warm_pool, warmed, pad_id, device, on_cuda, hardware, online=None):
     conc = cell.concurrency
     if method.online:  # a fresh copy of the drafter per cell: every cell's curve starts from the given weights
-        ctx = BenchContext(ctx.target, _private_drafter(ctx.drafter, ctx.target), ctx.assistant, ctx.tokenizer, ctx.device, ctx.generate_kwargs)
+        ctx = BenchContext(ctx.target, _private_drafter(ctx.drafter, ctx.target), ctx.assistant, ctx.tokenizer, ctx.device, ctx.generate_kwargs, prompt_lookup_num_tokens=ctx.prompt_lookup_num_tokens)
     if config.warmup > 0 and (method.name, conc) not in warmed:
         picks = [warm_pool[i % len(warm_pool)] for i in range(max(config.warmup, conc))]
         for i in range(0, len(picks) - conc + 1, conc):
@@ -1167,6 +1181,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")
     g.add_argument("--attn-implementation", default="sdpa")
     g.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed before each method and concurrency")
+    g.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="candidate tokens per round of prompt_lookup")
     g = parser.add_argument_group("online methods (osd, adaflash)")
     g.add_argument("--online-sample-unit", default="request", choices=("request", "round"),
                    help="what one online sample is: a finished request (the paper's unit) or one verified round")
@@ -1191,7 +1206,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         datasets=args.datasets, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, concurrency=args.concurrency,
         methods=args.methods, device=args.device, dtype=args.dtype, attn_implementation=args.attn_implementation,
-        warmup=args.warmup, online_sample_unit=args.online_sample_unit, online_samples_per_update=args.online_samples_per_update, online_epochs=args.online_epochs,
+        warmup=args.warmup, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens, online_sample_unit=args.online_sample_unit, online_samples_per_update=args.online_samples_per_update, online_epochs=args.online_epochs,
         online_lr=args.online_lr, online_wait=args.online_wait, out=args.out, data_dir=args.data_dir, command=getattr(args, "command", None),
         plots=not args.no_plots, verbose=not args.quiet,
     )  # fmt: skip

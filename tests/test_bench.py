@@ -127,7 +127,7 @@ def test_json_has_every_field_for_each_method(full_run):
                     assert set(hist) == {"1", "2", "3", "4"} and sum(hist.values()) == r["rounds"]
                     assert r["draft_time_s"] > 0 and r["verify_time_s"] > 0
     assert cells[("plain", "alpha", 1)]["speedup"]["plain"] == pytest.approx(1.0)
-    for m in ("dflash_native", "hf_assisted"):  # tau estimated from target verify forwards
+    for m in ("dflash_native", "hf_assisted", "prompt_lookup"):  # tau estimated from target verify forwards
         est = cells[(m, "alpha", 1)]
         assert not est["skipped"] and est["tau_estimated"] and est["tau"] >= 1 and est["rounds"] > 0
     for ds in ("alpha", "beta"):  # the serving engine, per verify mode, with its per-round stats
@@ -141,7 +141,7 @@ def test_json_has_every_field_for_each_method(full_run):
 
 def test_skipped_methods_carry_a_reason(full_run, setup, tmp_path):
     result, _ = full_run
-    for m in ("hf_assisted", "dflash_native"):
+    for m in ("hf_assisted", "dflash_native", "prompt_lookup"):
         assert not result.cell(m, "alpha", 1).skipped
         cell = result.cell(m, "alpha", 2)
         assert cell.skipped and "batch size 1" in cell.skip_reason and cell.tokens_per_s is None
