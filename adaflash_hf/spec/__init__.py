@@ -1,0 +1,1 @@
+"""The pure core shared by every decoding loop (generate, the engine, training and online)."""

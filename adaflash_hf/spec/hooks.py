@@ -1,0 +1,67 @@
+"""How a drafter's observers reach the decoding loops: an explicit, registered hooks object.
+
+An online adapter needs two things from every loop that drafts with its drafter: each verified round
+(its training signal), and a lock held while a round drafts (so new weights are swapped in only
+between rounds). It registers a :class:`DrafterHooks` for the drafter; the loops look it up with
+:func:`hooks_for`. Nothing is stored on the model itself, so copies, saves and ``deepcopy`` of a
+drafter never carry an adapter with them.
+
+Example:
+    >>> import torch
+    >>> drafter = torch.nn.Linear(1, 1)
+    >>> seen = []
+    >>> hooks = DrafterHooks(round_sink=seen.append)
+    >>> register_hooks(drafter, hooks)
+    >>> hooks_for(drafter).round_sink("round")
+    >>> seen
+    ['round']
+    >>> unregister_hooks(drafter, hooks)
+    >>> hooks_for(drafter).round_sink is None
+    True
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Callable
+
+__all__ = ["DrafterHooks", "hooks_for", "register_hooks", "unregister_hooks"]
+
+
+@dataclass(frozen=True)
+class DrafterHooks:
+    """``round_sink``: called with every verified round drafted by the drafter (or None).
+    ``weights_lock``: a context manager every round holds while it drafts (shared by concurrent
+    rounds); the owner swaps weights only while holding it exclusively."""
+
+    round_sink: Callable | None = None
+    weights_lock: AbstractContextManager = field(default_factory=nullcontext)
+
+
+_NONE = DrafterHooks()
+_registry: "weakref.WeakKeyDictionary[object, DrafterHooks]" = weakref.WeakKeyDictionary()
+_guard = threading.Lock()
+
+
+def register_hooks(drafter, hooks: DrafterHooks) -> None:
+    """Attach ``hooks`` to ``drafter``; refuses a drafter that already has another owner's hooks."""
+    with _guard:
+        current = _registry.get(drafter)
+        if current is not None and current is not hooks:
+            raise RuntimeError("this drafter already has hooks registered (e.g. another OnlineAdapter is attached)")
+        _registry[drafter] = hooks
+
+
+def unregister_hooks(drafter, hooks: DrafterHooks) -> None:
+    """Detach ``hooks`` from ``drafter`` if they are the ones registered (else do nothing)."""
+    with _guard:
+        if _registry.get(drafter) is hooks:
+            del _registry[drafter]
+
+
+def hooks_for(drafter) -> DrafterHooks:
+    """The hooks registered for ``drafter``, or empty hooks (no sink, a no-op lock)."""
+    return _registry.get(drafter, _NONE)

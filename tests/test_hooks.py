@@ -1,0 +1,44 @@
+"""The drafter hooks registry: the explicit channel between an online adapter and the decoding loops."""
+
+import gc
+
+import pytest
+import torch
+
+from adaflash_hf.spec.hooks import DrafterHooks, hooks_for, register_hooks, unregister_hooks
+
+
+def test_registered_hooks_are_found_and_removed():
+    drafter = torch.nn.Linear(2, 2)
+    seen = []
+    hooks = DrafterHooks(round_sink=seen.append)
+    assert hooks_for(drafter).round_sink is None
+    register_hooks(drafter, hooks)
+    hooks_for(drafter).round_sink(7)
+    assert seen == [7]
+    assert not any(k.startswith("_round") or k.startswith("_weights") for k in vars(drafter))  # nothing on the model
+    unregister_hooks(drafter, DrafterHooks())  # someone else's hooks: ignored
+    assert hooks_for(drafter) is hooks
+    unregister_hooks(drafter, hooks)
+    assert hooks_for(drafter).round_sink is None
+
+
+def test_second_owner_is_refused_and_copies_carry_nothing():
+    import copy
+
+    drafter = torch.nn.Linear(2, 2)
+    register_hooks(drafter, DrafterHooks(round_sink=print))
+    with pytest.raises(RuntimeError, match="already has hooks"):
+        register_hooks(drafter, DrafterHooks(round_sink=print))
+    assert hooks_for(copy.deepcopy(drafter)).round_sink is None
+
+
+def test_registry_does_not_keep_a_drafter_alive():
+    from adaflash_hf.spec import hooks as module
+
+    drafter = torch.nn.Linear(2, 2)
+    register_hooks(drafter, DrafterHooks(round_sink=print))
+    n = len(module._registry)
+    del drafter
+    gc.collect()
+    assert len(module._registry) == n - 1
