@@ -259,6 +259,8 @@ def add_arguments(ap: argparse.ArgumentParser, require_target: bool = True) -> a
     # drafter
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--target-layer-ids", default=None,
+                    help="comma list of target layers feeding the drafter (default: spread evenly, DFlash's rule)")
     ap.add_argument("--mask-token-id", type=int, default=None, help="default: tokenizer.mask_token_id")
     ap.add_argument("--max-anchors", type=int, default=512)
     ap.add_argument("--gamma", type=float, default=None, help="position-weight decay (default from block size)")
@@ -378,7 +380,9 @@ def run(a: argparse.Namespace) -> int:
     mask_id = a.mask_token_id if a.mask_token_id is not None else tok.mask_token_id
     if mask_id is None:
         raise SystemExit("the tokenizer has no mask token: pass --mask-token-id")
-    drafter = AdaFlashDrafter.from_target(target, num_layers=a.num_layers, block_size=a.block_size, mask_token_id=mask_id)
+    layer_ids = [int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None
+    drafter = AdaFlashDrafter.from_target(target, num_layers=a.num_layers, block_size=a.block_size,
+                                          target_layer_ids=layer_ids, mask_token_id=mask_id)
     drafter = drafter.float()  # fp32 master weights; bf16 autocast on CUDA
     model = DrafterTrainingModel(target, drafter, max_anchors=a.max_anchors, gamma=a.gamma,
                                  length_head_weight=a.length_head_weight)
