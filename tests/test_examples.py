@@ -41,7 +41,7 @@ def test_example_smoke(script, tmp_path):
 
 def test_plot_online_methods_draws_one_panel_per_dataset(tmp_path):
     """The comparison plot of BENCHMARKS section 3, from committed online runs."""
-    logs = Path(__file__).resolve().parents[1] / "adaflash_hf" / "reference" / "logs"
+    logs = Path(__file__).resolve().parents[1] / "docs" / "logs"
     out = tmp_path / "cmp.png"
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "reference_pair" / "plot_online_methods.py"), str(out),

@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-LOGS = os.path.join(os.path.dirname(__file__), "..", "..", "adaflash_hf", "reference", "logs")
+LOGS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "logs")
 
 
 def read(name):
