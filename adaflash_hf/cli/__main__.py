@@ -1,0 +1,7 @@
+"""`python -m adaflash_hf.cli ...`: the `adaflash` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

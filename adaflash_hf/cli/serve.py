@@ -1,0 +1,123 @@
+"""`adaflash serve`: an OpenAI-compatible HTTP server over the continuous-batching engine."""
+
+from __future__ import annotations
+
+import sys
+
+from ..loading import UsageError, check_drafter_path, check_target_path, one_line
+from .common import PROG, add_model_args, check_either_reference, load_models_from_args, number, positive_int
+
+HELP = "OpenAI-compatible HTTP server (completions, chat, streaming) over the continuous-batching engine"
+DESCRIPTION = (
+    "Serve a target + drafter (default: the embedded reference pair) over HTTP with OpenAI's API:\n"
+    "POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template), GET /v1/models,\n"
+    "GET /health. Concurrent requests are decoded together by the continuous-batching engine; fields:\n"
+    "max_tokens, temperature (default 1.0, as OpenAI; 0 = greedy), top_p, top_k, seed, stop, stream\n"
+    "(server-sent events), usage counts. One log line per request on stderr (no prompt text).\n"
+    "Standard library HTTP (no extra dependencies); put a reverse proxy in front for TLS / auth.\n\n"
+    "example:\n  adaflash serve --port 8000\n"
+    "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+    "       -d '{\"prompt\": \"Hello\", \"max_tokens\": 16, \"temperature\": 0}'"
+)
+# adaflash_hf.engine.VERIFY_MODES, spelled out so that `--help` needs no torch (a test keeps them equal).
+VERIFY_MODES = ("packed", "rectangular", "fixed", "off")
+
+
+def add_arguments(p) -> None:
+    add_model_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    g.add_argument("--port", type=number(int, lambda v: 0 <= v <= 65535, "a port in [0, 65535]"), default=8000,
+                   help="TCP port (0: any free port)")
+    g.add_argument("--model-name", help="model id reported by /v1/models (default: the --target path, or adaflash-reference); "
+                                        "a request may leave `model` out, or must name this one")
+    g.add_argument("--default-max-tokens", type=positive_int, default=256, help="max_tokens of a request that gives none (capped at what fits after its prompt)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--verify-mode", choices=VERIFY_MODES, default="packed",
+                   help="packed: each request its own verify length; rectangular; fixed (full block); off (no drafter)")
+    g.add_argument("--max-slots", type=positive_int, default=16, help="requests decoded concurrently (KV slots)")
+    g.add_argument("--max-len", type=number(int, lambda v: v >= 2, "an integer >= 2"), default=None,
+                   help="positions per request, prompt + completion (default: min(2048, the target's max positions))")
+    g.add_argument("--token-budget", type=positive_int, default=None,
+                   help="most tokens in one target forward; also the longest prompt (default: --max-len)")
+    g.add_argument("--decode-steps", type=positive_int, default=8,
+                   help="--verify-mode off on CUDA: greedy decode steps per graph replay while no request waits "
+                        "(streaming then arrives in groups of up to this many tokens; 1: one at a time)")
+
+
+def _check_models(args) -> bool:
+    """Checks the model flags; whether a drafter is needed. No flags at all: the reference pair."""
+    check_either_reference(args)
+    if args.drafter and not args.target:
+        raise UsageError("--drafter given without --target", "pass --target PATH_OR_HUB_ID (the model the drafter is for)")
+    if not args.target:
+        args.reference = True  # the embedded reference pair
+    need_drafter = args.verify_mode != "off"
+    if args.target and need_drafter and not args.drafter:
+        raise UsageError("no drafter given", "pass --drafter PATH_OR_HUB_ID, or --verify-mode off to serve the target alone")
+    if args.target:
+        check_target_path(args.target)
+        if args.drafter:
+            check_drafter_path(args.drafter)
+    return need_drafter
+
+
+def _service(args, need_drafter: bool):
+    """Load the models and build the engine and the completion service; (service, description line)."""
+    from ..engine import Engine
+    from ..engine.server import CompletionService
+
+    target, drafter, tok = load_models_from_args(args, need_drafter=need_drafter)
+    cfg = target.config.get_text_config(decoder=True)
+    max_len = args.max_len or min(2048, getattr(cfg, "max_position_embeddings", None) or 2048)
+    token_budget = args.token_budget or max_len
+    try:
+        engine = Engine(target, drafter if need_drafter else None, verify_mode=args.verify_mode,
+                        max_slots=args.max_slots, max_len=max_len, token_budget=token_budget,
+                        decode_steps=args.decode_steps)
+    except ValueError as e:
+        raise UsageError(f"cannot serve this model: {one_line(e)}", "the engine drives Qwen3 / Llama-family targets") from None
+    name = args.model_name or ("adaflash-reference" if args.reference else args.target.rstrip("/"))
+    service = CompletionService(engine, tok, name, min(args.default_max_tokens, max_len - 1))
+    return service, (f"model {name!r}", f"(verify mode {args.verify_mode}, {args.max_slots} slots, "
+                                        f"max_len {max_len}, token budget {token_budget})")
+
+
+def run(args) -> int:
+    import logging
+    import signal
+    import threading
+
+    need_drafter = _check_models(args)
+    from ..engine.server import OpenAIServer
+
+    try:  # bind first: a port in use fails at once, before models load
+        server = OpenAIServer((args.host, args.port))
+    except OSError as e:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or one_line(e)}",
+                         "pick another --port (0 picks a free one) or --host") from None
+
+    def on_sigterm(signum, frame):  # stop like Ctrl-C (containers and process managers send SIGTERM)
+        raise KeyboardInterrupt
+
+    old_sigterm = None
+    if threading.current_thread() is threading.main_thread():
+        old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+    logger = logging.getLogger("adaflash_hf.server")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    try:
+        server.service, (model, settings) = _service(args, need_drafter)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        print(f"{PROG} serve: {model} at {server.url}/v1 {settings}; endpoints /v1/completions, /v1/chat/completions, "
+              f"/v1/models, /health; Ctrl-C stops", flush=True)
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print(f"{PROG} serve: stopping", file=sys.stderr)
+    finally:
+        server.close()
+        logger.removeHandler(handler)
+        if old_sigterm is not None:
+            signal.signal(signal.SIGTERM, old_sigterm)
+    return 0
