@@ -152,11 +152,12 @@ def test_drafter_that_does_not_fit_the_target(ckpts, capsys):
 def test_internal_errors_keep_their_traceback(monkeypatch):
     """Only user mistakes become one-line errors: a bug inside a command propagates."""
     import adaflash_hf.cli as cli
+    import adaflash_hf.cli.info
 
     def boom(args):
         raise RuntimeError("internal bug")
 
-    monkeypatch.setattr(cli, "cmd_info", boom)
+    monkeypatch.setattr(adaflash_hf.cli.info, "run", boom)
     with pytest.raises(RuntimeError, match="internal bug"):
         cli.main(["info", "anything"])
 

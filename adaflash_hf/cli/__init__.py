@@ -39,9 +39,9 @@ def _command_module(name: str):
     return importlib.import_module(f"{__name__}.{name}")
 
 
-def build_parser(only: str | None = None) -> Parser:
-    """The `adaflash` parser. Every command is listed; with `only`, just that command's flags are built
-    (the others would import what they need for nothing)."""
+def build_parser(only: tuple[str, ...] | None = None) -> Parser:
+    """The `adaflash` parser. Every command is listed; with `only`, just those commands' flags are
+    built (``adaflash --help`` builds none: `train`'s flags import torch)."""
     from .. import __version__
 
     parser = Parser(
@@ -56,7 +56,7 @@ def build_parser(only: str | None = None) -> Parser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name in COMMANDS:
         module = _command_module(name)
-        built = only is None or only == name
+        built = only is None or name in only
         description = None
         if built:
             description = module.description() if callable(getattr(module, "description", None)) else module.DESCRIPTION
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         command = next((a for a in argv if not a.startswith("-")), None)
-        parser = build_parser(only=command if command in COMMANDS else None)
+        parser = build_parser(only=(command,) if command in COMMANDS else ())
         try:
             args = parser.parse_args(argv)
         except SystemExit as e:  # --help / --version

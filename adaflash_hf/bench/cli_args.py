@@ -1,0 +1,104 @@
+"""The `adaflash bench` flags, and running from them (``python -m adaflash_hf.bench`` too).
+
+Torch-free at import: `adaflash bench --help` builds these flags without loading torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from .config import DEFAULT_METHODS, BenchConfig
+
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in _csv(s)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `adaflash bench` flags to `parser` (a subcommand parser or a fresh one)."""
+    g = parser.add_argument_group("models")
+    g.add_argument("--target", help="target model: local path or Hub id")
+    g.add_argument("--drafter", help="AdaFlash / DFlash drafter: local path or Hub id")
+    g.add_argument("--tokenizer", help="tokenizer (default: the target's)")
+    g.add_argument("--reference", action="store_true", help="use the embedded reference pair (adaflash_hf.reference)")
+    g.add_argument("--assistant", help="small autoregressive assistant for hf_assisted")
+    g = parser.add_argument_group("workload")
+    g.add_argument("--datasets", type=_csv, default=["gsm8k"], help="comma list of dataset names (blend included) or jsonl:PATH")
+    g.add_argument("--data-dir", help="root of the eval datasets (default: $ADAFLASH_DATA, else the project's shared/data)")
+    g.add_argument("--num-prompts", type=int, default=8)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs checked against plain)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--concurrency", type=_ints, default=[1], help="comma list of batch sizes, e.g. 1,4,16")
+    g.add_argument(
+        "--methods", type=_csv, default=list(DEFAULT_METHODS), help=f"comma list from: {', '.join(DEFAULT_METHODS)} (default: all)"
+    )
+    g = parser.add_argument_group("runtime")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")
+    g.add_argument("--attn-implementation", default="sdpa")
+    g.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed before each method and concurrency")
+    g.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="candidate tokens per round of prompt_lookup")
+    g = parser.add_argument_group("online methods (osd, adaflash)")
+    g.add_argument("--online-sample-unit", default="request", choices=("request", "round"),
+                   help="what one online sample is: a finished request (the paper's unit) or one verified round")
+    g.add_argument("--online-samples-per-update", type=int, default=128, help="samples that trigger an update")
+    g.add_argument("--online-epochs", type=int, default=2, help="passes over each update's samples")
+    g.add_argument("--online-lr", type=float, default=3e-4, help="drafter learning rate of the online updates")
+    g.add_argument(
+        "--online-wait", action=argparse.BooleanOptionalAction, default=True,
+        help="wait for each triggered update before serving the next batch (reproducible curves; the wait is timed)",
+    )  # fmt: skip
+    g = parser.add_argument_group("output")
+    g.add_argument("--out", help="output folder for bench.json, bench.md and the plots")
+    g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--quiet", action="store_true")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The `BenchConfig` of parsed `add_arguments` flags."""
+    return BenchConfig(
+        target=args.target, drafter=args.drafter, tokenizer=args.tokenizer, assistant=args.assistant, reference=args.reference,
+        datasets=args.datasets, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, concurrency=args.concurrency,
+        methods=args.methods, device=args.device, dtype=args.dtype, attn_implementation=args.attn_implementation,
+        warmup=args.warmup, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens, online_sample_unit=args.online_sample_unit,
+        online_samples_per_update=args.online_samples_per_update, online_epochs=args.online_epochs,
+        online_lr=args.online_lr, online_wait=args.online_wait, out=args.out, data_dir=args.data_dir,
+        command=getattr(args, "command", None), plots=not args.no_plots, verbose=not args.quiet,
+    )  # fmt: skip
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run from parsed `add_arguments` flags; 0 when every check passed, 1 on any failure."""
+    from .runner import loud, run_bench
+
+    result = run_bench(config_from_args(args))
+    print(result.to_markdown())
+    if result.files:
+        print("wrote " + ", ".join(result.files), file=sys.stderr)
+    if result.failures:
+        loud(f"{len(result.failures)} failure(s): exit status 1")
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`adaflash bench ...` / `python -m adaflash_hf.bench ...`."""
+    from .. import _bootstrap  # the package's registrations (deferred under `python -m adaflash_hf.bench`)
+    from . import __doc__ as doc
+
+    parser = add_arguments(argparse.ArgumentParser(prog="adaflash bench", description=(doc or "").split("\n\n")[0]))
+    args = parser.parse_args(argv)
+    args.command = shlex.join(sys.argv) if argv is None else shlex.join(["adaflash", "bench", *argv])
+    _bootstrap()
+    return run_from_args(args)

@@ -1,0 +1,60 @@
+"""What a benchmark run measures: `BenchConfig` and the method names (no torch here: the CLI's flags use it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+BASELINES = ("plain", "plain_static")
+DEFAULT_METHODS = (
+    "plain", "plain_static", "hf_assisted", "prompt_lookup", "dflash_native", "fixed", "adaptive", "expected_gain", "osd", "adaflash",
+    "engine_off", "engine_fixed", "engine_packed",
+)  # fmt: skip
+
+
+@dataclass
+class BenchConfig:
+    """What to benchmark. Model fields take a local path, a Hub id, or an already loaded object.
+
+    ``datasets``: names understood by `adaflash_hf.training.data.eval_prompts` (gsm8k, mathqa,
+    math500, aime2025, mbpp, codealpaca, sharegpt, alpaca_eval, spec_bench, eagle_bench, blend) or
+    ``jsonl:PATH`` (one record a line with a ``"prompt"`` string or a ``"messages"`` list).
+    ``concurrency``: batch sizes; N prompts are decoded together in one left-padded batch.
+    ``temperature`` 0 means greedy, and only greedy runs are compared token for token.
+    ``warmup``: prompts decoded untimed before each (method, concurrency) is first timed.
+    ``prompt_lookup_num_tokens``: candidate tokens per round of the ``prompt_lookup`` baseline.
+    ``online_*``: the online methods' adapter (``OnlineAdapter``) settings: what a sample is
+    (``"request"``: a finished request, or ``"round"``), samples that trigger an
+    update, epochs over them, learning rate, and whether each triggered update is waited for
+    before the next batch is served (reproducible curves; the wait is counted in the wall time).
+    """
+
+    target: Any = None
+    drafter: Any = None
+    tokenizer: Any = None
+    assistant: Any = None
+    reference: bool = False
+    datasets: list[str] = field(default_factory=lambda: ["gsm8k"])
+    num_prompts: int = 8
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    concurrency: list[int] = field(default_factory=lambda: [1])
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
+    device: str = "auto"
+    dtype: str = "auto"
+    attn_implementation: str = "sdpa"
+    warmup: int = 1
+    prompt_lookup_num_tokens: int = 10
+    online_sample_unit: str = "request"
+    online_samples_per_update: int = 128
+    online_epochs: int = 2
+    online_lr: float = 3e-4
+    online_wait: bool = True
+    out: str | None = None
+    data_dir: str | None = None
+    command: str | None = None
+    plots: bool = True
+    verbose: bool = True

@@ -1,0 +1,42 @@
+"""The benchmark's methods, one module per family: transformers' own paths (`.hf`), our loop with a
+verify-length policy (`.ours`), the serving engine (`.engine`). `METHODS` maps a name to its `Method`."""
+
+from __future__ import annotations
+
+from .base import BenchContext, Method, MethodOutput, needs_length_head
+from .engine import engine
+from .hf import run_dflash_native, run_hf_assisted, run_plain, run_plain_static, run_prompt_lookup
+from .ours import adaflash_policy, has_trained_length_head, ours
+
+__all__ = ["METHODS", "BenchContext", "Method", "MethodOutput", "adaflash_policy", "has_trained_length_head"]
+
+METHODS: dict[str, Method] = {
+    "plain": Method("plain", run_plain, "HF generate, dynamic cache"),
+    "plain_static": Method("plain_static", run_plain_static, "HF generate, static cache (compiled on CUDA)"),
+    "hf_assisted": Method("hf_assisted", run_hf_assisted, "HF assisted generation", needs_assistant=True, batch1_only=True),
+    "prompt_lookup": Method(
+        "prompt_lookup", run_prompt_lookup, "HF prompt-lookup decoding (no drafter)", batch1_only=True
+    ),
+    "dflash_native": Method(
+        "dflash_native", run_dflash_native, "transformers' native DFlash path", needs_drafter=True, batch1_only=True
+    ),
+    "fixed": Method("fixed", ours("fixed"), "AdaFlash loop, fixed full-block verify (DFlash)", needs_drafter=True),
+    "adaptive": Method(
+        "adaptive", ours("adaptive"), "AdaFlash loop, length-head verify length", needs_drafter=True, skip=needs_length_head
+    ),
+    "expected_gain": Method("expected_gain", ours("expected_gain"), "AdaFlash loop, expected-gain verify length", needs_drafter=True),
+    "osd": Method(
+        "osd", ours("fixed"), "AdaFlash loop, fixed verify, online speculative distillation (forward KL)",
+        needs_drafter=True, online="osd",
+    ),
+    "adaflash": Method(
+        "adaflash", ours(adaflash_policy), "AdaFlash loop, adaptive verify length + online OPD",
+        needs_drafter=True, online="opd",
+    ),
+    "engine_off": Method("engine_off", engine("off"), "serving engine, plain decoding (continuous batching)"),
+    "engine_fixed": Method("engine_fixed", engine("fixed"), "serving engine, fixed full-block verify", needs_drafter=True),
+    "engine_packed": Method(
+        "engine_packed", engine("packed"), "serving engine, per-request verify lengths packed in one forward",
+        needs_drafter=True, skip=needs_length_head,
+    ),
+}  # fmt: skip

@@ -1,0 +1,68 @@
+"""What a benchmark method is: `Method` (a runner and when it cannot run), what it sees (`BenchContext`)
+and what it answers (`MethodOutput`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class BenchContext:
+    """What a method's runner sees: the loaded models and the shared generation arguments."""
+
+    target: Any
+    drafter: Any
+    assistant: Any
+    tokenizer: Any
+    device: Any  # torch.device
+    generate_kwargs: dict
+    engines: dict = field(default_factory=dict)  # the engine methods' engines, kept across batches
+    prompt_lookup_num_tokens: int = 10
+
+
+@dataclass
+class MethodOutput:
+    """A runner's answer: the generated sequences (prompt included), and our stats when it has them.
+
+    ``rounds`` is a verify-round count for methods without `GenerationStats` (batch 1; tau is then
+    estimated as ``(new_tokens - 1) / rounds``: the prefill's token is not a round's).
+    """
+
+    sequences: Any  # torch.Tensor
+    stats: Any = None
+    rounds: int | None = None
+
+
+@dataclass
+class Method:
+    """A benchmark method: ``run(ctx, input_ids, attention_mask, streamer)`` returns a `MethodOutput`
+    (or just the sequences tensor, or ``(sequences, stats)``). ``skip(ctx, concurrency)`` returns a
+    reason when the method cannot run in that configuration, else None. ``online``: an
+    ``OnlineAdapter`` method (``"osd"``, ``"opd"``): each cell then runs on a fresh copy of the
+    drafter with an adapter attached, fed by every round the cell serves."""
+
+    name: str
+    run: Callable
+    description: str = ""
+    needs_drafter: bool = False
+    needs_assistant: bool = False
+    batch1_only: bool = False
+    skip: Callable | None = None
+    online: str | None = None
+
+    def skip_reason(self, ctx: BenchContext, concurrency: int) -> str | None:
+        if self.needs_drafter and ctx.drafter is None:
+            return "no drafter given (--drafter or --reference)"
+        if self.needs_assistant and ctx.assistant is None:
+            return "no autoregressive assistant given (--assistant)"
+        if self.batch1_only and concurrency > 1:
+            return f"{self.description or self.name} supports batch size 1 only (concurrency {concurrency})"
+        return self.skip(ctx, concurrency) if self.skip is not None else None
+
+
+def needs_length_head(ctx, concurrency):
+    """`Method.skip` of the methods that choose verify lengths with the drafter's length head."""
+    if getattr(ctx.drafter, "length_head", None) is None:
+        return "the drafter has no length head (config.use_length_head is False): adaptive needs one"
+    return None

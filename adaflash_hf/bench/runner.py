@@ -1,0 +1,218 @@
+"""`run_bench`: every (dataset, concurrency, method) of a `BenchConfig`, plain first as the reference."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..generation.prompts import encode_prompt, left_pad
+from ..loading import load_models, resolve_device_dtype
+from .config import BASELINES, BenchConfig
+from .environment import environment, hardware
+from .measure import measure
+from .methods import METHODS, BenchContext
+from .prompts import load_prompts
+from .results import BenchCell, BenchResult
+from .timing import run_batch
+
+
+def log(config, msg):
+    if config.verbose:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def loud(msg):
+    print(f"!!! BENCH FAILURE: {msg}", file=sys.stderr, flush=True)
+
+
+def _generate_kwargs(config: BenchConfig, target, tokenizer) -> tuple[dict, int, set[int]]:
+    """(the generate arguments every method shares, the pad id, the EOS ids)."""
+    greedy = config.temperature <= 0
+    gen = dict(max_new_tokens=config.max_new_tokens, do_sample=not greedy)
+    if greedy:
+        gen.update(temperature=None, top_p=None, top_k=None)
+    else:
+        gen.update(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = 0 if pad_id is None else pad_id
+    gen["pad_token_id"] = pad_id
+    eos = target.generation_config.eos_token_id
+    if eos is None and tokenizer.eos_token_id is not None:
+        eos = tokenizer.eos_token_id
+        gen["eos_token_id"] = eos
+    eos_ids = set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+    return gen, pad_id, eos_ids
+
+
+def _config_dict(config: BenchConfig, tokenizer) -> dict:
+    """The config as ``bench.json`` records it: models by path or by type name."""
+    models = ("target", "drafter", "tokenizer", "assistant")
+    out = {k: v for k, v in asdict(config).items() if k not in models}
+    for k in models:
+        v = getattr(config, k)
+        out[k] = str(v) if isinstance(v, (str, os.PathLike)) else (None if v is None else type(v).__name__)
+    out["chat_template"] = bool(getattr(tokenizer, "chat_template", None))
+    out["greedy"] = config.temperature <= 0
+    return out
+
+
+@dataclass
+class _Run:
+    """One run's shared state: what every cell of the grid needs."""
+
+    config: BenchConfig
+    ctx: BenchContext
+    result: BenchResult
+    pad_id: int
+    eos_ids: set
+    warm_pool: list = field(default_factory=list)
+    warmed: set = field(default_factory=set)
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.ctx.device.type == "cuda"
+
+    def group(self, label: str, prompts: list[list[int]], conc: int, methods: list[str]) -> list[BenchCell]:
+        """Every method on one (dataset, concurrency): the cells, speedups filled in."""
+        config = self.config
+        greedy = config.temperature <= 0
+        batches = [list(range(i, min(i + conc, len(prompts)))) for i in range(0, len(prompts), conc)]
+        layouts = [left_pad([prompts[j] for j in b], self.pad_id, self.ctx.device) for b in batches]
+        reference: list[list[int]] | None = None
+        if greedy and "plain" not in methods:
+            reference = []
+            for bi, (ids, mask) in enumerate(layouts):
+                reference += run_batch(METHODS["plain"], self.ctx, ids, mask, self.eos_ids, config.seed + bi, self.on_cuda)[1]
+        group: list[BenchCell] = []
+        for name in methods:
+            cell = BenchCell(method=name, dataset=label, concurrency=conc, num_prompts=len(prompts), num_batches=len(batches))
+            group.append(cell)
+            rows = self.cell(METHODS[name], cell, layouts)
+            if rows is None:
+                continue
+            if name == "plain" and greedy:
+                reference, cell.identical = rows, True
+                cell.notes.append("reference for the correctness check")
+            elif not greedy:
+                cell.notes.append("sampling run: outputs are not compared token for token")
+            elif reference is None:
+                cell.notes.append("no plain reference (plain failed): not compared")
+            else:
+                compare(cell, rows, reference, self.result, self.ctx.target, prompts)
+            log(config, _progress(cell))
+        _fill_speedups(group)
+        return group
+
+    def cell(self, method, cell: BenchCell, layouts) -> list[list[int]] | None:
+        """Measure one cell; its generated rows, or None when it was skipped or raised."""
+        reason = method.skip_reason(self.ctx, cell.concurrency)
+        if reason is not None:
+            cell.skipped, cell.skip_reason = True, reason
+            log(self.config, f"[{cell.dataset} c={cell.concurrency}] {method.name}: skipped ({reason})")
+            return None
+        try:
+            return measure(method, self.ctx, cell, layouts, self.config, self.eos_ids, self.warm_pool, self.warmed, self.pad_id,
+                           self.ctx.device, self.on_cuda, self.result.hardware, online=self.result.online)  # fmt: skip
+        except Exception as exc:  # a crash is a failure of the run, reported, not hidden
+            cell.error = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+            self.result.failures.append(dict(kind="error", method=method.name, dataset=cell.dataset,
+                                             concurrency=cell.concurrency, prompt_index=None, message=cell.error))
+            loud(f"{method.name} on {cell.dataset} (concurrency {cell.concurrency}) raised {cell.error}")
+            if self.on_cuda:
+                torch.cuda.empty_cache()
+            return None
+
+
+def run_bench(config: BenchConfig) -> BenchResult:
+    """Run every (dataset, concurrency, method) of `config`; write outputs when ``config.out`` is set."""
+    unknown = [m for m in config.methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}: choose from {', '.join(METHODS)}")
+    if config.num_prompts < 1 or any(c < 1 for c in config.concurrency):
+        raise ValueError("num_prompts and every concurrency must be >= 1")
+    device, dtype = resolve_device_dtype(config.device, config.dtype)
+    target, drafter, tokenizer, assistant = load_models(
+        config.target, config.drafter, config.tokenizer, reference=config.reference, assistant=config.assistant,
+        device=device, dtype=dtype, attn_implementation=config.attn_implementation,
+    )  # fmt: skip
+    gen, pad_id, eos_ids = _generate_kwargs(config, target, tokenizer)
+    ctx = BenchContext(target, drafter, assistant, tokenizer, device, gen, prompt_lookup_num_tokens=config.prompt_lookup_num_tokens)
+    result = BenchResult(config=_config_dict(config, tokenizer), environment=environment(config, device, dtype),
+                         hardware=hardware(target, drafter, device))  # fmt: skip
+
+    # Plain first: it is the correctness reference of every other method.
+    methods = sorted(dict.fromkeys(config.methods), key=lambda m: m != "plain")
+    datasets = [load_prompts(d, config.num_prompts, config.data_dir) for d in config.datasets]
+    encoded = {label: [encode_prompt(tokenizer, m) for m in msgs] for label, msgs in datasets}
+    run = _Run(config, ctx, result, pad_id, eos_ids, warm_pool=encoded[datasets[0][0]])
+    for label, _ in datasets:
+        for conc in config.concurrency:
+            result.cells.extend(run.group(label, encoded[label], conc, methods))
+
+    if result.failures:
+        loud(f"{len(result.failures)} failure(s); see 'failures' in the result")
+    if config.out:
+        from .report import write_outputs
+
+        write_outputs(result, config.out, plots=config.plots)
+    return result
+
+
+# ----------------------------------------------------------------------------- correctness & speedups
+def _logit_gap(target, prompt: list[int], prefix: list[int], want: int, got: int | None) -> float | None:
+    """The target's logit of plain's token minus the method's token, after the common prefix (one
+    unpadded row): a gap near zero points at floating-point near-ties, a large one at a real bug."""
+    if got is None:
+        return None
+    ids = torch.tensor([prompt + prefix], device=target.device)
+    with torch.inference_mode():
+        logits = target(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+    return float(logits[want] - logits[got])
+
+
+def compare(cell, rows, reference, result, target=None, prompts=None):
+    """Compare a cell's rows with plain's, prompt by prompt; every mismatch is a failure, printed loudly."""
+    bad = []
+    for i, (got, want) in enumerate(zip(rows, reference)):
+        if got == want:
+            continue
+        first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        bad.append(i)
+        gap = None
+        if target is not None and prompts is not None and first < len(want):
+            gap = _logit_gap(target, prompts[i], want[:first], want[first], got[first] if first < len(got) else None)
+        result.failures.append(
+            dict(
+                kind="mismatch", method=cell.method, dataset=cell.dataset, concurrency=cell.concurrency,
+                prompt_index=i, first_mismatch=first, expected_len=len(want), got_len=len(got),
+                expected_token=want[first] if first < len(want) else None,
+                got_token=got[first] if first < len(got) else None, logit_gap=gap,
+            )
+        )  # fmt: skip
+        loud(
+            f"{cell.method} on {cell.dataset} (concurrency {cell.concurrency}): prompt {i} differs from plain "
+            f"decoding at new token {first} (lengths {len(got)} vs {len(want)}"
+            + (f"; target logit gap plain-vs-method {gap:.4g}" if gap is not None else "")
+            + ")"
+        )
+    cell.identical = not bad
+    cell.mismatched_prompts = bad
+
+
+def _fill_speedups(group: list[BenchCell]) -> None:
+    base = {c.method: c.tokens_per_s for c in group if c.method in BASELINES and c.tokens_per_s}
+    for c in group:
+        c.speedup = {b: (c.tokens_per_s / v if c.tokens_per_s else None) for b, v in base.items()}
+
+
+def _progress(c: BenchCell) -> str:
+    from .report import fmt
+
+    tau = f" tau {c.tau:.2f}" if c.tau is not None else ""
+    ident = {True: " identical", False: " MISMATCH", None: ""}[c.identical]
+    return f"[{c.dataset} c={c.concurrency}] {c.method}: {fmt(c.tokens_per_s, '.1f')} tok/s{tau}{ident}"
