@@ -74,6 +74,30 @@ def test_help(command, capsys):
     assert "Traceback" not in out + err
 
 
+@pytest.mark.parametrize("command", [None, *(c for c in SUBCOMMANDS if c != "train")])
+def test_help_is_fast_without_torch(command):
+    """`adaflash --help` (and every command's but `train`'s, whose flags live in the training recipe)
+    imports neither torch nor transformers: `python -X importtime` lists every module imported."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    argv = [sys.executable, "-X", "importtime", "-m", "adaflash_hf.cli", *([command] if command else []), "--help"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage: adaflash" in proc.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert not imported & {"torch", "transformers"}
+
+
+def test_serve_verify_modes_match_the_engine():
+    from adaflash_hf.cli.serve import VERIFY_MODES
+    from adaflash_hf.engine import VERIFY_MODES as ENGINE_VERIFY_MODES
+
+    assert VERIFY_MODES == ENGINE_VERIFY_MODES
+
+
 def test_no_command_prints_help(capsys):
     rc, out, _ = run([], capsys)
     assert rc == 0 and "usage: adaflash" in out
@@ -98,6 +122,10 @@ def _error_cases(c):
         "generate-missing-prompts-file": (["generate", "--reference", "--prompts-file", c["missing"] + ".jsonl"], ["prompts file not found"]),
         "generate-bad-prompts-file": (["generate", "--reference", "--prompts-file", c["bad_prompts"]], ["bad.jsonl:2", "not valid JSON"]),
         "generate-no-prompt": (["generate", "--reference"], ["no prompt"]),
+        "generate-check-with-sampling": (["generate", "--reference", "--prompt", "hi", "--check", "--temperature", "0.7"], ["--check", "--temperature"]),
+        "generate-no-drafter-and-drafter": (["generate", "--target", c["target"], "--drafter", c["native"], "--no-drafter", "--prompt", "hi"], ["--no-drafter", "--drafter"]),
+        "info-no-checkpoint": (["info"], ["no checkpoint"]),
+        "info-reference-and-checkpoint": (["info", c["native"], "--reference"], ["--reference", "not both"]),
         "generate-bad-top-p": (["generate", "--reference", "--prompt", "hi", "--top-p", "1.5"], ["--top-p", "1.5"]),
         "generate-no-target": (["generate", "--prompt", "hi"], ["no target"]),
         "generate-reference-and-target": (["generate", "--reference", "--target", c["target"], "--prompt", "hi"], ["--reference", "not both"]),
@@ -222,6 +250,12 @@ def test_info_on_the_reference_drafter(capsys):
     assert info["layout"] == "native"
     assert info["target_layer_ids"] == [1, 3]
     assert info["length_head"] == {"present": True, "in_weights": True, "trained": True, "dim": 256}
+
+
+def test_info_reference_checks_the_pair(capsys):
+    rc, out, _ = run(["info", "--reference"], capsys)
+    assert rc == 0 and "fits --target" in out and "yes" in out
+    assert "15 draft tokens + 1 bonus token" in out
 
 
 # ----------------------------------------------------------------------------- export
