@@ -185,12 +185,12 @@ def tiny_pair(device, dtype, hidden: int, head_dim: int, vocab: int = 512, block
 
 def reference_pair(device, dtype, dataset: str, n: int):
     from adaflash_hf import load_reference_pair
-    from adaflash_hf.bench import _load_prompts
+    from adaflash_hf.bench.prompts import load_prompts
     from adaflash_hf.generation.prompts import encode_prompt
 
     target, drafter, tok = load_reference_pair(device=device, dtype=dtype)
     try:
-        _, messages = _load_prompts(dataset, n, None)
+        _, messages = load_prompts(dataset, n, None)
         source = dataset
     except Exception as exc:  # noqa: BLE001 - the data folder may not travel with the checkout
         log(f"prompts: {dataset} not loadable ({type(exc).__name__}: {exc}); using built-in questions")

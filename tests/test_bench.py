@@ -11,6 +11,7 @@ from conftest import build_drafter, build_tiny_target
 
 from adaflash_hf import bench
 from adaflash_hf.bench import METHODS, BenchCell, BenchConfig, Method, MethodOutput, run_bench
+from adaflash_hf.bench.prompts import load_prompts
 
 VOCAB = 128
 SPECIALS = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<unk>"]
@@ -326,7 +327,7 @@ def test_continuation_prompts_skip_the_chat_template(tmp_path):
     from adaflash_hf.reference import REFERENCE_DIR
 
     tok = AutoTokenizer.from_pretrained(os.path.join(REFERENCE_DIR, "target"))
-    label, prompts = bench._load_prompts("prose", 3, None)
+    label, prompts = load_prompts("prose", 3, None)
     assert label == "prose" and len(prompts) == 3 and all(isinstance(p, str) for p in prompts)
     ids = encode_prompt(tok, prompts[0])
     assert ids == tok(prompts[0], add_special_tokens=False)["input_ids"]
@@ -336,4 +337,4 @@ def test_continuation_prompts_skip_the_chat_template(tmp_path):
     path = tmp_path / "mixed.jsonl"
     path.write_text('{"text": "Once upon"}\n{"prompt": "hi"}\n{"other": 1}\n')
     with pytest.raises(ValueError, match="record 2"):
-        bench._load_prompts(f"jsonl:{path}", 5, None)
+        load_prompts(f"jsonl:{path}", 5, None)

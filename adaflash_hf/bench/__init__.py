@@ -83,16 +83,12 @@ _LAZY = {
     "run_bench": ".runner",
     "write_outputs": ".report",
     "write_plots": ".plots",
-    # used by examples/ (engine_gpu_check.py, reference_pair/repetition_by_domain.py)
-    "_load_prompts": (".prompts", "load_prompts"),
-    "_trim": (".timing", "trim"),
 }
 
 
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attr = _LAZY[name] if isinstance(_LAZY[name], tuple) else (_LAZY[name], name)
-    value = getattr(importlib.import_module(module, __name__), attr)
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
     globals()[name] = value
     return value

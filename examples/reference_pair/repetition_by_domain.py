@@ -38,7 +38,8 @@ import torch
 import transformers
 
 from adaflash_hf import load_reference_pair
-from adaflash_hf.bench import _load_prompts, _trim
+from adaflash_hf.bench.prompts import load_prompts
+from adaflash_hf.bench.timing import trim
 from adaflash_hf.generation.prompts import encode_prompt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,14 +120,14 @@ def bench_figures(path: Path) -> dict[str, dict]:
 
 
 def measure_set(name, target, tokenizer, num_prompts, gen_kwargs, eos_ids):
-    _, prompts = _load_prompts(name, num_prompts, None)
+    _, prompts = load_prompts(name, num_prompts, None)
     rows = []
     for i, prompt in enumerate(prompts):
         ids = encode_prompt(tokenizer, prompt)
         input_ids = torch.tensor([ids])
         with torch.inference_mode():
             out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **gen_kwargs)
-        gen = _trim(out[0, len(ids) :], eos_ids)
+        gen = trim(out[0, len(ids) :], eos_ids)
         rows.append(
             dict(
                 index=i,
