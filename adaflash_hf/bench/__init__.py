@@ -49,7 +49,7 @@ from __future__ import annotations
 import importlib
 
 from .cli_args import add_arguments, main, run_from_args
-from .config import BASELINES, DEFAULT_METHODS, BenchConfig
+from .config import BASELINES, DEFAULT_METHODS, BenchConfig  # noqa: F401 - DEFAULT_METHODS: the default --methods
 
 __all__ = [
     "BASELINES",

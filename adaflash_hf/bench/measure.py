@@ -13,6 +13,14 @@ from .methods import BenchContext, adaflash_policy
 from .timing import run_batch
 
 
+def _progress(config, total: int, desc: str):
+    """A per-cell bar over its batches on stderr; off under --quiet and when stderr is not a terminal."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="batch", leave=False, file=sys.stderr, dynamic_ncols=True,
+                disable=None if config.verbose else True)
+
+
 def _private_drafter(drafter, target):
     """A copy of `drafter` for one online cell, so its updates never reach the drafter the other methods use."""
     from ..online.adapter import copy_drafter
@@ -73,6 +81,7 @@ def measure(method, ctx, cell, layouts, config, eos_ids, warm_pool, warmed, pad_
     # attached after the warmup: the adapter learns from the timed stream only
     adapter = _attach_adapter(method, ctx, config, cell.dataset) if method.online else None
     t = _Timings()
+    bar = _progress(config, len(layouts), f"{cell.dataset} c={cell.concurrency} {method.name}")
     try:
         for bi, (ids, mask) in enumerate(layouts):
             t.add(*run_batch(method, ctx, ids, mask, eos_ids, config.seed + bi, on_cuda))  # TPOT without the wait below
@@ -83,7 +92,9 @@ def measure(method, ctx, cell, layouts, config, eos_ids, warm_pool, warmed, pad_
                     torch.cuda.synchronize()
                 t.waited += time.perf_counter() - t0
                 t.walls[-1] += time.perf_counter() - t0
+            bar.update(1)
     finally:
+        bar.close()
         if adapter is not None:
             adapter.close()  # finishes the updates already triggered, stops the worker, detaches
     if adapter is not None:

@@ -58,6 +58,7 @@ def add_arguments(p) -> None:
 
 
 def _records(args) -> list[dict]:
+    sampling_kwargs(args)  # refuses sampling flags that cannot apply, before anything loads
     records = read_prompts_file(args.prompts_file)
     if args.max_prompts:
         records = records[: args.max_prompts]

@@ -148,7 +148,10 @@ def encode(tok, messages: list[dict], chat_template: bool = True, system: str | 
 
 
 def sampling_kwargs(args) -> dict:
+    """generate's decoding arguments; `UsageError` for sampling flags given to greedy decoding."""
     kw = {"max_new_tokens": args.max_new_tokens}
+    if args.temperature == 0 and (args.top_p != 1.0 or args.top_k != 0):
+        raise UsageError("--top-p / --top-k cannot apply to greedy decoding (--temperature 0)", "add --temperature T > 0 to sample")
     if args.temperature > 0:
         kw.update(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     else:

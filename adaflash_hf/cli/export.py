@@ -19,8 +19,9 @@ DESCRIPTION = (
 
 
 def add_arguments(p) -> None:
-    p.add_argument("drafter", help="drafter checkpoint: local folder or Hub id")
+    p.add_argument("drafter", nargs="?", help="drafter checkpoint: local folder or Hub id")
     p.add_argument("output", help="new (or empty) output directory")
+    p.add_argument("--reference", action="store_true", help="export the embedded reference drafter (then give only OUTPUT)")
     p.add_argument("--dtype", choices=("keep", "bf16", "fp16", "fp32"), default="keep", help="weight dtype of the export")
     p.add_argument("--target", help="target model path / Hub id, to fill in the printed serving commands")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size for the printed commands")
@@ -46,6 +47,12 @@ def run(args) -> int:
     from ..export import export_dflash
     from ..modeling import AdaFlashDrafter
 
+    if args.reference:
+        if args.drafter:
+            raise UsageError("pass either a drafter checkpoint or --reference, not both", "drop one of them")
+        from ..reference import REFERENCE_DIR
+
+        args.drafter = os.path.join(REFERENCE_DIR, "drafter")
     out = os.path.abspath(args.output)
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"output {args.output} is a file", "choose a new directory; export never overwrites")

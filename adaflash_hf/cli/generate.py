@@ -57,11 +57,16 @@ def _records(args) -> list[dict]:
     if args.check and args.temperature > 0:
         raise UsageError("--check compares with plain greedy decoding: it cannot apply with --temperature > 0",
                          "drop --check, or decode greedily (--temperature 0)")
+    sampling_kwargs(args)  # refuses sampling flags that cannot apply, before anything loads
     records = [{"messages": [{"role": "user", "content": p}], "domain": None} for p in (args.prompt or [])]
     if args.prompts_file:
         records += read_prompts_file(args.prompts_file)
     if args.no_drafter and args.drafter:
         raise UsageError("--no-drafter and --drafter contradict each other", "drop one of them")
+    unused = [f for f, v in (("--length-policy", args.length_policy), ("--length-rate", args.length_rate),
+                             ("--length-min", args.length_min)) if v is not None]
+    if args.no_drafter and unused:
+        raise UsageError(f"{', '.join(unused)} cannot apply with --no-drafter (no verify rounds)", "drop them, or the --no-drafter")
     if args.output and os.path.isdir(args.output):
         raise UsageError(f"--output {args.output} is a directory", "pass a file name, e.g. out.jsonl")
     return records
