@@ -17,8 +17,9 @@ def load_reference_pair(device: str | torch.device = "cpu", dtype: torch.dtype =
     Example:
         >>> from adaflash_hf import load_reference_pair
         >>> target, drafter, tok = load_reference_pair()
-        >>> ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_tensors="pt")
-        >>> out = target.generate(ids, assistant_model=drafter, max_new_tokens=32)  # doctest: +SKIP
+        >>> inputs = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+        ...                                  return_dict=True, return_tensors="pt")
+        >>> out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=32)  # doctest: +SKIP
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
