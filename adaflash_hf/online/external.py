@@ -37,12 +37,13 @@ import logging
 import os
 import random
 from collections.abc import Iterator
-from contextlib import nullcontext
 
 import torch
 
 from ..generation.stats import FinishedRequest, VerifiedRound
 from ..modeling import AdaFlashDrafter
+from ..spec.hooks import hooks_for
+from ..training.objective import greedy_accepted
 from .adapter import OnlineAdapter
 from .hub import redact
 
@@ -129,13 +130,13 @@ def rounds_from_response(
     logits = out.logits[0]  # [len(positions), V]
     mask_id = drafter.config.mask_token_id
     param = next(drafter.parameters())
-    lock = getattr(drafter, "_weights_lock", None)
+    lock = hooks_for(drafter).weights_lock
     rounds = []
     for a in chosen:
         vl = spans[a]
         block = torch.full((1, B), mask_id, dtype=torch.long, device=device)
         block[0, 0] = ids[a]
-        with lock if lock is not None else nullcontext():
+        with lock:
             noise = drafter.embed(block).to(device=param.device, dtype=param.dtype)
             hidden = drafter(
                 noise_embeds=noise,
@@ -146,7 +147,7 @@ def rounds_from_response(
             ratio = float(drafter.predict_accept_ratio(hidden)[0]) if drafter.length_head is not None else None
         drafts = draft_logits.argmax(-1)[: vl - 1].to(device)
         truth = ids[a + 1 : a + vl]
-        accepted = int((drafts == truth).long().cumprod(0).sum()) if vl > 1 else 0
+        accepted = int(greedy_accepted(drafts == truth)) if vl > 1 else 0
         rows = torch.tensor([row_of[p] for p in range(a, a + vl)], device=logits.device)
         rounds.append(
             (
