@@ -104,7 +104,9 @@ class OnlineAdapter:
     """
 
     def __init__(self, drafter: AdaFlashDrafter, target: nn.Module, config: OnlineConfig | None = None, **settings):
-        config = (config or OnlineConfig()).replace(**settings) if settings else (config or OnlineConfig())
+        config = config or OnlineConfig()
+        if settings:
+            config = config.replace(**settings)
         if not isinstance(drafter, AdaFlashDrafter):
             raise TypeError(f"drafter must be an AdaFlashDrafter, got {type(drafter).__name__}")
         current = hooks_for(drafter)
@@ -473,18 +475,18 @@ class OnlineAdapter:
             domains = dict(self.domains_seen)
         latest = history[-1] if history else {}
         return {
-            "repo_id": self.config.hub_repo or "adaflash-drafter",
-            "title": (self.config.hub_repo or "AdaFlash drafter") + " (online)",
+            "repo_id": c.hub_repo or "adaflash-drafter",
+            "title": (c.hub_repo or "AdaFlash drafter") + " (online)",
             "target_name": self.target_name,
-            "method": self.config.method.upper(),
+            "method": c.method.upper(),
             "latest_version": latest.get("version"),
             "latest_tau_before": latest.get("tau_before"),
             "block_size": self.worker.block_size,
-            "samples_per_update": f"{self.config.samples_per_update} {'finished requests' if self.config.sample_unit == 'request' else 'verified rounds'}",
-            "epochs": self.config.epochs,
+            "samples_per_update": f"{c.samples_per_update} " + ("finished requests" if c.sample_unit == "request" else "verified rounds"),
+            "epochs": c.epochs,
             "domains": domains,
             "history": history,
-            "method_description": _METHOD_DESCRIPTIONS[self.config.method],
+            "method_description": _METHOD_DESCRIPTIONS[c.method],
             "hyperparameters": (
                 f"alpha {c.alpha}, clip {c.clip} ({c.clip_mode}), temperature {c.temperature}, "
                 f"AdamW lr {c.lr} / head {c.head_lr}, batch {c.batch_size}, grad clip {c.grad_clip}"
