@@ -72,9 +72,7 @@ def run(a: argparse.Namespace) -> int:
             D.data_dir(a.data)
         except FileNotFoundError as e:
             raise UsageError(one_line(e), f"pass --data DIR or set {D.ENV_VAR}") from None
-    try:  # after the training move: train_drafter.run(train_drafter.config_from_args(a)), RecipeError -> UsageError
-        return train_drafter.run(a)
-    except SystemExit as e:  # train_drafter stops on user-fixable problems with a message
-        if isinstance(e.code, str):
-            raise UsageError(f"train: {e.code}", f"see `{prog} --help`") from None
-        raise
+    try:
+        return train_drafter.run(train_drafter.config_from_args(a))
+    except train_drafter.RecipeError as e:  # train_drafter stops on user-fixable problems with a message
+        raise UsageError(f"train: {e}", f"see `{prog} --help`") from None
