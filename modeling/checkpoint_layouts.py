@@ -472,7 +472,7 @@ def _chmod_tree(root: str) -> None:
             os.chmod(os.path.join(dirpath, name), 0o644)
 
 
-def write_dflash_checkpoint(model, path: str, dtype="bfloat16", remote_code_dir: str | None = None) -> None:
+def write_dflash_checkpoint(model, path: str, dtype="bfloat16", remote_code_dir: str | None = None, head_layout: str = "subfolder") -> None:
     """Write `model` in the z-lab DFlash layout into `path`: what vLLM and SGLang load, nothing else.
 
     - `config.json` + `model.safetensors`: the DFlash tensors only (vLLM's `load_weights` rejects any
@@ -482,6 +482,9 @@ def write_dflash_checkpoint(model, path: str, dtype="bfloat16", remote_code_dir:
       `thresh_head_two_model.*` names), where neither engine looks; our reader picks it up again.
     - `remote_code_dir`: copy its `*.py` beside the weights and add `auto_map` (AutoModel only: the
       engines keep reading config.json as a Qwen3 config).
+    - `head_layout="released"` instead writes the released AdaFlash layout: the head at the top level
+      under `thresh_head_two_model.*` with its `dflash_config` keys (AdaFlash's own code reads it;
+      stock vLLM refuses it).
 
     Written into a temporary sibling directory first and renamed into place, so a crash never
     leaves a half-written checkpoint at `path`. Folders 0755, files 0644.
@@ -502,9 +505,13 @@ def write_dflash_checkpoint(model, path: str, dtype="bfloat16", remote_code_dir:
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
     out_dtype = next(iter(state.values())).dtype
+    if head_layout not in ("subfolder", "released"):
+        raise ValueError(f"head_layout must be 'subfolder' or 'released', got {head_layout!r}")
     head = {RELEASED_HEAD_PREFIX + k[len(NATIVE_HEAD_PREFIX) :]: v for k, v in state.items() if k.startswith(NATIVE_HEAD_PREFIX)}
     body = {k: v for k, v in state.items() if not k.startswith(NATIVE_HEAD_PREFIX)}
-    config = dflash_dict_from_config(model.config, dtype=out_dtype, with_head=False)
+    config = dflash_dict_from_config(model.config, dtype=out_dtype, with_head=bool(head) and head_layout == "released")
+    if head_layout == "released":
+        body, head = {**body, **head}, {}
     tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
         save_file(body, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
