@@ -311,8 +311,12 @@ def vllm_check(case: dict, log) -> None:
     from vllm.transformers_utils.config import get_config
 
     path = case["path"]
-    hf_config = get_config(path, trust_remote_code=False)  # vLLM's own config parsing
-    assert hf_config.architectures == ["DFlashDraftModel"], hf_config.architectures
+    from vllm.transformers_utils.configs.eagle import EAGLEConfig
+
+    # vLLM's own config parsing: get_config, then SpeculativeConfig wraps a dflash draft config in
+    # EAGLEConfig(method="dflash") (vllm/config/speculative.py) before the model reads it.
+    hf_config = EAGLEConfig(get_config(path, trust_remote_code=False), method="dflash", model_type="eagle")
+    assert hf_config.architectures == ["DFlashDraftModel"], hf_config.architectures  # registry -> qwen3_dflash
     vllm_config = VllmConfig()
     draft = SimpleNamespace(hf_config=hf_config, model=path, revision=None, quantization=None, dtype=torch.bfloat16,
                             hf_text_config=hf_config)  # fmt: skip
