@@ -36,7 +36,7 @@ def _apply_rotary(q, k, cos, sin):
     return q, k
 
 
-def sliding_window_mask(base_mask, position_ids, q_len, past_len, window, key_mask=None, dtype=torch.float32):
+def sliding_window_mask(base_mask, position_ids, q_len, past_len, window, key_mask=None):
     """`base_mask` restricted to a causal sliding window, as vLLM / SGLang run `sliding_attention` layers.
 
     Query at position p sees keys at positions (p - window, p]. New keys (context + block) are at
