@@ -27,10 +27,9 @@ import sys
 
 from ..loading import UsageError
 from .common import PROG, Formatter, Parser
-from .export import serving_commands
 from .info import inspect_checkpoint
 
-__all__ = ["COMMANDS", "UsageError", "build_parser", "inspect_checkpoint", "main", "serving_commands"]
+__all__ = ["COMMANDS", "UsageError", "build_parser", "inspect_checkpoint", "main"]
 
 COMMANDS = ("demo", "generate", "bench", "train", "adapt", "serve", "export", "info")
 
