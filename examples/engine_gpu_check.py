@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from adaflash_hf.generation.stats import mean_tokens_per_round
+from adaflash_hf.spec.rounds import mean_tokens_per_round
 
 T0 = time.perf_counter()
 SPEC_FLEX_MS = {  # SPEC.md section 6, flex_attention column (gpu_attn_probe.py), for side-by-side reading

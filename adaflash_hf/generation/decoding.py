@@ -12,16 +12,17 @@ processors, on the same prefix, as plain decoding would use.
 
 import time
 from collections import defaultdict
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..modeling import AdaFlashDrafter
-from .acceptance import greedy_accept, speculative_accept
+from ..spec.hooks import hooks_for, round_callbacks
+from ..spec.rounds import FinishedRequest, RoundSink, VerifiedRound
+from ..spec.verify import SampledRows, accept_block
 from .drafting import AdaFlashCandidateGenerator
-from .stats import FinishedRequest, GenerationStats, RoundSink, VerifiedRound
+from .stats import GenerationStats
 
 
 def _check_call(model, drafter, generation_config, model_kwargs) -> None:
@@ -189,7 +190,7 @@ def adaflash_decoding(
     """
     _check_call(model, drafter, generation_config, model_kwargs)
     # An online adapter attached to the drafter (`OnlineAdapter.attach()`) receives every round.
-    sink = round_sink if round_sink is not None else getattr(drafter, "_round_sink", None)
+    on_round, on_request = round_callbacks(round_sink, drafter)
     generator = AdaFlashCandidateGenerator.for_target(
         model, drafter, generation_config, logits_processor, length_policy=length_policy, length_rate=length_rate, length_min=length_min
     )
@@ -208,7 +209,7 @@ def adaflash_decoding(
     layers = generator.model_kwargs_overrides["output_hidden_states"]
     clock = _Timer(return_stats and input_ids.device.type == "cuda")
     # An online adapter swaps new weights in only between rounds: it takes this lock exclusively.
-    weights_lock = getattr(drafter, "_weights_lock", None) or nullcontext()
+    weights_lock = hooks_for(drafter).weights_lock
 
     t0 = clock()
     batch, cache, done = _prefill(model, drafter, input_ids, model_kwargs, layers, do_sample, output)
@@ -243,17 +244,18 @@ def adaflash_decoding(
         # 3. Accept the longest agreeing prefix (greedy) or by the speculative sampling rule.
         if do_sample:
             q = q if q is not None else processed[:, :0].softmax(-1)
-            res = speculative_accept(draft, q, processed.softmax(-1), block.draft_len)
+            res = accept_block(draft, block.draft_len, sampled=[SampledRows(None, q, processed.softmax(-1), block.draft_len)])
         else:
-            res = greedy_accept(draft, processed, block.draft_len)
+            res = accept_block(draft, block.draft_len, processed.argmax(dim=-1))
         acc = res.num_accepted
         t2 = clock()
         stats.draft_time_s, stats.verify_time_s = stats.draft_time_s + t1 - t0, stats.verify_time_s + t2 - t1
 
         # 4. Commit tokens (stopping token by token), record the round, roll back rejected K/V.
-        if sink is not None:
+        if on_round is not None:
             for i in range(len(batch.seqs)):
-                sink.on_round(_verified_round(batch, i, block, draft, logits, acc))
+                on_round(VerifiedRound.from_block(int(batch.index[i]), batch.context_ids(i), batch.bonus[i], draft[i], block.logits[i],
+                                                  logits[i], block.draft_len[i], acc[i], None if block.ratio is None else block.ratio[i]))
         new = [torch.cat([d[:a], t[None]]) for d, a, t in zip(draft, acc.tolist(), res.next_tokens)]
         kept = [slice(0, a + 1) for a in acc.tolist()]
         hidden = _token_hidden(out.hidden_states, (acc + 1).tolist()) if output.want_hidden else None
@@ -264,7 +266,6 @@ def adaflash_decoding(
 
     if streamer is not None:
         streamer.end()
-    on_request = getattr(sink, "on_request", None)
     if on_request is not None:
         prompt_mask = model_kwargs.get("attention_mask")
         for row, seq in sorted(output.finished.items()):
@@ -319,21 +320,6 @@ def _sample_drafts(generator: AdaFlashCandidateGenerator, seqs, block, k):
     """Sample draft tokens from the *processed* draft distribution (needed for lossless sampling)."""
     drawn = [generator.draw(seq, block.logits[i, :k]) for i, seq in enumerate(seqs)]
     return torch.stack([tokens for tokens, _ in drawn]), torch.stack([scores.softmax(-1) for _, scores in drawn])
-
-
-def _verified_round(batch: _Batch, i, block, draft, target_logits, acc) -> VerifiedRound:
-    verify_len = int(block.draft_len[i]) + 1
-    return VerifiedRound(
-        row=int(batch.index[i]),
-        context_ids=batch.context_ids(i),  # called before this round's tokens are committed
-        bonus_token=int(batch.bonus[i]),
-        draft_tokens=draft[i, : verify_len - 1].clone(),  # the tokens verified (sampled ones when sampling)
-        draft_logits=block.logits[i, : verify_len - 1].clone(),
-        target_logits=target_logits[i, :verify_len].clone(),
-        verify_len=verify_len,
-        num_accepted=int(acc[i]),
-        predicted_ratio=float(block.ratio[i]) if block.ratio is not None else None,
-    )
 
 
 def _finish(input_ids, output: _Output, generation_config, stats, return_stats):

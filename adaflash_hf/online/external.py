@@ -41,7 +41,7 @@ from contextlib import nullcontext
 
 import torch
 
-from ..generation.stats import FinishedRequest, VerifiedRound
+from ..spec.rounds import FinishedRequest, VerifiedRound
 from ..modeling import AdaFlashDrafter
 from .adapter import OnlineAdapter
 from .hub import redact

@@ -3,20 +3,102 @@
 A verify length ``k_hat`` always counts the bonus slot (slot 0, the last verified token), so a
 row verifies ``k_hat - 1`` draft tokens and ``k_hat`` lies in ``[1, B]`` for block size ``B``.
 All policies return ``LongTensor[b]`` so the engine can pack ``sum(k_hat)`` tokens per verify.
+:class:`LengthPolicy` names them, :func:`default_policy` is the one rule for which a drafter gets
+when none is asked for, and :func:`choose_verify_length` is the one dispatch every loop calls.
 """
 
 from __future__ import annotations
 
 import math
+from enum import Enum
 
 import torch
 
 __all__ = [
+    "LengthPolicy",
+    "POLICY_NAMES",
     "adaptive_verify_length",
+    "choose_verify_length",
+    "default_policy",
+    "resolve_policy",
     "expected_gain_verify_length",
     "fixed_verify_length",
     "load_scaled_rate",
 ]
+
+
+class LengthPolicy(str, Enum):
+    """How many block slots a row verifies: ``adaptive`` (length head), ``fixed`` (the full block,
+    DFlash) or ``expected_gain`` (per-position estimate, most expected tokens per verify cost)."""
+
+    ADAPTIVE = "adaptive"
+    FIXED = "fixed"
+    EXPECTED_GAIN = "expected_gain"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+POLICY_NAMES = tuple(p.value for p in LengthPolicy)
+
+
+def default_policy(config) -> LengthPolicy:
+    """``adaptive`` when the drafter (its ``config``) has a *trained* length head, else ``fixed``.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> default_policy(SimpleNamespace(use_length_head=True, length_head_trained=False)).value
+        'fixed'
+    """
+    trained = getattr(config, "use_length_head", False) and getattr(config, "length_head_trained", False)
+    return LengthPolicy.ADAPTIVE if trained else LengthPolicy.FIXED
+
+
+def resolve_policy(name: str | LengthPolicy | None, drafter) -> LengthPolicy:
+    """The policy ``name`` asks for (``None``: :func:`default_policy`), checked against ``drafter``.
+
+    Raises ``ValueError`` for an unknown name, or ``adaptive`` on a drafter without a length head.
+    """
+    if name is None:
+        return default_policy(drafter.config)
+    if name not in POLICY_NAMES:
+        raise ValueError(f"unknown length_policy {name!r}: choose one of {', '.join(POLICY_NAMES)}")
+    policy = LengthPolicy(name)
+    if policy is LengthPolicy.ADAPTIVE and getattr(drafter, "length_head", None) is None:
+        raise ValueError("length_policy='adaptive' needs a drafter with a length head (config.use_length_head)")
+    return policy
+
+
+def choose_verify_length(
+    policy: LengthPolicy | str,
+    batch: int,
+    block_size: int,
+    *,
+    ratio: torch.Tensor | None = None,
+    draft_logits: torch.Tensor | None = None,
+    rate: float = 1.0,
+    min_len: int = 1,
+    verify_token_cost: float = 0.05,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Each row's verify length ``k_hat`` (``LongTensor[batch]``, bonus slot included) under ``policy``.
+
+    ``adaptive`` reads the length head's ``ratio``; ``expected_gain`` stands the draft's own top-1
+    probability (from ``draft_logits [b, B-1, V]``) in for each slot's conditional acceptance;
+    ``fixed`` verifies the whole block (on ``device``).
+
+    Example:
+        >>> choose_verify_length("adaptive", 2, 16, ratio=torch.tensor([0.5, 1.0]), rate=0.5).tolist()
+        [4, 8]
+    """
+    policy = LengthPolicy(policy)
+    if policy is LengthPolicy.ADAPTIVE:
+        return adaptive_verify_length(ratio, block_size, rate=rate, min_len=min_len)
+    if policy is LengthPolicy.EXPECTED_GAIN:
+        top1 = torch.nan_to_num(draft_logits).softmax(dim=-1).amax(dim=-1)
+        k_hat = expected_gain_verify_length(top1, cost_per_token=verify_token_cost, min_len=min_len)
+        return k_hat.to(draft_logits.device)
+    return fixed_verify_length(batch, block_size, device=device)
 
 
 def _check_len_bounds(block_size: int, min_len: int) -> None:
