@@ -273,7 +273,7 @@ class Engine:
             return False  # unreachable while submit rejects what never fits; kept as a guard
 
         # 3. The target: prefill segments, then verify segments (bonus + drafts), in one packed forward.
-        rows = drafts.tokens.tolist()
+        rows, dl_host = drafts.tokens.tolist(), drafts.draft_len.tolist()
         segs = [(r.slot, r.prompt) for r in admitted]
         segs += [(r.slot, [r.bonus] + row[: q - 1]) for r, row, q in zip(running, rows, drafts.q_lens)]
         layout = PackedLayout.from_cache(self.cache, [s for s, _ in segs], [len(t) for _, t in segs])
@@ -309,11 +309,11 @@ class Engine:
         # 5b. Verify: emit the round, commit, advance the target cache over bonus + accepted drafts.
         for i, (r, a) in enumerate(zip(running, acc_h)):
             if self.on_round is not None:
-                self._emit_round(r, drafts, vlogits, i, a)
+                self._emit_round(r, drafts, vlogits, i, dl_host[i], a)
             self.cache.advance(r.slot, a + 1)
             if hidden is not None:
                 r.pending_ctx = hidden[offs[base + i] : offs[base + i] + a + 1]
-            self._commit(r, rows[i][:a] + [next_h[i]], verify_len=int(drafts.draft_len[i]) + 1)
+            self._commit(r, rows[i][:a] + [next_h[i]], verify_len=dl_host[i] + 1)
         return True
 
     def _draft(self, running) -> _Drafts:
@@ -384,9 +384,8 @@ class Engine:
             return first, top.new_zeros(0), top.new_zeros(0), None
         vidx, draft_dev, dl_dev = verify_inputs
         sampled = []
-        for i, r in enumerate(running):
+        for i, (r, dl) in enumerate(zip(running, drafts.draft_len.tolist())):
             if not r.params.greedy:
-                dl = int(drafts.draft_len[i])
                 p = processed_probs(logits[vidx[i, : dl + 1]], r.params)
                 q = drafts.q_probs[i] if drafts.q_probs[i] is not None else p.new_zeros(0, p.shape[-1])
                 sampled.append(SampledRows([i], q[None, :dl], p[None], None, r.generator))
@@ -540,14 +539,14 @@ class Engine:
             raise RuntimeError(f"{n} running requests exceed the token budget {self.token_budget}")
         return out
 
-    def _emit_round(self, r: Request, drafts: _Drafts, vlogits: torch.Tensor, i: int, accepted: int) -> None:
+    def _emit_round(self, r: Request, drafts: _Drafts, vlogits: torch.Tensor, i: int, draft_len: int, accepted: int) -> None:
         draft_logits = drafts.logits
         if draft_logits is None:  # a round that skipped drafting: nothing was drafted
             draft_logits = vlogits.new_zeros(len(drafts.q_lens), 0, vlogits.shape[-1])
         ratio = drafts.ratio[i] if drafts.ratio is not None else None
         # copies: the drafter's static draft-logits buffer is reused next round
         self.on_round(VerifiedRound.from_block(r.id, torch.tensor(r.prompt + r.tokens[:-1]), r.bonus, drafts.tokens[i],
-                                               draft_logits[i], vlogits[i], drafts.draft_len[i], accepted, ratio))
+                                               draft_logits[i], vlogits[i], draft_len, accepted, ratio))
 
     # ------------------------------------------------------------------ bookkeeping
     def _commit(self, r: Request, new: list[int], verify_len: int | None = None) -> None:

@@ -105,23 +105,15 @@ class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         """
         b, B = bonus.shape[0], self.block_size
         d = self.assistant_model
-        noise_ids = torch.cat([bonus[:, None], self.noise_ids_mask.to(bonus.device).expand(b, -1)], dim=1)
         block_pos = bonus_pos[:, None] + torch.arange(B, device=bonus.device)
         past_valid = self.cache_valid if self.cache_valid is not None else ctx_valid[:, :0]
         key_mask = torch.cat([past_valid, ctx_valid, torch.ones_like(ctx_valid[:, :1]).expand(b, B)], dim=1)
-        out = d(
-            # `d.embed`, not the parent's `_get_noise_embeds`: drafters are trained on `d.embed`.
-            noise_embeds=d.embed(noise_ids),
-            context_hidden_states=ctx.to(d.dtype),
-            position_ids=torch.cat([ctx_pos, block_pos], dim=1),
-            attention_mask=key_mask.long(),
-            past_key_values=self.cache,
-        )
+        # `d.draft_block` embeds with `d.embed`, not the parent's `_get_noise_embeds`: drafters are trained on it.
+        hidden = d.draft_block(bonus, ctx, torch.cat([ctx_pos, block_pos], dim=1), key_mask.long(), self.cache)
         # Keep context K/V only; the block is drafted afresh next round.
         self.cache.crop(-B)
         self.cache_valid = torch.cat([past_valid, ctx_valid], dim=1)
 
-        hidden = out.last_hidden_state
         logits = d.compute_logits(hidden[:, 1:]).float()
         finite = torch.isfinite(logits).all(dim=-1).all(dim=-1)
         ratio = d.predict_accept_ratio(hidden) if d.length_head is not None else None
