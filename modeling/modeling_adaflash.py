@@ -390,7 +390,8 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
                 context = context.clone()  # features from an inference-mode target, trained through
         if noise.is_inference() and torch.is_grad_enabled():
             noise = noise.clone()
-        out = self(noise, context, position_ids, attention_mask, past_key_values, **kwargs)
+        out = self(noise_embeds=noise, context_hidden_states=context, position_ids=position_ids,
+                   attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
         return out.last_hidden_state
 
     def predict_accept_ratio(self, block_hidden: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..spec.rounds import mean_tokens_per_round
+from ..spec.rounds import RoundTally
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ class RequestRejected(ValueError):
 
 
 @dataclass
-class EngineOutput:
+class EngineOutput(RoundTally):
     """What one request produced. ``token_ids`` are the generated ids only."""
 
     request_id: int
@@ -30,15 +30,6 @@ class EngineOutput:
     finish_reason: str  # "length", "eos" or "cancelled"
     accepted: list[int] = field(default_factory=list)  # accepted drafts per round after prefill (0s when "off")
     verify_lengths: list[int] = field(default_factory=list)  # tokens verified per round (bonus included)
-
-    @property
-    def rounds(self) -> int:
-        return len(self.accepted)
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens committed per verify round (accepted + 1); 0.0 before any round."""
-        return mean_tokens_per_round(self.accepted)
 
 
 @dataclass(frozen=True)

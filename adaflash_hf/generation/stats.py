@@ -2,13 +2,13 @@
 
 from dataclasses import dataclass, field
 
-from ..spec.rounds import mean_tokens_per_round
+from ..spec.rounds import RoundTally
 
 __all__ = ["GenerationStats"]
 
 
 @dataclass
-class GenerationStats:
+class GenerationStats(RoundTally):
     """What one speculative `generate` call did, round by round (all rows of a batch together).
 
     `tau` is the mean number of tokens committed per round (accepted drafts + the target's own
@@ -33,19 +33,6 @@ class GenerationStats:
         self.rows.append(row)
         self.verify_lengths.append(verify_len)
         self.accepted.append(accepted)
-
-    @property
-    def rounds(self) -> int:
-        return len(self.accepted)
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens per round (accepted + 1); 0.0 before any round."""
-        return mean_tokens_per_round(self.accepted)
-
-    @property
-    def mean_verify_length(self) -> float:
-        return sum(self.verify_lengths) / self.rounds if self.rounds else 0.0
 
     @property
     def position_acceptance(self) -> list[float]:

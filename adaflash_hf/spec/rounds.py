@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["FinishedRequest", "RoundSink", "VerifiedRound", "mean_tokens_per_round", "tokens_per_round"]
+__all__ = ["FinishedRequest", "RoundSink", "RoundTally", "VerifiedRound", "mean_tokens_per_round", "tokens_per_round"]
 
 
 def tokens_per_round(accepted_total: int, rounds: int) -> float:
@@ -34,6 +34,27 @@ def mean_tokens_per_round(accepted: list[int]) -> float:
         2.3333333333333335
     """
     return tokens_per_round(sum(accepted), len(accepted))
+
+
+class RoundTally:
+    """Round counts of anything that keeps per-round ``accepted`` drafts and ``verify_lengths`` lists
+    (``generate``'s stats, an engine request's output): rounds, tau, mean verify length."""
+
+    accepted: list[int]
+    verify_lengths: list[int]
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verify round (accepted + 1); 0.0 before any round."""
+        return mean_tokens_per_round(self.accepted)
+
+    @property
+    def mean_verify_length(self) -> float:
+        return sum(self.verify_lengths) / self.rounds if self.rounds else 0.0
 
 
 @dataclass
