@@ -45,12 +45,12 @@ from ..spec.hooks import hooks_for, round_callbacks
 from ..spec.length_policy import LengthPolicy, choose_verify_length, load_scaled_rate
 from ..spec.rounds import FinishedRequest, RoundSink, VerifiedRound
 from ..spec.verify import SampledRows, accept_block
-from .admission import AdmissionController
+from .admission import AdmissionController, fit_token_budget
 from .attention import BLOCK
 from .drafter import DraftGraphs, append_context, draft_blocks, make_drafter_cache
 from .fused import FusedTarget
 from .graphs import DecodeGraphs, to_device
-from .requests import EngineOutput, Request, RequestHandle, RequestRejected, StepInfo
+from .requests import EngineOutput, Request, RequestHandle, RequestRejected, StepInfo, check_request
 from .sampling import SamplingParams, processed_probs
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
 
@@ -182,21 +182,8 @@ class Engine:
             self.fused.check_current()
         prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
         params = sampling if sampling is not None else SamplingParams(**sampling_kwargs)
-        if not prompt:
-            raise RequestRejected("empty prompt: a request needs at least one prompt token")
-        if max_new_tokens < 1:
-            raise RequestRejected(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if len(prompt) + max_new_tokens > self.max_len:
-            raise RequestRejected(
-                f"request can never fit: prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = "
-                f"{len(prompt) + max_new_tokens} > max_len ({self.max_len}) of a KV slot")
-        if len(prompt) > self.token_budget:
-            raise RequestRejected(
-                f"request can never fit: prompt ({len(prompt)} tokens) is longer than the per-forward token budget "
-                f"({self.token_budget}); prefill is not chunked")
-        vocab = self.target.get_input_embeddings().weight.shape[0]
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
+        check_request(prompt, max_new_tokens, self.max_len, self.token_budget,
+                      self.target.get_input_embeddings().weight.shape[0])
         req = Request(next(self._ids), prompt, int(max_new_tokens), params, on_token, self.device)
         self._queue.append(req)
         return RequestHandle(self, req)
@@ -273,14 +260,10 @@ class Engine:
             return False  # unreachable while submit rejects what never fits; kept as a guard
 
         # 3. The target: prefill segments, then verify segments (bonus + drafts), in one packed forward.
-        rows, dl_host = drafts.tokens.tolist(), drafts.draft_len.tolist()
         segs = [(r.slot, r.prompt) for r in admitted]
-        segs += [(r.slot, [r.bonus] + row[: q - 1]) for r, row, q in zip(running, rows, drafts.q_lens)]
+        segs += [(r.slot, [r.bonus] + row[: q - 1]) for r, row, q in zip(running, drafts.tokens.tolist(), drafts.q_lens)]
         layout = PackedLayout.from_cache(self.cache, [s for s, _ in segs], [len(t) for _, t in segs])
-        if self.step_hook is not None:
-            self.step_hook(StepInfo(layout.num_tokens, self.token_budget, len(admitted), len(running),
-                                    self.max_slots - self.cache.num_free, self.max_slots, self.admission.n_hat))
-        assert layout.num_tokens <= self.token_budget
+        self._announce(layout.num_tokens, len(admitted), len(running))
         verify_inputs = self._verify_inputs(drafts, len(admitted))  # queued before the forward
         if self.profile:
             self._tick("host")
@@ -294,27 +277,39 @@ class Engine:
         first, accepted, next_tokens, vlogits = self._accept(logits, admitted, running, drafts, verify_inputs)
         packed = torch.cat([first, accepted, next_tokens]).tolist()  # the round's one device read
         self.host_syncs += 1
-        base, n, offs = len(admitted), len(running), layout.offsets
-        first_h, acc_h, next_h = packed[:base], packed[base : base + n], packed[base + n :]
         if self.profile:
             self._tick("accept")
 
-        # 5a. Prefill: the first token, the prompt's features as the drafter's first context.
-        for j, r in enumerate(admitted):
+        # 5. Commit: prefills' first tokens, then each verify's accepted drafts + the target's next token.
+        self._commit_round(admitted, running, drafts, packed, vlogits, hidden, layout.offsets)
+        return True
+
+    def _announce(self, num_tokens: int, num_prefill: int, num_verify: int) -> None:
+        """Tell ``step_hook`` what the next target forward carries (never more than the token budget)."""
+        if self.step_hook is not None:
+            self.step_hook(StepInfo(num_tokens, self.token_budget, num_prefill, num_verify,
+                                    self.max_slots - self.cache.num_free, self.max_slots, self.admission.n_hat))
+        assert num_tokens <= self.token_budget
+
+    def _commit_round(self, admitted, running, drafts: _Drafts, packed: list[int], vlogits, hidden, offs) -> None:
+        """Advance the target cache over what was accepted, hand the new features to the drafter, emit
+        each verified round, commit tokens. ``packed``: prefill first tokens, accepted counts, next tokens."""
+        base, n = len(admitted), len(running)
+        first, accepted, next_tokens = packed[:base], packed[base : base + n], packed[base + n :]
+        for j, r in enumerate(admitted):  # the prompt's features become the drafter's first context
             self.cache.advance(r.slot, len(r.prompt))
             if hidden is not None:
                 r.pending_ctx = hidden[offs[j] : offs[j + 1]]
             self._running.append(r)
-            self._commit(r, [first_h[j]])
-        # 5b. Verify: emit the round, commit, advance the target cache over bonus + accepted drafts.
-        for i, (r, a) in enumerate(zip(running, acc_h)):
+            self._commit(r, [first[j]])
+        rows, dl_host = drafts.tokens.tolist(), drafts.draft_len.tolist()
+        for i, (r, a) in enumerate(zip(running, accepted)):
             if self.on_round is not None:
                 self._emit_round(r, drafts, vlogits, i, dl_host[i], a)
             self.cache.advance(r.slot, a + 1)
             if hidden is not None:
                 r.pending_ctx = hidden[offs[base + i] : offs[base + i] + a + 1]
-            self._commit(r, rows[i][:a] + [next_h[i]], verify_len=dl_host[i] + 1)
-        return True
+            self._commit(r, rows[i][:a] + [next_tokens[i]], verify_len=dl_host[i] + 1)
 
     def _draft(self, running) -> _Drafts:
         """Drafts and verify lengths for ``running`` (trimmed to the token budget); sampled requests draw
@@ -327,7 +322,7 @@ class Engine:
             draft, draft_logits, ratio, draft_len = self._propose(running)
         if self.profile:
             self._tick("draft")
-        draft_len = self._fit_budget(draft_len)
+        draft_len = fit_token_budget(draft_len, self.token_budget, rectangular=self.verify_mode == "rectangular")
         dl_host = draft_len.tolist()
         if self.verify_mode == "rectangular" and n:
             q_lens = [max(dl_host) + 1] * n
@@ -404,9 +399,7 @@ class Engine:
         device read; each step is committed as a round of one token, exactly as ``steps`` normal rounds would."""
         n = len(running)
         layout = PackedLayout.from_cache(self.cache, [r.slot for r in running], [1] * n)
-        if self.step_hook is not None:
-            self.step_hook(StepInfo(n, self.token_budget, 0, n, self.max_slots - self.cache.num_free, self.max_slots,
-                                    self.admission.n_hat))
+        self._announce(n, 0, n)
         self.admission.observe(1.0, sum(len(r.prompt) + r.max_new for r in running) / n)
         if self.profile:
             self._tick("host")
@@ -521,23 +514,6 @@ class Engine:
         draft[:, :width] = host[:, 1:]
         draft_len = torch.where(host[:, 0].bool(), draft_len, torch.zeros_like(draft_len))
         return draft, logits, ratio, draft_len
-
-    def _fit_budget(self, draft_len: torch.Tensor) -> torch.Tensor:
-        """Trim the longest verify lengths until the round fits the token budget (lossless)."""
-        n = draft_len.shape[0]
-        if n == 0:
-            return draft_len
-
-        def cost(dl):
-            return n * (int(dl.max()) + 1) if self.verify_mode == "rectangular" else int((dl + 1).sum())
-
-        cap = int(draft_len.max())
-        while cap > 0 and cost(draft_len.clamp(max=cap)) > self.token_budget:
-            cap -= 1
-        out = draft_len.clamp(max=cap)
-        if cost(out) > self.token_budget:  # admission keeps running <= budget, so this cannot happen
-            raise RuntimeError(f"{n} running requests exceed the token budget {self.token_budget}")
-        return out
 
     def _emit_round(self, r: Request, drafts: _Drafts, vlogits: torch.Tensor, i: int, draft_len: int, accepted: int) -> None:
         draft_logits = drafts.logits

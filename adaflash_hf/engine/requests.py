@@ -13,7 +13,7 @@ from .sampling import SamplingParams
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["EngineOutput", "Request", "RequestHandle", "RequestRejected", "StepInfo"]
+__all__ = ["EngineOutput", "Request", "RequestHandle", "RequestRejected", "StepInfo", "check_request"]
 
 
 class RequestRejected(ValueError):
@@ -98,3 +98,22 @@ class RequestHandle:
             if not self._engine.step():
                 raise RuntimeError(f"request {self._req.id} cannot progress (engine idle)")
         return self._req.output
+
+
+def check_request(prompt: list[int], max_new_tokens: int, max_len: int, token_budget: int, vocab: int) -> None:
+    """Raise :class:`RequestRejected` for a request that can never run: empty, nothing to generate, longer
+    than a KV slot, a prompt over one forward's token budget (prefill is not chunked), ids off the vocabulary."""
+    if not prompt:
+        raise RequestRejected("empty prompt: a request needs at least one prompt token")
+    if max_new_tokens < 1:
+        raise RequestRejected(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if len(prompt) + max_new_tokens > max_len:
+        raise RequestRejected(
+            f"request can never fit: prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = "
+            f"{len(prompt) + max_new_tokens} > max_len ({max_len}) of a KV slot")
+    if len(prompt) > token_budget:
+        raise RequestRejected(
+            f"request can never fit: prompt ({len(prompt)} tokens) is longer than the per-forward token budget "
+            f"({token_budget}); prefill is not chunked")
+    if min(prompt) < 0 or max(prompt) >= vocab:
+        raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
