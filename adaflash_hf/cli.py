@@ -730,7 +730,7 @@ def cmd_serve(args) -> int:
             _check_drafter_path(args.drafter)
 
     from .engine import Engine
-    from .engine.server import CompletionService, OpenAIServer
+    from .engine.serve.server import CompletionService, OpenAIServer
 
     try:  # bind first: a port in use fails at once, before models load
         server = OpenAIServer((args.host, args.port))

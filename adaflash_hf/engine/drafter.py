@@ -16,7 +16,7 @@ Two paths, like the target's:
   request, captured as a CUDA graph per ``(context tokens, rows)`` bucket on CUDA (eager on CPU).
   The new context tokens are *packed* (``sum_i m_i`` rows, no ``max m_i`` padding), the blocks are
   ``[R_b, B]``; K/V are stored with ``index_put_`` and the block attends per slot over the cache
-  storage (:class:`~.attention.SlotAttention`, bidirectional). No per-row Python loop, no host
+  storage (:class:`~.kernels.attention.SlotAttention`, bidirectional). No per-row Python loop, no host
   synchronisation: the engine reads drafts, lengths and ratios back in one transfer per round.
 
 :func:`append_context` stores context K/V only (no block): what a round that skips drafting (every
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import INACTIVE, SlotAttention, default_backend
+from .kernels.attention import INACTIVE, SlotAttention, default_backend
 from .graphs import GraphRunner, copy_to_device, pick_bucket, q_buckets, token_buckets
 from .kv_cache import SlotKVCache
 
@@ -182,7 +182,7 @@ class DraftGraphs(GraphRunner):
     at all when the length policy leaves nothing to verify.
 
     Padding context tokens and padding block rows write K/V into the cache's spare slot row and query
-    from it (``start`` there is :data:`~.attention.INACTIVE`); their outputs are never read.
+    from it (``start`` there is :data:`~.kernels.attention.INACTIVE`); their outputs are never read.
 
     Args:
         drafter: the :class:`AdaFlashDrafter` (bound to the target).

@@ -46,9 +46,9 @@ from ..spec.length_policy import LengthPolicy, choose_verify_length, load_scaled
 from ..spec.rounds import FinishedRequest, RoundSink, VerifiedRound
 from ..spec.verify import SampledRows, accept_block
 from .admission import AdmissionController, fit_token_budget
-from .attention import BLOCK
+from .kernels.attention import BLOCK
 from .drafter import DraftGraphs, append_context, draft_blocks, make_drafter_cache
-from .fused import FusedTarget
+from .kernels.fused import FusedTarget
 from .graphs import DecodeGraphs, to_device
 from .requests import EngineOutput, Request, RequestHandle, RequestRejected, StepInfo, check_request
 from .sampling import SamplingParams, processed_probs
@@ -94,7 +94,7 @@ class Engine:
             bucket forwards eagerly with SDPA (what the CPU tests check); ``False`` is the eager
             reference path.
         fused_kernels: run the target's layers with fused projections and elementwise kernels
-            (:class:`~.fused.FusedTarget`: q/k/v and gate/up weights become views of one tensor per
+            (:class:`~.kernels.fused.FusedTarget`: q/k/v and gate/up weights become views of one tensor per
             layer; elementwise math compiled on CUDA). Kept off automatically, with the reason in
             :attr:`fusion_note`, for layers that are not the stock Qwen3 / Llama math (e.g. LoRA).
         decode_steps: ``off`` mode with graphs: while nothing waits for admission and every running
