@@ -625,11 +625,9 @@ def cmd_train(a: argparse.Namespace) -> int:
         except FileNotFoundError as e:
             raise UsageError(_one_line(e), f"pass --data DIR or set {D.ENV_VAR}") from None
     try:
-        return train_drafter.run(a)
-    except SystemExit as e:  # train_drafter stops on user-fixable problems with a message
-        if isinstance(e.code, str):
-            raise UsageError(f"train: {e.code}", f"see `{prog} --help`") from None
-        raise
+        return train_drafter.run(train_drafter.config_from_args(a))
+    except train_drafter.RecipeError as e:  # train_drafter stops on user-fixable problems with a message
+        raise UsageError(f"train: {e}", f"see `{prog} --help`") from None
 
 
 # ============================================================================ adapt

@@ -3,10 +3,11 @@
     python examples/export_for_sglang_vllm.py --out runs/drafter-dflash
     python examples/export_for_sglang_vllm.py --smoke
 
-`export_dflash(drafter, path)` writes the layout both engines read (a Qwen3 `config.json` with
-`dflash_config`, unprefixed safetensors, no embeddings / LM head); a length head is kept under the
-released AdaFlash names, which the engines ignore. The export reloads in adaflash-hf too, and
-decodes exactly as before. CLI equivalent: `adaflash export DRAFTER OUT --target TARGET`.
+`export_dflash(drafter, path)` writes exactly what both engines' DFlash loaders read (a Qwen3
+`config.json` with `dflash_config`, unprefixed bf16 safetensors, no embeddings / LM head); the length
+head goes to `length_head/`, which no engine opens. The export reloads in adaflash-hf too (head
+included) and decodes exactly as before. `launch_commands` prints the launch lines (docs/export.md).
+CLI equivalent: `adaflash export DRAFTER OUT --target TARGET`.
 """
 
 import argparse
@@ -17,6 +18,7 @@ import tempfile
 import torch
 
 from adaflash_hf import AdaFlashDrafter, export_dflash, load_reference_pair
+from adaflash_hf.export import launch_commands
 
 
 def main() -> int:
@@ -49,13 +51,9 @@ def main() -> int:
     identical = torch.equal(b, plain) and torch.equal(a, plain)
     print(f"reloaded export decodes like the original: {torch.equal(a, b)}; identical: {identical}")
 
-    B = cfg["block_size"]
-    spec = json.dumps({"method": "dflash", "model": out, "num_speculative_tokens": B - 1})
-    print("\nServe with SGLang (tensor parallel over 2 GPUs):")
-    print(f"  python -m sglang.launch_server --model-path {args.target_name} --speculative-algorithm DFLASH \\\n"
-          f"      --speculative-draft-model-path {out} --speculative-num-draft-tokens {B} --tp-size 2")
-    print("Serve with vLLM:")
-    print(f"  vllm serve {args.target_name} --speculative-config '{spec}' --tensor-parallel-size 2")
+    cmds = launch_commands(out, args.target_name, {"tp": 2})
+    print("\nServe with SGLang (tensor parallel over 2 GPUs):\n  " + cmds["sglang"])
+    print("Serve with vLLM:\n  " + cmds["vllm"])
     if tmp is not None:
         tmp.cleanup()
     return 0 if identical else 1

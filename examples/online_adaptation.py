@@ -19,7 +19,7 @@ import tempfile
 import torch
 
 from adaflash_hf import load_reference_pair
-from adaflash_hf.online import OnlineAdapter, latest_version, list_versions
+from adaflash_hf.online import OnlineAdapter, OnlineConfig, latest_version, list_versions
 
 PROMPTS = [
     "Write a Python function that returns the largest item of a list.",
@@ -51,11 +51,12 @@ def main() -> int:
     )["input_ids"]
     plain = {p: target.generate(encode(p), max_new_tokens=max_new, do_sample=False) for p in prompts}
 
-    adapter = OnlineAdapter(
-        drafter, target, method="opd", samples_per_update=per_update, epochs=1,
+    config = OnlineConfig(
+        method="opd", samples_per_update=per_update, epochs=1,
         output_dir=output_dir, keep_versions=3, hub_repo=args.hub_repo,
         target_name="adaflash-hf reference target",
     )  # fmt: skip
+    adapter = OnlineAdapter(drafter, target, config)
     adapter.attach()  # every generate(..., assistant_model=drafter) now feeds the adapter
     identical = True
     for p in prompts:

@@ -42,6 +42,9 @@ class AdaFlashConfig(PreTrainedConfig):
         Tokens per drafted block: slot 0 holds the last verified token, slots 1..B-1 are predicted.
     num_target_layers (`int`, defaults to 36):
         Number of decoder layers of the target this drafter was built for.
+    num_target_layers_known (`bool`, defaults to `True`):
+        False when a DFlash checkpoint did not say (vLLM never reads it): `num_target_layers` is then the
+        smallest depth the ids fit, and `check_target` accepts any target at least that deep.
     target_layer_ids (`list[int]`, *optional*):
         Zero-indexed target layers whose outputs (HF `hidden_states[i + 1]`) are fused into the context.
         Defaults to [`default_target_layer_ids`].
@@ -55,6 +58,13 @@ class AdaFlashConfig(PreTrainedConfig):
         Set once the head has been trained; the `adaptive` policy is the default only then.
     length_rate (`float`, defaults to 1.0) / length_min (`int`, defaults to 1):
         `k_hat = clamp(round(a * block_size * length_rate), length_min, block_size)`.
+    layer_types (`list[str]`, *optional*) / sliding_window (`int`, *optional*):
+        Per drafter layer `"full_attention"` (default: the block sees all context and itself
+        bidirectionally) or `"sliding_attention"`, as z-lab DFlash checkpoints declare it and vLLM /
+        SGLang run it: causal, each query sees the last `sliding_window` positions (itself included).
+    embed_tokens_fingerprint (`dict`, *optional*):
+        Set by the reader when a checkpoint ships its own `embed_tokens.weight`: the drafter still
+        uses the target's embedding, and `check_target` refuses a target whose embedding differs.
 
     Example:
         >>> config = AdaFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -83,6 +93,7 @@ class AdaFlashConfig(PreTrainedConfig):
     attention_bias: bool = False
     attention_dropout: float | int = 0.0
     layer_types: list[str] | None = None
+    sliding_window: int | None = None
     tie_word_embeddings: bool = False
     pad_token_id: int | None = None
     bos_token_id: int | None = None
@@ -90,6 +101,7 @@ class AdaFlashConfig(PreTrainedConfig):
 
     block_size: int = 16
     num_target_layers: int = 36
+    num_target_layers_known: bool = True
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = 151669
 
@@ -98,12 +110,13 @@ class AdaFlashConfig(PreTrainedConfig):
     length_head_trained: bool = False
     length_rate: float = 1.0
     length_min: int = 1
+    embed_tokens_fingerprint: dict | None = None
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.layer_types is None:
-            # The drafter cache is rebuilt from context features each round; no sliding windows.
+            # Full attention unless a checkpoint declares sliding-window layers (z-lab layout).
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         if self.target_layer_ids is None:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
@@ -134,6 +147,15 @@ class AdaFlashConfig(PreTrainedConfig):
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_key_value_heads})"
             )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers (one per layer)"
+            )
+        unknown = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"layer_types {unknown} unsupported: use 'full_attention' or 'sliding_attention'")
+        if "sliding_attention" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(f"sliding_attention layers need sliding_window >= 1, got {self.sliding_window}")
         if not 1 <= self.length_min <= self.block_size:
             raise ValueError(f"length_min must be in 1..block_size={self.block_size}, got {self.length_min}")
         if self.length_rate <= 0:

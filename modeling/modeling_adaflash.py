@@ -23,7 +23,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
-from .checkpoint_layouts import load_drafter_state_dict
+from .checkpoint_layouts import embedding_fingerprint_mismatch, load_drafter_state_dict
 from .configuration_adaflash import AdaFlashConfig, default_target_layer_ids
 
 
@@ -31,6 +31,33 @@ def _rope(x, cos, sin):
     """RoPE on `x [b, heads, T, d]` with `cos`, `sin` `[b, T', d]` (their last T positions are `x`'s)."""
     cos, sin = cos.unsqueeze(1)[..., -x.shape[-2] :, :], sin.unsqueeze(1)[..., -x.shape[-2] :, :]
     return x * cos + rotate_half(x) * sin
+
+
+def sliding_window_mask(base_mask, position_ids, q_len, past_len, window, key_mask=None):
+    """`base_mask` restricted to a causal sliding window, as vLLM / SGLang run `sliding_attention` layers.
+
+    Query at position p sees keys at positions (p - window, p]. New keys (context + block) are at
+    `position_ids`; cached keys (the drafter cache holds each verified token once, in order) get
+    their positions from their rank among the valid keys of the 2D `key_mask`. Returns a boolean
+    "may attend" mask `[b, 1, q, keys]`, or an additive one when `base_mask` is additive.
+    """
+    new_pos = position_ids
+    if past_len:
+        if base_mask is not None and base_mask.dim() == 4 and key_mask is None:
+            raise NotImplementedError("sliding_attention layers with a cache need a 2D key mask (or none), not a 4D mask")
+        b, keys = position_ids.shape[0], past_len + position_ids.shape[1]
+        valid = key_mask.bool() if key_mask is not None else torch.ones(b, keys, dtype=torch.bool, device=position_ids.device)
+        rank = valid.long().cumsum(-1) - 1
+        first_new = past_len  # the first new key: its position is known, the cached ones follow by rank
+        new_pos = position_ids[:, :1] - rank[:, first_new : first_new + 1] + rank
+    q_pos = position_ids[:, -q_len:]
+    allowed = (new_pos[:, None, :] <= q_pos[:, :, None]) & (new_pos[:, None, :] > q_pos[:, :, None] - window)
+    allowed = allowed[:, None]
+    if base_mask is None:
+        return allowed
+    if base_mask.dtype == torch.bool:
+        return base_mask & allowed
+    return base_mask.masked_fill(~allowed, torch.finfo(base_mask.dtype).min)
 
 
 class AdaFlashAttention(nn.Module):
@@ -217,7 +244,7 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         if tc.hidden_size != self.config.hidden_size:
             problems.append(f"hidden size: target {tc.hidden_size}, drafter {self.config.hidden_size}")
         n_layers = tc.num_hidden_layers
-        if n_layers != self.config.num_target_layers:
+        if n_layers != self.config.num_target_layers and self.config.num_target_layers_known:
             problems.append(f"layer count: target {n_layers}, drafter built for {self.config.num_target_layers}")
         bad_ids = [i for i in self.config.target_layer_ids if not 0 <= i < n_layers]
         if bad_ids:
@@ -228,6 +255,9 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
             problems.append(f"vocabulary: target {vocab}, drafter {self.config.vocab_size}")
         if not 0 <= self.config.mask_token_id < vocab:
             problems.append(f"mask_token_id {self.config.mask_token_id} is outside the target vocabulary ({vocab})")
+        mismatch = embedding_fingerprint_mismatch(self.config.embed_tokens_fingerprint, emb)
+        if mismatch:
+            problems.append(mismatch)
         if problems:
             raise ValueError("drafter does not fit the target: " + "; ".join(problems))
 
@@ -354,9 +384,24 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         else:
             mask = self._attention_mask(noise_embeds, attention_mask, past_len + ctx_len + noise_embeds.shape[1])
         position_embeddings = self.rotary_emb(noise_embeds, position_ids)
+        masks = {"full_attention": mask}
+        if "sliding_attention" in self.config.layer_types:  # z-lab sliding-window layers (causal + window)
+            if self.config._attn_implementation not in ("sdpa", "eager"):
+                raise ValueError("sliding_attention drafter layers need attn_implementation 'sdpa' or 'eager'")
+            key_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+            if mask is not None and mask.dim() != 4:  # a 2D passthrough mask: expand it first
+                mask = None if key_mask is None else key_mask.bool()[:, None, None, :].expand(-1, 1, noise_embeds.shape[1], -1)
+            sliding = sliding_window_mask(
+                mask, position_ids, noise_embeds.shape[1], past_len, self.config.sliding_window, key_mask
+            )
+            if self.config._attn_implementation == "eager" and sliding.dtype == torch.bool:
+                sliding = torch.zeros(sliding.shape, dtype=noise_embeds.dtype, device=noise_embeds.device).masked_fill(
+                    ~sliding, torch.finfo(noise_embeds.dtype).min
+                )
+            masks["sliding_attention"] = sliding
         hidden_states = noise_embeds
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, context, position_embeddings, mask, past_key_values, **kwargs)
+        for layer, layer_type in zip(self.layers, self.config.layer_types):
+            hidden_states = layer(hidden_states, context, position_embeddings, masks[layer_type], past_key_values, **kwargs)
         return AdaFlashDrafterOutput(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
     def draft_block(

@@ -15,6 +15,7 @@ import torch
 from conftest import build_drafter, build_tiny_target
 
 from adaflash_hf import AdaFlashDrafter, export_dflash
+from adaflash_hf.modeling import write_dflash_checkpoint
 from adaflash_hf.cli import main
 from adaflash_hf.modeling.checkpoint_layouts import is_dflash_layout
 from adaflash_hf.reference import REFERENCE_DIR
@@ -33,7 +34,8 @@ def ckpts(tmp_path_factory):
     with_head.save_pretrained(root / "native")
     no_head = build_drafter(target, num_layers=1, block_size=8, seed=3, use_length_head=False)
     export_dflash(no_head, str(root / "dflash"))
-    export_dflash(with_head, str(root / "adaflash"))
+    # The released AdaFlash layout (head at the top level); export_dflash puts the head in length_head/.
+    write_dflash_checkpoint(with_head, str(root / "adaflash"), dtype=None, head_layout="released")
     (root / "nonempty").mkdir()
     (root / "nonempty" / "keep.txt").write_text("x")
     (root / "noconfig").mkdir()
@@ -230,16 +232,17 @@ def test_export_writes_a_loadable_dflash_checkpoint(ckpts, tmp_path, capsys):
     assert rc == 0, err
     config = json.loads((out_dir / "config.json").read_text())
     assert is_dflash_layout(config) and config["architectures"] == ["DFlashDraftModel"]
-    assert config["dflash_config"]["use_thresh_head_two_model"] is True  # the head travels as AdaFlash keys
+    assert (out_dir / "length_head" / "config.json").exists()  # the head travels beside the engines' files
     loaded = AdaFlashDrafter.from_pretrained(str(out_dir))
     original = ckpts["with_head"].state_dict()
+    written = getattr(torch, config["torch_dtype"])  # bf16 unless --dtype says otherwise
     for k, v in loaded.state_dict().items():
-        assert torch.equal(v.float(), original[k].float()), k
+        assert torch.equal(v.float(), original[k].to(written).float()), k
     assert "sglang.launch_server --model-path Qwen/Qwen3-8B --speculative-algorithm DFLASH" in out
     assert f"--speculative-draft-model-path {out_dir}" in out and "--tp-size 2" in out
     assert "vllm serve Qwen/Qwen3-8B --speculative-config" in out and '"method": "dflash"' in out
-    # And `info` recognises what export wrote.
-    assert _info(str(out_dir), capsys)["layout"] == "AdaFlash"
+    # And `info` recognises what export wrote (DFlash for the engines; the head is in length_head/).
+    assert _info(str(out_dir), capsys)["layout"] == "DFlash"
 
 
 def test_export_into_existing_empty_dir_and_dtype(ckpts, tmp_path, capsys):

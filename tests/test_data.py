@@ -288,10 +288,10 @@ def tiny_corpus(data_root, tmp_path_factory):
 def test_train_target_smoke(tiny_corpus, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from adaflash_hf.training.train_target import train
+    from adaflash_hf.training.train_target import TargetRecipe, train
 
-    s = train(tiny_corpus, tmp_path / "run", steps=3, device="cpu", tiny=True, batch_size=4, seq_len=64,
-              eval_windows=2, sample_tokens=4, quiet=True, minutes=5)
+    s = train(TargetRecipe(tiny_corpus, tmp_path / "run", steps=3, device="cpu", tiny=True, batch_size=4, seq_len=64,
+                           eval_windows=2, sample_tokens=4, quiet=True, minutes=5))
     assert s["steps"] == 3 and s["stopped_by"] == "steps"
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
     train_lines = [r for r in log if "loss" in r]
@@ -307,10 +307,10 @@ def test_train_target_smoke(tiny_corpus, tmp_path):
 
 
 def test_train_target_loss_decreases_on_fixed_batch(tiny_corpus, tmp_path):
-    from adaflash_hf.training.train_target import train
+    from adaflash_hf.training.train_target import TargetRecipe, train
 
-    s = train(tiny_corpus, tmp_path / "fit", steps=20, device="cpu", tiny=True, batch_size=4, seq_len=64,
-              fixed_batch=True, log_every=1, sample_tokens=0, save=False, quiet=True, lr=3e-3, minutes=5)
+    s = train(TargetRecipe(tiny_corpus, tmp_path / "fit", steps=20, device="cpu", tiny=True, batch_size=4, seq_len=64,
+                           fixed_batch=True, log_every=1, sample_tokens=0, save=False, quiet=True, lr=3e-3, minutes=5))
     losses = [l for _, l in s["losses"]]
     assert len(losses) >= 20
     assert losses[-1] < losses[0] - 1.0, losses

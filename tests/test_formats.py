@@ -1,4 +1,7 @@
-"""Checkpoint formats: native (+ Auto classes, remote code), z-lab DFlash and AdaFlash layouts, export, errors."""
+"""Checkpoint formats: native (+ Auto classes, remote code), z-lab DFlash and AdaFlash layouts, errors.
+
+Exports: tests/test_export.py; every DFlash config field the engines read: tests/test_dflash_reader.py.
+"""
 
 import json
 import os
@@ -10,11 +13,10 @@ import textwrap
 import pytest
 import torch
 from conftest import TINY, build_drafter, build_tiny_target, drafter_inputs, spec_dflash_keys, spec_head_keys, spec_shapes
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import adaflash_hf
-from adaflash_hf import AdaFlashConfig, AdaFlashDrafter, export_dflash
+from adaflash_hf import AdaFlashConfig, AdaFlashDrafter
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEAD_DIM = TINY["hidden"] // TINY["heads"]
@@ -270,73 +272,6 @@ def test_spec_layout_loads_with_attn_implementation(tmp_path):
         torch.testing.assert_close(eager(**inputs).last_hidden_state, sdpa(**inputs).last_hidden_state, atol=1e-5, rtol=1e-4)
 
 
-# ----------------------------------------------------------------------------- export
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-@pytest.mark.parametrize("use_length_head", [True, False])
-def test_export_dflash_matches_spec(tmp_path, family, use_length_head):
-    target, drafter = _drafter(family, use_length_head)
-    out = tmp_path / "export"
-    assert export_dflash(drafter, str(out)) == str(out)
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
-    # Tensors: exactly the SPEC key list (+ the AdaFlash head keys), SPEC shapes, no prefix, no embeddings.
-    K = len(drafter.config.target_layer_ids)
-    head_prefix = "thresh_head_two_model." if use_length_head else None
-    shapes = spec_shapes(TINY["hidden"], TINY["intermediate"], 2, TINY["heads"], TINY["kv_heads"], HEAD_DIM, K, 24, head_prefix)
-    expected = set(spec_dflash_keys(2)) | (set(spec_head_keys("thresh_head_two_model.")) if use_length_head else set())
-    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    assert set(found) == expected
-    assert found == shapes
-    tensors = load_file(str(out / "model.safetensors"))
-    native = drafter.state_dict()
-    for k, v in tensors.items():
-        torch.testing.assert_close(v, native[k.replace("thresh_head_two_model.", "length_head.")], rtol=0, atol=0)
-
-    # Config: a Qwen3 config plus the DFlash keys SPEC names.
-    config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "qwen3" and config["architectures"] == ["DFlashDraftModel"]
-    assert config["block_size"] == 8 and config["num_target_layers"] == 4
-    assert config["dflash_config"]["target_layer_ids"] == drafter.config.target_layer_ids
-    assert config["dflash_config"]["mask_token_id"] == TINY["vocab"] - 1
-    head_keys = {"thresh_head_bottleneck_dim", "use_thresh_head_two_model", "thresh_head_direct_len"}
-    if use_length_head:
-        assert head_keys <= set(config["dflash_config"])
-        assert config["dflash_config"]["thresh_head_bottleneck_dim"] == 24
-        assert config["dflash_config"]["use_thresh_head_two_model"] is True
-        assert config["dflash_config"]["thresh_head_direct_len"] is True
-    else:
-        assert not head_keys & set(config["dflash_config"])
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"):
-        assert config[key] == getattr(drafter.config, key), key
-    assert config["num_hidden_layers"] == 2
-    assert "auto_map" not in config
-
-    # What an engine does first: read it as a plain Qwen3 config.
-    from transformers import AutoConfig, Qwen3Config
-
-    engine_view = AutoConfig.from_pretrained(out)
-    assert type(engine_view) is Qwen3Config
-    assert engine_view.dflash_config["target_layer_ids"] == drafter.config.target_layer_ids
-    assert engine_view.rope_parameters["rope_theta"] == drafter.config.rope_parameters["rope_theta"]
-
-    # And it reloads through our reader, equal.
-    loaded = AdaFlashDrafter.from_pretrained(out)
-    _assert_same_weights(drafter, loaded)
-    loaded.bind_target(target)
-    _assert_same_outputs(drafter, loaded, target)
-
-
-def test_export_into_existing_empty_dir(tmp_path):
-    _, drafter = _drafter()
-    (tmp_path / "empty").mkdir()
-    export_dflash(drafter, str(tmp_path / "empty"))
-    assert sorted(os.listdir(tmp_path / "empty")) == ["config.json", "model.safetensors"]
-
-
-def test_export_rejects_non_drafter(tmp_path):
-    with pytest.raises(TypeError, match="AdaFlashDrafter"):
-        export_dflash(build_tiny_target("qwen3"), str(tmp_path / "x"))
-    assert not (tmp_path / "x").exists()
 
 
 # ----------------------------------------------------------------------------- errors
@@ -383,8 +318,6 @@ ERROR_CASES = [
      ["missing tensors", "layers.1.self_attn.k_norm.weight"]),
     ("dflash_unexpected", lambda p: write_spec_checkpoint(p, extra=["layers.0.self_attn.rotary.weight"]), ValueError,
      ["unexpected tensors", "layers.0.self_attn.rotary.weight"]),
-    ("dflash_embed_included", lambda p: write_spec_checkpoint(p, extra=["embed_tokens.weight"]), ValueError,
-     ["unexpected tensors", "embed_tokens.weight"]),
     ("dflash_wrong_shape", lambda p: write_spec_checkpoint(p, reshape={"fc.weight": (32, 96)}), ValueError,
      ["wrong shapes", "fc.weight", "[32, 96]", "[32, 64]"]),
     ("adaflash_head_missing", lambda p: write_spec_checkpoint(p, head_dim_len=16, drop=["thresh_head_two_model.out.bias"]),
@@ -422,42 +355,6 @@ def test_pickle_is_never_unpickled(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load called on a pickle checkpoint"))
     with pytest.raises(ValueError, match="pickle"):
         AdaFlashDrafter.from_pretrained(tmp_path)
-
-
-def test_export_into_non_empty_dir_refused(tmp_path):
-    _, drafter = _drafter()
-    out = tmp_path / "busy"
-    out.mkdir()
-    (out / "keep.txt").write_text("user data")
-    with pytest.raises(FileExistsError, match="not empty"):
-        export_dflash(drafter, str(out))
-    assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "user data"
-    assert sorted(os.listdir(tmp_path)) == ["busy"], "no temp dir left behind"
-
-
-@pytest.mark.parametrize("fail_at", ["safetensors", "json"])
-def test_crash_during_export_leaves_nothing(tmp_path, monkeypatch, fail_at):
-    import safetensors.torch
-
-    _, drafter = _drafter()
-    parent = tmp_path / "exports"
-    parent.mkdir()
-    out = parent / "drafter"
-
-    def boom(*args, **kwargs):
-        raise RuntimeError("simulated crash")
-
-    if fail_at == "safetensors":
-        monkeypatch.setattr(safetensors.torch, "save_file", boom)
-    else:
-        monkeypatch.setattr(json, "dump", boom)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        export_dflash(drafter, str(out))
-    assert not out.exists()
-    assert os.listdir(parent) == [], f"left behind: {os.listdir(parent)}"
-    monkeypatch.undo()
-    export_dflash(drafter, str(out))  # and the same path then works
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
 
 
 def test_library_exports():

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,7 @@ from adaflash_hf.online import (
     render_card,
 )
 from adaflash_hf.online import versions as versions_mod
+from adaflash_hf.spec.hooks import hooks_for
 
 SENTINEL = "hf_SENTINELtokenDoNotLeak0123456789"
 BLOCK = 8
@@ -193,7 +195,7 @@ def test_generation_stays_greedy_and_rounds_see_consistent_weights_during_update
         h1.remove()
         h2.remove()
         adapter.close()
-    assert getattr(d, "_round_sink", None) is None and getattr(d, "_weights_lock", None) is None
+    assert hooks_for(d).round_sink is None and isinstance(hooks_for(d).weights_lock, nullcontext)
 
 
 def test_attach_detach_and_explicit_sink(pair):
@@ -244,17 +246,17 @@ def test_length_head_loss_never_reaches_drafter_params(pair):
     rounds = real_rounds(pair, d)
     adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=1000, epochs=1, lr=1e-2, head_lr=1e-2)
     try:
-        shadow, _ = adapter._ensure_shadow()
+        shadow, _ = adapter.worker.ensure_shadow()
         sample = Sample.from_round(rounds[0])
-        main, head = adapter._sample_loss(shadow, sample)
-        drafter_params, head_params = adapter._param_groups(shadow)
+        main, head = adapter.worker.sample_loss(shadow, sample)
+        drafter_params, head_params = adapter.worker.param_groups(shadow)
         g_drafter = torch.autograd.grad(head, drafter_params, allow_unused=True, retain_graph=True)
         assert all(g is None or not g.any() for g in g_drafter)
         assert any(g is not None and g.any() for g in torch.autograd.grad(head, head_params, allow_unused=True))
 
         # End to end: an update driven by the head loss alone moves only the head.
-        real = adapter._sample_loss
-        adapter._sample_loss = lambda model, s, cache_features=True: (lambda m, h: (m * 0.0, h))(*real(model, s, cache_features))
+        real = adapter.worker.sample_loss
+        adapter.worker.sample_loss = lambda model, s, cache_features=True: (lambda m, h: (m * 0.0, h))(*real(model, s, cache_features))
         for r in rounds[:6]:
             adapter.on_round(r)
         before = snapshot(d)
@@ -273,7 +275,7 @@ def test_osd_trains_drafter_not_head_and_recomputed_logits_match(pair):
     try:
         # Ids-only samples: the worker recomputes the target logits; they match the verify forward's.
         s = Sample.from_round(rounds[3], store_target_logits=False)
-        _, logits = adapter._target_pass(s)
+        _, logits = adapter.worker.target_pass(s)
         torch.testing.assert_close(logits.float(), rounds[3].target_logits.float(), atol=1e-4, rtol=1e-4)
         for r in rounds[:6]:
             adapter.on_round(r)
@@ -292,7 +294,7 @@ def test_failing_worker_keeps_last_good_weights_and_generation(pair):
     d = fresh_drafter(pair)
     rounds = real_rounds(pair, d)
     adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=1000, epochs=1, lr=1e-2, max_consecutive_failures=3)
-    real = adapter._sample_loss
+    real = adapter.worker.sample_loss
     try:
         for r in rounds[:4]:
             adapter.on_round(r)
@@ -301,7 +303,7 @@ def test_failing_worker_keeps_last_good_weights_and_generation(pair):
         def boom(*a, **k):
             raise RuntimeError("injected failure")
 
-        adapter._sample_loss = boom
+        adapter.worker.sample_loss = boom
         assert adapter.flush(30)
         assert adapter.stats["failures"] == 1 and adapter.stats["updates"] == 0
         assert "injected failure" in adapter.stats["last_error"]
@@ -311,7 +313,7 @@ def test_failing_worker_keeps_last_good_weights_and_generation(pair):
             main, head = real(model, s, cache_features)
             return main * float("nan"), head
 
-        adapter._sample_loss = nan_loss
+        adapter.worker.sample_loss = nan_loss
         for r in rounds[:4]:
             adapter.on_round(r)
         assert adapter.flush(30)
@@ -321,7 +323,7 @@ def test_failing_worker_keeps_last_good_weights_and_generation(pair):
         ids, mask, _ = prompts(3)
         assert torch.equal(greedy(pair, ids, mask, assistant_model=d, round_sink=adapter), greedy(pair, ids, mask))
 
-        adapter._sample_loss = real  # it keeps going: the next update succeeds
+        adapter.worker.sample_loss = real  # it keeps going: the next update succeeds
         assert adapter.flush(30)
         assert adapter.stats["updates"] == 1 and adapter.stats["consecutive_failures"] == 0
         assert not same(good, snapshot(d))
@@ -333,7 +335,7 @@ def test_adapter_stops_after_consecutive_failures(pair):
     d = fresh_drafter(pair)
     rounds = real_rounds(pair, d)
     adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=2, epochs=1, max_consecutive_failures=2)
-    adapter._sample_loss = lambda *a, **k: (_ for _ in ()).throw(ValueError("always"))
+    adapter.worker.sample_loss = lambda *a, **k: (_ for _ in ()).throw(ValueError("always"))
     good = snapshot(d)
     try:
         for r in rounds[:2]:
@@ -579,7 +581,7 @@ def test_external_traffic_publishes_dflash_versions(pair, tmp_path):
     assert config["architectures"] == ["DFlashDraftModel"] and "dflash_config" in config  # what SGLang / vLLM read
     assert same(snapshot(d), snapshot(AdaFlashDrafter.from_pretrained(latest)))
     assert not same(before, snapshot(d))
-    assert getattr(d, "_weights_lock", None) is None
+    assert isinstance(hooks_for(d).weights_lock, nullcontext)
 
 
 def test_close_drains_a_running_update(pair):
@@ -601,14 +603,14 @@ def test_store_features_computes_target_features_once_per_sample(pair):
     calls = {}
     for store in (False, True):
         adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=1000, epochs=2, store_features=store)
-        real = adapter._target_pass
+        real = adapter.worker.target_pass
         calls[store] = 0
 
         def counting(s, real=real, store=store):
             calls[store] += 1
             return real(s)
 
-        adapter._target_pass = counting
+        adapter.worker.target_pass = counting
         try:
             for r in rounds:
                 adapter.on_round(r)
@@ -625,7 +627,7 @@ def test_on_round_never_waits_for_training(pair):
     d = fresh_drafter(pair)
     rounds = real_rounds(pair, d)
     adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=2, epochs=1)
-    real = adapter._sample_loss
+    real = adapter.worker.sample_loss
     entered = threading.Event()
 
     def slow(*a, **k):
@@ -633,7 +635,7 @@ def test_on_round_never_waits_for_training(pair):
         time.sleep(1.0)
         return real(*a, **k)
 
-    adapter._sample_loss = slow
+    adapter.worker.sample_loss = slow
     try:
         adapter.on_round(rounds[0])
         adapter.on_round(rounds[1])  # triggers an update that takes >= 2 s
@@ -679,7 +681,7 @@ def test_rollout_labels_follow_the_targets_own_greedy_continuation(pair):
     r = real_rounds(pair, d)[3]
     adapter = OnlineAdapter(d, pair, sample_unit="round", label_mode="rollout")
     try:
-        labels = adapter._rollout(Sample.from_round(r, logits_dtype=None))
+        labels = adapter.worker.rollout(Sample.from_round(r, logits_dtype=None))
         prefix = torch.cat([r.context_ids, torch.tensor([r.bonus_token])])[None]
         greedy_tokens = pair.generate(prefix, attention_mask=torch.ones_like(prefix), do_sample=False, max_new_tokens=BLOCK - 1, min_new_tokens=BLOCK - 1, pad_token_id=PAD_ID)[0, prefix.shape[1] :]
         assert labels.shape == (BLOCK - 1, r.target_logits.shape[-1])
@@ -774,20 +776,20 @@ def test_request_update_failure_keeps_serving_weights(pair):
     d = fresh_drafter(pair)
     reqs = real_requests(pair, d)
     adapter = OnlineAdapter(d, pair, samples_per_update=1000, epochs=1, max_consecutive_failures=3)
-    real = adapter._request_batch
+    real = adapter.worker.request_batch
     good = snapshot(d)
     try:
         def nan_batch(batch, device):
             out = real(batch, device)
-            adapter._shadow.fc.weight.data.fill_(float("nan"))  # the step's loss becomes NaN
+            adapter.worker.shadow.fc.weight.data.fill_(float("nan"))  # the step's loss becomes NaN
             return out
 
-        adapter._request_batch = nan_batch
+        adapter.worker.request_batch = nan_batch
         for r in reqs:
             adapter.on_request(r)
         assert adapter.flush(30)
         assert adapter.stats["failures"] == 1 and adapter.stats["updates"] == 0 and same(good, snapshot(d))
-        adapter._request_batch = real
+        adapter.worker.request_batch = real
         for r in reqs:
             adapter.on_request(r)
         assert adapter.flush(30) and adapter.stats["updates"] == 1 and not same(good, snapshot(d))
@@ -847,11 +849,11 @@ def test_request_training_shadow_leaves_a_flash_serving_drafter_alone(pair):
     d.config._attn_implementation = "flash_attention_2"  # as a GPU deployment would set it (not runnable on CPU)
     adapter = OnlineAdapter(d, pair, samples_per_update=1000, epochs=1)
     try:
-        shadow = adapter._make_shadow()
+        shadow = adapter.worker.make_shadow()
         assert shadow.config._attn_implementation == "sdpa" and d.config._attn_implementation == "flash_attention_2"
-        adapter._request_model(shadow)  # the training wrapper accepts it (it refuses flash kernels)
+        adapter.worker.request_model(shadow)  # the training wrapper accepts it (it refuses flash kernels)
         with pytest.raises(ValueError, match="block attention mask"):
-            adapter._request_model(d)
+            adapter.worker.request_model(d)
     finally:
         adapter.close()
 
@@ -860,7 +862,7 @@ def test_request_training_shadow_leaves_a_flash_serving_drafter_alone(pair):
 def test_request_updates_use_the_configured_opd_clip(pair, monkeypatch, kwargs, expected):
     """The adapter trains with the released code's per-token clip unless told otherwise (opd_loss itself keeps
     the paper's per-entry default); the setting reaches the loss the worker calls."""
-    import adaflash_hf.training.trainer as trainer_mod
+    import adaflash_hf.training.objective as trainer_mod
 
     seen = []
     real = trainer_mod.opd_loss

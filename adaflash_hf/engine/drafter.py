@@ -40,6 +40,8 @@ def make_drafter_cache(drafter, num_slots: int, max_len: int, spare_slots: int =
     """Room for ``max_len`` context positions plus one block past them (rounded up to ``len_multiple``;
     ``spare_slots``: padding rows for :class:`DraftGraphs`)."""
     cfg = drafter.config
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
+        raise ValueError("the engine does not run drafters with sliding_attention layers yet; use generate() for this drafter")
     param = next(drafter.parameters())
     length = -(-(max_len + cfg.block_size) // len_multiple) * len_multiple
     return SlotKVCache(cfg.num_hidden_layers, num_slots, length, cfg.num_key_value_heads, cfg.head_dim,

@@ -20,12 +20,17 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from ..modeling import AdaFlashDrafter
-from .hub import HubPublisher, redact, render_card
-from .versions import VersionStore
+from .hub import redact
+from .publish import VersionPublisher
 
 __all__ = ["OnlineAdapterCallback"]
 
 logger = logging.getLogger("adaflash_hf.online")
+
+_OFFLINE_DESCRIPTION = (
+    "Offline DFlash training: position-weighted cross-entropy of the drafter's block slots "
+    "at random anchors of target-generated responses (frozen target)."
+)
 
 
 def _unwrap(model):
@@ -34,8 +39,11 @@ def _unwrap(model):
     return get_base() if callable(get_base) else model
 
 
-def _is_peft(model) -> bool:
-    return callable(getattr(model, "get_base_model", None))
+def _last_loss(state):
+    for entry in reversed(getattr(state, "log_history", None) or []):
+        if "loss" in entry:
+            return entry["loss"]
+    return None
 
 
 class OnlineAdapterCallback(TrainerCallback):
@@ -69,18 +77,12 @@ class OnlineAdapterCallback(TrainerCallback):
         hub_backoff_s: float = 2.0,
         hub_wait_on_train_end: float = 300.0,
     ):
-        if version_layout not in ("native", "dflash"):
-            raise ValueError(f"version_layout must be 'native' or 'dflash', got {version_layout!r}")
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
-        self.store = VersionStore(output_dir, keep_versions=keep_versions)
+        self.publisher = VersionPublisher(output_dir, keep_versions, hub_repo, version_layout, hub_private,
+                                          hub_max_retries, hub_backoff_s)  # fmt: skip
         self.drafter = drafter
         self.hub_repo = hub_repo
-        self.hub = (
-            HubPublisher(hub_repo, private=hub_private, max_retries=hub_max_retries, backoff_s=hub_backoff_s)
-            if hub_repo
-            else None
-        )
         self.every_n_steps = every_n_steps
         self.on_save_publish = on_save_publish
         self.target_name = target_name
@@ -89,6 +91,14 @@ class OnlineAdapterCallback(TrainerCallback):
         self.history: list[dict] = []
         self.failures = 0
         self._last_step: int | None = None
+
+    @property
+    def store(self):
+        return self.publisher.store
+
+    @property
+    def hub(self):
+        return self.publisher.hub
 
     # ------------------------------------------------------------------ Trainer events
     def on_save(self, args, state, control, model=None, **kwargs):
@@ -100,8 +110,7 @@ class OnlineAdapterCallback(TrainerCallback):
             self.publish(model, state)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.hub is not None:
-            self.hub.close(self.hub_wait_on_train_end)
+        self.publisher.close(self.hub_wait_on_train_end)
 
     # ------------------------------------------------------------------ publishing
     def _find_drafter(self, model):
@@ -117,29 +126,18 @@ class OnlineAdapterCallback(TrainerCallback):
             f"no AdaFlash drafter found on the Trainer model ({type(m).__name__}); pass drafter=... to the callback"
         )
 
-    def _save_fn(self, drafter):
-        base = _unwrap(drafter)
-
-        def save(path: str) -> None:
-            if self.version_layout == "dflash":
-                if _is_peft(drafter):
-                    raise ValueError("the dflash layout needs a plain drafter; merge the LoRA adapters first")
-                from ..export import export_dflash
-
-                export_dflash(base, path)
-                return
-            try:
-                from ..training.trainer import save_drafter  # merges LoRA deltas, never touches the live model
-            except ImportError:
-                save_drafter = None
-            if save_drafter is not None:
-                save_drafter(drafter, path)
-            elif _is_peft(drafter):
-                raise ValueError("cannot save a PEFT drafter without adaflash_hf.training")
-            else:
-                base.save_pretrained(path)
-
-        return save
+    def _card(self, drafter, record: dict) -> dict:
+        config = getattr(_unwrap(drafter), "config", None)
+        return {
+            "repo_id": self.hub_repo or "adaflash-drafter",
+            "target_name": self.target_name or getattr(config, "_name_or_path", None) or "n/a",
+            "method": "offline training (transformers.Trainer)",
+            "latest_version": record["version"],
+            "block_size": getattr(config, "block_size", None),
+            "domains": "see the training data",
+            "method_description": _OFFLINE_DESCRIPTION,
+            "history": self.history + [record],
+        }
 
     def publish(self, model, state) -> Path | None:
         """Write one version now (main process only) and queue its Hub push; never raises."""
@@ -150,37 +148,25 @@ class OnlineAdapterCallback(TrainerCallback):
             return None  # on_save and every_n_steps on the same step
         try:
             drafter = self._find_drafter(model)
-            loss = None
-            for entry in reversed(getattr(state, "log_history", None) or []):
-                if "loss" in entry:
-                    loss = entry["loss"]
-                    break
-            number = self.store.next_number()
-            record = {"version": number, "step": step, "loss_last": loss, "epoch": getattr(state, "epoch", None)}
-            history = self.history + [record]
-            target = self.target_name or getattr(getattr(_unwrap(drafter), "config", None), "_name_or_path", None)
-            card = render_card(
-                {
-                    "repo_id": self.hub_repo or "adaflash-drafter",
-                    "target_name": target or "n/a",
-                    "method": "offline training (transformers.Trainer)",
-                    "latest_version": number,
-                    "block_size": getattr(_unwrap(drafter).config, "block_size", None),
-                    "domains": "see the training data",
-                    "method_description": (
-                        "Offline DFlash training: position-weighted cross-entropy of the drafter's block slots "
-                        "at random anchors of target-generated responses (frozen target)."
-                    ),
-                    "history": history,
-                }
-            )
-            path = self.store.write(self._save_fn(drafter), metadata={"step": step, "loss": loss}, files={"README.md": card})
         except Exception as e:  # noqa: BLE001 - publishing must never stop training
             self.failures += 1
             logger.warning("could not publish a drafter version at step %d: %s", step, redact(f"{type(e).__name__}: {e}"))
             return None
+        loss = _last_loss(state)
+        record = {"version": None, "step": step, "loss_last": loss, "epoch": getattr(state, "epoch", None)}
+
+        def card(number: int) -> dict:
+            record["version"] = number
+            return self._card(drafter, record)
+
+        done = self.publisher.publish(
+            drafter, card, metadata={"step": step, "loss": loss},
+            commit_message=f"AdaFlash drafter, training step {step} (version {{version}})",
+            what=f"a drafter version at step {step}",
+        )  # fmt: skip
+        if done is None:
+            self.failures += 1
+            return None
         self._last_step = step
         self.history.append(record)
-        if self.hub is not None:
-            self.hub.submit(path, number, commit_message=f"AdaFlash drafter, training step {step} (version {number})")
-        return path
+        return done[1]

@@ -37,12 +37,13 @@ import logging
 import os
 import random
 from collections.abc import Iterator
-from contextlib import nullcontext
 
 import torch
 
 from ..spec.rounds import FinishedRequest, VerifiedRound
 from ..modeling import AdaFlashDrafter
+from ..spec.hooks import hooks_for
+from ..training.objective import greedy_accepted
 from .adapter import OnlineAdapter
 from .hub import redact
 
@@ -129,13 +130,13 @@ def rounds_from_response(
     logits = out.logits[0]  # [len(positions), V]
     mask_id = drafter.config.mask_token_id
     param = next(drafter.parameters())
-    lock = getattr(drafter, "_weights_lock", None)
+    lock = hooks_for(drafter).weights_lock
     rounds = []
     for a in chosen:
         vl = spans[a]
         block = torch.full((1, B), mask_id, dtype=torch.long, device=device)
         block[0, 0] = ids[a]
-        with lock if lock is not None else nullcontext():
+        with lock:
             noise = drafter.embed(block).to(device=param.device, dtype=param.dtype)
             hidden = drafter(
                 noise_embeds=noise,
@@ -146,7 +147,7 @@ def rounds_from_response(
             ratio = float(drafter.predict_accept_ratio(hidden)[0]) if drafter.length_head is not None else None
         drafts = draft_logits.argmax(-1)[: vl - 1].to(device)
         truth = ids[a + 1 : a + vl]
-        accepted = int((drafts == truth).long().cumprod(0).sum()) if vl > 1 else 0
+        accepted = int(greedy_accepted(drafts == truth)) if vl > 1 else 0
         rows = torch.tensor([row_of[p] for p in range(a, a + vl)], device=logits.device)
         rounds.append(
             (
@@ -202,25 +203,12 @@ def adapt_from_jsonl(
     :class:`OnlineAdapter` (e.g. ``alpha``, ``clip``, ``max_consecutive_failures``). Returns the
     adapter's ``stats`` (updates, failures, tau before / after per update, versions).
     """
-    rng = random.Random(seed)
     adapter = OnlineAdapter(
-        drafter,
-        target,
-        method=method,
-        sample_unit=sample_unit,
-        samples_per_update=samples_per_update,
-        epochs=epochs,
-        batch_size=batch_size,
-        lr=lr,
-        head_lr=head_lr,
-        output_dir=output_dir,
-        keep_versions=keep_versions,
-        hub_repo=hub_repo,
-        version_layout=version_layout,
-        clear_after_update=False,
-        seed=seed,
-        **adapter_kwargs,
-    )
+        drafter, target, method=method, sample_unit=sample_unit, samples_per_update=samples_per_update, epochs=epochs,
+        batch_size=batch_size, lr=lr, head_lr=head_lr, output_dir=output_dir, keep_versions=keep_versions,
+        hub_repo=hub_repo, version_layout=version_layout, clear_after_update=False, seed=seed, **adapter_kwargs,
+    )  # fmt: skip
+    feed = _Feeder(adapter, target, drafter, anchors_per_response, max_length, reuse_features, random.Random(seed))
     records = skipped = 0
     try:
         for rec in iter_traffic(path):
@@ -236,23 +224,7 @@ def adapt_from_jsonl(
                 continue
             records += 1
             adapter.set_domain(rec.get("domain"))
-            if sample_unit == "request":
-                prompt_ids, response_ids = encoded
-                ids = torch.tensor(list(prompt_ids) + list(response_ids), dtype=torch.long)[:max_length]
-                adapter.on_request(FinishedRequest(0, ids[: len(prompt_ids)], ids[len(prompt_ids) :]))
-                if len(adapter.buffer) >= samples_per_update:
-                    adapter.wait_for_update()
-                if adapter.stopped:
-                    break
-                continue
-            for verified, feats in rounds_from_response(
-                target, drafter, *encoded, anchors=anchors_per_response, rng=rng, max_length=max_length
-            ):
-                adapter.add_round(verified, features=feats if reuse_features else None)
-                if len(adapter.buffer) >= samples_per_update:
-                    adapter.wait_for_update()
-                if adapter.stopped:
-                    break
+            feed(*encoded)
             if adapter.stopped:
                 break
         if train_remainder and len(adapter.buffer) > 0 and not adapter.stopped:
@@ -264,3 +236,31 @@ def adapt_from_jsonl(
     stats = adapter.stats
     stats.update(records=records, records_skipped=skipped)
     return stats
+
+
+class _Feeder:
+    """Turns one (prompt, response) into the adapter's samples, waiting for each update it triggers
+    (so later records are drafted with the new weights)."""
+
+    def __init__(self, adapter: OnlineAdapter, target, drafter, anchors: int, max_length, reuse_features: bool, rng):
+        self.adapter, self.target, self.drafter = adapter, target, drafter
+        self.anchors, self.max_length, self.reuse_features, self.rng = anchors, max_length, reuse_features, rng
+
+    def _added(self) -> None:
+        if len(self.adapter.buffer) >= self.adapter.config.samples_per_update:
+            self.adapter.wait_for_update()
+
+    def __call__(self, prompt_ids, response_ids) -> None:
+        adapter = self.adapter
+        if adapter.config.sample_unit == "request":
+            ids = torch.tensor(list(prompt_ids) + list(response_ids), dtype=torch.long)[: self.max_length]
+            adapter.on_request(FinishedRequest(0, ids[: len(prompt_ids)], ids[len(prompt_ids) :]))
+            self._added()
+            return
+        for verified, feats in rounds_from_response(
+            self.target, self.drafter, prompt_ids, response_ids, anchors=self.anchors, rng=self.rng, max_length=self.max_length
+        ):
+            adapter.add_round(verified, features=feats if self.reuse_features else None)
+            self._added()
+            if adapter.stopped:
+                break

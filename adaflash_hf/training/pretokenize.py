@@ -122,6 +122,37 @@ def _write_split(out: Path, prefix: str, docs_by_domain: dict, masks_by_domain: 
     return {"n_tokens": int(len(tokens)), "domains": stats}
 
 
+def _sample_texts(texts: list[str], tokenizer_chars: int | None, n_chars: int, rng: random.Random) -> list[str]:
+    """A random sample of ``texts`` of about ``tokenizer_chars`` characters (all of them if None)."""
+    if tokenizer_chars is None or tokenizer_chars >= n_chars:
+        return texts
+    rng.shuffle(texts)
+    keep, total = [], 0
+    for t in texts:
+        keep.append(t)
+        total += len(t)
+        if total >= tokenizer_chars:
+            break
+    return keep
+
+
+def _encode_splits(tok, train: dict, evals: dict, eval_tokens_per_domain: int, rng: random.Random, progress: bool):
+    """Token ids and loss masks per domain: every (shuffled) training sample, and the first eval
+    samples up to about ``eval_tokens_per_domain`` tokens."""
+    tr_ids, tr_masks, ev_ids, ev_masks = {}, {}, {}, {}
+    for d in D.TRAIN_DOMAINS:
+        samples = list(train[d])
+        rng.shuffle(samples)
+        tr_ids[d], tr_masks[d] = encode_documents(tok, samples, desc=f"encode {d}", progress=progress)
+        e_ids, e_masks = encode_documents(tok, evals[d], desc=f"encode eval {d}", progress=progress)
+        keep, total = 0, 0
+        while keep < len(e_ids) and total < eval_tokens_per_domain:
+            total += len(e_ids[keep])
+            keep += 1
+        ev_ids[d], ev_masks[d] = e_ids[:keep], e_masks[:keep]
+    return tr_ids, tr_masks, ev_ids, ev_masks
+
+
 def pretokenize(
     out: str | Path,
     data_dir=None,
@@ -154,16 +185,7 @@ def pretokenize(
           f"({time.time() - t0:.1f}s)", flush=True)
 
     # --- tokenizer
-    texts = list(_tokenizer_texts(train))
-    if tokenizer_chars is not None and tokenizer_chars < n_chars:
-        rng.shuffle(texts)
-        keep, total = [], 0
-        for t in texts:
-            keep.append(t)
-            total += len(t)
-            if total >= tokenizer_chars:
-                break
-        texts = keep
+    texts = _sample_texts(list(_tokenizer_texts(train)), tokenizer_chars, n_chars, rng)
     t1 = time.time()
     tok = train_tokenizer(texts, vocab_size=vocab_size, show_progress=progress, length=len(texts))
     tok.save_pretrained(out / "tokenizer")
@@ -171,18 +193,7 @@ def pretokenize(
           f"in {time.time() - t1:.1f}s -> {out / 'tokenizer'}", flush=True)
 
     # --- encode
-    tr_ids, tr_masks, ev_ids, ev_masks = {}, {}, {}, {}
-    for d in D.TRAIN_DOMAINS:
-        samples = list(train[d])
-        rng.shuffle(samples)
-        tr_ids[d], tr_masks[d] = encode_documents(tok, samples, desc=f"encode {d}", progress=progress)
-        e_ids, e_masks = encode_documents(tok, evals[d], desc=f"encode eval {d}", progress=progress)
-        keep, total = 0, 0
-        while keep < len(e_ids) and total < eval_tokens_per_domain:
-            total += len(e_ids[keep])
-            keep += 1
-        ev_ids[d], ev_masks[d] = e_ids[:keep], e_masks[:keep]
-
+    tr_ids, tr_masks, ev_ids, ev_masks = _encode_splits(tok, train, evals, eval_tokens_per_domain, rng, progress)
     train_meta = _write_split(out, "train", tr_ids, tr_masks)
     eval_meta = _write_split(out, "eval", ev_ids, ev_masks)
 

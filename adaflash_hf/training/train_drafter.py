@@ -30,6 +30,10 @@ Three stages, one command:
    to ``--eval-per-domain`` eval-split prompts of every domain, the teacher-forced analogue of
    tau).
 
+From Python: ``run(DrafterRecipe(target=..., out=..., domains=["chat", "prose"], minutes=6))``
+(:func:`config_from_args` turns parsed flags into a recipe); a user-fixable problem raises
+:class:`~adaflash_hf.training.RecipeError` (the command line prints it and exits non-zero).
+
 Several GPUs: ``accelerate launch --num_processes N -m adaflash_hf.training.train_drafter ...``
 trains data-parallel (DDP through the Trainer). Regeneration is not split across processes (every
 process would repeat it): run it once single-process with ``--regen-cache FILE --regen-only``, then launch the multi-GPU run with the same
@@ -48,9 +52,12 @@ import os  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+from dataclasses import asdict, dataclass, field, fields  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+
+from . import RecipeError  # noqa: E402
 
 CHAT_DOMAINS = ("math", "code", "chat")
 
@@ -291,6 +298,70 @@ def parse_args(argv=None):
     return add_arguments(ap).parse_args(argv)
 
 
+def _split(text: str | None) -> list[str]:
+    return [x.strip() for x in (text or "").split(",") if x.strip()]
+
+
+@dataclass
+class DrafterRecipe:
+    """How to regenerate, train and save a drafter (the flags of :func:`add_arguments`, same names;
+    comma lists become lists, ``--no-progress`` becomes ``progress=False``)."""
+
+    target: str | None
+    out: str
+    tokenizer: str | None = None
+    data: str | None = None
+    domains: list[str] = field(default_factory=lambda: ["chat", "prose"])
+    device: str = "auto"
+    seed: int = 0
+    num_prompts: int = 2000
+    max_new_tokens: int = 256
+    gen_batch_size: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    sampled_answers: int = 0
+    sampled_domains: list[str] = field(default_factory=lambda: ["chat"])
+    sampled_temperature: float = 0.7
+    prose_prefix: int = 32
+    max_prompt_tokens: int = 384
+    prompts_per_sample: int = 1
+    regen_cache: str | None = None
+    regen_only: bool = False
+    num_layers: int = 2
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None
+    max_anchors: int = 512
+    gamma: float | None = None
+    length_head_weight: float = 1.0
+    length_head_steps: int = 0
+    length_head_lr: float = 2e-4
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    batch_size: int = 16
+    max_length: int = 1024
+    minutes: float = 6.0
+    steps: int | None = None
+    logging_steps: int = 10
+    num_workers: int = 0
+    eval_per_domain: int = 32
+    eval_domains: list[str] = field(default_factory=lambda: ["math", "code", "chat", "prose"])
+    max_shard_size: str = "15MB"
+    progress: bool = True
+
+
+def config_from_args(a: argparse.Namespace) -> DrafterRecipe:
+    """The recipe of parsed :func:`add_arguments` flags."""
+    kw = {f.name: getattr(a, f.name) for f in fields(DrafterRecipe) if hasattr(a, f.name)}
+    for name in ("domains", "sampled_domains", "eval_domains"):
+        kw[name] = _split(kw[name])
+    kw["target_layer_ids"] = [int(x) for x in _split(a.target_layer_ids)] or None
+    kw["progress"] = not a.no_progress
+    return DrafterRecipe(**kw)
+
+
 def _load_target(path: str, device: torch.device):
     from transformers import AutoModelForCausalLM
 
@@ -300,170 +371,180 @@ def _load_target(path: str, device: torch.device):
 
 
 def main(argv=None) -> int:
-    return run(parse_args(argv))
+    try:
+        return run(config_from_args(parse_args(argv)))
+    except RecipeError as e:
+        raise SystemExit(str(e)) from None
 
 
-def run(a: argparse.Namespace) -> int:
-    """Regenerate, train and save (the flags of :func:`add_arguments`)."""
-    from transformers import AutoTokenizer, PrinterCallback, TrainingArguments, set_seed
+def _device_name(name: str) -> str:
+    """``"auto"`` resolved: ``"cuda"`` when available, else ``"cpu"``."""
+    if name != "auto":
+        return name
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
-    from ..modeling import AdaFlashDrafter
-    from .trainer import (
-        DrafterDataCollator,
-        DrafterTrainer,
-        DrafterTrainingModel,
-        JsonlLogCallback,
-        WallClockCallback,
-        train_length_head,
-        wall_clock_cosine_schedule,
-    )
 
-    progress = not a.no_progress
-    if a.device == "auto":
-        a.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(a.device)
+def _device(name: str) -> torch.device:
+    device = torch.device(_device_name(name))
     if device.type == "cuda" and device.index is None:  # one process per GPU under accelerate launch
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    main_process = int(os.environ.get("RANK", 0)) == 0
-    use_bf16 = device.type == "cuda"
-    set_seed(a.seed)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    timings: dict[str, float] = {}
-    domains = [d.strip() for d in a.domains.split(",") if d.strip()]
-    eval_domains = [d.strip() for d in a.eval_domains.split(",") if d.strip()]
+    return device
 
-    tok = AutoTokenizer.from_pretrained(a.tokenizer or a.target)
-    target = _load_target(a.target, device)
-    print(f"[train_drafter] target {a.target}: {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params "
-          f"on {device} ({time.time() - _T_START:.1f}s)", flush=True)
 
-    # ---- 1. regeneration
+def _training_samples(r: DrafterRecipe, target, tok, main_process: bool, timings: dict) -> list[dict]:
+    """Stage 1: the target's answers to the training prompts (or the regeneration cache)."""
     t = time.time()
-    cache = Path(a.regen_cache) if a.regen_cache else None
+    cache = Path(r.regen_cache) if r.regen_cache else None
     if cache is not None and cache.is_file():
         samples = [json.loads(line) for line in cache.read_text().splitlines() if line.strip()]
         print(f"[train_drafter] reusing {len(samples)} regenerated samples from {cache}", flush=True)
     else:
-        prompts = build_prompts(tok, domains, a.num_prompts, "train", a.seed, a.prose_prefix, a.max_prompt_tokens, a.data,
-                                prompts_per_sample=a.prompts_per_sample)
-        samples = regenerate(target, tok, prompts, a.max_new_tokens, a.gen_batch_size, a.temperature, a.top_p, progress)
-        sampled_domains = {d.strip() for d in a.sampled_domains.split(",") if d.strip()}
-        extra = [p for p in prompts if p["domain"] in sampled_domains] * a.sampled_answers
+        prompts = build_prompts(tok, r.domains, r.num_prompts, "train", r.seed, r.prose_prefix, r.max_prompt_tokens, r.data,
+                                prompts_per_sample=r.prompts_per_sample)  # fmt: skip
+        samples = regenerate(target, tok, prompts, r.max_new_tokens, r.gen_batch_size, r.temperature, r.top_p, r.progress)
+        extra = [p for p in prompts if p["domain"] in set(r.sampled_domains)] * r.sampled_answers
         if extra:
-            samples += regenerate(target, tok, extra, a.max_new_tokens, a.gen_batch_size, a.sampled_temperature, 1.0, progress)
+            samples += regenerate(target, tok, extra, r.max_new_tokens, r.gen_batch_size, r.sampled_temperature, 1.0,
+                                  r.progress)  # fmt: skip
         if cache is not None and main_process:
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text("".join(json.dumps(s) + "\n" for s in samples))
     timings["regenerate_s"] = round(time.time() - t, 1)
-    resp_tokens = sum(sum(s["loss_mask"]) for s in samples)
-    regen_stats = {
-        "samples": len(samples),
-        "response_tokens": resp_tokens,
-        "per_domain": {d: sum(1 for s in samples if s.get("domain") == d) for d in domains},
-    }
-    print(f"[train_drafter] {len(samples)} samples, {resp_tokens} response tokens ({timings['regenerate_s']}s)", flush=True)
-    if not samples:
-        raise SystemExit("no training samples after regeneration")
-    if a.regen_only:
-        return 0
+    return samples
 
-    eval_samples = []
-    if a.eval_per_domain > 0 and main_process:
-        t = time.time()
-        eprompts = build_prompts(tok, eval_domains, a.eval_per_domain * len(eval_domains), "eval", a.seed,
-                                 a.prose_prefix, a.max_prompt_tokens, a.data)
-        eval_samples = regenerate(target, tok, eprompts, a.max_new_tokens, a.gen_batch_size, 0.0, 1.0, progress)
-        timings["eval_regenerate_s"] = round(time.time() - t, 1)
 
-    # ---- 2. drafter + training
-    mask_id = a.mask_token_id if a.mask_token_id is not None else tok.mask_token_id
+def _eval_samples(r: DrafterRecipe, target, tok, timings: dict) -> list[dict]:
+    """Held-out prompts of every eval domain, answered greedily by the target."""
+    t = time.time()
+    prompts = build_prompts(tok, r.eval_domains, r.eval_per_domain * len(r.eval_domains), "eval", r.seed,
+                            r.prose_prefix, r.max_prompt_tokens, r.data)  # fmt: skip
+    samples = regenerate(target, tok, prompts, r.max_new_tokens, r.gen_batch_size, 0.0, 1.0, r.progress)
+    timings["eval_regenerate_s"] = round(time.time() - t, 1)
+    return samples
+
+
+def _training_model(r: DrafterRecipe, target, tok):
+    """A fresh fp32 drafter for ``target`` inside the training wrapper."""
+    from ..modeling import AdaFlashDrafter
+    from .model import DrafterTrainingModel
+
+    mask_id = r.mask_token_id if r.mask_token_id is not None else tok.mask_token_id
     if mask_id is None:
-        raise SystemExit("the tokenizer has no mask token: pass --mask-token-id")
-    layer_ids = [int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None
-    drafter = AdaFlashDrafter.from_target(target, num_layers=a.num_layers, block_size=a.block_size,
-                                          target_layer_ids=layer_ids, mask_token_id=mask_id)
+        raise RecipeError("the tokenizer has no mask token: pass --mask-token-id")
+    drafter = AdaFlashDrafter.from_target(target, num_layers=r.num_layers, block_size=r.block_size,
+                                          target_layer_ids=r.target_layer_ids, mask_token_id=mask_id)  # fmt: skip
     drafter = drafter.float()  # fp32 master weights; bf16 autocast on CUDA
-    model = DrafterTrainingModel(target, drafter, max_anchors=a.max_anchors, gamma=a.gamma,
-                                 length_head_weight=a.length_head_weight)
+    model = DrafterTrainingModel(target, drafter, max_anchors=r.max_anchors, gamma=r.gamma,
+                                 length_head_weight=r.length_head_weight)  # fmt: skip
     n_params = sum(p.numel() for p in drafter.parameters())
-    print(f"[train_drafter] drafter: {a.num_layers} layers, block {a.block_size}, target layers "
+    print(f"[train_drafter] drafter: {r.num_layers} layers, block {r.block_size}, target layers "
           f"{drafter.config.target_layer_ids}, {n_params / 1e6:.2f}M params", flush=True)
-    collator = DrafterDataCollator(tok, max_length=a.max_length)
+    return model, n_params
+
+
+def _trainer(r: DrafterRecipe, model, samples, collator, out: Path, device: torch.device):
+    """A ``DrafterTrainer`` whose LR schedule runs over the wall-clock budget (or ``steps``)."""
+    from transformers import PrinterCallback, TrainingArguments
+
+    from .trainer import DrafterTrainer, JsonlLogCallback, WallClockCallback, wall_clock_cosine_schedule
 
     log_path = out / "train_log.jsonl"
     if log_path.exists():
         log_path.unlink()
-    clock = WallClockCallback(a.minutes * 60.0)
-    timed = a.steps is None  # LR schedule over wall-clock time; tqdm would show a meaningless total
-    callbacks = [JsonlLogCallback(log_path, verbose=timed or not progress, budget_s=a.minutes * 60.0), clock]
-    work = tempfile.mkdtemp(prefix="adaflash_trainer_")
+    clock = WallClockCallback(r.minutes * 60.0)
+    timed = r.steps is None  # LR schedule over wall-clock time; tqdm would show a meaningless total
+    callbacks = [JsonlLogCallback(log_path, verbose=timed or not r.progress, budget_s=r.minutes * 60.0), clock]
     targs = TrainingArguments(
-        output_dir=work,
-        per_device_train_batch_size=a.batch_size,
-        learning_rate=a.lr,
-        weight_decay=a.weight_decay,
-        max_grad_norm=a.grad_clip,
-        lr_scheduler_type="cosine",
-        warmup_steps=a.warmup_ratio,
-        max_steps=a.steps if a.steps is not None else 10**9,
-        logging_steps=a.logging_steps,
-        logging_first_step=True,
-        save_strategy="no",
-        report_to=[],
-        bf16=use_bf16,
-        use_cpu=device.type == "cpu",
-        seed=a.seed,
-        dataloader_num_workers=a.num_workers,
-        remove_unused_columns=False,
-        disable_tqdm=timed or not progress,
-    )
+        output_dir=tempfile.mkdtemp(prefix="adaflash_trainer_"), per_device_train_batch_size=r.batch_size,
+        learning_rate=r.lr, weight_decay=r.weight_decay, max_grad_norm=r.grad_clip, lr_scheduler_type="cosine",
+        warmup_steps=r.warmup_ratio, max_steps=r.steps if r.steps is not None else 10**9,
+        logging_steps=r.logging_steps, logging_first_step=True, save_strategy="no", report_to=[],
+        bf16=device.type == "cuda", use_cpu=device.type == "cpu", seed=r.seed, dataloader_num_workers=r.num_workers,
+        remove_unused_columns=False, disable_tqdm=timed or not r.progress,
+    )  # fmt: skip
     optimizers = (None, None)
-    if a.steps is None:
+    if timed:
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay, fused=device.type == "cuda")
-        optimizers = (opt, wall_clock_cosine_schedule(opt, clock, a.warmup_ratio))
+        opt = torch.optim.AdamW(params, lr=r.lr, weight_decay=r.weight_decay, fused=device.type == "cuda")
+        optimizers = (opt, wall_clock_cosine_schedule(opt, clock, r.warmup_ratio))
     trainer = DrafterTrainer(model=model, args=targs, train_dataset=samples, data_collator=collator,
-                             callbacks=callbacks, optimizers=optimizers)
+                             callbacks=callbacks, optimizers=optimizers)  # fmt: skip
     trainer.remove_callback(PrinterCallback)  # JsonlLogCallback prints compact lines instead
-    t = time.time()
-    result = trainer.train()
-    timings["train_s"] = round(time.time() - t, 1)
-    steps_done = trainer.state.global_step
-    print(f"[train_drafter] trained {steps_done} steps in {timings['train_s']}s "
-          f"(final train loss {result.training_loss:.4f})", flush=True)
+    return trainer
+
+
+def _after_training(r: DrafterRecipe, model, target, samples, eval_samples, collator, autocast_dtype, timings):
+    """The optional offline length-head pass and the held-out acceptance proxy: ``(head losses, eval)``."""
+    from .trainer import train_length_head
 
     lh_losses = []
-    autocast_dtype = torch.bfloat16 if use_bf16 else None
-    if a.length_head_steps > 0:
+    if r.length_head_steps > 0:
         t = time.time()
-        loader = torch.utils.data.DataLoader(samples, batch_size=a.batch_size, shuffle=True, collate_fn=collator)
-        lh_losses = train_length_head(model.drafter, target, loader, a.length_head_steps, a.length_head_lr,
-                                      a.max_anchors, autocast_dtype=autocast_dtype, progress=progress)
+        loader = torch.utils.data.DataLoader(samples, batch_size=r.batch_size, shuffle=True, collate_fn=collator)
+        lh_losses = train_length_head(model.drafter, target, loader, r.length_head_steps, r.length_head_lr,
+                                      r.max_anchors, autocast_dtype=autocast_dtype, progress=r.progress)  # fmt: skip
         timings["length_head_s"] = round(time.time() - t, 1)
-
     eval_res = {}
     if eval_samples:
         t = time.time()
-        eval_res = acceptance_proxy(model, eval_samples, collator, batch_size=a.batch_size, autocast_dtype=autocast_dtype)
+        eval_res = acceptance_proxy(model, eval_samples, collator, batch_size=r.batch_size, autocast_dtype=autocast_dtype)
         timings["eval_s"] = round(time.time() - t, 1)
-        for d, r in eval_res.items():
-            print(f"[train_drafter] held-out {d:<6} accept_len {r['accept_len']:.3f}  slot-1 acc {r['accuracy']:.3f}", flush=True)
+        for d, res in eval_res.items():
+            print(f"[train_drafter] held-out {d:<6} accept_len {res['accept_len']:.3f}  slot-1 acc {res['accuracy']:.3f}",
+                  flush=True)  # fmt: skip
+    return lh_losses, eval_res
 
-    # ---- 3. save
+
+def run(r: DrafterRecipe) -> int:
+    """Regenerate, train and save as ``r`` says (module doc); raises :class:`RecipeError` on
+    user-fixable problems."""
+    from transformers import AutoTokenizer, set_seed
+
+    from .collator import DrafterDataCollator
+
+    device = _device(r.device)
+    main_process = int(os.environ.get("RANK", 0)) == 0
+    set_seed(r.seed)
+    out = Path(r.out)
+    out.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    tok = AutoTokenizer.from_pretrained(r.tokenizer or r.target)
+    target = _load_target(r.target, device)
+    print(f"[train_drafter] target {r.target}: {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params "
+          f"on {device} ({time.time() - _T_START:.1f}s)", flush=True)
+    samples = _training_samples(r, target, tok, main_process, timings)
+    resp_tokens = sum(sum(s["loss_mask"]) for s in samples)
+    regen_stats = {"samples": len(samples), "response_tokens": resp_tokens,
+                   "per_domain": {d: sum(1 for s in samples if s.get("domain") == d) for d in r.domains}}  # fmt: skip
+    print(f"[train_drafter] {len(samples)} samples, {resp_tokens} response tokens ({timings['regenerate_s']}s)", flush=True)
+    if not samples:
+        raise RecipeError("no training samples after regeneration")
+    if r.regen_only:
+        return 0
+    eval_samples = _eval_samples(r, target, tok, timings) if r.eval_per_domain > 0 and main_process else []
+    model, n_params = _training_model(r, target, tok)
+    collator = DrafterDataCollator(tok, max_length=r.max_length)
+    trainer = _trainer(r, model, samples, collator, out, device)
+    t = time.time()
+    result = trainer.train()
+    timings["train_s"] = round(time.time() - t, 1)
+    print(f"[train_drafter] trained {trainer.state.global_step} steps in {timings['train_s']}s "
+          f"(final train loss {result.training_loss:.4f})", flush=True)
+    autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
+    lh_losses, eval_res = _after_training(r, model, target, samples, eval_samples, collator, autocast_dtype, timings)
     if not trainer.is_world_process_zero():
         return 0
-    if a.length_head_weight > 0 or a.length_head_steps > 0:
+    if r.length_head_weight > 0 or r.length_head_steps > 0:
         model.base_drafter.config.length_head_trained = True
-    model.save_pretrained(out, dtype=torch.bfloat16, max_shard_size=a.max_shard_size)
+    model.save_pretrained(out, dtype=torch.bfloat16, max_shard_size=r.max_shard_size)
     timings["total_s"] = round(time.time() - _T_START, 1)
-    last = [r for r in trainer.state.log_history if "loss" in r]
+    last = [x for x in trainer.state.log_history if "loss" in x]
     summary = {
-        "args": vars(a),
+        "args": {**asdict(r), "device": _device_name(r.device)},
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         "drafter_params": n_params,
         "target_layer_ids": list(model.base_drafter.config.target_layer_ids),
-        "steps": steps_done,
+        "steps": trainer.state.global_step,
         "final_log": last[-1] if last else None,
         "regeneration": regen_stats,
         "length_head_losses": lh_losses[-5:],

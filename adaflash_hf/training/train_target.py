@@ -13,8 +13,8 @@ of saving). Training stops ``--reserve-s`` seconds before it, leaving time for t
 save and the sample generations. The LR schedule is defined over an estimated step count: after a few
 compile / warm-up steps the step time is measured (plus the cost of the periodic held-out eval) and
 the total number of steps is fixed from the remaining budget. The run is also capped at ``--epochs``
-passes over the corpus (default 10; the data, ~9M tokens, not the time, is the limit on one H200:
-10 epochs take ~35 s there, and more overfit). ``--steps N`` fixes the total instead (the time
+passes over the corpus (default 10: on a GPU the reference corpus, not the time, is the limit, and
+more passes overfit). ``--steps N`` fixes the total instead (the time
 budget still applies as a safety stop).
 
 Writes ``OUTDIR/train_log.jsonl`` (one line per log step: step, tokens, loss, lr, elapsed, tok_per_s;
@@ -33,17 +33,17 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-# Passes over the training corpus. Measured on one H200 (12.6M-param model, 128x512 batches, ~9M
-# tokens, lr 1e-3, full cosine schedule each): held-out mean loss 3.09 at 6 epochs, 2.91 at 8, 2.87
-# at 10, 2.92 at 12, 3.05 at 16, 4.15 at 37 (a 4-minute budget): more passes overfit, so the CLI
-# caps the run at 10 epochs by default (about 35 s of training there).
+from .corpus import WindowSampler, eval_batches, load_corpus, sample_prompts  # noqa: E402, F401
+
+# Passes over the training corpus the CLI caps a run at: on the reference corpus the held-out loss
+# is lowest near here and more passes overfit.
 DEFAULT_EPOCHS = 10.0
 
 # Model sizes. "reference" is the ~12.5M-parameter target of the reference pair.
@@ -124,67 +124,6 @@ class _LMLoss(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
-# ------------------------------------------------------------------------------------- data
-
-
-def load_corpus(data: str | Path):
-    data = Path(data)
-    for name in ("train_tokens.npy", "tokenizer"):
-        if not (data / name).exists():
-            raise FileNotFoundError(
-                f"{data / name} not found: run `python -m adaflash_hf.training.pretokenize --out {data}` first"
-            )
-    tokens = np.load(data / "train_tokens.npy")
-    meta = json.loads((data / "meta.json").read_text()) if (data / "meta.json").exists() else {}
-    ev = {}
-    if (data / "eval_tokens.npy").exists():
-        ev["tokens"] = np.load(data / "eval_tokens.npy")
-        ev["docs"] = np.load(data / "eval_docs.npy")
-        spans = data / "eval_loss_spans.npy"
-        ev["spans"] = np.load(spans) if spans.exists() else np.zeros((0, 2), dtype=np.int32)
-    return tokens, ev, meta
-
-
-class WindowSampler:
-    """Random contiguous windows of ``seq_len + 1`` tokens, drawn on the device."""
-
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, device, seed: int = 0):
-        if len(tokens) < seq_len + 2:
-            raise ValueError(f"corpus has {len(tokens)} tokens, fewer than seq_len + 2 = {seq_len + 2}")
-        self.tokens = torch.from_numpy(tokens.astype(np.int64)).to(device)
-        self.seq_len, self.batch_size = seq_len, batch_size
-        self.offsets = torch.arange(seq_len + 1, device=device)
-        self.gen = torch.Generator(device=device)
-        self.gen.manual_seed(seed)
-        self.high = len(tokens) - seq_len - 1
-
-    def __call__(self):
-        starts = torch.randint(0, self.high, (self.batch_size,), device=self.tokens.device, generator=self.gen)
-        w = self.tokens[starts[:, None] + self.offsets]
-        return w[:, :-1], w[:, 1:]
-
-
-def eval_batches(ev: dict, domains: list[str], seq_len: int, max_windows: int = 256):
-    """Non-overlapping windows of the held-out tokens, per domain: {domain: LongTensor [n, seq_len+1]}."""
-    out = {}
-    if not ev:
-        return out
-    tokens, docs = ev["tokens"].astype(np.int64), ev["docs"]
-    for di, d in enumerate(domains):
-        rows = docs[docs[:, 2] == di]
-        if len(rows) == 0:
-            continue
-        a, b = int(rows[:, 0].min()), int((rows[:, 0] + rows[:, 1]).max())
-        seg = tokens[a:b]
-        L = min(seq_len, len(seg) - 1)
-        if L < 2:
-            continue
-        n = min(max_windows, (len(seg) - 1) // L)
-        w = np.stack([seg[i * L : i * L + L + 1] for i in range(n)])
-        out[d] = torch.from_numpy(w)
-    return out
-
-
 # ---------------------------------------------------------------------------------- schedule
 
 
@@ -225,29 +164,6 @@ def evaluate(model, batches: dict, device, bf16: bool, batch_size: int) -> dict:
         res["mean"] = round(sum(res.values()) / len(res), 4)
     model.train(was)
     return res
-
-
-def _sample_prompts(ev: dict, domains: list[str], tok, prose_prefix: int = 32) -> list[tuple[str, list[int]]]:
-    """One held-out prompt per domain from the eval split: the chat prompt up to the first
-    assistant response (generation prompt included), or the first tokens of a prose chunk."""
-    out = []
-    if not ev:
-        return out
-    tokens, docs, spans = ev["tokens"], ev["docs"], ev["spans"]
-    for di, d in enumerate(domains):
-        rows = docs[docs[:, 2] == di]
-        if len(rows) == 0:
-            continue
-        s, length, _ = (int(v) for v in rows[0])
-        doc = tokens[s : s + length].astype(np.int64)
-        inside = spans[(spans[:, 0] >= s) & (spans[:, 0] < s + length)]
-        if d == "prose" or len(inside) == 0:
-            ids = doc[: min(prose_prefix, len(doc) - 1)]
-        else:
-            ids = doc[: int(inside[0, 0]) - s]
-            ids = ids[-384:]
-        out.append((d, ids.tolist()))
-    return out
 
 
 def generate_samples(model, tok, prompts, device, max_new_tokens: int = 64) -> list[dict]:
@@ -292,250 +208,282 @@ def save_target(model, tok, out_dir: Path, max_shard_size: str = "15MB") -> Path
     return target
 
 
-def train(
-    data: str | Path,
-    out: str | Path,
-    minutes: float = 6.0,
-    steps: int | None = None,
-    epochs: float | None = None,
-    device: str | None = None,
-    batch_size: int | None = None,
-    seq_len: int = 512,
-    lr: float = 1e-3,
-    min_lr_ratio: float = 0.05,
-    warmup_frac: float = 0.02,
-    weight_decay: float = 0.1,
-    grad_clip: float = 1.0,
-    compile: bool | None = None,
-    bf16: bool | None = None,
-    tiny: bool = False,
-    model_overrides: dict | None = None,
-    log_every: int = 10,
-    eval_every: int | None = None,
-    eval_windows: int = 64,
-    reserve_s: float = 30.0,
-    fixed_batch: bool = False,
-    seed: int = 0,
-    sample_tokens: int = 64,
-    save: bool = True,
-    quiet: bool = False,
-    t_start: float | None = None,
-) -> dict:
-    """Train the target; returns a summary dict (also written to ``out/train_summary.json``).
+@dataclass
+class TargetRecipe:
+    """How to train the target (the flags of ``python -m adaflash_hf.training.train_target``).
 
-    The time budget (``minutes``) counts from ``t_start`` (default: this call; the CLI passes the
-    interpreter start).
+    ``data``: a folder written by ``pretokenize --out``; ``out``: the output folder. ``minutes`` is
+    the wall-clock budget counted from ``t_start`` (default: when :func:`train` starts; the CLI
+    passes the interpreter start), of which ``reserve_s`` is kept for the final eval, samples and
+    save. ``steps`` fixes the step count; ``epochs`` caps the passes over the corpus. ``device``,
+    ``batch_size``, ``compile`` and ``bf16`` default by device (CUDA: 128, compiled, bf16; CPU: 8,
+    eager, fp32). ``tiny`` selects the test-size dims; ``model_overrides`` changes single dims.
     """
-    from transformers import AutoTokenizer
 
-    t_start = time.time() if t_start is None else t_start
-    deadline = t_start + minutes * 60.0 - reserve_s
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    data: str | Path
+    out: str | Path
+    minutes: float = 6.0
+    steps: int | None = None
+    epochs: float | None = None
+    device: str | None = None
+    batch_size: int | None = None
+    seq_len: int = 512
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05
+    warmup_frac: float = 0.02
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    compile: bool | None = None
+    bf16: bool | None = None
+    tiny: bool = False
+    model_overrides: dict | None = None
+    log_every: int = 10
+    eval_every: int | None = None
+    eval_windows: int = 64
+    reserve_s: float = 30.0
+    fixed_batch: bool = False
+    seed: int = 0
+    sample_tokens: int = 64
+    save: bool = True
+    quiet: bool = False
+    t_start: float | None = None
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if compile is None:
-        compile = dev.type == "cuda"
-    if bf16 is None:
-        bf16 = dev.type == "cuda"
-    if batch_size is None:
-        batch_size = 128 if dev.type == "cuda" else 8
-    if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(seed)
 
-    data, out = Path(data), Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokens, ev, meta = load_corpus(data)
-    tok = AutoTokenizer.from_pretrained(data / "tokenizer")
-    domains = meta.get("domains", ["math", "code", "chat", "prose"])
+class _Schedule:
+    """The step budget: fixed by ``steps`` (capped by ``epochs``), or, without ``steps``, set once
+    from the measured step time (plus the periodic eval's cost) and the time left before the deadline."""
 
-    dims = dict(TINY_DIMS if tiny else REFERENCE_DIMS)
-    dims.update(model_overrides or {})
-    config = build_config(tok, dims)
-    model = build_model(config).to(dev)
-    model.train()
-    n_params = count_params(model)
-    say(f"[train_target] Qwen3ForCausalLM {n_params / 1e6:.2f}M params (vocab {config.vocab_size}, "
-        f"hidden {config.hidden_size}, layers {config.num_hidden_layers}); corpus {len(tokens):,} tokens; "
-        f"device {dev}, batch {batch_size}x{seq_len}, bf16 {bf16}, compile {compile}")
+    def __init__(self, r: TargetRecipe, dev: torch.device, n_tokens: int, batch_size: int, compile: bool):
+        self.r, self.dev = r, dev
+        self.measure_warm = 5 if compile else 2
+        self.measure_n = 20 if dev.type == "cuda" else 3
+        self.epoch_steps = None
+        if r.epochs is not None:
+            self.epoch_steps = max(1, math.ceil(r.epochs * n_tokens / (batch_size * r.seq_len)))
+        if r.steps is not None:
+            self.total = r.steps if self.epoch_steps is None else min(r.steps, self.epoch_steps)
+            self.fixed = True
+        else:  # provisional, replaced once the step time is measured (min of time- and epoch-based totals)
+            self.total = self.epoch_steps if self.epoch_steps is not None else 10_000
+            self.fixed = False
+        self.warmup = max(1, int(round(r.warmup_frac * self.total)))
+        self.eval_every = r.eval_every
+        if self.eval_every is None:
+            self.eval_every = 250 if dev.type == "cuda" else max(1, self.total // 2 if self.fixed else 50)
+        self.t_measure = None
 
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt_kw = dict(lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    if dev.type == "cuda":
-        opt_kw["fused"] = True
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], **opt_kw
-    )
+    def lr(self, step: int) -> float:
+        return lr_at(step, self.total, self.warmup, self.r.lr, self.r.min_lr_ratio)
 
-    step_fn = _LMLoss(model)
-    if compile:
-        step_fn = torch.compile(step_fn)
+    def _sync(self):
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
 
-    sampler = WindowSampler(tokens, seq_len, batch_size, dev, seed)
-    fixed = sampler() if fixed_batch else None
-    ev_batches = eval_batches(ev, domains, seq_len, eval_windows)
-    eval_bs = max(1, min(batch_size, 64))
-
-    log_f = open(out / "train_log.jsonl", "w")
-
-    def log(rec):
-        log_f.write(json.dumps(rec) + "\n")
-        log_f.flush()
-
-    # Schedule: fixed by --steps, or estimated from measured step time.
-    measure_warm = 5 if compile else 2
-    measure_n = 20 if dev.type == "cuda" else 3
-    tokens_per_step = batch_size * seq_len
-    epoch_steps = None
-    if epochs is not None:
-        epoch_steps = max(1, math.ceil(epochs * len(tokens) / tokens_per_step))
-    if steps is not None:
-        total = steps if epoch_steps is None else min(steps, epoch_steps)
-        fixed_total = True
-    else:
-        # provisional, replaced once the step time is measured (min of time- and epoch-based totals)
-        total = epoch_steps if epoch_steps is not None else 10_000
-        fixed_total = False
-    warmup = max(1, int(round(warmup_frac * total)))
-    if eval_every is None:
-        eval_every = 250 if dev.type == "cuda" else max(1, total // 2 if fixed_total else 50)
-
-    t_eval0 = time.time()
-    ev_res = evaluate(model, ev_batches, dev, bf16, eval_bs) if ev_batches else {}
-    eval_cost = time.time() - t_eval0
-    if ev_res:
-        log({"step": 0, "tokens": 0, "eval_loss": ev_res, "elapsed": round(time.time() - t_start, 2)})
-        say(f"[train_target] step 0 eval {ev_res}")
-
-    t_train0 = time.time()
-    say(f"[train_target] setup took {t_train0 - t_start:.1f}s; training until "
-        f"{'step ' + str(total) if fixed_total else 'the time budget'} (deadline in {deadline - t_train0:.0f}s)")
-    loss_acc = torch.zeros((), device=dev)
-    n_acc = 0
-    losses: list[tuple[int, float]] = []
-    step = 0
-    t_measure = None
-    t_log = time.time()
-    tok_log = 0
-    stopped_by = "steps"
-    while step < total:
-        if time.time() >= deadline:
-            stopped_by = "time"
-            break
-        cur_lr = lr_at(step, total, warmup, lr, min_lr_ratio)
-        for g in opt.param_groups:
-            g["lr"] = cur_lr
-        x, y = fixed if fixed is not None else sampler()
-        with _autocast(dev, bf16):
-            loss = step_fn(x, y)
-        loss.backward()
-        if grad_clip and grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss_acc += loss.detach()
-        n_acc += 1
-        step += 1
-        tok_log += x.numel()
-
-        if not fixed_total:
-            if step == measure_warm:
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                t_measure = time.time()
-            elif step == measure_warm + measure_n:
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                now = time.time()
-                step_t = (now - t_measure) / measure_n
-                if ev_batches:  # time a warm eval (the step-0 one paid for the first eager launches)
-                    t_e = time.time()
-                    evaluate(model, ev_batches, dev, bf16, eval_bs)
-                    eval_cost = time.time() - t_e
-                    now = time.time()
-                per_step = step_t + eval_cost / max(1, eval_every)
-                time_total = step + max(1, int((deadline - now) / per_step * 0.98))
-                total = time_total if epoch_steps is None else min(time_total, epoch_steps)
-                warmup = max(1, int(round(warmup_frac * total)))
-                fixed_total = True
-                say(f"[train_target] step time {step_t * 1000:.1f} ms ({x.numel() / step_t:,.0f} tok/s), "
-                    f"eval {eval_cost:.2f}s -> total {total} steps (time allows {time_total}"
-                    f"{'' if epoch_steps is None else f', {epochs:g} epochs = {epoch_steps}'}), warmup {warmup}, "
-                    f"~{total * x.numel() / 1e6:.0f}M tokens ({total * x.numel() / len(tokens):.1f} epochs)")
-
-        if step % log_every == 0 or step == total:
-            mean_loss = float(loss_acc) / max(1, n_acc)
+    def after_step(self, step: int, deadline: float, eval_cost, tokens_per_step: int, n_tokens: int, say) -> None:
+        """Measure the step time over steps ``measure_warm..measure_warm + measure_n`` and fix the total.
+        ``eval_cost``: a callable timing one warm eval (or returning the step-0 eval's cost)."""
+        if self.fixed:
+            return
+        if step == self.measure_warm:
+            self._sync()
+            self.t_measure = time.time()
+        elif step == self.measure_warm + self.measure_n:
+            self._sync()
+            step_t = (time.time() - self.t_measure) / self.measure_n
+            cost = eval_cost()
             now = time.time()
-            rec = {"step": step, "tokens": step * x.numel(), "loss": round(mean_loss, 4), "lr": cur_lr,
-                   "elapsed": round(now - t_start, 2), "tok_per_s": round(tok_log / max(1e-9, now - t_log))}
-            log(rec)
-            losses.append((step, mean_loss))
-            if not quiet and (step % (log_every * 10) == 0 or step <= log_every or step == total):
-                say(f"[train_target] step {step}/{total} loss {mean_loss:.4f} lr {cur_lr:.2e} "
-                    f"{rec['tok_per_s']:,} tok/s elapsed {rec['elapsed']:.0f}s")
-            loss_acc.zero_()
-            n_acc = 0
-            t_log, tok_log = now, 0
-        if ev_batches and eval_every and step % eval_every == 0 and step < total:
-            res = evaluate(model, ev_batches, dev, bf16, eval_bs)
-            log({"step": step, "tokens": step * x.numel(), "eval_loss": res, "elapsed": round(time.time() - t_start, 2)})
-            say(f"[train_target] step {step} eval {res}")
-    if n_acc:
-        mean_loss = float(loss_acc) / n_acc
-        losses.append((step, mean_loss))
-        log({"step": step, "tokens": step * batch_size * seq_len, "loss": round(mean_loss, 4),
-             "lr": lr_at(max(0, step - 1), total, warmup, lr, min_lr_ratio),
-             "elapsed": round(time.time() - t_start, 2), "tok_per_s": None})
-    train_s = time.time() - t_train0
-    final_eval = evaluate(model, ev_batches, dev, bf16, eval_bs) if ev_batches else {}
-    if final_eval:
-        log({"step": step, "tokens": step * batch_size * seq_len, "eval_loss": final_eval,
-             "elapsed": round(time.time() - t_start, 2)})
-    say(f"[train_target] done: {step} steps in {train_s:.0f}s (stopped by {stopped_by}), "
-        f"final train loss {losses[-1][1] if losses else float('nan'):.4f}, eval {final_eval}")
+            per_step = step_t + cost / max(1, self.eval_every)
+            time_total = step + max(1, int((deadline - now) / per_step * 0.98))
+            self.total = time_total if self.epoch_steps is None else min(time_total, self.epoch_steps)
+            self.warmup = max(1, int(round(self.r.warmup_frac * self.total)))
+            self.fixed = True
+            ep = "" if self.epoch_steps is None else f", {self.r.epochs:g} epochs = {self.epoch_steps}"
+            say(f"[train_target] step time {step_t * 1000:.1f} ms ({tokens_per_step / step_t:,.0f} tok/s), "
+                f"eval {cost:.2f}s -> total {self.total} steps (time allows {time_total}{ep}), warmup {self.warmup}, "
+                f"~{self.total * tokens_per_step / 1e6:.0f}M tokens ({self.total * tokens_per_step / n_tokens:.1f} epochs)")
 
-    samples = []
-    if sample_tokens > 0:
+
+class _TargetRun:
+    """One training run of :func:`train`: the model, optimizer, data and logs, and the loop."""
+
+    def __init__(self, r: TargetRecipe):
+        from transformers import AutoTokenizer
+
+        self.r = r
+        self.t_start = time.time() if r.t_start is None else r.t_start
+        self.deadline = self.t_start + r.minutes * 60.0 - r.reserve_s
+        self.say = (lambda *a: None) if r.quiet else (lambda *a: print(*a, flush=True))
+        dev = self.dev = torch.device(r.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.compile = dev.type == "cuda" if r.compile is None else r.compile
+        self.bf16 = dev.type == "cuda" if r.bf16 is None else r.bf16
+        self.batch_size = r.batch_size if r.batch_size is not None else (128 if dev.type == "cuda" else 8)
+        if dev.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        torch.manual_seed(r.seed)
+        self.out = Path(r.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.tokens, self.ev, meta = load_corpus(r.data)
+        self.tok = AutoTokenizer.from_pretrained(Path(r.data) / "tokenizer")
+        self.domains = meta.get("domains", ["math", "code", "chat", "prose"])
+        self._build_model()
+        self.sampler = WindowSampler(self.tokens, r.seq_len, self.batch_size, dev, r.seed)
+        self.fixed_xy = self.sampler() if r.fixed_batch else None
+        self.ev_batches = eval_batches(self.ev, self.domains, r.seq_len, r.eval_windows)
+        self.eval_bs = max(1, min(self.batch_size, 64))
+        self.sched = _Schedule(r, dev, len(self.tokens), self.batch_size, self.compile)
+        self.log_f = open(self.out / "train_log.jsonl", "w")
+
+    def _build_model(self) -> None:
+        r, dev = self.r, self.dev
+        dims = dict(TINY_DIMS if r.tiny else REFERENCE_DIMS)
+        dims.update(r.model_overrides or {})
+        self.config = build_config(self.tok, dims)
+        self.model = build_model(self.config).to(dev)
+        self.model.train()
+        self.n_params = count_params(self.model)
+        self.say(f"[train_target] Qwen3ForCausalLM {self.n_params / 1e6:.2f}M params (vocab {self.config.vocab_size}, "
+                 f"hidden {self.config.hidden_size}, layers {self.config.num_hidden_layers}); corpus {len(self.tokens):,} "
+                 f"tokens; device {dev}, batch {self.batch_size}x{r.seq_len}, bf16 {self.bf16}, compile {self.compile}")
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        opt_kw = dict(lr=r.lr, betas=(0.9, 0.95), eps=1e-8)
+        if dev.type == "cuda":
+            opt_kw["fused"] = True
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": r.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], **opt_kw
+        )
+        self.step_fn = _LMLoss(self.model)
+        if self.compile:
+            self.step_fn = torch.compile(self.step_fn)
+
+    def log(self, rec: dict) -> None:
+        self.log_f.write(json.dumps(rec) + "\n")
+        self.log_f.flush()
+
+    def evaluate(self) -> dict:
+        return evaluate(self.model, self.ev_batches, self.dev, self.bf16, self.eval_bs) if self.ev_batches else {}
+
+    def elapsed(self) -> float:
+        return round(time.time() - self.t_start, 2)
+
+    def _timed_eval(self) -> float:
+        t = time.time()
+        self.evaluate()
+        return time.time() - t
+
+    def _step(self) -> torch.Tensor:
+        x, y = self.fixed_xy if self.fixed_xy is not None else self.sampler()
+        with _autocast(self.dev, self.bf16):
+            loss = self.step_fn(x, y)
+        loss.backward()
+        if self.r.grad_clip and self.r.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.r.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def loop(self) -> tuple[int, list, str, float]:
+        """Train until the step budget or the deadline: ``(steps, [(step, loss)], stopped_by)``."""
+        r, sched = self.r, self.sched
+        t0 = time.time()
+        ev_res = self.evaluate()
+        eval_cost = time.time() - t0
+        if ev_res:
+            self.log({"step": 0, "tokens": 0, "eval_loss": ev_res, "elapsed": self.elapsed()})
+            self.say(f"[train_target] step 0 eval {ev_res}")
+        self.t_train0 = time.time()
+        self.say(f"[train_target] setup took {self.t_train0 - self.t_start:.1f}s; training until "
+                 f"{'step ' + str(sched.total) if sched.fixed else 'the time budget'} (deadline in {self.deadline - self.t_train0:.0f}s)")
+        loss_acc, n_acc, losses, step, stopped_by = torch.zeros((), device=self.dev), 0, [], 0, "steps"
+        t_log, tok_log, tps = time.time(), 0, self.batch_size * r.seq_len
+        while step < sched.total:
+            if time.time() >= self.deadline:
+                stopped_by = "time"
+                break
+            cur_lr = sched.lr(step)
+            for g in self.opt.param_groups:
+                g["lr"] = cur_lr
+            loss_acc += self._step()
+            n_acc, step, tok_log = n_acc + 1, step + 1, tok_log + tps
+            sched.after_step(step, self.deadline, (self._timed_eval if self.ev_batches else lambda: eval_cost), tps,
+                             len(self.tokens), self.say)  # fmt: skip
+            if step % r.log_every == 0 or step == sched.total:
+                losses.append((step, self._log_train(step, float(loss_acc) / max(1, n_acc), cur_lr, tok_log, t_log)))
+                loss_acc.zero_()
+                n_acc, t_log, tok_log = 0, time.time(), 0
+            if self.ev_batches and sched.eval_every and step % sched.eval_every == 0 and step < sched.total:
+                res = self.evaluate()
+                self.log({"step": step, "tokens": step * tps, "eval_loss": res, "elapsed": self.elapsed()})
+                self.say(f"[train_target] step {step} eval {res}")
+        if n_acc:
+            losses.append((step, float(loss_acc) / n_acc))
+            self.log({"step": step, "tokens": step * tps, "loss": round(losses[-1][1], 4),
+                      "lr": sched.lr(max(0, step - 1)), "elapsed": self.elapsed(), "tok_per_s": None})
+        return step, losses, stopped_by
+
+    def _log_train(self, step: int, mean_loss: float, cur_lr: float, tok_log: int, t_log: float) -> float:
+        now = time.time()
+        rec = {"step": step, "tokens": step * self.batch_size * self.r.seq_len, "loss": round(mean_loss, 4), "lr": cur_lr,
+               "elapsed": round(now - self.t_start, 2), "tok_per_s": round(tok_log / max(1e-9, now - t_log))}
+        self.log(rec)
+        le = self.r.log_every
+        if not self.r.quiet and (step % (le * 10) == 0 or step <= le or step == self.sched.total):
+            self.say(f"[train_target] step {step}/{self.sched.total} loss {mean_loss:.4f} lr {cur_lr:.2e} "
+                     f"{rec['tok_per_s']:,} tok/s elapsed {rec['elapsed']:.0f}s")
+        return mean_loss
+
+    def finish(self, step: int, losses: list, stopped_by: str) -> dict:
+        """Final eval, sample generations, save; the summary (also written to ``train_summary.json``)."""
+        r = self.r
+        train_s = time.time() - self.t_train0
+        final_eval = self.evaluate()
+        if final_eval:
+            self.log({"step": step, "tokens": step * self.batch_size * r.seq_len, "eval_loss": final_eval,
+                      "elapsed": self.elapsed()})
+        self.say(f"[train_target] done: {step} steps in {train_s:.0f}s (stopped by {stopped_by}), "
+                 f"final train loss {losses[-1][1] if losses else float('nan'):.4f}, eval {final_eval}")
+        samples = self._samples() if r.sample_tokens > 0 else []
+        target = None
+        if r.save:
+            target = save_target(self.model, self.tok, self.out)
+            size = sum(p.stat().st_size for p in target.iterdir())
+            self.say(f"[train_target] saved {target} ({size / 1e6:.1f} MB)")
+        seen = step * self.batch_size * r.seq_len
+        summary = {
+            "params": self.n_params,
+            "config": {k: getattr(self.config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                            "num_attention_heads", "num_key_value_heads", "head_dim",
+                                                            "intermediate_size")},
+            "device": str(self.dev), "batch_size": self.batch_size, "seq_len": r.seq_len, "steps": step,
+            "planned_steps": self.sched.total, "warmup_steps": self.sched.warmup, "tokens_seen": seen,
+            "epochs": seen / len(self.tokens), "stopped_by": stopped_by, "train_seconds": round(train_s, 1),
+            "total_seconds": round(time.time() - self.t_start, 1),
+            "first_loss": losses[0][1] if losses else None, "final_loss": losses[-1][1] if losses else None,
+            "losses": losses, "eval_loss": final_eval, "samples": samples, "target_dir": str(target) if target else None,
+        }  # fmt: skip
+        (self.out / "train_summary.json").write_text(json.dumps(summary, indent=2))
+        self.log_f.close()
+        return summary
+
+    def _samples(self) -> list[dict]:
+        samples = []
         try:
-            samples = generate_samples(model, tok, _sample_prompts(ev, domains, tok), dev, sample_tokens)
+            prompts = sample_prompts(self.ev, self.domains, self.tok)
+            samples = generate_samples(self.model, self.tok, prompts, self.dev, self.r.sample_tokens)
         except Exception as e:  # never lose the checkpoint over a sampling problem
-            say(f"[train_target] sample generation failed: {e!r}")
+            self.say(f"[train_target] sample generation failed: {e!r}")
         for s in samples:
-            say(f"\n--- [{s['domain']}] prompt: {s['prompt'][-300:]!r}\n--> {s['completion']!r}")
+            self.say(f"\n--- [{s['domain']}] prompt: {s['prompt'][-300:]!r}\n--> {s['completion']!r}")
+        return samples
 
-    target = None
-    if save:
-        target = save_target(model, tok, out)
-        size = sum(p.stat().st_size for p in target.iterdir())
-        say(f"[train_target] saved {target} ({size / 1e6:.1f} MB)")
-    summary = {
-        "params": n_params,
-        "config": {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
-                                                   "num_attention_heads", "num_key_value_heads", "head_dim",
-                                                   "intermediate_size")},
-        "device": str(dev),
-        "batch_size": batch_size,
-        "seq_len": seq_len,
-        "steps": step,
-        "planned_steps": total,
-        "warmup_steps": warmup,
-        "tokens_seen": step * batch_size * seq_len,
-        "epochs": step * batch_size * seq_len / len(tokens),
-        "stopped_by": stopped_by,
-        "train_seconds": round(train_s, 1),
-        "total_seconds": round(time.time() - t_start, 1),
-        "first_loss": losses[0][1] if losses else None,
-        "final_loss": losses[-1][1] if losses else None,
-        "losses": losses,
-        "eval_loss": final_eval,
-        "samples": samples,
-        "target_dir": str(target) if target else None,
-    }
-    (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
-    log_f.close()
-    return summary
+
+def train(recipe: TargetRecipe) -> dict:
+    """Train the target as ``recipe`` says; returns a summary dict (also written to
+    ``out/train_summary.json``)."""
+    run = _TargetRun(recipe)
+    step, losses, stopped_by = run.loop()
+    return run.finish(step, losses, stopped_by)
 
 
 def main(argv=None) -> int:
@@ -547,7 +495,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="fixed number of steps (smoke tests)")
     ap.add_argument("--epochs", type=float, default=DEFAULT_EPOCHS,
                     help="cap the run at this many passes over train_tokens; the LR schedule then spans them "
-                         f"(default {DEFAULT_EPOCHS:g}: best held-out loss on the ~9M-token corpus; 0 = no cap, "
+                         f"(default {DEFAULT_EPOCHS:g}: best held-out loss on the reference corpus; 0 = no cap, "
                          "train for the whole time budget)")
     ap.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
     ap.add_argument("--batch-size", type=int, default=None, help="default 128 on cuda, 8 on cpu")
@@ -576,14 +524,14 @@ def main(argv=None) -> int:
         overrides["hidden_size"] = a.hidden_size
     if a.layers:
         overrides["num_hidden_layers"] = a.layers
-    train(
+    train(TargetRecipe(
         a.data, a.out, minutes=a.minutes, steps=a.steps, epochs=a.epochs or None, device=a.device, batch_size=a.batch_size,
         seq_len=a.seq_len, lr=a.lr, min_lr_ratio=a.min_lr_ratio, warmup_frac=a.warmup_frac,
         weight_decay=a.weight_decay, grad_clip=a.grad_clip, compile=a.compile, bf16=a.bf16, tiny=a.tiny,
         model_overrides=overrides, log_every=a.log_every, eval_every=a.eval_every, eval_windows=a.eval_windows,
         reserve_s=a.reserve_s, fixed_batch=a.fixed_batch, seed=a.seed, sample_tokens=a.sample_tokens, save=a.save,
         t_start=_T_START,
-    )
+    ))
     return 0
 
 

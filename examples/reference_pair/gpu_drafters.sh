@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Train the reference drafters on one H200 in one device call (<= 10 min): one regeneration of the
-# target's own answers over all four domains, then several drafters trained on it side by side
-# (the shipped recipe plus ablations), the chat + prose-only drafter of the online experiments (its
-# own regeneration), and the small autoregressive assistant of the `hf_assisted` baseline.
+# Train the reference drafters on one H200, one device call (<= 10 min) per mode:
+#   bash examples/reference_pair/gpu_drafters.sh four       # the shipped four-domain drafter + the AR assistant
+#   bash examples/reference_pair/gpu_drafters.sh chatprose  # the chat + prose-only drafter of the online runs
+# `four` regenerates the target's answers over all four domains once, trains one drafter on them
+# (LAYERS / TARGET_LAYERS / BATCH / DRAFT_MINUTES) and, beside it, the small autoregressive assistant of
+# the `hf_assisted` baseline on the same answers. One drafter per call: three drafters at batch 64 beside
+# each other ran out of the H200's 140 GB (docs/logs/drafters_gpu_1712).
 # Inputs carried beside the checkout: .whl/ (transformers wheel) and .devdata/ (make_devdata.py).
-# Outputs: $OUT/<name>.tar per model, $OUT/logs.tar.
+# Outputs: $OUT/<name>.tar.?? (14 MB parts: cat NAME.tar.* | tar x), $OUT/logs.tar.
 set -uo pipefail
+MODE=${1:?usage: gpu_drafters.sh four|chatprose}
 export PYTHONUNBUFFERED=1 ADAFLASH_DATA="$PWD/.devdata/data" TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; W=/tmp/ref; mkdir -p $W
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -16,31 +20,32 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 T=${TARGET:-adaflash_hf/reference/target}
 TD="python3 -m adaflash_hf.training.train_drafter --target $T --prompts-per-sample 16 --max-new-tokens 160 --gen-batch-size 4096 --no-progress"
-MIN=${DRAFT_MINUTES:-4.2}
+MIN=${DRAFT_MINUTES:-5.5}
+# the training budget plus loading, held-out evaluation and saving (~40 s on the H200)
+LIMIT=$(python3 -c "print(int($MIN * 60 + 75))")
 
-# chat + prose only (the online experiments' unseen-domain protocol), with its own regeneration
-timeout 560 $TD --out $W/chatprose --domains chat,prose --num-prompts 12000 --sampled-answers 2 --sampled-domains chat \
-  --num-layers 5 --target-layer-ids 1,2,3,4,5 --batch-size 64 --minutes $MIN --eval-per-domain 8 > $W/chatprose.log 2>&1 &
-
-# one regeneration over all four domains, reused by every four-domain drafter
-timeout 240 $TD --out $W/regen --domains math,code,chat,prose --num-prompts ${REGEN_PROMPTS:-20000} --sampled-answers 1 \
-  --sampled-domains math,code,chat --regen-cache $W/regen.jsonl --regen-only 2>&1 | tail -n 3
-
-# drafters side by side: NAME LAYERS TARGET_LAYERS BATCH
-for spec in ${VARIANTS:-"d5:5:1,2,3,4,5:64" "d3:3:1,3,5:64" "d5b32:5:1,2,3,4,5:32"}; do
-  IFS=: read -r name layers tl bs <<< "$spec"
-  timeout 330 $TD --out $W/$name --domains math,code,chat,prose --regen-cache $W/regen.jsonl --num-layers $layers \
-    --target-layer-ids $tl --batch-size $bs --minutes $MIN --eval-per-domain 8 > $W/$name.log 2>&1 &
-done
-
-# the small autoregressive assistant, trained on the same regenerated answers
-python3 examples/reference_pair/assistant_corpus.py --regen-cache $W/regen.jsonl --target $T --out $W/acorpus
-timeout 200 python3 -m adaflash_hf.training.train_target --data $W/acorpus --out $W/assistant --minutes 2.5 \
-  --hidden-size 128 --layers 2 --sample-tokens 0 > $W/assistant.log 2>&1 &
-wait
+if [[ $MODE == chatprose ]]; then
+  timeout $((LIMIT + 90)) $TD --out $W/chatprose --domains chat,prose --num-prompts 12000 --sampled-answers 2 \
+    --sampled-domains chat --num-layers 5 --target-layer-ids 1,2,3,4,5 --batch-size 64 --minutes $MIN \
+    --eval-per-domain 8 > $W/chatprose.log 2>&1
+  MODELS="$W/chatprose"
+else
+  timeout 200 $TD --out $W/regen --domains math,code,chat,prose --num-prompts ${REGEN_PROMPTS:-36000} --sampled-answers 1 \
+    --sampled-domains math,code,chat --regen-cache $W/regen.jsonl --regen-only 2>&1 | tail -n 3
+  timeout $LIMIT $TD --out $W/drafter --domains math,code,chat,prose --regen-cache $W/regen.jsonl \
+    --num-layers ${LAYERS:-5} --target-layer-ids ${TARGET_LAYERS:-1,2,3,4,5} --batch-size ${BATCH:-64} \
+    --minutes $MIN --eval-per-domain 8 > $W/drafter.log 2>&1 &
+  python3 examples/reference_pair/assistant_corpus.py --regen-cache $W/regen.jsonl --target $T --out $W/acorpus
+  timeout 200 python3 -m adaflash_hf.training.train_target --data $W/acorpus --out $W/assistant --minutes 2.5 \
+    --hidden-size 128 --layers 2 --sample-tokens 0 > $W/assistant.log 2>&1
+  wait
+  MODELS="$W/drafter $W/assistant/target"
+fi
 for f in $W/*.log; do echo "== $f"; grep -v "Warning\|it/s\]" $f | tail -n 12; done
-for d in $W/chatprose $W/d5 $W/d3 $W/d5b32 $W/assistant/target; do
-  [[ -d $d ]] && tar cf "$OUT/$(basename $(dirname $d))_$(basename $d).tar" --exclude='*.jsonl' -C $(dirname $d) $(basename $d)
+for d in $MODELS; do
+  [[ -f $d/config.json ]] || { echo "missing: $d"; continue; }
+  name="$(basename $(dirname $d))_$(basename $d)"
+  tar cf - --exclude='*.jsonl' -C $(dirname $d) $(basename $d) | split -b 14M - "$OUT/$name.tar."
 done
 tar cf "$OUT/logs.tar" -C $W $(cd $W && ls *.log */train_log.jsonl */train_summary.json 2>/dev/null)
 ls -la "$OUT"

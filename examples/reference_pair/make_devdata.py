@@ -2,7 +2,7 @@
 
     python examples/reference_pair/make_devdata.py --data ../shared/data --out .devdata
 
-* `.devdata/data.tar.gz`: the data files the drafter step (chat + prose training, held-out prompts
+* `.devdata/data.tar.gz`: the data files the drafter recipes (training sources of all four domains, held-out prompts
   of every domain) and the benchmarks read, compressed (24 MB of text -> ~7 MB) because the device
   tool sends at most 64 MiB with the checkout; `gpu_run.sh` unpacks it into `.devdata/data`.
 * the pre-tokenised target corpus (`python -m adaflash_hf.training.pretokenize`), only with
@@ -15,16 +15,16 @@ import sys
 import tarfile
 from pathlib import Path
 
-FILES = (
-    "codealpaca/code_alpaca_2k.jsonl",
-    "gsm8k/test.jsonl",
-    "math500/test.jsonl",
-    "mathqa/test_1000.jsonl",
-    "sharegpt/sharegpt_train.jsonl",
-    "sharegpt/sharegpt_eval500.jsonl",
-    "tinyshakespeare/input.txt",
-    "us_speeches/us_speeches.jsonl",
-)
+# The benchmark sets that are not a domain's eval source (bench.py reads them by name).
+BENCH_ONLY = ("math500/test.jsonl", "mathqa/test_1000.jsonl")
+
+
+def data_files() -> list[str]:
+    """Every file the drafter recipes (all four domains) and the benchmarks read, each once."""
+    from adaflash_hf.training.data import EVAL_SOURCES, TRAIN_SOURCES
+
+    rels = [r for sources in (TRAIN_SOURCES, EVAL_SOURCES) for files in sources.values() for r in files]
+    return sorted(set(rels) | set(BENCH_ONLY))
 
 
 def main(argv=None) -> int:
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target-corpus", action="store_true", help="also pre-tokenise the target's training corpus")
     a = ap.parse_args(argv)
     src, out = Path(a.data), Path(a.out)
-    files = list(FILES) + [str(p.relative_to(src)) for p in sorted((src / "gutenberg_novels").glob("*.txt"))]
+    files = data_files()
     out.mkdir(parents=True, exist_ok=True)
     with tarfile.open(out / "data.tar.gz", "w:gz") as tar:
         for rel in files:

@@ -1,0 +1,133 @@
+"""The settings of an online adapter, in one validated dataclass.
+
+Example:
+    >>> cfg = OnlineConfig(method="osd", samples_per_update=64, output_dir="runs/online")
+    >>> cfg.objective
+    'forward_kl'
+    >>> OnlineConfig(sample_unit="token")
+    Traceback (most recent call last):
+    ...
+    ValueError: sample_unit must be one of ('request', 'round'), got 'token'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LABEL_MODES", "METHODS", "SAMPLE_UNITS", "OnlineConfig"]
+
+METHODS = ("opd", "osd", "off")
+# Where a round sample's per-slot labels come from. "verified": the verify forward, free, but only
+# up to the first rejected draft. "rollout": the frozen target continues the bonus token greedily
+# for B-1 tokens in the worker (B-1 extra small forwards per sample), labelling every slot.
+LABEL_MODES = ("verified", "rollout")
+# What one buffered sample is. "request" (default; the paper's and the released code's unit): a
+# finished request, trained on like offline data (many blocks per sequence, target recomputed).
+# "round": one verified round, a single block supervised by its verify forward.
+SAMPLE_UNITS = ("request", "round")
+LAYOUTS = ("native", "dflash")
+
+
+@dataclass
+class OnlineConfig:
+    """How an :class:`~adaflash_hf.online.adapter.OnlineAdapter` learns, keeps and publishes.
+
+    Learning:
+        method: ``"opd"`` (AdaFlash on-policy distillation + length head), ``"osd"`` (forward-KL
+            baseline, no length head) or ``"off"`` (collects tau statistics only).
+        samples_per_update: buffered samples that trigger an update (paper: 128 requests).
+        epochs / batch_size: passes over the update's samples / samples per optimizer step.
+        lr / head_lr: AdamW learning rates of the drafter and of the length head.
+        grad_clip: max gradient norm, applied to the drafter and to the head separately (so the
+            head's loss cannot even rescale a drafter step).
+        alpha / clip / temperature / clip_mode: OPD settings (``adaflash_hf.training.losses.opd_loss``);
+            ``clip_mode="token"`` (default) is the released code's per-token clip, ``"entry"`` the
+            paper's per-vocabulary-entry clip (BENCHMARKS.md compares them).
+        position_gamma: slot-weight decay; ``"auto"``: ``default_gamma(B)`` as offline; ``None``:
+            equal weights; or a number.
+        head_weight / weight_decay: the length head's loss weight; AdamW weight decay.
+        sample_unit: ``"request"`` (a finished request, up to ``max_anchors`` blocks anchored in its
+            response, target recomputed) or ``"round"`` (one verified round).
+        label_mode: round samples only: ``"verified"`` (labels up to the first rejection) or
+            ``"rollout"`` (every slot, along the target's own greedy continuation).
+        train_dtype: the shadow's dtype (default: fp32 master weights for a bf16 / fp16 drafter).
+        device: where the shadow trains (default: the drafter's device).
+        seed: shuffling seed.
+    Buffer:
+        max_buffer_samples (default ``4 * samples_per_update``) / max_buffer_bytes; store_features,
+        store_target_logits, logits_dtype (see :mod:`adaflash_hf.online.buffer`);
+        clear_after_update: drop samples drafted with the old weights after a swap (as the paper).
+    Publishing:
+        output_dir: write every update as a numbered version here; keep_versions: rolling window.
+        version_layout: ``"native"`` or ``"dflash"`` (SGLang / vLLM).
+        hub_repo: ``"org/name"`` to push each version to (credentials from ``HF_TOKEN`` or
+            ``hf auth login`` only); hub_private, hub_max_retries, hub_backoff_s.
+        target_name: for the model card; domain: tag of incoming samples.
+    Faults:
+        max_consecutive_failures: stop adapting after this many failed updates in a row (``None``
+            or 0: never).
+    """
+
+    method: str = "opd"
+    samples_per_update: int = 128
+    epochs: int = 2
+    batch_size: int = 2
+    lr: float = 3e-4
+    head_lr: float = 2e-4
+    grad_clip: float | None = 1.0
+    alpha: float = 0.8
+    clip: float | None = 0.01
+    temperature: float = 1.0
+    clip_mode: str = "token"
+    position_gamma: float | str | None = "auto"
+    head_weight: float = 1.0
+    weight_decay: float = 0.0
+    sample_unit: str = "request"
+    max_anchors: int = 512
+    label_mode: str = "verified"
+    train_dtype: torch.dtype | None = None
+    device: torch.device | str | None = None
+    seed: int = 0
+    max_buffer_samples: int | None = None
+    max_buffer_bytes: int = 2 << 30
+    store_features: bool = False
+    store_target_logits: bool = True
+    logits_dtype: torch.dtype | None = torch.bfloat16
+    clear_after_update: bool = True
+    output_dir: str | None = None
+    keep_versions: int = 3
+    version_layout: str = "native"
+    hub_repo: str | None = None
+    hub_private: bool | None = None
+    hub_max_retries: int = 5
+    hub_backoff_s: float = 2.0
+    target_name: str | None = None
+    domain: str | None = None
+    max_consecutive_failures: int | None = 5
+
+    def __post_init__(self):
+        for name, allowed in (("method", METHODS), ("sample_unit", SAMPLE_UNITS), ("label_mode", LABEL_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("samples_per_update", "epochs", "batch_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            setattr(self, name, int(getattr(self, name)))
+        if self.version_layout not in LAYOUTS:
+            raise ValueError(f"version_layout must be 'native' or 'dflash', got {self.version_layout!r}")
+        self.lr, self.head_lr = float(self.lr), float(self.head_lr)
+        self.head_weight, self.weight_decay = float(self.head_weight), float(self.weight_decay)
+        self.max_anchors, self.seed = int(self.max_anchors), int(self.seed)
+        self.max_consecutive_failures = self.max_consecutive_failures or None
+
+    @property
+    def objective(self) -> str:
+        """The training objective (``adaflash_hf.training.objective``) of this method."""
+        return "opd" if self.method == "opd" else "forward_kl"
+
+    def replace(self, **changes) -> "OnlineConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)

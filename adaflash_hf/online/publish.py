@@ -1,0 +1,107 @@
+"""Publishing drafter versions: a numbered version on disk, its model card, its Hub push.
+
+One implementation for the online adapter (every update) and for ``OnlineAdapterCallback`` (a
+``transformers.Trainer`` run): :class:`VersionPublisher` writes the drafter atomically as the next
+version (:class:`~adaflash_hf.online.versions.VersionStore`) with a rendered card and metadata, then
+queues the push (:class:`~adaflash_hf.online.hub.HubPublisher`, background, retried). It never
+raises: a failed write is logged (redacted) and counted, and serving or training goes on.
+
+Example:
+    >>> pub = VersionPublisher("runs/versions", hub_repo="org/drafter")  # doctest: +SKIP
+    >>> pub.publish(drafter, card=lambda n: {"latest_version": n}, metadata={"step": 10},
+    ...             commit_message="step 10 (version {version})")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from .hub import HubPublisher, redact, render_card
+from .versions import VersionStore
+
+__all__ = ["VersionPublisher", "save_version"]
+
+logger = logging.getLogger("adaflash_hf.online")
+
+LAYOUTS = ("native", "dflash")
+
+
+def save_version(drafter, path: str, layout: str = "native") -> None:
+    """Write ``drafter`` (plain or PEFT) to ``path``: the native layout (LoRA merged) or, with
+    ``layout="dflash"``, the layout SGLang and vLLM read (plain drafters only), in the drafter's dtype."""
+    from ..training.checkpoint import is_peft, save_drafter, unwrap_drafter
+
+    if layout == "dflash":
+        if is_peft(drafter):
+            raise ValueError("the dflash layout needs a plain drafter; merge the LoRA adapters first")
+        from ..export import export_dflash
+
+        base = unwrap_drafter(drafter)
+        export_dflash(base, path, dtype=next(base.parameters()).dtype)
+    else:
+        save_drafter(drafter, path)
+
+
+class VersionPublisher:
+    """Numbered versions in ``output_dir`` (rolling window ``keep_versions``), optionally pushed to
+    ``hub_repo`` (credentials from ``HF_TOKEN`` or ``hf auth login`` only), in ``layout``."""
+
+    def __init__(
+        self,
+        output_dir: str,
+        keep_versions: int = 3,
+        hub_repo: str | None = None,
+        layout: str = "native",
+        hub_private: bool | None = None,
+        hub_max_retries: int = 5,
+        hub_backoff_s: float = 2.0,
+    ):
+        if layout not in LAYOUTS:
+            raise ValueError(f"version_layout must be 'native' or 'dflash', got {layout!r}")
+        self.store = VersionStore(output_dir, keep_versions=keep_versions)
+        self.hub_repo = hub_repo
+        self.hub = (
+            HubPublisher(hub_repo, private=hub_private, max_retries=hub_max_retries, backoff_s=hub_backoff_s)
+            if hub_repo
+            else None
+        )
+        self.layout = layout
+        self.failures = 0
+
+    def publish(
+        self,
+        drafter,
+        card: Callable[[int], dict],
+        metadata: dict,
+        commit_message: str,
+        what: str = "a drafter version",
+    ) -> tuple[int, Path] | None:
+        """Write ``drafter`` as the next version and queue its push; ``(number, path)`` or None.
+
+        ``card(number)`` gives the model card's context; ``commit_message`` may use ``{version}``.
+        """
+        try:
+            number = self.store.next_number()
+            files = {"README.md": render_card(card(number))}
+            path = self.store.write(lambda p: save_version(drafter, p, self.layout), metadata=metadata, files=files)
+        except Exception as e:  # noqa: BLE001 - publishing must never stop serving or training
+            self.failures += 1
+            logger.warning("could not write %s: %s", what, redact(f"{type(e).__name__}: {e}"))
+            return None
+        if self.hub is not None:
+            self.hub.submit(path, number, commit_message=commit_message.format(version=number))
+        return number, path
+
+    @property
+    def hub_stats(self) -> dict | None:
+        return self.hub.stats if self.hub is not None else None
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the queued pushes (True without a Hub repo)."""
+        return self.hub.flush(timeout) if self.hub is not None else True
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        if self.hub is not None:
+            self.hub.close(timeout)
