@@ -33,13 +33,12 @@ __all__ = ["DrafterHooks", "hooks_for", "register_hooks", "round_callbacks", "un
 
 @dataclass(frozen=True)
 class DrafterHooks:
-    """``round_sink``: called with every verified round drafted by the drafter (or None).
-    ``request_sink``: called with every finished (not cancelled) request's ``FinishedRequest`` (or None).
+    """``round_sink``: receives every verified round drafted by the drafter (or None): a sink object
+    (``on_round``, optionally ``on_request`` for finished requests) or a plain callable.
     ``weights_lock``: a context manager every round holds while it drafts (shared by concurrent
     rounds); the owner swaps weights only while holding it exclusively."""
 
     round_sink: Callable | None = None
-    request_sink: Callable | None = None
     weights_lock: AbstractContextManager = field(default_factory=nullcontext)
 
 
@@ -66,24 +65,14 @@ def unregister_hooks(drafter, hooks: DrafterHooks) -> None:
 
 def hooks_for(drafter) -> DrafterHooks:
     """The hooks registered for ``drafter``, or empty hooks (no sink, a no-op lock)."""
-    hooks = _registry.get(drafter)
-    if hooks is not None:
-        return hooks
-    # TRANSITIONAL: an OnlineAdapter that still sets `_round_sink` / `_weights_lock` on the drafter.
-    # Delete this fallback once online/adapter.py registers its hooks with `register_hooks`.
-    sink, lock = getattr(drafter, "_round_sink", None), getattr(drafter, "_weights_lock", None)
-    if sink is None and lock is None:
-        return _NONE
-    return DrafterHooks(round_sink=getattr(sink, "on_round", None), request_sink=getattr(sink, "on_request", None),
-                        weights_lock=lock or nullcontext())
+    return _registry.get(drafter, _NONE)
 
 
 def round_callbacks(round_sink, drafter) -> tuple[Callable | None, Callable | None]:
-    """``(on_round, on_request)`` for a loop: an explicit ``round_sink`` object (``on_round``, optional
-    ``on_request``) wins; else the hooks registered for ``drafter``; ``(None, None)`` without a drafter."""
-    if round_sink is not None:
-        return round_sink.on_round, getattr(round_sink, "on_request", None)
-    if drafter is None:
+    """``(on_round, on_request)`` for a loop: from an explicit ``round_sink``, else the sink registered
+    for ``drafter`` (``(None, None)`` without either). A sink is an object with ``on_round`` (and
+    optionally ``on_request``), or a plain callable taking each verified round."""
+    sink = round_sink if round_sink is not None else (hooks_for(drafter).round_sink if drafter is not None else None)
+    if sink is None:
         return None, None
-    hooks = hooks_for(drafter)
-    return hooks.round_sink, hooks.request_sink
+    return getattr(sink, "on_round", sink), getattr(sink, "on_request", None)
