@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from adaflash_hf.generation.stats import mean_tokens_per_round
+from adaflash_hf.spec.rounds import mean_tokens_per_round
 
 T0 = time.perf_counter()
 SPEC_FLEX_MS = {  # SPEC.md section 6, flex_attention column (gpu_attn_probe.py), for side-by-side reading
@@ -243,7 +243,7 @@ def equivalence(target, drafter, prompts, *, slots: int, max_len: int, budget: i
     forward through the HF modules on the same cache. End to end: every verify mode, graphs on vs off
     vs HF greedy ``generate``."""
     from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, make_target_cache, target_forward
-    from adaflash_hf.engine.attention import BLOCK
+    from adaflash_hf.engine.kernels.attention import BLOCK
 
     device = next(target.parameters()).device
     B = drafter.config.block_size
@@ -310,7 +310,7 @@ def equivalence(target, drafter, prompts, *, slots: int, max_len: int, budget: i
 # ----------------------------------------------------------------------------- b: 8B-shape cost
 def cost_8b(device, smoke: bool, quick: bool):
     from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, make_target_cache
-    from adaflash_hf.engine.attention import BLOCK
+    from adaflash_hf.engine.kernels.attention import BLOCK
 
     rep = {}
     ctx = 64 if smoke else 1024

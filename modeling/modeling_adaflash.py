@@ -27,13 +27,10 @@ from .checkpoint_layouts import embedding_fingerprint_mismatch, load_drafter_sta
 from .configuration_adaflash import AdaFlashConfig, default_target_layer_ids
 
 
-def _apply_rotary(q, k, cos, sin):
-    """RoPE where keys span context + block and queries only the block (the last `q_len` positions)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    q_len = q.shape[-2]
-    q = q * cos[..., -q_len:, :] + rotate_half(q) * sin[..., -q_len:, :]
-    k = k * cos + rotate_half(k) * sin
-    return q, k
+def _rope(x, cos, sin):
+    """RoPE on `x [b, heads, T, d]` with `cos`, `sin` `[b, T', d]` (their last T positions are `x`'s)."""
+    cos, sin = cos.unsqueeze(1)[..., -x.shape[-2] :, :], sin.unsqueeze(1)[..., -x.shape[-2] :, :]
+    return x * cos + rotate_half(x) * sin
 
 
 def sliding_window_mask(base_mask, position_ids, q_len, past_len, window, key_mask=None):
@@ -83,17 +80,30 @@ class AdaFlashAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, context, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+    def project_kv(self, x, position_embeddings):
+        """Keys (k_norm, RoPE) and values of `x [b, T, H]` at the last T positions of `position_embeddings`:
+        `[b, kv_heads, T, d]` each. The fused context's K/V depend on nothing else, so a cache can store them."""
+        cos, sin = position_embeddings
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        return _rope(k, cos, sin), v
+
+    def forward(self, hidden_states, context, position_embeddings, attention_mask=None, past_key_values=None,
+                attention_fn: Callable | None = None, **kwargs):
+        """`attention_fn` (transformers' attention-interface signature) replaces the configured kernel,
+        e.g. an engine's attention over its own slotted cache (`past_key_values.update` returns its keys)."""
         bsz, q_len, _ = hidden_states.shape
         # The context is the fused target features: it skips the layer's input norm (as in DFlash).
         kv_input = torch.cat([context, hidden_states], dim=1) if context is not None else hidden_states
         q = self.q_norm(self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(kv_input).view(bsz, kv_input.shape[1], -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(kv_input).view(bsz, kv_input.shape[1], -1, self.head_dim).transpose(1, 2)
-        q, k = _apply_rotary(q, k, *position_embeddings)
+        q = _rope(q, *position_embeddings)
+        k, v = self.project_kv(kv_input, position_embeddings)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attention: Callable = attention_fn or ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
         out, _ = attention(
             self,
             q,
@@ -369,7 +379,10 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(past_len, past_len + ctx_len + noise_embeds.shape[1], device=noise_embeds.device)
             position_ids = position_ids.unsqueeze(0).expand(noise_embeds.shape[0], -1)
-        mask = self._attention_mask(noise_embeds, attention_mask, past_len + ctx_len + noise_embeds.shape[1])
+        if kwargs.get("attention_fn") is not None:  # the caller's kernel takes its own mask as is
+            mask = attention_mask
+        else:
+            mask = self._attention_mask(noise_embeds, attention_mask, past_len + ctx_len + noise_embeds.shape[1])
         position_embeddings = self.rotary_emb(noise_embeds, position_ids)
         masks = {"full_attention": mask}
         if "sliding_attention" in self.config.layer_types:  # z-lab sliding-window layers (causal + window)
@@ -390,6 +403,41 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         for layer, layer_type in zip(self.layers, self.config.layer_types):
             hidden_states = layer(hidden_states, context, position_embeddings, masks[layer_type], past_key_values, **kwargs)
         return AdaFlashDrafterOutput(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+    def draft_block(
+        self,
+        bonus_tokens: torch.LongTensor,
+        context_hidden_states: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        **kwargs,
+    ) -> torch.Tensor:
+        r"""Draft one block after each row's bonus token: the final-normed block states `[b, B, H]`.
+
+        The block is `[bonus, mask, ..., mask]` (`config.block_size` slots) embedded with the target's
+        (frozen) embedding; `context_hidden_states` (raw target features, `[b, T, K*H]`) are cast to the
+        drafter's device and dtype. The other arguments are [`forward`]'s. Draft logits are
+        `compute_logits(states[:, 1:])`, the length head's estimate `predict_accept_ratio(states)`.
+
+        Example:
+            >>> states = drafter.draft_block(torch.tensor([5]), feats, torch.arange(T + B)[None])  # doctest: +SKIP
+        """
+        param = next(self.parameters())
+        ids = bonus_tokens.new_full((bonus_tokens.shape[0], self.config.block_size), self.config.mask_token_id)
+        ids[:, 0] = bonus_tokens
+        with torch.no_grad():  # the embedding is the target's, frozen and shared
+            noise = self.embed(ids).to(device=param.device, dtype=param.dtype)
+        context = None
+        if context_hidden_states is not None:
+            context = context_hidden_states.to(device=param.device, dtype=param.dtype)
+            if context.is_inference() and torch.is_grad_enabled():
+                context = context.clone()  # features from an inference-mode target, trained through
+        if noise.is_inference() and torch.is_grad_enabled():
+            noise = noise.clone()
+        out = self(noise_embeds=noise, context_hidden_states=context, position_ids=position_ids,
+                   attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+        return out.last_hidden_state
 
     def predict_accept_ratio(self, block_hidden: torch.Tensor) -> torch.Tensor:
         """Length-head estimate of the accepted fraction of each block, `[..., B, H] -> [...]` in (0, 1).

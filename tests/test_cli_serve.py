@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import build_drafter, build_tiny_target
 
-import adaflash_hf.engine.server as server_mod
+import adaflash_hf.engine.serve.server as server_mod
 from adaflash_hf.cli import main
 
 

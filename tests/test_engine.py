@@ -19,8 +19,8 @@ from adaflash_hf.engine import (
     make_target_cache,
     target_forward,
 )
-from adaflash_hf.engine import engine as engine_mod
-from adaflash_hf.generation.acceptance import greedy_accept
+from adaflash_hf.spec import verify as verify_mod
+from adaflash_hf.spec.acceptance import greedy_accept
 
 from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids
 
@@ -366,14 +366,14 @@ def test_sampling_follows_target_distribution(monkeypatch):
     tv = 0.5 * (emp - exact).abs().sum().item()
     assert tv < 0.06, tv
     # Negative control: accepting every draft gives the drafter's distribution, which is far off.
-    from adaflash_hf.generation.acceptance import AcceptResult
+    from adaflash_hf.spec.acceptance import AcceptResult
 
     def accept_all(draft_tokens, draft_probs, target_probs, draft_len=None, generator=None):
         k = draft_tokens.shape[1]
         nxt = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(1)
         return AcceptResult(num_accepted=torch.full((draft_tokens.shape[0],), k), next_tokens=nxt)
 
-    monkeypatch.setattr(engine_mod, "speculative_accept", accept_all)
+    monkeypatch.setattr(verify_mod, "speculative_accept", accept_all)
     bad = _sample_token2(target, drafter, prompt, n)
     assert 0.5 * (bad - exact).abs().sum().item() > 0.2
 

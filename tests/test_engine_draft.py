@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from adaflash_hf.engine import Engine, draft_blocks, make_drafter_cache
-from adaflash_hf.engine.attention import BLOCK
+from adaflash_hf.engine.kernels.attention import BLOCK
 from adaflash_hf.engine.drafter import DraftGraphs, append_context
 
 from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids
@@ -252,7 +252,7 @@ def test_bidirectional_slot_mask(q_len):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from adaflash_hf.engine import SlotAttention, slot_block_mask, slot_mask_mod
-    from adaflash_hf.engine.attention import INACTIVE
+    from adaflash_hf.engine.kernels.attention import INACTIVE
 
     starts = [12, 130, 127, 0, INACTIVE, 383]
     start = torch.tensor(starts, dtype=torch.int32)

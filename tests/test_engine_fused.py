@@ -1,4 +1,4 @@
-"""CPU tests of the engine's fused target layers (:mod:`adaflash_hf.engine.fused`): the elementwise
+"""CPU tests of the engine's fused target layers (:mod:`adaflash_hf.engine.kernels.fused`): the elementwise
 functions are the HF modules' math bit for bit, fusing the projections re-stores the weights without
 changing any value or the model's own forward, the fused layer loop equals the modules' loop, and
 what cannot be fused is refused with a reason (the engine then keeps the modules' path).
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, make_target_cache, target_forward
-from adaflash_hf.engine import fused as F
+from adaflash_hf.engine.kernels import fused as F
 
 from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids
 

@@ -24,7 +24,7 @@ from adaflash_hf.engine import (
     target_forward,
     token_buckets,
 )
-from adaflash_hf.engine.attention import INACTIVE as INACTIVE_START
+from adaflash_hf.engine.kernels.attention import INACTIVE as INACTIVE_START
 
 from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids, prefilled_cache
 

@@ -1,6 +1,6 @@
 """CPU tests of the engine's Triton kernels, run in Triton's interpreter (``TRITON_INTERPRET=1``, set in
-``conftest.py``): split-KV slot attention (:mod:`adaflash_hf.engine.decode_attention`) against SDPA with
-the boolean slot mask, the few-row projections (:mod:`adaflash_hf.engine.skinny_linear`) against
+``conftest.py``): split-KV slot attention (:mod:`adaflash_hf.engine.kernels.decode_attention`) against SDPA with
+the boolean slot mask, the few-row projections (:mod:`adaflash_hf.engine.kernels.skinny_linear`) against
 ``F.linear``, and both inside the static decode forward, the drafter forward and the engine.
 
 The interpreter runs the kernels' own code (indexing, masking, the online softmax, the chunk merge);
@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, target_forward
 from adaflash_hf.engine import drafter as drafter_module
 from adaflash_hf.engine import graphs as graphs_module
-from adaflash_hf.engine import skinny_linear as SL
-from adaflash_hf.engine.attention import INACTIVE, SlotAttention
-from adaflash_hf.engine.decode_attention import decode_attention, merge_partials, splits_for
+from adaflash_hf.engine.kernels import skinny_linear as SL
+from adaflash_hf.engine.kernels.attention import INACTIVE, SlotAttention
+from adaflash_hf.engine.kernels.decode_attention import decode_attention, merge_partials, splits_for
 
 from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids, prefilled_cache
 
@@ -216,8 +216,8 @@ def test_engine_with_triton_kernels_is_lossless(mode, monkeypatch):
 def test_rope_store_kernel_equals_the_torch_function(family, dtype):
     """One kernel for q/k norm + RoPE + the K/V and query stores == :func:`fused.qk_norm_rope_store`
     (values and every written place; nothing else of the cache or the query layout is touched)."""
-    from adaflash_hf.engine.fused import SlotStore, qk_norm_rope_store
-    from adaflash_hf.engine.rope_store import qk_norm_rope_store_triton
+    from adaflash_hf.engine.kernels.fused import SlotStore, qk_norm_rope_store
+    from adaflash_hf.engine.kernels.rope_store import qk_norm_rope_store_triton
 
     model = _hd16_target(family).to(dtype)
     attn = model.model.layers[0].self_attn
@@ -247,7 +247,7 @@ def test_rope_store_kernel_equals_the_torch_function(family, dtype):
 def test_store_kernel_is_checked_before_use():
     """``check_store_kernel`` keeps the Triton kernel when it agrees with the torch function and falls back
     (with a note) when it does not; the negative control is a kernel without the q/k norm."""
-    from adaflash_hf.engine import fused as fused_module
+    from adaflash_hf.engine.kernels import fused as fused_module
 
     target = _hd16_target()
     fused = FusedTarget(target, compile=False, store_kernel="triton")

@@ -30,11 +30,11 @@ from transformers import LogitsProcessorList, Qwen3ForCausalLM, TemperatureLogit
 from transformers.generation.utils import GenerationMixin
 
 import adaflash_hf
-import adaflash_hf.generation.acceptance as acceptance
-import adaflash_hf.generation.decoding as decoding
+import adaflash_hf.spec.acceptance as acceptance
+import adaflash_hf.spec.verify as verify
 from adaflash_hf import AdaFlashDrafter, speculative_generate
 from adaflash_hf.generation import AdaFlashCandidateGenerator, hf_integration
-from adaflash_hf.generation.acceptance import AcceptResult
+from adaflash_hf.spec.acceptance import AcceptResult
 from adaflash_hf.generation.hf_integration import install_generate_hook
 
 MAX_NEW = 20
@@ -441,7 +441,7 @@ def _accept_everything(draft_tokens, draft_probs, target_probs, draft_len=None, 
 def test_sampling_matches_the_exact_target_distribution(rule, n, monkeypatch):
     target, joint, drafter = sampling_setup()
     if rule == "accept_every_draft":
-        monkeypatch.setattr(decoding, "speculative_accept", _accept_everything)
+        monkeypatch.setattr(verify, "speculative_accept", _accept_everything)
     elif rule == "resample_from_p_not_residual":
         monkeypatch.setattr(acceptance, "residual_distribution", lambda p, q: p)
     torch.manual_seed(123)

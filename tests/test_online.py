@@ -22,7 +22,7 @@ import torch
 from generation_helpers import PAD_ID, make_drafter, make_target, ragged_prompts
 
 from adaflash_hf import AdaFlashDrafter
-from adaflash_hf.generation.stats import FinishedRequest, VerifiedRound
+from adaflash_hf.spec.rounds import FinishedRequest, VerifiedRound
 from adaflash_hf.online import (
     OnlineAdapter,
     OnlineAdapterCallback,

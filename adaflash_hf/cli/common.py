@@ -14,8 +14,7 @@ from collections import Counter
 from ..loading import PROMPTS_HINT, UsageError, load_models, read_jsonl, record_messages, resolve_device_dtype
 
 PROG = "adaflash"
-# The verify-length policies generate accepts (after the core move: spec.length_policy.POLICY_NAMES).
-LENGTH_POLICIES = ("adaptive", "fixed", "expected_gain")
+from ..spec.policy import POLICY_NAMES
 
 
 # ============================================================================ parsing
@@ -87,7 +86,7 @@ def add_sampling_args(p, max_new_tokens: int):
     g.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling (with --temperature > 0)")
     g.add_argument("--top-k", type=nonneg_int, default=0, help="top-k sampling, 0 = off (with --temperature > 0)")
     g.add_argument("--seed", type=int, default=0, help="torch seed set before each generate call (sampling)")
-    g.add_argument("--length-policy", choices=LENGTH_POLICIES, default=None,
+    g.add_argument("--length-policy", choices=POLICY_NAMES, default=None,
                    help="verify length per round: adaptive (length head), fixed (full block, DFlash), expected_gain "
                         "(default: adaptive when the drafter has a trained length head, else fixed)")
     g.add_argument("--no-chat-template", action="store_true", help="feed prompt text as is instead of through the chat template")

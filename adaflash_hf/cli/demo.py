@@ -6,7 +6,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .common import LENGTH_POLICIES, PROG, check_policy, encode, positive_int, progress, verify_summary, write
+from ..spec.policy import POLICY_NAMES
+from .common import PROG, check_policy, encode, positive_int, progress, verify_summary, write
 
 HELP = "generate with the embedded reference pair; print text, tau, verify lengths, speedup, lossless check"
 DESCRIPTION = (
@@ -27,7 +28,7 @@ DEMO_PROMPTS = (
 def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens generated per prompt")
     p.add_argument("--prompt", action="append", help="a prompt of your own (repeatable; default: three built-in prompts)")
-    p.add_argument("--length-policy", choices=LENGTH_POLICIES, default=None, help="default: adaptive (the drafter's trained length head)")
+    p.add_argument("--length-policy", choices=POLICY_NAMES, default=None, help="default: adaptive (the drafter's trained length head)")
     p.add_argument("--threads", type=positive_int, default=1, help="CPU threads (1 is fastest for this tiny pair)")
 
 
@@ -112,8 +113,9 @@ def _one_prompt(target, drafter, tok, ids, gen, policy, totals: _Totals, title: 
 
 
 def _summary(t: _Totals, n_prompts: int, policy: str, block_size: int) -> None:
-    # tau over all prompts: (accepted drafts + one bonus token per round) / rounds (spec.rounds after the core move)
-    tau = (t.accepted + t.rounds) / t.rounds if t.rounds else 0.0
+    from ..spec.rounds import tokens_per_round
+
+    tau = tokens_per_round(t.accepted, t.rounds)
     speedup = t.t_plain / t.t_spec if t.t_spec > 0 else float("nan")
     print()
     print(f"summary: {n_prompts} prompts, {t.new_tokens} new tokens, {t.rounds} verify rounds")

@@ -156,8 +156,10 @@ class _Run:
         accepted = sum(sum(s.accepted) for s in all_stats)
         summary = {"prompts": len(self.rows), "new_tokens": self.total_new, "seconds": round(total_time, 3),
                    "tokens_per_s": round(self.total_new / total_time, 1) if total_time else None}
-        if all_stats:  # tau over every batch (after the core move: spec.rounds.mean_tokens_per_round)
-            summary.update(tau=round((accepted + rounds) / rounds, 3) if rounds else None, rounds=rounds,
+        if all_stats:  # tau over every batch
+            from ..spec.rounds import tokens_per_round
+
+            summary.update(tau=round(tokens_per_round(accepted, rounds), 3) if rounds else None, rounds=rounds,
                            policy=all_stats[0].policy,
                            mean_verify_length=round(sum(sum(s.verify_lengths) for s in all_stats) / max(rounds, 1), 3))
         return summary

@@ -65,7 +65,7 @@ def _check_models(args) -> bool:
 def _service(args, need_drafter: bool):
     """Load the models and build the engine and the completion service; (service, description line)."""
     from ..engine import Engine
-    from ..engine.server import CompletionService
+    from ..engine.serve.server import CompletionService
 
     target, drafter, tok = load_models_from_args(args, need_drafter=need_drafter)
     cfg = target.config.get_text_config(decoder=True)
@@ -89,7 +89,7 @@ def run(args) -> int:
     import threading
 
     need_drafter = _check_models(args)
-    from ..engine.server import OpenAIServer
+    from ..engine.serve.server import OpenAIServer
 
     try:  # bind first: a port in use fails at once, before models load
         server = OpenAIServer((args.host, args.port))

@@ -3,15 +3,15 @@ EMA admission; on CUDA the decode forwards are CUDA graphs per bucket with flex_
 (``graphs.py``, ``attention.py``) over the target's fused layers (``fused.py``; checked and measured by examples/engine_gpu_check.py)."""
 
 from .admission import AdmissionController
-from .attention import SlotAttention, slot_block_mask, slot_mask_mod
-from .async_engine import AsyncEngine, EngineClosed, EngineFailed, RequestFuture, TokenStream
+from .kernels.attention import SlotAttention, slot_block_mask, slot_mask_mod
+from .serve.async_engine import AsyncEngine, EngineClosed, EngineFailed, RequestFuture, TokenStream
 from .drafter import DraftGraphs, DraftOutput, SlotCacheView, append_context, draft_blocks, make_drafter_cache
 from .engine import VERIFY_MODES, Engine, EngineOutput, RequestHandle, RequestRejected, StepInfo
-from .fused import FusedTarget
+from .kernels.fused import FusedTarget
 from .graphs import DecodeGraphs, GraphRunner, pick_bucket, q_buckets, token_buckets
 from .kv_cache import SlotKVCache
 from .sampling import SamplingParams, processed_probs
-from .server import OpenAIServer, make_server
+from .serve.server import OpenAIServer, make_server
 from .target import (
     PackedLayout,
     check_target_supported,

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["AdmissionController"]
+import torch
+
+__all__ = ["AdmissionController", "fit_token_budget"]
 
 
 class AdmissionController:
@@ -36,3 +38,27 @@ class AdmissionController:
     @property
     def limit(self) -> int:
         return max(1, math.floor(self.n_hat + 1e-9))
+
+
+def fit_token_budget(draft_len: torch.Tensor, token_budget: int, rectangular: bool = False) -> torch.Tensor:
+    """Trim the longest draft lengths until one round's verify fits ``token_budget`` (a shorter verify is
+    lossless). A round costs ``sum(draft_len + 1)`` tokens, or ``n * (max + 1)`` when ``rectangular``.
+
+    Example:
+        >>> fit_token_budget(torch.tensor([7, 3, 0]), 10).tolist()
+        [4, 3, 0]
+    """
+    n = draft_len.shape[0]
+    if n == 0:
+        return draft_len
+
+    def cost(dl):
+        return n * (int(dl.max()) + 1) if rectangular else int((dl + 1).sum())
+
+    cap = int(draft_len.max())
+    while cap > 0 and cost(draft_len.clamp(max=cap)) > token_budget:
+        cap -= 1
+    out = draft_len.clamp(max=cap)
+    if cost(out) > token_budget:  # admission keeps running <= budget, so this cannot happen
+        raise RuntimeError(f"{n} running requests exceed the token budget {token_budget}")
+    return out

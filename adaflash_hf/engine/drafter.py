@@ -16,7 +16,7 @@ Two paths, like the target's:
   request, captured as a CUDA graph per ``(context tokens, rows)`` bucket on CUDA (eager on CPU).
   The new context tokens are *packed* (``sum_i m_i`` rows, no ``max m_i`` padding), the blocks are
   ``[R_b, B]``; K/V are stored with ``index_put_`` and the block attends per slot over the cache
-  storage (:class:`~.attention.SlotAttention`, bidirectional). No per-row Python loop, no host
+  storage (:class:`~.kernels.attention.SlotAttention`, bidirectional). No per-row Python loop, no host
   synchronisation: the engine reads drafts, lengths and ratios back in one transfer per round.
 
 :func:`append_context` stores context K/V only (no block): what a round that skips drafting (every
@@ -28,9 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
-from .attention import INACTIVE, SlotAttention, default_backend
+from .kernels.attention import INACTIVE, SlotAttention, default_backend
 from .graphs import GraphRunner, copy_to_device, pick_bucket, q_buckets, token_buckets
 from .kv_cache import SlotKVCache
 
@@ -107,28 +106,40 @@ def draft_blocks(drafter, cache: SlotKVCache, slots: list[int], bonus: torch.Ten
         pos[i, : c.shape[0]] = torch.arange(start, start + c.shape[0], device=device)
         pos[i, M:] = torch.arange(start + c.shape[0], start + c.shape[0] + B, device=device)
     view = SlotCacheView(cache, list(slots), ctx_lens, M, B)
-    mask_id = drafter.config.mask_token_id
-    noise_ids = torch.cat([bonus[:, None], torch.full((b, B - 1), mask_id, dtype=torch.long, device=device)], dim=1)
     mask = view.key_mask[:, None, None, :].expand(b, 1, B, view.key_mask.shape[1])
-    out = drafter(noise_embeds=drafter.embed(noise_ids), context_hidden_states=feats.to(drafter.dtype), position_ids=pos,
-                  attention_mask=mask, past_key_values=view)
+    states = drafter.draft_block(bonus, feats, pos, mask, view)
     for slot, m in zip(slots, ctx_lens):
         cache.advance(slot, m)
-    return out.last_hidden_state
+    return states
 
 
 # ----------------------------------------------------------------------------- static, batched path
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
+def _store_context(drafter, cache: SlotKVCache, feats: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> None:
+    """Fuse raw target features ``feats [C, K*H]`` and store every drafter layer's context K/V at
+    ``(slots[t], pos[t])``: the layers' own :meth:`AdaFlashAttention.project_kv`, no host read."""
+    ctx = drafter.fuse_context(feats.to(drafter.dtype)[None])  # [1, C, H]
+    position_embeddings = drafter.rotary_emb(ctx, pos[None])
+    for li, layer in enumerate(drafter.layers):
+        k, v = layer.self_attn.project_kv(ctx, position_embeddings)  # [1, kv_heads, C, d]
+        cache.k[li][slots, :, pos] = k[0].transpose(0, 1).to(cache.k.dtype)
+        cache.v[li][slots, :, pos] = v[0].transpose(0, 1).to(cache.v.dtype)
 
 
-def _context_kv(attn, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """One drafter layer's context K/V: ``ctx [1, T, H]`` (fused features) -> ``k, v [T, kv_heads, d]`` (k after RoPE)."""
-    T = ctx.shape[1]
-    k = attn.k_norm(attn.k_proj(ctx).view(1, T, -1, attn.head_dim)).transpose(1, 2)  # [1, kvh, T, d]
-    k = _rope(k, cos[:, None], sin[:, None])
-    v = attn.v_proj(ctx).view(T, -1, attn.head_dim)
-    return k[0].transpose(0, 1), v
+class _BlockKV:
+    """``past_key_values`` of the graphed block forward: each layer's block K/V go to the rows' slots at
+    ``pos [R, B]``; the layer's whole slot cache comes back for :class:`SlotAttention`."""
+
+    def __init__(self, cache: SlotKVCache, slots: torch.Tensor, pos: torch.Tensor):
+        self.cache, self.slots, self.pos = cache, slots, pos
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions and the mask are given explicitly
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int):
+        kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        kc[self.slots[:, None], :, self.pos] = k.transpose(1, 2).to(kc.dtype)
+        vc[self.slots[:, None], :, self.pos] = v.transpose(1, 2).to(vc.dtype)
+        return kc, vc
 
 
 @torch.no_grad()
@@ -140,14 +151,11 @@ def append_context(drafter, cache: SlotKVCache, slots: list[int], ctx: list[torc
         return
     device = cache.k.device
     lens = [c.shape[0] for c in ctx]
-    feats = torch.cat(list(ctx)).to(drafter.dtype)[None]
-    pos = torch.cat([torch.arange(cache.length(s), cache.length(s) + m) for s, m in zip(slots, lens)]).to(device)
+    pos = torch.cat([torch.arange(cache.length(s), cache.length(s) + m) for s, m in zip(slots, lens)])
+    if int(pos.max()) >= cache.max_len:
+        raise ValueError(f"write past max_len {cache.max_len}")
     tslots = torch.cat([torch.full((m,), s, dtype=torch.long) for s, m in zip(slots, lens)]).to(device)
-    fused = drafter.fuse_context(feats)
-    cos, sin = drafter.rotary_emb(fused, pos[None])
-    for li, layer in enumerate(drafter.layers):
-        k, v = _context_kv(layer.self_attn, fused, cos, sin)
-        cache.write(li, tslots, pos, k, v)
+    _store_context(drafter, cache, torch.cat(list(ctx)), tslots, pos.to(device))
     for s, m in zip(slots, lens):
         cache.advance(s, m)
 
@@ -176,7 +184,7 @@ class DraftGraphs(GraphRunner):
     at all when the length policy leaves nothing to verify.
 
     Padding context tokens and padding block rows write K/V into the cache's spare slot row and query
-    from it (``start`` there is :data:`~.attention.INACTIVE`); their outputs are never read.
+    from it (``start`` there is :data:`~.kernels.attention.INACTIVE`); their outputs are never read.
 
     Args:
         drafter: the :class:`AdaFlashDrafter` (bound to the target).
@@ -206,7 +214,6 @@ class DraftGraphs(GraphRunner):
         # the target's features as they come (the forward casts them to the drafter dtype, as draft_blocks does)
         self.feats = torch.zeros(C, len(cfg.target_layer_ids) * cfg.hidden_size, dtype=feat_dtype or param.dtype, device=device)
         self.block_cols = torch.arange(self.B, device=device)
-        self.mask_ids = torch.full((R, self.B - 1), cfg.mask_token_id, dtype=torch.long, device=device)
         vocab = drafter._target_ref("lm_head").weight.shape[0]
         self.out = torch.zeros(R, self.B, cfg.hidden_size, dtype=param.dtype, device=device)  # final-normed block states
         self.logits = torch.zeros(R, self.B - 1, vocab, dtype=param.dtype, device=device)
@@ -267,42 +274,28 @@ class DraftGraphs(GraphRunner):
             self._body(a, b)
 
     def _body(self, Cb: int, Rb: int) -> None:
-        d, B = self.drafter, self.B
-        cpos, cslot = self.inputs[0, :Cb], self.inputs[1, :Cb]
-        ctx = d.fuse_context(self.feats[:Cb][None].to(d.dtype))  # [1, Cb, H]
-        cos_c, sin_c = d.rotary_emb(ctx, cpos[None])
-        k_cache, v_cache = self.cache.k, self.cache.v
-        for li, layer in enumerate(d.layers):
-            kc, vc = _context_kv(layer.self_attn, ctx, cos_c, sin_c)
-            k_cache[li][cslot, :, cpos] = kc.to(k_cache.dtype)
-            v_cache[li][cslot, :, cpos] = vc.to(v_cache.dtype)
+        d = self.drafter
+        _store_context(d, self.cache, self.feats[:Cb], self.inputs[1, :Cb], self.inputs[0, :Cb])
         if not Rb:
             return
         bslot, bstart, bonus = self.inputs[2, :Rb], self.inputs[3, :Rb], self.inputs[4, :Rb]
-        h = d.embed(torch.cat([bonus[:, None], self.mask_ids[:Rb]], dim=1))  # [Rb, B, H]
         bpos = bstart[:, None] + self.block_cols[None]  # [Rb, B]
-        cos_b, sin_b = d.rotary_emb(h, bpos)
-        cos_b, sin_b = cos_b[:, None], sin_b[:, None]
-        mask = self.attention.mask(B)
-        for li, layer in enumerate(d.layers):
-            attn = layer.self_attn
-            hd = attn.head_dim
-            x = layer.input_layernorm(h)
-            q = _rope(attn.q_norm(attn.q_proj(x).view(Rb, B, -1, hd)).transpose(1, 2), cos_b, sin_b)  # [Rb, nq, B, d]
-            k = _rope(attn.k_norm(attn.k_proj(x).view(Rb, B, -1, hd)).transpose(1, 2), cos_b, sin_b)
-            v = attn.v_proj(x).view(Rb, B, -1, hd)
-            kc, vc = k_cache[li], v_cache[li]
-            kc[bslot[:, None], :, bpos] = k.transpose(1, 2).to(kc.dtype)
-            vc[bslot[:, None], :, bpos] = v.to(vc.dtype)
-            qs = q.new_zeros(self.slot_rows, q.shape[1], B, hd)
-            qs[bslot] = q
-            o = self.attention(qs, kc, vc, mask, attn.scaling)[bslot]  # [Rb, nq, B, d]
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(Rb, B, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        out = d.norm(h)
+        out = d.draft_block(bonus, position_ids=bpos, attention_mask=self.attention.mask(self.B),
+                            past_key_values=_BlockKV(self.cache, bslot, bpos), attention_fn=self._slot_attention(bslot))
         self.out[:Rb].copy_(out)
         if self.ratio is not None:
             self.ratio[:Rb].copy_(d.predict_accept_ratio(out).float())
+
+    def _slot_attention(self, bslot: torch.Tensor):
+        """The drafter layers' attention kernel here: the block's queries placed at their slot rows,
+        :class:`SlotAttention` over the slot cache (bidirectional within the block)."""
+
+        def attend(module, q, k, v, mask, scaling=None, **_):
+            qs = q.new_zeros(self.slot_rows, *q.shape[1:])
+            qs[bslot] = q
+            return self.attention(qs, k, v, mask, scaling)[bslot].transpose(1, 2), None
+
+        return attend
 
     def _head(self, Rb: int, Kb: int) -> None:
         logits = self.drafter.compute_logits(self.out[:Rb, 1 : 1 + Kb])  # [Rb, Kb, V]

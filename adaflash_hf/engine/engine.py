@@ -36,21 +36,22 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, deque
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from ..generation.acceptance import _accepted_prefix_len, speculative_accept
-from ..generation.length_policy import adaptive_verify_length, load_scaled_rate
-from ..generation.stats import FinishedRequest, RoundSink, VerifiedRound, mean_tokens_per_round
-from .admission import AdmissionController
-from .attention import BLOCK
+from ..spec.hooks import hooks_for, round_callbacks
+from ..spec.length_policy import LengthPolicy, choose_verify_length, load_scaled_rate
+from ..spec.rounds import FinishedRequest, RoundSink, VerifiedRound
+from ..spec.verify import SampledRows, accept_block
+from .admission import AdmissionController, fit_token_budget
+from .kernels.attention import BLOCK
 from .drafter import DraftGraphs, append_context, draft_blocks, make_drafter_cache
+from .kernels.fused import FusedTarget
 from .graphs import DecodeGraphs, to_device
+from .requests import EngineOutput, Request, RequestHandle, RequestRejected, StepInfo, check_request
 from .sampling import SamplingParams, processed_probs
-from .fused import FusedTarget
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
 
 __all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo", "VERIFY_MODES"]
@@ -58,95 +59,18 @@ __all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepIn
 VERIFY_MODES = ("packed", "rectangular", "fixed", "off")
 
 
-class RequestRejected(ValueError):
-    """A request that can never fit the engine (raised by :meth:`Engine.submit`)."""
-
-
 @dataclass
-class EngineOutput:
-    """What one request produced. ``token_ids`` are the generated ids only."""
+class _Drafts:
+    """One round's drafts: ``tokens [n, B-1]``, ``draft_len [n]`` and the verify lengths ``q_lens`` (host);
+    raw draft ``logits`` and length-head ``ratio`` (device, ``None`` when nothing was drafted); the
+    processed draft distributions ``q_probs[i]`` of sampled requests (``None`` for greedy ones)."""
 
-    request_id: int
-    prompt_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str  # "length", "eos" or "cancelled"
-    accepted: list[int] = field(default_factory=list)  # accepted drafts per round after prefill (0s when "off")
-    verify_lengths: list[int] = field(default_factory=list)  # tokens verified per round (bonus included)
-
-    @property
-    def rounds(self) -> int:
-        return len(self.accepted)
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens committed per verify round (accepted + 1); 0.0 before any round."""
-        return mean_tokens_per_round(self.accepted)
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """What one step is about to send to the target (given to ``step_hook`` before the forward)."""
-
-    num_tokens: int
-    token_budget: int
-    num_prefill: int
-    num_verify: int
-    slots_in_use: int
-    num_slots: int
-    n_hat: float
-
-
-class _Request:
-    def __init__(self, rid: int, prompt: list[int], max_new: int, params: SamplingParams, on_token, device="cpu"):
-        self.id, self.prompt, self.max_new, self.params, self.on_token = rid, prompt, max_new, params, on_token
-        self.generator = None
-        if not params.greedy:
-            self.generator = torch.Generator(device=device)  # where the logits it samples from live
-            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-        self.slot: int | None = None
-        self.tokens: list[int] = []
-        self.pending_ctx: torch.Tensor | None = None  # target features the drafter has not consumed
-        self.state = "queued"
-        self.cancel_requested = False
-        self.output: EngineOutput | None = None
-        self.accepted: list[int] = []
-        self.verify_lengths: list[int] = []
-
-    @property
-    def bonus(self) -> int:
-        return self.tokens[-1]
-
-    @property
-    def remaining(self) -> int:
-        return self.max_new - len(self.tokens)
-
-
-class RequestHandle:
-    """A submitted request: ``cancel()``, ``result()`` (steps the engine until it is done), ``done``."""
-
-    def __init__(self, engine: "Engine", req: _Request):
-        self._engine, self._req = engine, req
-
-    @property
-    def request_id(self) -> int:
-        return self._req.id
-
-    @property
-    def done(self) -> bool:
-        return self._req.output is not None
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._req.tokens)
-
-    def cancel(self) -> None:
-        self._engine._cancel(self._req)
-
-    def result(self) -> EngineOutput:
-        while self._req.output is None:
-            if not self._engine.step():
-                raise RuntimeError(f"request {self._req.id} cannot progress (engine idle)")
-        return self._req.output
+    tokens: torch.Tensor
+    draft_len: torch.Tensor
+    q_lens: list[int]
+    logits: torch.Tensor | None
+    ratio: torch.Tensor | None
+    q_probs: list
 
 
 class Engine:
@@ -170,7 +94,7 @@ class Engine:
             bucket forwards eagerly with SDPA (what the CPU tests check); ``False`` is the eager
             reference path.
         fused_kernels: run the target's layers with fused projections and elementwise kernels
-            (:class:`~.fused.FusedTarget`: q/k/v and gate/up weights become views of one tensor per
+            (:class:`~.kernels.fused.FusedTarget`: q/k/v and gate/up weights become views of one tensor per
             layer; elementwise math compiled on CUDA). Kept off automatically, with the reason in
             :attr:`fusion_note`, for layers that are not the stock Qwen3 / Llama math (e.g. LoRA).
         decode_steps: ``off`` mode with graphs: while nothing waits for admission and every running
@@ -234,10 +158,11 @@ class Engine:
         self.halving_batch = halving_batch
         per_req = {"off": 1.0, "fixed": float(self.block_size)}.get(verify_mode, max(1.0, self.block_size * self.length_rate / 2))
         self.admission = AdmissionController(max_slots, max_len, token_budget, per_req, beta=ema_beta)
-        self.round_sink = round_sink if round_sink is not None else getattr(drafter, "_round_sink", None)
+        # Verified rounds and finished requests go to `round_sink`, else to the drafter's registered hooks.
+        self.on_round, self.on_request = round_callbacks(round_sink, self.drafter) if self.drafter is not None else (None, None)
         self.step_hook = step_hook
-        self._queue: deque[_Request] = deque()
-        self._running: list[_Request] = []
+        self._queue: deque[Request] = deque()
+        self._running: list[Request] = []
         self._ids = itertools.count()
         self._in_step = False
         self.num_steps = 0
@@ -257,22 +182,9 @@ class Engine:
             self.fused.check_current()
         prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
         params = sampling if sampling is not None else SamplingParams(**sampling_kwargs)
-        if not prompt:
-            raise RequestRejected("empty prompt: a request needs at least one prompt token")
-        if max_new_tokens < 1:
-            raise RequestRejected(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if len(prompt) + max_new_tokens > self.max_len:
-            raise RequestRejected(
-                f"request can never fit: prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = "
-                f"{len(prompt) + max_new_tokens} > max_len ({self.max_len}) of a KV slot")
-        if len(prompt) > self.token_budget:
-            raise RequestRejected(
-                f"request can never fit: prompt ({len(prompt)} tokens) is longer than the per-forward token budget "
-                f"({self.token_budget}); prefill is not chunked")
-        vocab = self.target.get_input_embeddings().weight.shape[0]
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
-        req = _Request(next(self._ids), prompt, int(max_new_tokens), params, on_token, self.device)
+        check_request(prompt, max_new_tokens, self.max_len, self.token_budget,
+                      self.target.get_input_embeddings().weight.shape[0])
+        req = Request(next(self._ids), prompt, int(max_new_tokens), params, on_token, self.device)
         self._queue.append(req)
         return RequestHandle(self, req)
 
@@ -339,9 +251,70 @@ class Engine:
         steps = self._greedy_steps(running)
         if steps > 1:
             return self._decode_steps(running, steps)
-        n = len(running)
 
-        # 1. Draft and choose verify lengths (host tensors: one device read inside _propose).
+        # 1. Draft and choose verify lengths (one device read inside _propose); sampled requests draw drafts.
+        drafts = self._draft(running)
+        # 2. Admission: the EMA fit, then the hard limits (free slot, budget left).
+        admitted = self._admit(running, sum(drafts.q_lens))
+        if not running and not admitted:
+            return False  # unreachable while submit rejects what never fits; kept as a guard
+
+        # 3. The target: prefill segments, then verify segments (bonus + drafts), in one packed forward.
+        segs = [(r.slot, r.prompt) for r in admitted]
+        segs += [(r.slot, [r.bonus] + row[: q - 1]) for r, row, q in zip(running, drafts.tokens.tolist(), drafts.q_lens)]
+        layout = PackedLayout.from_cache(self.cache, [s for s, _ in segs], [len(t) for _, t in segs])
+        self._announce(layout.num_tokens, len(admitted), len(running))
+        verify_inputs = self._verify_inputs(drafts, len(admitted))  # queued before the forward
+        if self.profile:
+            self._tick("host")
+        logits, hidden = self._target_forward(segs, layout, len(admitted))
+        self.forward_tokens.append(layout.num_tokens)
+        self.num_steps += 1
+        if self.profile:
+            self._tick("target")
+
+        # 4. Accept on the device (the shared verify step), then one read: first tokens, accepted, next tokens.
+        first, accepted, next_tokens, vlogits = self._accept(logits, admitted, running, drafts, verify_inputs)
+        packed = torch.cat([first, accepted, next_tokens]).tolist()  # the round's one device read
+        self.host_syncs += 1
+        if self.profile:
+            self._tick("accept")
+
+        # 5. Commit: prefills' first tokens, then each verify's accepted drafts + the target's next token.
+        self._commit_round(admitted, running, drafts, packed, vlogits, hidden, layout.offsets)
+        return True
+
+    def _announce(self, num_tokens: int, num_prefill: int, num_verify: int) -> None:
+        """Tell ``step_hook`` what the next target forward carries (never more than the token budget)."""
+        if self.step_hook is not None:
+            self.step_hook(StepInfo(num_tokens, self.token_budget, num_prefill, num_verify,
+                                    self.max_slots - self.cache.num_free, self.max_slots, self.admission.n_hat))
+        assert num_tokens <= self.token_budget
+
+    def _commit_round(self, admitted, running, drafts: _Drafts, packed: list[int], vlogits, hidden, offs) -> None:
+        """Advance the target cache over what was accepted, hand the new features to the drafter, emit
+        each verified round, commit tokens. ``packed``: prefill first tokens, accepted counts, next tokens."""
+        base, n = len(admitted), len(running)
+        first, accepted, next_tokens = packed[:base], packed[base : base + n], packed[base + n :]
+        for j, r in enumerate(admitted):  # the prompt's features become the drafter's first context
+            self.cache.advance(r.slot, len(r.prompt))
+            if hidden is not None:
+                r.pending_ctx = hidden[offs[j] : offs[j + 1]]
+            self._running.append(r)
+            self._commit(r, [first[j]])
+        rows, dl_host = drafts.tokens.tolist(), drafts.draft_len.tolist()
+        for i, (r, a) in enumerate(zip(running, accepted)):
+            if self.on_round is not None:
+                self._emit_round(r, drafts, vlogits, i, dl_host[i], a)
+            self.cache.advance(r.slot, a + 1)
+            if hidden is not None:
+                r.pending_ctx = hidden[offs[base + i] : offs[base + i] + a + 1]
+            self._commit(r, rows[i][:a] + [next_tokens[i]], verify_len=dl_host[i] + 1)
+
+    def _draft(self, running) -> _Drafts:
+        """Drafts and verify lengths for ``running`` (trimmed to the token budget); sampled requests draw
+        their drafts from the processed draft distribution."""
+        n = len(running)
         draft = torch.zeros(n, max(self.block_size - 1, 0), dtype=torch.long)
         draft_len = torch.zeros(n, dtype=torch.long)
         draft_logits, ratio, q_probs = None, None, [None] * n
@@ -349,23 +322,25 @@ class Engine:
             draft, draft_logits, ratio, draft_len = self._propose(running)
         if self.profile:
             self._tick("draft")
-        draft_len = self._fit_budget(draft_len)
+        draft_len = fit_token_budget(draft_len, self.token_budget, rectangular=self.verify_mode == "rectangular")
         dl_host = draft_len.tolist()
         if self.verify_mode == "rectangular" and n:
             q_lens = [max(dl_host) + 1] * n
         else:
             q_lens = [d + 1 for d in dl_host]
         for i, r in enumerate(running):
-            if not r.params.greedy and dl_host[i] > 0:  # drafts drawn from the processed draft distribution
+            if not r.params.greedy and dl_host[i] > 0:
                 q = processed_probs(draft_logits[i, : q_lens[i] - 1], r.params)
                 q_probs[i] = q
                 draft[i, : q_lens[i] - 1] = torch.multinomial(q, 1, generator=r.generator).squeeze(1)
+        return _Drafts(draft, draft_len, q_lens, draft_logits, ratio, q_probs)
 
-        # 2. Admission: the EMA fit, then the hard limits (free slot, budget left).
-        verify_tokens = sum(q_lens)
+    def _admit(self, running, verify_tokens: int) -> list[Request]:
+        """Queued requests that fit next to ``running`` this round (slots allocated, state ``running``)."""
+        n = len(running)
         if n:
             self.admission.observe(verify_tokens / n, sum(len(r.prompt) + r.max_new for r in running) / n)
-        admitted: list[_Request] = []
+        admitted: list[Request] = []
         left = self.token_budget - verify_tokens
         while (self._queue and self.cache.num_free > 0 and n + len(admitted) < self.admission.limit
                and len(self._queue[0].prompt) <= left):
@@ -376,84 +351,42 @@ class Engine:
             req.state = "running"
             admitted.append(req)
             left -= len(req.prompt)
-        if not n and not admitted:
-            return False  # unreachable while submit rejects what never fits; kept as a guard
+        return admitted
 
-        # 3. The target: prefill segments, then verify segments (bonus + drafts).
-        draft_rows = draft.tolist()
-        segs = [(r.slot, r.prompt) for r in admitted]
-        segs += [(r.slot, [r.bonus] + draft_rows[i][: q_lens[i] - 1]) for i, r in enumerate(running)]
-        layout = PackedLayout.from_cache(self.cache, [s for s, _ in segs], [len(t) for _, t in segs])
-        if self.step_hook is not None:
-            self.step_hook(StepInfo(layout.num_tokens, self.token_budget, len(admitted), n,
-                                    self.max_slots - self.cache.num_free, self.max_slots, self.admission.n_hat))
-        assert layout.num_tokens <= self.token_budget
-        offs = layout.offsets
-        base = len(admitted)
-        kmax = max(q_lens) - 1 if n else 0
-        if n:  # acceptance inputs, queued before the forward: one host-to-device copy, no stream sync
-            ql = torch.tensor(q_lens)
-            starts = base + torch.cumsum(ql, 0) - ql
-            # row i, position j -> packed logits row of its j-th verify token (past its own q_i: its last one)
-            vidx = starts[:, None] + torch.minimum(torch.arange(kmax + 1)[None, :], ql[:, None] - 1)
-            up = to_device(torch.cat([vidx.flatten(), draft[:, :kmax].flatten(), draft_len]), self.device)
-            vidx = up[: n * (kmax + 1)].view(n, kmax + 1)
-            draft_dev = up[n * (kmax + 1) : n * (2 * kmax + 1)].view(n, kmax)
-            dl_dev = up[n * (2 * kmax + 1) :]
-        if self.profile:
-            self._tick("host")
-        logits, hidden = self._target_forward(segs, layout, len(admitted))
-        self.forward_tokens.append(layout.num_tokens)
-        self.num_steps += 1
-        if self.profile:
-            self._tick("target")
+    def _verify_inputs(self, drafts: _Drafts, base: int):
+        """Acceptance inputs on the device in one host-to-device copy, no stream sync: the packed logits
+        row of each request's verify positions ``[n, kmax + 1]`` (past its own ``q_i``: its last one),
+        the drafts ``[n, kmax]`` and draft lengths ``[n]``. ``None`` when nothing is verified."""
+        n = len(drafts.q_lens)
+        if not n:
+            return None
+        kmax = max(drafts.q_lens) - 1
+        ql = torch.tensor(drafts.q_lens)
+        starts = base + torch.cumsum(ql, 0) - ql
+        vidx = starts[:, None] + torch.minimum(torch.arange(kmax + 1)[None, :], ql[:, None] - 1)
+        up = to_device(torch.cat([vidx.flatten(), drafts.tokens[:, :kmax].flatten(), drafts.draft_len]), self.device)
+        return up[: n * (kmax + 1)].view(n, kmax + 1), up[n * (kmax + 1) : n * (2 * kmax + 1)].view(n, kmax), up[n * (2 * kmax + 1) :]
 
-        # 4. Accept on the device, then one read: prefill first tokens, accepted counts, next tokens.
+    def _accept(self, logits, admitted, running, drafts: _Drafts, verify_inputs):
+        """Prefill first tokens, accepted counts and next tokens (device), and the verify logits
+        ``[n, kmax + 1, V]`` a round sink is given (else ``None``)."""
         top = logits.argmax(dim=-1)  # [prefill + verify tokens]: greedy needs nothing else
-        first = top[:base].clone()
+        first = top[: len(admitted)].clone()
         for j, r in enumerate(admitted):
             if not r.params.greedy:
                 first[j] = torch.multinomial(processed_probs(logits[j : j + 1], r.params), 1, generator=r.generator)[0, 0]
-        vlogits = None
-        accepted = next_tokens = top.new_zeros(0)
-        if n:
-            tv = top[vidx]  # [n, kmax + 1] target argmax per verify position
-            accepted = _accepted_prefix_len(draft_dev == tv[:, :kmax], dl_dev)  # == greedy_accept
-            next_tokens = tv.gather(1, accepted[:, None]).squeeze(1)
-            if self.round_sink is not None and self.drafter is not None:
-                vlogits = logits[vidx].float()
-            for i, r in enumerate(running):
-                if r.params.greedy:
-                    continue
-                dl = dl_host[i]
+        if not running:
+            return first, top.new_zeros(0), top.new_zeros(0), None
+        vidx, draft_dev, dl_dev = verify_inputs
+        sampled = []
+        for i, (r, dl) in enumerate(zip(running, drafts.draft_len.tolist())):
+            if not r.params.greedy:
                 p = processed_probs(logits[vidx[i, : dl + 1]], r.params)
-                q = q_probs[i] if q_probs[i] is not None else p.new_zeros(0, p.shape[-1])
-                res = speculative_accept(draft[i : i + 1, :dl].to(p.device), q[None, :dl], p[None], generator=r.generator)
-                accepted[i], next_tokens[i] = res.num_accepted[0], res.next_tokens[0]
-        packed = torch.cat([first, accepted, next_tokens]).tolist()  # the round's one device read
-        self.host_syncs += 1
-        first_h, acc_h, next_h = packed[:base], packed[base : base + n], packed[base + n :]
-        if self.profile:
-            self._tick("accept")
-
-        # 4a. Prefill: the first token, the prompt's features as the drafter's first context.
-        for j, r in enumerate(admitted):
-            self.cache.advance(r.slot, len(r.prompt))
-            if hidden is not None:
-                r.pending_ctx = hidden[offs[j] : offs[j + 1]]
-            self._running.append(r)
-            self._commit(r, [first_h[j]])
-
-        # 4b. Verify: commit, advance the target cache over bonus + accepted drafts.
-        for i, r in enumerate(running):
-            a, j = acc_h[i], base + i
-            if self.drafter is not None and self.round_sink is not None:
-                self._emit_round(r, draft, draft_logits, vlogits, draft_len, ratio, i, a)
-            self.cache.advance(r.slot, a + 1)
-            if hidden is not None:
-                r.pending_ctx = hidden[offs[j] : offs[j] + a + 1]
-            self._commit(r, draft_rows[i][:a] + [next_h[i]], verify_len=dl_host[i] + 1)
-        return True
+                q = drafts.q_probs[i] if drafts.q_probs[i] is not None else p.new_zeros(0, p.shape[-1])
+                sampled.append(SampledRows([i], q[None, :dl], p[None], None, r.generator))
+        res = accept_block(draft_dev, dl_dev, top[vidx], sampled)
+        vlogits = logits[vidx].float() if self.on_round is not None else None
+        return first, res.num_accepted, res.next_tokens, vlogits
 
     def _greedy_steps(self, running) -> int:
         """How many plain greedy decode steps to queue before the next device read (1: a normal round)."""
@@ -466,9 +399,7 @@ class Engine:
         device read; each step is committed as a round of one token, exactly as ``steps`` normal rounds would."""
         n = len(running)
         layout = PackedLayout.from_cache(self.cache, [r.slot for r in running], [1] * n)
-        if self.step_hook is not None:
-            self.step_hook(StepInfo(n, self.token_budget, 0, n, self.max_slots - self.cache.num_free, self.max_slots,
-                                    self.admission.n_hat))
+        self._announce(n, 0, n)
         self.admission.observe(1.0, sum(len(r.prompt) + r.max_new for r in running) / n)
         if self.profile:
             self._tick("host")
@@ -520,13 +451,14 @@ class Engine:
         says: the load-scaled length rate caps every ``k_hat`` at 1 (``packed`` / ``rectangular``), or
         every request has one token left. Skipping is lossless (a 1-token verify is plain decoding).
         Not while a round sink is attached: it is promised the length head's prediction for every round."""
-        if self.round_sink is not None:
+        if self.on_round is not None:
             return False
         if all(r.remaining <= 1 for r in running):
             return True
         if self.verify_mode in ("packed", "rectangular") and self.drafter.length_head is not None:
             rate = load_scaled_rate(self.length_rate, len(running), self.halving_batch)
-            most = adaptive_verify_length(torch.ones(1), self.block_size, rate=rate, min_len=self.length_min)
+            most = choose_verify_length(LengthPolicy.ADAPTIVE, 1, self.block_size, ratio=torch.ones(1), rate=rate,
+                                        min_len=self.length_min)
             return int(most) <= 1  # the policy is monotone in the ratio: a ratio of 1 gives the largest k_hat
         return False
 
@@ -546,8 +478,7 @@ class Engine:
         slots, ctx = [r.slot for r in running], [r.pending_ctx for r in running]
         bonus = None if skip else [r.bonus for r in running]
         hidden = ratio = None
-        lock = getattr(d, "_weights_lock", None) or nullcontext()
-        with lock:
+        with hooks_for(d).weights_lock:
             if self.draft_graphs is not None:
                 ratio = self.draft_graphs.run_body(slots, ctx, bonus)
             elif skip:
@@ -560,12 +491,11 @@ class Engine:
             draft_len = torch.zeros(n, dtype=torch.long)
             if not skip:
                 remaining = torch.tensor([r.remaining for r in running])
-                if self.verify_mode == "fixed" or ratio is None:
-                    k_hat = torch.full((n,), B, dtype=torch.long)
-                else:
-                    rate = load_scaled_rate(self.length_rate, n, self.halving_batch)
-                    k_hat = adaptive_verify_length(ratio, B, rate=rate, min_len=self.length_min).cpu()  # read 1
-                    self.host_syncs += 1
+                adaptive = self.verify_mode != "fixed" and ratio is not None
+                policy = LengthPolicy.ADAPTIVE if adaptive else LengthPolicy.FIXED
+                rate = load_scaled_rate(self.length_rate, n, self.halving_batch) if adaptive else 1.0
+                k_hat = choose_verify_length(policy, n, B, ratio=ratio, rate=rate, min_len=self.length_min).cpu()  # read 1
+                self.host_syncs += int(adaptive)
                 draft_len = torch.minimum(k_hat - 1, remaining - 1).clamp(min=0)
             width = int(draft_len.max()) if n else 0
             if width == 0:  # nothing to verify: no draft logits (the LM head is most of a drafter step)
@@ -585,41 +515,17 @@ class Engine:
         draft_len = torch.where(host[:, 0].bool(), draft_len, torch.zeros_like(draft_len))
         return draft, logits, ratio, draft_len
 
-    def _fit_budget(self, draft_len: torch.Tensor) -> torch.Tensor:
-        """Trim the longest verify lengths until the round fits the token budget (lossless)."""
-        n = draft_len.shape[0]
-        if n == 0:
-            return draft_len
-
-        def cost(dl):
-            return n * (int(dl.max()) + 1) if self.verify_mode == "rectangular" else int((dl + 1).sum())
-
-        cap = int(draft_len.max())
-        while cap > 0 and cost(draft_len.clamp(max=cap)) > self.token_budget:
-            cap -= 1
-        out = draft_len.clamp(max=cap)
-        if cost(out) > self.token_budget:  # admission keeps running <= budget, so this cannot happen
-            raise RuntimeError(f"{n} running requests exceed the token budget {self.token_budget}")
-        return out
-
-    def _emit_round(self, r, draft, draft_logits, vlogits, draft_len, ratio, i, a):
-        dl = int(draft_len[i])
+    def _emit_round(self, r: Request, drafts: _Drafts, vlogits: torch.Tensor, i: int, draft_len: int, accepted: int) -> None:
+        draft_logits = drafts.logits
         if draft_logits is None:  # a round that skipped drafting: nothing was drafted
-            draft_logits = vlogits.new_zeros(len(draft_len), 0, vlogits.shape[-1])
-        self.round_sink.on_round(VerifiedRound(
-            row=r.id,
-            context_ids=torch.tensor(r.prompt + r.tokens[:-1]),
-            bonus_token=r.bonus,
-            draft_tokens=draft[i, :dl].clone(),
-            draft_logits=draft_logits[i, :dl].to(torch.float32, copy=True),  # the static buffer is reused next round
-            target_logits=vlogits[i, : dl + 1].clone(),
-            verify_len=dl + 1,
-            num_accepted=a,
-            predicted_ratio=float(ratio[i]) if ratio is not None else None,
-        ))
+            draft_logits = vlogits.new_zeros(len(drafts.q_lens), 0, vlogits.shape[-1])
+        ratio = drafts.ratio[i] if drafts.ratio is not None else None
+        # copies: the drafter's static draft-logits buffer is reused next round
+        self.on_round(VerifiedRound.from_block(r.id, torch.tensor(r.prompt + r.tokens[:-1]), r.bonus, drafts.tokens[i],
+                                               draft_logits[i], vlogits[i], draft_len, accepted, ratio))
 
     # ------------------------------------------------------------------ bookkeeping
-    def _commit(self, r: _Request, new: list[int], verify_len: int | None = None) -> None:
+    def _commit(self, r: Request, new: list[int], verify_len: int | None = None) -> None:
         """Append tokens one by one; stop at EOS, ``max_new_tokens`` or a cancellation exactly where plain
         decoding would. ``verify_len``: ``new`` ends a verify round of that length, recorded (before the
         request can finish) with the tokens it emitted: fewer than accepted + 1 when it stopped inside."""
@@ -639,7 +545,7 @@ class Engine:
         if reason is not None:
             self._finish(r, reason)
 
-    def _finish(self, r: _Request, reason: str) -> None:
+    def _finish(self, r: Request, reason: str) -> None:
         if r.output is not None:
             return
         if r.state == "running":
@@ -651,11 +557,10 @@ class Engine:
             self._queue.remove(r)
         r.state, r.pending_ctx = "done", None
         r.output = EngineOutput(r.id, list(r.prompt), list(r.tokens), reason, list(r.accepted), list(r.verify_lengths))
-        on_request = getattr(self.round_sink, "on_request", None)
-        if on_request is not None and reason != "cancelled" and self.drafter is not None:
-            on_request(FinishedRequest(r.id, torch.tensor(r.prompt), torch.tensor(r.tokens)))
+        if self.on_request is not None and reason != "cancelled":
+            self.on_request(FinishedRequest(r.id, torch.tensor(r.prompt), torch.tensor(r.tokens)))
 
-    def _cancel(self, r: _Request) -> None:
+    def _cancel(self, r: Request) -> None:
         if r.output is not None:
             return
         r.cancel_requested = True

@@ -4,7 +4,7 @@ A verify round (or an ``off``-mode decode step) sends ``T = sum_i q_i`` tokens o
 requests. Its graph key is ``(T_b, q_b, R_b)``: ``T_b`` the smallest token bucket ``>= T`` (linear
 layers run on ``T_b`` packed rows), ``q_b`` the smallest per-request bucket ``>= max_i q_i`` and
 ``R_b`` the power-of-two bucket of the highest slot in use + 1 (attention runs on
-``[R_b + 1, heads, q_b, d]`` over the first ``R_b + 1`` cache rows, see :mod:`.attention`: idle
+``[R_b + 1, heads, q_b, d]`` over the first ``R_b + 1`` cache rows, see :mod:`.kernels.attention`: idle
 slots past ``R_b`` cost nothing). Padding stays packed (``T_b - T`` extra rows, not ``R * q_b``), so
 ``packed`` verification keeps its ``sum_i k_hat_i`` cost.
 
@@ -35,8 +35,8 @@ from collections import Counter
 
 import torch
 
-from .attention import BACKENDS, INACTIVE, SlotAttention, default_backend
-from .fused import FusedTarget, SlotStore
+from .kernels.attention import BACKENDS, INACTIVE, SlotAttention, default_backend
+from .kernels.fused import FusedTarget, SlotStore
 from .kv_cache import SlotKVCache
 from .target import PackedLayout, decoder_forward
 
@@ -201,9 +201,9 @@ class DecodeGraphs(GraphRunner):
         use_graphs: capture and replay CUDA graphs (default: on CUDA). Off, the same static forward
             runs eagerly.
         max_steps: most greedy decode steps one :meth:`run_greedy` call may run (1: none).
-        fused: run the layers through this :class:`~.fused.FusedTarget` of ``model`` (default: the
+        fused: run the layers through this :class:`~.kernels.fused.FusedTarget` of ``model`` (default: the
             HF modules).
-        attention: one of :data:`~.attention.BACKENDS` (default: :func:`~.attention.default_backend`). If
+        attention: one of :data:`~.kernels.attention.BACKENDS` (default: :func:`~.kernels.attention.default_backend`). If
             a backend fails to compile or run, the runner warns and falls back to the next one
             (see :attr:`attention_note`).
     """

@@ -10,8 +10,8 @@ mask with a per-block prefix. Weights are the HF model's (``embed_tokens``, each
 The layer loop (:func:`decoder_forward`) takes the K/V write + attention as a callback:
 :func:`target_forward` (the eager reference, any shapes) writes through :meth:`SlotKVCache.write`
 and attends with :func:`packed_attention`; the CUDA-graph decode path (:mod:`.graphs`) writes with
-static indices and attends per slot (:mod:`.attention`, flex_attention on CUDA). Both run the
-layers either through the HF modules or, given a :class:`~.fused.FusedTarget`, with fused
+static indices and attends per slot (:mod:`.kernels.attention`, flex_attention on CUDA). Both run the
+layers either through the HF modules or, given a :class:`~.kernels.fused.FusedTarget`, with fused
 projections and elementwise kernels (the engine's default; same math).
 """
 
@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .fused import FusedTarget
+from .kernels.fused import FusedTarget
 from .kv_cache import SlotKVCache
 
 __all__ = ["PackedLayout", "check_target_supported", "decoder_forward", "make_target_cache", "packed_attention",
@@ -127,7 +127,7 @@ def packed_attention(q: torch.Tensor, cache: SlotKVCache, layer: int, layout: Pa
     """Attention of packed queries ``[heads, T, d]`` over each request's slot (new K/V already written).
 
     ``mask`` is :meth:`PackedLayout.attention_mask`. Returns ``[T, heads, d]``. The eager reference;
-    the decode path on CUDA attends per slot instead (:mod:`.attention`).
+    the decode path on CUDA attends per slot instead (:mod:`.kernels.attention`).
     """
     keys, values = zip(*(cache.read(layer, s, p + n) for s, p, n in zip(layout.slots, layout.prefix_lens, layout.q_lens)))
     k, v = torch.cat(keys, dim=1), torch.cat(values, dim=1)  # [kv_heads, K, d]
@@ -149,7 +149,7 @@ def decoder_forward(model, tokens: torch.Tensor, positions: torch.Tensor, attend
                     fused: FusedTarget | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The HF model's layers over ``T`` packed tokens, attention delegated to ``attend``.
 
-    ``fused`` (a :class:`~.fused.FusedTarget` of ``model``): the same math with fused projections and
+    ``fused`` (a :class:`~.kernels.fused.FusedTarget` of ``model``): the same math with fused projections and
     elementwise kernels; ``None``: through the HF modules (the reference).
     Returns ``(logits [T', V] in the model dtype, hidden [T, len(hidden_layers) * H] or None)``.
     No host synchronisation: the CUDA-graph path captures exactly this function.
@@ -225,7 +225,7 @@ def target_forward(model, cache: SlotKVCache, tokens: torch.Tensor, slots: torch
         hidden_layers: decoder-layer indices whose outputs to return, concatenated on the feature
             axis (the drafter's ``target_layer_ids``; HF ``hidden_states[i + 1]``).
         logits_index: packed indices to compute logits for (default: all tokens).
-        fused: run the layers through this :class:`~.fused.FusedTarget` (default: the HF modules).
+        fused: run the layers through this :class:`~.kernels.fused.FusedTarget` (default: the HF modules).
 
     Returns:
         ``(logits [T' , V] float32, hidden [T, len(hidden_layers) * H] or None)``. Cache lengths

@@ -2,7 +2,8 @@
 
 from .decoding import adaflash_decoding
 from .drafting import AdaFlashCandidateGenerator, DraftBlock
-from .stats import FinishedRequest, GenerationStats, RoundSink, VerifiedRound
+from ..spec.rounds import FinishedRequest, RoundSink, VerifiedRound
+from .stats import GenerationStats
 
 
 def speculative_generate(target, drafter, input_ids, attention_mask=None, **generate_kwargs):

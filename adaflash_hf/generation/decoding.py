@@ -12,16 +12,17 @@ processors, on the same prefix, as plain decoding would use.
 
 import time
 from collections import defaultdict
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..modeling import AdaFlashDrafter
-from .acceptance import greedy_accept, speculative_accept
+from ..spec.hooks import hooks_for, round_callbacks
+from ..spec.rounds import FinishedRequest, RoundSink, VerifiedRound
+from ..spec.verify import SampledRows, accept_block
 from .drafting import AdaFlashCandidateGenerator
-from .stats import FinishedRequest, GenerationStats, RoundSink, VerifiedRound
+from .stats import GenerationStats
 
 
 def _check_call(model, drafter, generation_config, model_kwargs) -> None:
@@ -121,6 +122,18 @@ class _Output:
     hidden: dict = field(default_factory=lambda: defaultdict(list))
     committed: list = field(default_factory=list)  # tokens each row kept in the last commit
 
+    @classmethod
+    def for_config(cls, generation_config, logits_processor, stopping_criteria, streamer) -> "_Output":
+        dict_out = generation_config.return_dict_in_generate
+        return cls(
+            logits_processor,
+            stopping_criteria,
+            streamer,
+            want_scores=dict_out and generation_config.output_scores,
+            want_logits=dict_out and generation_config.output_logits,
+            want_hidden=dict_out and generation_config.output_hidden_states,
+        )
+
     def commit(self, batch: _Batch, new_tokens, raw_logits, processed, hidden) -> torch.Tensor:
         """Append each row's new tokens one by one, checking the stopping criteria after each.
 
@@ -189,26 +202,18 @@ def adaflash_decoding(
     """
     _check_call(model, drafter, generation_config, model_kwargs)
     # An online adapter attached to the drafter (`OnlineAdapter.attach()`) receives every round.
-    sink = round_sink if round_sink is not None else getattr(drafter, "_round_sink", None)
+    on_round, on_request = round_callbacks(round_sink, drafter)
     generator = AdaFlashCandidateGenerator.for_target(
         model, drafter, generation_config, logits_processor, length_policy=length_policy, length_rate=length_rate, length_min=length_min
     )
     stats = GenerationStats(block_size=generator.block_size, policy=generator.policy)
-    dict_out = generation_config.return_dict_in_generate
-    output = _Output(
-        logits_processor,
-        stopping_criteria,
-        streamer,
-        want_scores=dict_out and generation_config.output_scores,
-        want_logits=dict_out and generation_config.output_logits,
-        want_hidden=dict_out and generation_config.output_hidden_states,
-    )
+    output = _Output.for_config(generation_config, logits_processor, stopping_criteria, streamer)
     do_sample, max_length = generation_config.do_sample, generation_config.max_length
     # The drafter's context layers, or every layer when the caller asked for hidden states.
     layers = generator.model_kwargs_overrides["output_hidden_states"]
     clock = _Timer(return_stats and input_ids.device.type == "cuda")
     # An online adapter swaps new weights in only between rounds: it takes this lock exclusively.
-    weights_lock = getattr(drafter, "_weights_lock", None) or nullcontext()
+    weights_lock = hooks_for(drafter).weights_lock
 
     t0 = clock()
     batch, cache, done = _prefill(model, drafter, input_ids, model_kwargs, layers, do_sample, output)
@@ -228,49 +233,71 @@ def adaflash_decoding(
         t1 = clock()
 
         # 2. Verify every row's bonus + drafts in one target forward (rows padded to the longest).
-        verify_ids = torch.cat([batch.bonus[:, None], draft], dim=1)
-        out = model(
-            input_ids=verify_ids,
-            attention_mask=torch.cat([batch.valid, torch.ones_like(verify_ids, dtype=torch.bool)], dim=1).long(),
-            position_ids=batch.pos[:, None] + torch.arange(k + 1, device=verify_ids.device),
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=layers,
-        )
-        logits = out.logits.float()
-        processed = torch.stack([_process(logits_processor, torch.cat([s, d]), l) for s, d, l in zip(batch.seqs, draft, logits)])
+        out, logits, processed = _verify(model, batch, draft, cache, layers, logits_processor)
 
-        # 3. Accept the longest agreeing prefix (greedy) or by the speculative sampling rule.
+        # 3. Accept the longest agreeing prefix (greedy) or by the speculative sampling rule (the shared step).
         if do_sample:
             q = q if q is not None else processed[:, :0].softmax(-1)
-            res = speculative_accept(draft, q, processed.softmax(-1), block.draft_len)
+            res = accept_block(draft, block.draft_len, sampled=[SampledRows(None, q, processed.softmax(-1), block.draft_len)])
         else:
-            res = greedy_accept(draft, processed, block.draft_len)
+            res = accept_block(draft, block.draft_len, processed.argmax(dim=-1))
         acc = res.num_accepted
         t2 = clock()
         stats.draft_time_s, stats.verify_time_s = stats.draft_time_s + t1 - t0, stats.verify_time_s + t2 - t1
 
         # 4. Commit tokens (stopping token by token), record the round, roll back rejected K/V.
-        if sink is not None:
-            for i in range(len(batch.seqs)):
-                sink.on_round(_verified_round(batch, i, block, draft, logits, acc))
-        new = [torch.cat([d[:a], t[None]]) for d, a, t in zip(draft, acc.tolist(), res.next_tokens)]
-        kept = [slice(0, a + 1) for a in acc.tolist()]
-        hidden = _token_hidden(out.hidden_states, (acc + 1).tolist()) if output.want_hidden else None
-        done = output.commit(batch, new, [l[s] for l, s in zip(logits, kept)], [p[s] for p, s in zip(processed, kept)], hidden)
+        if on_round is not None:
+            _emit_rounds(on_round, batch, block, draft, logits, acc)
+        done = _commit_round(output, batch, draft, res, logits, processed, out.hidden_states)
         for i in range(len(batch.seqs)):  # a row that stops inside the round counts the tokens it emitted, not acc + 1
             stats.record(int(batch.index[i]), int(block.draft_len[i]) + 1, output.committed[i] - 1)
         batch.advance(drafter.select_context(out.hidden_states), acc, res.next_tokens, k + 1, cache)
 
     if streamer is not None:
         streamer.end()
-    on_request = getattr(sink, "on_request", None)
     if on_request is not None:
-        prompt_mask = model_kwargs.get("attention_mask")
-        for row, seq in sorted(output.finished.items()):
-            prompt = input_ids[row] if prompt_mask is None else input_ids[row][prompt_mask[row].bool()]
-            on_request(FinishedRequest(row=row, prompt_ids=prompt, output_ids=seq[input_ids.shape[1] :]))
+        _emit_requests(on_request, input_ids, model_kwargs.get("attention_mask"), output)
     return _finish(input_ids, output, generation_config, stats, return_stats)
+
+
+def _verify(model, batch: _Batch, draft: torch.Tensor, cache, layers, logits_processor):
+    """The target's forward over every row's bonus + drafts: its output, raw and processed logits."""
+    verify_ids = torch.cat([batch.bonus[:, None], draft], dim=1)
+    out = model(
+        input_ids=verify_ids,
+        attention_mask=torch.cat([batch.valid, torch.ones_like(verify_ids, dtype=torch.bool)], dim=1).long(),
+        position_ids=batch.pos[:, None] + torch.arange(verify_ids.shape[1], device=verify_ids.device),
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=layers,
+    )
+    logits = out.logits.float()
+    processed = torch.stack([_process(logits_processor, torch.cat([s, d]), l) for s, d, l in zip(batch.seqs, draft, logits)])
+    return out, logits, processed
+
+
+def _commit_round(output: _Output, batch: _Batch, draft, res, logits, processed, hidden_states) -> torch.Tensor:
+    """Commit each row's accepted drafts + next token (with their logits / hidden states when asked for)."""
+    acc = res.num_accepted.tolist()
+    new = [torch.cat([d[:a], t[None]]) for d, a, t in zip(draft, acc, res.next_tokens)]
+    kept = [slice(0, a + 1) for a in acc]
+    hidden = _token_hidden(hidden_states, [a + 1 for a in acc]) if output.want_hidden else None
+    return output.commit(batch, new, [l[s] for l, s in zip(logits, kept)], [p[s] for p, s in zip(processed, kept)], hidden)
+
+
+def _emit_rounds(on_round, batch: _Batch, block, draft, target_logits, acc) -> None:
+    """Every row's verified round (called before the round's tokens are committed: context excludes them)."""
+    for i in range(len(batch.seqs)):
+        ratio = block.ratio[i] if block.ratio is not None else None
+        on_round(VerifiedRound.from_block(int(batch.index[i]), batch.context_ids(i), batch.bonus[i], draft[i], block.logits[i],
+                                          target_logits[i], block.draft_len[i], acc[i], ratio))
+
+
+def _emit_requests(on_request, input_ids, prompt_mask, output: _Output) -> None:
+    """Every finished sequence, in row order: its prompt (padding removed) and its generated tokens."""
+    for row, seq in sorted(output.finished.items()):
+        prompt = input_ids[row] if prompt_mask is None else input_ids[row][prompt_mask[row].bool()]
+        on_request(FinishedRequest(row=row, prompt_ids=prompt, output_ids=seq[input_ids.shape[1] :]))
 
 
 def _prefill(model, drafter, input_ids, model_kwargs, layers, do_sample, output: _Output):
@@ -319,21 +346,6 @@ def _sample_drafts(generator: AdaFlashCandidateGenerator, seqs, block, k):
     """Sample draft tokens from the *processed* draft distribution (needed for lossless sampling)."""
     drawn = [generator.draw(seq, block.logits[i, :k]) for i, seq in enumerate(seqs)]
     return torch.stack([tokens for tokens, _ in drawn]), torch.stack([scores.softmax(-1) for _, scores in drawn])
-
-
-def _verified_round(batch: _Batch, i, block, draft, target_logits, acc) -> VerifiedRound:
-    verify_len = int(block.draft_len[i]) + 1
-    return VerifiedRound(
-        row=int(batch.index[i]),
-        context_ids=batch.context_ids(i),  # called before this round's tokens are committed
-        bonus_token=int(batch.bonus[i]),
-        draft_tokens=draft[i, : verify_len - 1].clone(),  # the tokens verified (sampled ones when sampling)
-        draft_logits=block.logits[i, : verify_len - 1].clone(),
-        target_logits=target_logits[i, :verify_len].clone(),
-        verify_len=verify_len,
-        num_accepted=int(acc[i]),
-        predicted_ratio=float(block.ratio[i]) if block.ratio is not None else None,
-    )
 
 
 def _finish(input_ids, output: _Output, generation_config, stats, return_stats):

@@ -16,9 +16,7 @@ import torch
 from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
 from ..modeling import AdaFlashDrafter
-from .length_policy import adaptive_verify_length, expected_gain_verify_length
-
-POLICIES = ("adaptive", "fixed", "expected_gain")
+from ..spec.length_policy import choose_verify_length, resolve_policy
 
 
 @dataclass
@@ -74,14 +72,9 @@ class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         **kwargs,
     ):
         cfg = assistant_model.config
-        if length_policy is None:
-            length_policy = "adaptive" if (cfg.use_length_head and cfg.length_head_trained) else "fixed"
-        if length_policy not in POLICIES:
-            raise ValueError(f"unknown length_policy {length_policy!r}: choose one of {', '.join(POLICIES)}")
-        if length_policy == "adaptive" and assistant_model.length_head is None:
-            raise ValueError("length_policy='adaptive' needs a drafter with a length head (config.use_length_head)")
+        policy = resolve_policy(length_policy, assistant_model)
         super().__init__(assistant_model, main_model_input_embeddings, main_model_output_embeddings, generation_config, logits_processor)
-        self.policy = length_policy
+        self.policy = policy.value
         self.length_rate = cfg.length_rate if length_rate is None else length_rate
         self.length_min = cfg.length_min if length_min is None else length_min
         self.verify_token_cost = verify_token_cost
@@ -112,27 +105,20 @@ class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         """
         b, B = bonus.shape[0], self.block_size
         d = self.assistant_model
-        noise_ids = torch.cat([bonus[:, None], self.noise_ids_mask.to(bonus.device).expand(b, -1)], dim=1)
         block_pos = bonus_pos[:, None] + torch.arange(B, device=bonus.device)
         past_valid = self.cache_valid if self.cache_valid is not None else ctx_valid[:, :0]
         key_mask = torch.cat([past_valid, ctx_valid, torch.ones_like(ctx_valid[:, :1]).expand(b, B)], dim=1)
-        out = d(
-            # `d.embed`, not the parent's `_get_noise_embeds`: drafters are trained on `d.embed`.
-            noise_embeds=d.embed(noise_ids),
-            context_hidden_states=ctx.to(d.dtype),
-            position_ids=torch.cat([ctx_pos, block_pos], dim=1),
-            attention_mask=key_mask.long(),
-            past_key_values=self.cache,
-        )
+        # `d.draft_block` embeds with `d.embed`, not the parent's `_get_noise_embeds`: drafters are trained on it.
+        hidden = d.draft_block(bonus, ctx, torch.cat([ctx_pos, block_pos], dim=1), key_mask.long(), self.cache)
         # Keep context K/V only; the block is drafted afresh next round.
         self.cache.crop(-B)
         self.cache_valid = torch.cat([past_valid, ctx_valid], dim=1)
 
-        hidden = out.last_hidden_state
         logits = d.compute_logits(hidden[:, 1:]).float()
         finite = torch.isfinite(logits).all(dim=-1).all(dim=-1)
         ratio = d.predict_accept_ratio(hidden) if d.length_head is not None else None
-        k_hat = self._verify_length(logits, ratio, b)
+        k_hat = choose_verify_length(self.policy, b, self.block_size, ratio=ratio, draft_logits=logits, rate=self.length_rate,
+                                     min_len=self.length_min, verify_token_cost=self.verify_token_cost, device=logits.device)
         draft_len = torch.minimum(k_hat - 1, budget.clamp(min=0))
         draft_len = torch.where(finite, draft_len, torch.zeros_like(draft_len))
         tokens = torch.nan_to_num(logits).argmax(dim=-1)
@@ -184,13 +170,3 @@ class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
             return input_ids, None
         tokens, scores = self.draw(input_ids[0], block.logits[0, :k])
         return torch.cat([input_ids, tokens[None]], dim=1), scores[None]
-
-    def _verify_length(self, logits: torch.Tensor, ratio: torch.Tensor | None, b: int) -> torch.Tensor:
-        B = self.block_size
-        if self.policy == "adaptive":
-            return adaptive_verify_length(ratio, B, rate=self.length_rate, min_len=self.length_min)
-        if self.policy == "expected_gain":
-            top1 = torch.nan_to_num(logits).softmax(dim=-1).amax(dim=-1)
-            k_hat = expected_gain_verify_length(top1, cost_per_token=self.verify_token_cost, min_len=self.length_min)
-            return k_hat.to(logits.device)
-        return torch.full((b,), B, dtype=torch.long, device=logits.device)

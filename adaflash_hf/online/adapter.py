@@ -524,7 +524,7 @@ class OnlineAdapter:
         `VerifiedRound`s / `Sample`s (one block each), or `FinishedRequest`s / `RequestSample`s
         (every response block, as an update trains on them; anchors drawn from torch's RNG). For
         tests and benchmarks."""
-        from ..generation.stats import FinishedRequest
+        from ..spec.rounds import FinishedRequest
 
         samples = list(samples)
         if samples and all(isinstance(x, (FinishedRequest, RequestSample)) for x in samples):

@@ -40,7 +40,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..generation.stats import FinishedRequest, VerifiedRound
+from ..spec.rounds import FinishedRequest, VerifiedRound
 from ..modeling import AdaFlashDrafter
 from ..spec.hooks import hooks_for
 from ..training.objective import greedy_accepted

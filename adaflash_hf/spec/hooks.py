@@ -28,12 +28,13 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["DrafterHooks", "hooks_for", "register_hooks", "unregister_hooks"]
+__all__ = ["DrafterHooks", "hooks_for", "register_hooks", "round_callbacks", "unregister_hooks"]
 
 
 @dataclass(frozen=True)
 class DrafterHooks:
-    """``round_sink``: called with every verified round drafted by the drafter (or None).
+    """``round_sink``: receives every verified round drafted by the drafter (or None): a sink object
+    (``on_round``, optionally ``on_request`` for finished requests) or a plain callable.
     ``weights_lock``: a context manager every round holds while it drafts (shared by concurrent
     rounds); the owner swaps weights only while holding it exclusively."""
 
@@ -65,3 +66,13 @@ def unregister_hooks(drafter, hooks: DrafterHooks) -> None:
 def hooks_for(drafter) -> DrafterHooks:
     """The hooks registered for ``drafter``, or empty hooks (no sink, a no-op lock)."""
     return _registry.get(drafter, _NONE)
+
+
+def round_callbacks(round_sink, drafter) -> tuple[Callable | None, Callable | None]:
+    """``(on_round, on_request)`` for a loop: from an explicit ``round_sink``, else the sink registered
+    for ``drafter`` (``(None, None)`` without either). A sink is an object with ``on_round`` (and
+    optionally ``on_request``), or a plain callable taking each verified round."""
+    sink = round_sink if round_sink is not None else (hooks_for(drafter).round_sink if drafter is not None else None)
+    if sink is None:
+        return None, None
+    return getattr(sink, "on_round", sink), getattr(sink, "on_request", None)

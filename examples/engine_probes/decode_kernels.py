@@ -1,6 +1,6 @@
 """GPU probe: the decode step's attention and projections at Qwen3-8B shape, against hand-written Triton.
 
-A. Slot attention (``adaflash_hf.engine.decode_attention``, split-KV Triton) against compiled
+A. Slot attention (``adaflash_hf.engine.kernels.decode_attention``, split-KV Triton) against compiled
    flex_attention (the engine's default until then): error against flex and device ms per 36-layer
    forward (one block mask per forward, as the engine builds it), 1 and 16 query rows per slot.
 B. One-row projections: cuBLAS, Inductor's tuned reduction (what ``FusedTarget`` uses) and a Triton
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from adaflash_hf.engine.attention import INACTIVE, SlotAttention
-from adaflash_hf.engine.decode_attention import decode_attention
+from adaflash_hf.engine.kernels.attention import INACTIVE, SlotAttention
+from adaflash_hf.engine.kernels.decode_attention import decode_attention
 
 torch.manual_seed(0)
 dev, dt = "cuda", torch.bfloat16

@@ -8,8 +8,8 @@ sys.path.insert(0, "examples")  # engine_gpu_check: the 8B-shaped model and time
 import torch
 import engine_gpu_check as E
 from adaflash_hf.engine import DecodeGraphs, FusedTarget, PackedLayout, make_target_cache
-from adaflash_hf.engine import attention as A
-from adaflash_hf.engine.attention import BLOCK
+from adaflash_hf.engine.kernels import attention as A
+from adaflash_hf.engine.kernels.attention import BLOCK
 
 model = E.qwen3_8b_shape("cuda", False)
 fused, _ = FusedTarget.build(model)

@@ -6,9 +6,9 @@ from __future__ import annotations
 from .base import BenchContext, Method, MethodOutput, needs_length_head
 from .engine import engine
 from .hf import run_dflash_native, run_hf_assisted, run_plain, run_plain_static, run_prompt_lookup
-from .ours import adaflash_policy, has_trained_length_head, ours
+from .ours import adaflash_policy, ours
 
-__all__ = ["METHODS", "BenchContext", "Method", "MethodOutput", "adaflash_policy", "has_trained_length_head"]
+__all__ = ["METHODS", "BenchContext", "Method", "MethodOutput", "adaflash_policy"]
 
 METHODS: dict[str, Method] = {
     "plain": Method("plain", run_plain, "HF generate, dynamic cache"),

@@ -5,14 +5,11 @@ from __future__ import annotations
 from .base import MethodOutput
 
 
-def has_trained_length_head(drafter) -> bool:
-    return getattr(drafter, "length_head", None) is not None and bool(getattr(drafter.config, "length_head_trained", False))
-
-
 def adaflash_policy(drafter) -> str:
-    """``adaflash``'s verify-length policy: adaptive with a trained length head, else fixed."""
-    # after the core move: spec.length_policy.default_policy(drafter) is the one rule
-    return "adaptive" if has_trained_length_head(drafter) else "fixed"
+    """``adaflash``'s verify-length policy: the drafter's default (adaptive with a trained length head)."""
+    from ...spec.policy import default_policy
+
+    return default_policy(drafter.config).value
 
 
 def ours(policy):

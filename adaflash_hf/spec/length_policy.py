@@ -3,20 +3,60 @@
 A verify length ``k_hat`` always counts the bonus slot (slot 0, the last verified token), so a
 row verifies ``k_hat - 1`` draft tokens and ``k_hat`` lies in ``[1, B]`` for block size ``B``.
 All policies return ``LongTensor[b]`` so the engine can pack ``sum(k_hat)`` tokens per verify.
+:class:`LengthPolicy` names them, :func:`default_policy` is the one rule for which a drafter gets
+when none is asked for, and :func:`choose_verify_length` is the one dispatch every loop calls.
 """
 
 from __future__ import annotations
 
 import math
-
 import torch
 
+from .policy import POLICY_NAMES, LengthPolicy, default_policy, resolve_policy
+
 __all__ = [
+    "LengthPolicy",
+    "POLICY_NAMES",
     "adaptive_verify_length",
+    "choose_verify_length",
+    "default_policy",
+    "resolve_policy",
     "expected_gain_verify_length",
     "fixed_verify_length",
     "load_scaled_rate",
 ]
+
+
+def choose_verify_length(
+    policy: LengthPolicy | str,
+    batch: int,
+    block_size: int,
+    *,
+    ratio: torch.Tensor | None = None,
+    draft_logits: torch.Tensor | None = None,
+    rate: float = 1.0,
+    min_len: int = 1,
+    verify_token_cost: float = 0.05,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Each row's verify length ``k_hat`` (``LongTensor[batch]``, bonus slot included) under ``policy``.
+
+    ``adaptive`` reads the length head's ``ratio``; ``expected_gain`` stands the draft's own top-1
+    probability (from ``draft_logits [b, B-1, V]``) in for each slot's conditional acceptance;
+    ``fixed`` verifies the whole block (on ``device``).
+
+    Example:
+        >>> choose_verify_length("adaptive", 2, 16, ratio=torch.tensor([0.5, 1.0]), rate=0.5).tolist()
+        [4, 8]
+    """
+    policy = LengthPolicy(policy)
+    if policy is LengthPolicy.ADAPTIVE:
+        return adaptive_verify_length(ratio, block_size, rate=rate, min_len=min_len)
+    if policy is LengthPolicy.EXPECTED_GAIN:
+        top1 = torch.nan_to_num(draft_logits).softmax(dim=-1).amax(dim=-1)
+        k_hat = expected_gain_verify_length(top1, cost_per_token=verify_token_cost, min_len=min_len)
+        return k_hat.to(draft_logits.device)
+    return fixed_verify_length(batch, block_size, device=device)
 
 
 def _check_len_bounds(block_size: int, min_len: int) -> None:

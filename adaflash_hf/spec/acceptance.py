@@ -19,10 +19,12 @@ import torch
 
 __all__ = [
     "AcceptResult",
+    "accepted_prefix_len",
     "acceptance_probability",
     "expected_accepted_tokens",
     "expected_speedup",
     "greedy_accept",
+    "greedy_accept_ids",
     "residual_distribution",
     "speculative_accept",
 ]
@@ -65,8 +67,13 @@ def _resolve_draft_len(draft_len: torch.Tensor | None, b: int, k: int, device) -
     return draft_len
 
 
-def _accepted_prefix_len(accept: torch.Tensor, draft_len: torch.Tensor) -> torch.Tensor:
-    """Length of the leading run of ``True`` in ``accept [b, k]``, ignoring padding positions."""
+def accepted_prefix_len(accept: torch.Tensor, draft_len: torch.Tensor) -> torch.Tensor:
+    """Length of the leading run of ``True`` in ``accept [b, k]``, ignoring padding positions.
+
+    Example:
+        >>> accepted_prefix_len(torch.tensor([[True, True, False], [True, True, True]]), torch.tensor([3, 1])).tolist()
+        [2, 1]
+    """
     k = accept.shape[1]
     valid = torch.arange(k, device=accept.device)[None, :] < draft_len[:, None]
     # cumprod turns "accepted so far" into a 1 until the first rejection (or padding), then 0s;
@@ -98,8 +105,28 @@ def greedy_accept(
     """
     b, k = _check_shapes(draft_tokens, target_logits, "target_logits")
     draft_len = _resolve_draft_len(draft_len, b, k, draft_tokens.device)
-    target_top = target_logits.argmax(dim=-1)  # [b, k+1]
-    num_accepted = _accepted_prefix_len(draft_tokens == target_top[:, :k], draft_len)
+    return greedy_accept_ids(draft_tokens, target_logits.argmax(dim=-1), draft_len)
+
+
+def greedy_accept_ids(
+    draft_tokens: torch.Tensor,
+    target_top: torch.Tensor,
+    draft_len: torch.Tensor | None = None,
+) -> AcceptResult:
+    """:func:`greedy_accept` on the target's argmax ids ``target_top [b, k+1]`` (no logits needed).
+
+    Never reads the device back (the engine queues it behind its target forward): ``draft_len``
+    (default ``k``) is trusted, not range-checked.
+
+    Example:
+        >>> r = greedy_accept_ids(torch.tensor([[5, 1]]), torch.tensor([[5, 6, 7]]))
+        >>> r.num_accepted.tolist(), r.next_tokens.tolist()
+        ([1], [6])
+    """
+    b, k = draft_tokens.shape
+    if draft_len is None:
+        draft_len = torch.full((b,), k, dtype=torch.long, device=draft_tokens.device)
+    num_accepted = accepted_prefix_len(draft_tokens == target_top[:, :k], draft_len)
     next_tokens = target_top.gather(1, num_accepted[:, None]).squeeze(1)
     return AcceptResult(num_accepted=num_accepted, next_tokens=next_tokens)
 
@@ -184,7 +211,7 @@ def speculative_accept(
     # One uniform per position (padding included) keeps the random stream's layout independent
     # of draft_len, so a fixed seed gives the same draws whatever the ragged lengths are.
     u = torch.rand((b, k), generator=generator, device=device, dtype=dtype)
-    num_accepted = _accepted_prefix_len(u < acceptance_probability(p_x, q_x), draft_len)
+    num_accepted = accepted_prefix_len(u < acceptance_probability(p_x, q_x), draft_len)
 
     rows = torch.arange(b, device=device)
     p_at = p[rows, num_accepted]  # [b, V]: target at the first rejection, or at the bonus slot

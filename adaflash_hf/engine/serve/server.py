@@ -14,7 +14,7 @@ Example::
 
     from adaflash_hf import load_reference_pair
     from adaflash_hf.engine import Engine
-    from adaflash_hf.engine.server import make_server
+    from adaflash_hf.engine.serve.server import make_server
 
     target, drafter, tok = load_reference_pair()
     server = make_server(Engine(target, drafter, max_slots=8, max_len=1024), tok, port=8000)
@@ -40,8 +40,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from .async_engine import AsyncEngine, EngineClosed, EngineFailed
-from .engine import Engine, RequestRejected
-from .sampling import SamplingParams
+from ..engine import Engine, RequestRejected
+from ..sampling import SamplingParams
 
 __all__ = ["APIError", "CompletionService", "OpenAIServer", "make_server"]
 

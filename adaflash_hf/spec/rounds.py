@@ -1,0 +1,126 @@
+"""What a verified round is, how it reaches a sink, and tau (the one definition of it).
+
+Both loops (``generate`` and the engine) build a :class:`VerifiedRound` per row per round with
+:meth:`VerifiedRound.from_block` and hand it to a :class:`RoundSink`; a finished sequence becomes a
+:class:`FinishedRequest`. tau, the mean tokens committed per verify round, is
+:func:`tokens_per_round` (from totals) or :func:`mean_tokens_per_round` (from per-round counts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+__all__ = ["FinishedRequest", "RoundSink", "RoundTally", "VerifiedRound", "mean_tokens_per_round", "tokens_per_round"]
+
+
+def tokens_per_round(accepted_total: int, rounds: int) -> float:
+    """tau from totals: ``(accepted drafts + one target token per round) / rounds``; 0.0 without rounds.
+
+    Example:
+        >>> tokens_per_round(4, 3)
+        2.3333333333333335
+    """
+    return (accepted_total + rounds) / rounds if rounds else 0.0
+
+
+def mean_tokens_per_round(accepted: list[int]) -> float:
+    """tau: mean tokens committed per verify round, accepted drafts + the target's own token.
+
+    Example:
+        >>> mean_tokens_per_round([0, 3, 1])
+        2.3333333333333335
+    """
+    return tokens_per_round(sum(accepted), len(accepted))
+
+
+class RoundTally:
+    """Round counts of anything that keeps per-round ``accepted`` drafts and ``verify_lengths`` lists
+    (``generate``'s stats, an engine request's output): rounds, tau, mean verify length."""
+
+    accepted: list[int]
+    verify_lengths: list[int]
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verify round (accepted + 1); 0.0 before any round."""
+        return mean_tokens_per_round(self.accepted)
+
+    @property
+    def mean_verify_length(self) -> float:
+        return sum(self.verify_lengths) / self.rounds if self.rounds else 0.0
+
+
+@dataclass
+class VerifiedRound:
+    """One verified draft block of one sequence: what the online adapter needs to learn from it.
+
+    `context_ids` are the sequence's tokens before the block's bonus token (prompt padding
+    removed); `bonus_token` sits in block slot 0; `draft_tokens[:verify_len - 1]` were verified and
+    the first `num_accepted` of them accepted. `target_logits` (`[verify_len, V]`, raw, before
+    logits processors) are the target's distributions at the bonus and draft positions.
+    """
+
+    row: int
+    context_ids: torch.Tensor
+    bonus_token: int
+    draft_tokens: torch.Tensor
+    draft_logits: torch.Tensor
+    target_logits: torch.Tensor
+    verify_len: int
+    num_accepted: int
+    predicted_ratio: float | None
+
+    @classmethod
+    def from_block(cls, row: int, context_ids: torch.Tensor, bonus_token, draft_tokens: torch.Tensor,
+                   draft_logits: torch.Tensor, target_logits: torch.Tensor, draft_len, num_accepted,
+                   ratio=None) -> "VerifiedRound":
+        """One row's round from the loop's buffers (copied: loops reuse them): ``draft_tokens [>= k]``,
+        ``draft_logits [>= k, V]``, ``target_logits [>= k + 1, V]`` for ``k = draft_len`` verified drafts.
+
+        Example:
+            >>> r = VerifiedRound.from_block(0, torch.tensor([1, 2]), 3, torch.tensor([4, 5]), torch.zeros(2, 8),
+            ...                              torch.zeros(3, 8), draft_len=1, num_accepted=1)
+            >>> r.verify_len, r.draft_tokens.tolist(), tuple(r.target_logits.shape)
+            (2, [4], (2, 8))
+        """
+        k = int(draft_len)
+        return cls(
+            row=int(row),
+            context_ids=context_ids,
+            bonus_token=int(bonus_token),
+            draft_tokens=draft_tokens[:k].clone(),
+            draft_logits=draft_logits[:k].to(torch.float32, copy=True),
+            target_logits=target_logits[: k + 1].to(torch.float32, copy=True),
+            verify_len=k + 1,
+            num_accepted=int(num_accepted),
+            predicted_ratio=float(ratio) if ratio is not None else None,
+        )
+
+
+@dataclass
+class FinishedRequest:
+    """One sequence whose generation ended: its prompt (padding removed) and the tokens generated.
+
+    `row` is the sequence's row in its `generate` call (the request id in the engine).
+    """
+
+    row: int
+    prompt_ids: torch.Tensor
+    output_ids: torch.Tensor
+
+
+class RoundSink(Protocol):
+    """Receives every verified round (the online adapter implements it; generation never imports it).
+
+    A sink may also define ``on_request(finished: FinishedRequest)``: generation then calls it once
+    per sequence when that sequence's generation ends (the online adapter's request-level samples).
+    """
+
+    def on_round(self, verified: VerifiedRound) -> None: ...
