@@ -224,12 +224,10 @@ def adaflash_decoding(
 
         # 1. Draft one block per row in one drafter forward; the policy picks each row's verify length.
         t0 = clock()
-        budget = torch.tensor([max_length - s.shape[0] - 1 for s in batch.seqs], device=batch.bonus.device)
         with weights_lock:
-            block = generator.propose(batch.bonus, batch.pos, batch.ctx, batch.ctx_valid, batch.ctx_pos, budget)
+            block, draft, q = _draft(generator, batch, max_length, do_sample)
         stats.fallback_rounds += int((~block.finite).sum())
-        k = int(block.draft_len.max())
-        draft, q = _sample_drafts(generator, batch.seqs, block, k) if do_sample and k > 0 else (block.tokens[:, :k], None)
+        k = draft.shape[1]
         t1 = clock()
 
         # 2. Verify every row's bonus + drafts in one target forward (rows padded to the longest).
@@ -340,6 +338,16 @@ def _token_hidden(hidden_states, counts: list[int]) -> list[list[tuple]]:
     """Per row, the per-layer `[1, H]` hidden states of each of its `counts[i]` new tokens (verify
     position j made the row's j-th new token, so its states are that generate step's)."""
     return [[tuple(h[i, j : j + 1] for h in hidden_states) for j in range(n)] for i, n in enumerate(counts)]
+
+
+def _draft(generator: AdaFlashCandidateGenerator, batch: _Batch, max_length: int, do_sample: bool):
+    """One block per row (capped by the tokens left before ``max_length``), its drafts ``[b, k]`` for the
+    longest verify ``k``, and (sampling) the processed draft distributions they were drawn from."""
+    budget = torch.tensor([max_length - s.shape[0] - 1 for s in batch.seqs], device=batch.bonus.device)
+    block = generator.propose(batch.bonus, batch.pos, batch.ctx, batch.ctx_valid, batch.ctx_pos, budget)
+    k = int(block.draft_len.max())
+    draft, q = _sample_drafts(generator, batch.seqs, block, k) if do_sample and k > 0 else (block.tokens[:, :k], None)
+    return block, draft, q
 
 
 def _sample_drafts(generator: AdaFlashCandidateGenerator, seqs, block, k):
