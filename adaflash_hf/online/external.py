@@ -128,43 +128,22 @@ def rounds_from_response(
     )
     feats = drafter.select_context(out.hidden_states)  # [1, L, K*H]
     logits = out.logits[0]  # [len(positions), V]
-    mask_id = drafter.config.mask_token_id
     param = next(drafter.parameters())
     lock = hooks_for(drafter).weights_lock
     rounds = []
     for a in chosen:
         vl = spans[a]
-        block = torch.full((1, B), mask_id, dtype=torch.long, device=device)
-        block[0, 0] = ids[a]
         with lock:
-            noise = drafter.embed(block).to(device=param.device, dtype=param.dtype)
-            hidden = drafter(
-                noise_embeds=noise,
-                context_hidden_states=feats[:, :a].to(device=param.device, dtype=param.dtype),
-                position_ids=torch.arange(a + B, device=param.device)[None],
-            ).last_hidden_state
+            hidden = drafter.draft_block(ids[a : a + 1], feats[:, :a], torch.arange(a + B, device=param.device)[None])
             draft_logits = drafter.compute_logits(hidden[:, 1:]).float()[0]  # [B-1, V]
             ratio = float(drafter.predict_accept_ratio(hidden)[0]) if drafter.length_head is not None else None
         drafts = draft_logits.argmax(-1)[: vl - 1].to(device)
         truth = ids[a + 1 : a + vl]
         accepted = int(greedy_accepted(drafts == truth)) if vl > 1 else 0
         rows = torch.tensor([row_of[p] for p in range(a, a + vl)], device=logits.device)
-        rounds.append(
-            (
-                VerifiedRound(
-                    row=0,
-                    context_ids=ids[:a].cpu(),
-                    bonus_token=int(ids[a]),
-                    draft_tokens=drafts.cpu(),
-                    draft_logits=draft_logits[: vl - 1],
-                    target_logits=logits[rows].float(),
-                    verify_len=vl,
-                    num_accepted=accepted,
-                    predicted_ratio=ratio,
-                ),
-                feats[:, :a],
-            )
-        )
+        block = VerifiedRound.from_block(0, ids[:a].cpu(), ids[a], drafts.cpu(), draft_logits, logits[rows], vl - 1,
+                                         accepted, ratio)
+        rounds.append((block, feats[:, :a]))
     return rounds
 
 

@@ -178,17 +178,11 @@ class ShadowTrainer:
 
     def _draft_block(self, model: AdaFlashDrafter, s: Sample, feats) -> torch.Tensor:
         """The block's final hidden states ``[1, B, H]`` drafted by ``model`` from the context features."""
-        param = next(model.parameters())
-        dev, dtype = param.device, param.dtype
-        B, T = self.block_size, s.context_ids.numel()
-        ids = torch.full((1, B), model.config.mask_token_id, dtype=torch.long)
-        ids[0, 0] = s.bonus_token
-        with torch.no_grad():
-            emb_dev = model._target_ref("embed").weight.device
-            noise = _grad_ready(model.embed(ids.to(emb_dev)).to(device=dev, dtype=dtype))
-        ctx = _grad_ready(feats.to(device=dev, dtype=dtype)) if T > 0 else None
-        pos = torch.arange(T + B, device=dev)[None]
-        return model(noise_embeds=noise, context_hidden_states=ctx, position_ids=pos).last_hidden_state
+        dev = next(model.parameters()).device
+        T = s.context_ids.numel()
+        bonus = torch.tensor([s.bonus_token], device=model._target_ref("embed").weight.device)
+        pos = torch.arange(T + self.block_size, device=dev)[None]
+        return model.draft_block(bonus, feats if T > 0 else None, pos)
 
     def sample_loss(self, model: AdaFlashDrafter, s: Sample, cache_features: bool = True):
         """``(main_loss, head_loss)`` of one round sample for ``model`` (the shadow, or the serving
