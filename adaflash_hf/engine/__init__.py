@@ -1,4 +1,4 @@
-"""Continuous-batching speculative decoding engine (issue 6): slotted KV caches, packed verification,
+"""Continuous-batching speculative decoding engine: slotted KV caches, packed verification,
 EMA admission; on CUDA the decode forwards are CUDA graphs per bucket with flex_attention
 (``graphs.py``, ``attention.py``) over the target's fused layers (``fused.py``; checked and measured by examples/engine_gpu_check.py)."""
 

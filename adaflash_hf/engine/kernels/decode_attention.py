@@ -8,9 +8,9 @@ rows of a Qwen3-8B verify block are one tensor-core tile), and a second kernel m
 partial softmaxes (:func:`merge_partials` is the same math in PyTorch). Chunk bounds are computed on
 the device from ``start``, so one CUDA graph serves any context length.
 
-Why not flex_attention: on the H200 its decoding path took 0.41 ms per 36-layer forward at one query
-row and 0.97 ms at 16 (three kernels per layer; ``docs/engine.md``), the largest non-projection cost
-of a decode step and the main reason a 16-token verify cost 1.24x a 1-token forward.
+Why not flex_attention: its decoding path is three kernels per layer and was the largest
+non-projection cost of a decode step, and the main reason a 16-token verify cost more than a 1-token
+forward (measured in ``docs/engine.md`` and BENCHMARKS.md section 4).
 
 This module needs Triton (``torch`` ships it on CUDA; the ``[dev]`` extra installs it on CPU, where
 the tests run the kernels in Triton's interpreter); :mod:`.attention` imports it only when the
@@ -136,10 +136,9 @@ def unsupported(q: torch.Tensor, k: torch.Tensor) -> str | None:
 
 def splits_for(slots: int, kv_heads: int, kv_len: int, rows: int, sms: int = 132) -> int:
     """Chunks per slot: about one ``(slot, kv head, chunk)`` program per multiprocessor (a power of two,
-    at most 16, at most one per ``BLOCK_N`` keys), half that for tiles of 64 query rows or more. On the
-    H200 at one slot (plus the padding row), 8 kv heads and 1024 keys this chose the fastest of 1-32
-    chunks for 1 and for 16 query rows, and no split from 32 slots up
-    (``docs/logs/engine_probes/decode_kernels.json``)."""
+    at most 16, at most one per ``BLOCK_N`` keys), half that for tiles of 64 query rows or more. The
+    rule follows the kernel probe (``docs/logs/engine_probes/decode_kernels.json``): at one slot it
+    matches the fastest measured chunk count, and it does not split from 32 slots up."""
     want = max(1, sms // (slots * kv_heads))
     if rows >= 64:
         want //= 2

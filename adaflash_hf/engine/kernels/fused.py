@@ -24,7 +24,7 @@ microseconds, which is why the engine's 8B-shape decode ran at 34% of the bandwi
   keeps the fastest (:attr:`FusedTarget.row_kernels` for one row, :attr:`FusedTarget.block_kernels`
   for 2-16 rows). Larger forwards (prefill) always use cuBLAS. (``act(gate) * up`` is not fused into the
   down projection: Inductor then recomputes the activation in every output tile, and the down
-  projection got ~40% slower on the H200.)
+  projection got slower in the probe.)
 
 :meth:`FusedTarget.build` returns ``None`` with a reason (the engine then keeps the modules' path)
 when a layer is not the stock Qwen3 / Llama math: adapters such as PEFT LoRA on a projection,

@@ -1,8 +1,8 @@
 """Qwen3's q/k RMSNorm, RoPE and the static decode path's stores in one Triton kernel.
 
-:func:`.fused.qk_norm_rope_store` compiled by Inductor is four kernels per layer on the H200 (the norm
-and RoPE, then one scatter each for the K cache, the V cache and the queries' slot layout: ~0.22 ms
-of a 4.6 ms batch-1 forward at Qwen3-8B shape, ``docs/logs/engine_gpu_check_triton/``).
+:func:`.fused.qk_norm_rope_store` compiled by Inductor is four kernels per layer (the norm and RoPE,
+then one scatter each for the K cache, the V cache and the queries' slot layout; timed in
+``docs/logs/engine_gpu_check_triton/``).
 Here one program per (token, head) does all of it: a q or k head is normalised (when the model has
 q/k norms), rotated and written to the query layout or the K cache, a v head is copied to the V cache.
 The rounding follows the HF modules': statistics in float32, each product and sum rounded to the

@@ -1,10 +1,9 @@
 """Linear layers over a few rows (1-16 tokens: a decode step, a verify block) in Triton.
 
 At one to sixteen rows a projection is a pass over its weight: what matters is reading it at full
-bandwidth. cuBLAS and Inductor's tuned reduction leave some of it on the table at Qwen3-8B shapes on
-the H200 (``docs/logs/engine_probes/decode_kernels.json``): e.g. the down projection
-took 30.5 us (cuBLAS) and 31.2 us (Inductor) at one row, 24.9 us here; at 16 rows the o projection
-took 13.6 us (cuBLAS) and 11.3 us here. Neither wins everywhere, so :class:`~.fused.FusedTarget`
+bandwidth. cuBLAS and Inductor's tuned reduction leave some of it on the table at Qwen3-8B shapes
+(the kernel probe, ``docs/logs/engine_probes/decode_kernels.json``, and BENCHMARKS.md section 4).
+No kernel wins everywhere, so :class:`~.fused.FusedTarget`
 times the candidates on the model's own weights and keeps the fastest per projection.
 
 * one row: a matrix-vector product, ``block_n`` weight rows per program, the input read in ``block_k``

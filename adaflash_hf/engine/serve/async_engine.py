@@ -1,4 +1,4 @@
-"""A thread-safe, asyncio-friendly front end for the continuous-batching :class:`Engine` (issue 6).
+"""A thread-safe, asyncio-friendly front end for the continuous-batching :class:`Engine`.
 
 :class:`AsyncEngine` owns one background thread that owns the engine: every engine call (``submit``,
 ``step``, ``cancel``) happens on that thread, so the (not thread-safe) engine is never touched from

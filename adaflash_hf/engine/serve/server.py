@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server over the continuous-batching engine (issue 6), standard library only.
+"""An OpenAI-compatible HTTP server over the continuous-batching engine, standard library only.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the tokenizer's chat template),
 ``GET /v1/models``, ``GET /health``. Every request is a request of one :class:`AsyncEngine`, so
