@@ -15,7 +15,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-# The benchmark sets that are not a domain's eval source (bench.py reads them by name).
+# The benchmark sets that are not a domain's eval source (the bench reads them by name).
 BENCH_ONLY = ("math500/test.jsonl", "mathqa/test_1000.jsonl")
 
 
