@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from ..modeling import AdaFlashDrafter
-from ..spec.hooks import DrafterHooks, hooks_for, register_hooks, unregister_hooks
+from ..spec.hooks import DrafterHooks, hooks_for, register_hooks, replace_hooks, unregister_hooks
 from .buffer import ReplayBuffer, RequestSample, Sample
 from .config import LABEL_MODES, METHODS, SAMPLE_UNITS, OnlineConfig
 from .hub import redact
@@ -179,8 +179,7 @@ class OnlineAdapter:
     # ================================================================== serving side
     def _set_hooks(self, hooks: DrafterHooks) -> None:
         """Replace this adapter's registered hooks (the lock stays the same object)."""
-        unregister_hooks(self.drafter, self._hooks)
-        register_hooks(self.drafter, hooks)
+        replace_hooks(self.drafter, self._hooks, hooks)
         self._hooks = hooks
 
     def attach(self) -> "OnlineAdapter":

@@ -28,7 +28,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["DrafterHooks", "hooks_for", "register_hooks", "round_callbacks", "unregister_hooks"]
+__all__ = ["DrafterHooks", "hooks_for", "register_hooks", "replace_hooks", "round_callbacks", "unregister_hooks"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,15 @@ def register_hooks(drafter, hooks: DrafterHooks) -> None:
         if current is not None and current is not hooks:
             raise RuntimeError("this drafter already has hooks registered (e.g. another OnlineAdapter is attached)")
         _registry[drafter] = hooks
+
+
+def replace_hooks(drafter, old: DrafterHooks, new: DrafterHooks) -> None:
+    """Swap the owner's ``old`` hooks for ``new`` in one step: no loop ever sees ``drafter`` without
+    hooks in between (it would draft without the weights lock). Refuses if ``old`` is not registered."""
+    with _guard:
+        if _registry.get(drafter) is not old:
+            raise RuntimeError("replace_hooks: the hooks to replace are not the ones registered for this drafter")
+        _registry[drafter] = new
 
 
 def unregister_hooks(drafter, hooks: DrafterHooks) -> None:
