@@ -1,7 +1,9 @@
-"""The prompts of a benchmark dataset: a named eval set (`adaflash_hf.training.data`) or ``jsonl:PATH``."""
+"""The prompts of a benchmark dataset: a named eval set (`adaflash_hf.training.data`: the local data
+folder, else the Hub through `datasets`, else the built-in sample with a one-line note) or ``jsonl:PATH``."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from ..loading import read_jsonl
@@ -15,10 +17,17 @@ def load_prompts(spec: str, limit: int, data_dir) -> tuple[str, list[list[dict] 
         records = [rec for _, rec in read_jsonl(str(path), "--datasets")]
         label = path.stem
     else:
-        from ..training.data import eval_prompts
+        from ..training import data as D
 
-        records = eval_prompts(spec, limit=limit, data_dir=data_dir)
         label = spec.strip().lower()
+        try:
+            records = D.eval_prompts(spec, limit=limit, data_dir=data_dir)
+        except D.HubUnavailable as e:
+            # No local copy and no Hub (offline, not cached): the sample shipped with the package.
+            domain = D.dataset_domain(label)
+            records = D.builtin_prompts(domain, limit=limit)
+            print(f"note: {label}: no local data folder and no Hub access ({e}); using the built-in {domain} "
+                  f"sample ({len(records)} prompts)", file=sys.stderr)
     out = []
     for i, rec in enumerate(records[:limit]):
         if isinstance(rec.get("messages"), list):

@@ -66,7 +66,7 @@ def _check_datasets(args) -> None:
             raise UsageError(f"--datasets: unknown dataset {spec!r}", f"choose from {', '.join(D.EVAL_DATASETS)} or jsonl:PATH")
     if named:
         try:
-            D.data_dir(args.data_dir)
+            D.local_data_dir(args.data_dir)  # None (Hub, then the built-in sample) unless a folder was asked for
         except FileNotFoundError as e:
             raise UsageError(one_line(e), f"pass --data-dir DIR or set {D.ENV_VAR}") from None
 

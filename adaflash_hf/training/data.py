@@ -11,6 +11,11 @@ Two kinds of record come out of here:
 The data folder is ``$ADAFLASH_DATA`` if set, else ``../shared/data`` relative to the repository root
 (the folder holding ``pyproject.toml``), else ``../shared/data`` / ``shared/data`` relative to the
 current directory. Every function takes an optional ``data_dir`` to override that.
+
+Named eval datasets whose subfolder is not in the data folder (or with no data folder at all, when
+none was asked for) load from the Hugging Face Hub through 🤗 ``datasets`` (`hub_datasets`: one
+table of Hub id, config, split and field per name). A small built-in sample per domain ships with the
+package (`builtin_prompts`) for runs with neither local data nor network.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import random
 import re
 from pathlib import Path
 from typing import Iterable
+
+from .hub_datasets import HUB_DATASETS, HubUnavailable, load_hub_records
 
 ENV_VAR = "ADAFLASH_DATA"
 
@@ -106,6 +113,7 @@ def data_dir(path: str | os.PathLike | None = None) -> Path:
         if root is not None:
             cand.append(root.parent / "shared" / "data")
         cand += [Path.cwd().parent / "shared" / "data", Path.cwd() / "shared" / "data"]
+        cand = list(dict.fromkeys(c.resolve() for c in cand))
     for c in cand:
         if c.is_dir():
             return c.resolve()
@@ -114,6 +122,18 @@ def data_dir(path: str | os.PathLike | None = None) -> Path:
         f"Set the environment variable {ENV_VAR} to the folder holding the datasets "
         f"(shared/data, with gsm8k/, sharegpt/, ...)."
     )
+
+
+def local_data_dir(path: str | os.PathLike | None = None) -> Path | None:
+    """`data_dir`, but None (instead of an error) when no folder was asked for (no ``path``, no
+    ``$ADAFLASH_DATA``) and none of the default places exists: named datasets then load from the Hub.
+    A folder asked for explicitly that does not exist is still an error."""
+    try:
+        return data_dir(path)
+    except FileNotFoundError:
+        if path is not None or os.environ.get(ENV_VAR):
+            raise
+        return None
 
 
 def _file(rel: str, data_dir_: str | os.PathLike | None = None) -> Path:
@@ -259,6 +279,21 @@ def _prose_samples(split: str, data_dir_=None) -> list[dict]:
     return out
 
 
+def _prose_eval_samples(data_dir_=None) -> list[dict]:
+    """Held-out prose chunks: the local prose sources when the data folder holds any of them, else
+    the Hub source of ``prose`` (`hub_datasets`), held out the same way (its last chunks)."""
+    root = local_data_dir(data_dir_)
+    folders = {rel.split("/", 1)[0] for rel in TRAIN_SOURCES["prose"]}
+    if root is not None and any((root / f).is_dir() for f in folders):
+        return _prose_samples("eval", root)
+    out = []
+    for r in load_hub_records("prose"):
+        chunks = chunk_text(r["text"])
+        n_eval = max(1, round(len(chunks) * PROSE_EVAL_FRACTION))
+        out.extend({"text": c, "domain": "prose", "source": HUB_DATASETS["prose"].local} for c in chunks[-n_eval:])
+    return out
+
+
 # ----------------------------------------------------------------------------- train samples
 
 
@@ -325,49 +360,59 @@ def _turns_prompts(rows: list[dict], dataset: str, **extra) -> list[dict]:
     return out
 
 
+def _eval_rows(name: str, rel: str | None, data_dir_=None) -> list[dict]:
+    """Records of one eval file: from the local data folder when it holds the file's subfolder,
+    else from the Hub (`hub_datasets.HUB_DATASETS[name]`). ``rel=None``: the folder's only .jsonl."""
+    folder = (rel or HUB_DATASETS[name].local).split("/", 1)[0]
+    root = local_data_dir(data_dir_)
+    if root is not None and (root / folder).is_dir():
+        return _jsonl(rel or f"{folder}/{_only_jsonl(folder, root)}", root)
+    return load_hub_records(name)
+
+
 def _load_eval(name: str, data_dir_=None) -> list[dict]:
     if name == "gsm8k":
         return [_prompt(r["question"].strip(), name, gsm8k_final_answer(r["answer"]),
                         solution=clean_gsm8k_answer(r["answer"]).strip())
-                for r in _jsonl("gsm8k/test.jsonl", data_dir_)]
+                for r in _eval_rows(name, "gsm8k/test.jsonl", data_dir_)]
     if name == "mathqa":
         return [_prompt(_mathqa_user(r), name, r["correct"], solution=_mathqa_answer(r), category=r.get("type"))
-                for r in _jsonl("mathqa/test_1000.jsonl", data_dir_)]
+                for r in _eval_rows(name, "mathqa/test_1000.jsonl", data_dir_)]
     if name == "math500":
         return [_prompt(r["problem"].strip(), name, r["answer"], solution=r["solution"], category=r.get("subject"),
-                        level=r.get("level")) for r in _jsonl("math500/test.jsonl", data_dir_)]
+                        level=r.get("level")) for r in _eval_rows(name, "math500/test.jsonl", data_dir_)]
     if name in ("aime2025", "aime2024"):
         rel = f"{name}/{name}.jsonl"
         return [_prompt(r["problem"].strip(), name, str(r["answer"]), id=r.get("id"))
-                for r in _jsonl(rel, data_dir_)]
+                for r in _eval_rows(name, rel, data_dir_)]
     if name == "mbpp":
         lo, hi = MBPP_TEST_IDS
         return [_prompt(_mbpp_user(r["prompt"], r["test_list"]), name, _mbpp_code(r["code"]), task_id=r["task_id"],
                         test_list=r["test_list"], test_imports=r.get("test_imports", []))
-                for r in _jsonl("mbpp/sanitized-mbpp.jsonl", data_dir_) if lo <= int(r["task_id"]) <= hi]
+                for r in _eval_rows(name, "mbpp/sanitized-mbpp.jsonl", data_dir_) if lo <= int(r["task_id"]) <= hi]
     if name == "humaneval":
-        rows = _jsonl("humaneval/" + _only_jsonl("humaneval", data_dir_), data_dir_)
+        rows = _eval_rows(name, None, data_dir_)
         return [_prompt(r["prompt"], name, r.get("canonical_solution"), task_id=r.get("task_id")) for r in rows]
     if name == "codealpaca":
         return [_prompt(_alpaca_user(r["instruction"], r.get("input")), name, r["output"])
-                for r in _jsonl("codealpaca/code_alpaca_2k.jsonl", data_dir_)]
+                for r in _eval_rows(name, "codealpaca/code_alpaca_2k.jsonl", data_dir_)]
     if name == "sharegpt":
         out = []
-        for r in _jsonl("sharegpt/sharegpt_eval500.jsonl", data_dir_):
+        for r in _eval_rows(name, "sharegpt/sharegpt_eval500.jsonl", data_dir_):
             msgs = _sharegpt_messages(r["conversations"])
             if msgs:
                 out.append(_prompt(msgs[0]["content"], name, msgs[1]["content"], id=r["id"]))
         return out
     if name == "alpaca_eval":
         return [_prompt(r["instruction"].strip(), name, r.get("output"), category=r.get("dataset"))
-                for r in _jsonl("alpaca_eval/alpaca_eval.jsonl", data_dir_)]
+                for r in _eval_rows(name, "alpaca_eval/alpaca_eval.jsonl", data_dir_)]
     if name == "mt_bench":
-        return _turns_prompts(_jsonl("mt_bench/question.jsonl", data_dir_), name)
+        return _turns_prompts(_eval_rows(name, "mt_bench/question.jsonl", data_dir_), name)
     if name == "spec_bench":
-        return _turns_prompts(_jsonl("spec_bench/question.jsonl", data_dir_), name)
+        return _turns_prompts(_eval_rows(name, "spec_bench/question.jsonl", data_dir_), name)
     if name == "prose":
         out = []
-        for s in _prose_samples("eval", data_dir_):
+        for s in _prose_eval_samples(data_dir_):
             cut = s["text"].rfind(" ", 0, PROSE_PROMPT_CHARS)
             cut = cut if cut > 0 else PROSE_PROMPT_CHARS
             out.append({"text": s["text"][:cut], "dataset": name, "reference": s["text"][cut:], "source": s["source"]})
@@ -378,7 +423,7 @@ def _load_eval(name: str, data_dir_=None) -> list[dict]:
         for t in tasks:
             if t not in EAGLE_TASKS:
                 raise ValueError(f"unknown eagle_bench task {t!r} in {name!r}; known: {', '.join(EAGLE_TASKS)}")
-            out += _turns_prompts(_jsonl(f"eagle_bench/{t}.jsonl", data_dir_), "eagle_bench", task=t)
+            out += _turns_prompts(_eval_rows(f"eagle_bench:{t}", f"eagle_bench/{t}.jsonl", data_dir_), "eagle_bench", task=t)
         return out
     raise ValueError(f"unknown eval dataset {name!r}; known: {', '.join(EVAL_DATASETS)} (and eagle_bench:<task>)")
 
@@ -388,6 +433,42 @@ def _only_jsonl(folder: str, data_dir_=None) -> str:
     if not files:
         raise FileNotFoundError(f"no .jsonl file in {data_dir(data_dir_) / folder}; set {ENV_VAR}.")
     return files[0]
+
+
+BUILTIN_DIR = Path(__file__).resolve().parent / "builtin_prompts"
+BUILTIN_DOMAINS = ("math", "code", "chat", "prose")
+
+
+def dataset_domain(dataset_name: str) -> str:
+    """The domain of a named eval dataset (math, code, chat, prose), or ``"blend"``."""
+    name = dataset_name.strip().lower()
+    if name == "blend":
+        return "blend"
+    if name == "eagle_bench":
+        return "chat"
+    if name not in HUB_DATASETS:
+        raise ValueError(f"unknown eval dataset {dataset_name!r}; known: {', '.join(EVAL_DATASETS)}")
+    return HUB_DATASETS[name].domain
+
+
+def builtin_prompts(domain: str, limit: int | None = None) -> list[dict]:
+    """The prompt sample shipped with the package (8 per domain, see builtin_prompts/README.md), as
+    `eval_prompts` records with ``"dataset": "builtin:<domain>"``. ``domain`` is math, code, chat,
+    prose, or ``blend`` (math, code and chat interleaved) or a dataset name (its domain)."""
+    if domain not in BUILTIN_DOMAINS and domain != "blend":
+        domain = dataset_domain(domain)
+    if domain == "blend":
+        parts = [builtin_prompts(d) for d in ("math", "code", "chat")]
+        out = [rec for group in zip(*parts) for rec in group]
+        return out[:limit] if limit is not None else out
+    out = []
+    for r in load_jsonl(BUILTIN_DIR / f"{domain}.jsonl"):
+        if "text" in r:
+            out.append({"text": r["text"], "dataset": f"builtin:{domain}", "reference": r.get("reference"),
+                        "source": r["source"]})
+        else:
+            out.append(_prompt(r["prompt"], f"builtin:{domain}", r.get("reference"), source=r["source"]))
+    return out[:limit] if limit is not None else out
 
 
 def eval_prompts(dataset_name: str, limit: int | None = None, seed: int = 0, data_dir=None) -> list[dict]:
@@ -400,6 +481,9 @@ def eval_prompts(dataset_name: str, limit: int | None = None, seed: int = 0, dat
     round-robin, so any prefix is balanced. Each record: ``{"messages": [{"role": "user", ...}],
     "dataset": name, "reference": str | None, ...}``; blend records also carry ``"source"``.
     Multi-turn sets (mt_bench, spec_bench, eagle_bench) keep all user turns under ``"turns"``.
+    A dataset whose subfolder is not in the data folder loads from the Hub with ``datasets``
+    (`hub_datasets.HUB_DATASETS`); `HubUnavailable` says when that is not possible either
+    (`builtin_prompts` is the offline sample).
     ``prose`` (the held-out end of each prose source) is a continuation task: its records carry a
     raw ``"text"`` prompt (a chunk's opening, no chat template) instead of ``"messages"``.
     """
@@ -430,7 +514,12 @@ __all__ = [
     "TRAIN_DOMAINS",
     "TRAIN_SOURCES",
     "EVAL_DATASETS",
+    "HUB_DATASETS",
+    "HubUnavailable",
     "data_dir",
+    "local_data_dir",
+    "builtin_prompts",
+    "dataset_domain",
     "load_jsonl",
     "chat_samples",
     "all_train_samples",
