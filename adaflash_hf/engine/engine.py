@@ -43,15 +43,16 @@ import torch
 
 from ..spec.hooks import hooks_for, round_callbacks
 from ..spec.length_policy import LengthPolicy, choose_verify_length, load_scaled_rate
-from ..spec.rounds import FinishedRequest, RoundSink, VerifiedRound
+from ..spec.rounds import RoundSink, VerifiedRound
 from ..spec.verify import SampledRows, accept_block
 from .admission import AdmissionController, fit_token_budget
 from .kernels.attention import BLOCK
 from .drafter import DraftGraphs, append_context, draft_blocks, make_drafter_cache
 from .kernels.fused import FusedTarget
 from .graphs import DecodeGraphs, to_device
+from .lifecycle import NON_FINITE, RequestLifecycle
 from .requests import EngineOutput, Request, RequestHandle, RequestRejected, StepInfo, check_request
-from .sampling import SamplingParams, processed_probs
+from .sampling import SamplingParams, checked_probs, processed_probs
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
 
 __all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo", "VERIFY_MODES"]
@@ -63,7 +64,8 @@ VERIFY_MODES = ("packed", "rectangular", "fixed", "off")
 class _Drafts:
     """One round's drafts: ``tokens [n, B-1]``, ``draft_len [n]`` and the verify lengths ``q_lens`` (host);
     raw draft ``logits`` and length-head ``ratio`` (device, ``None`` when nothing was drafted); the
-    processed draft distributions ``q_probs[i]`` of sampled requests (``None`` for greedy ones)."""
+    processed draft distributions ``q_probs[i]`` of sampled requests (``None`` for greedy ones) and their
+    device flags ``q_bad[i]`` (the distribution was not finite: the request fails after the round)."""
 
     tokens: torch.Tensor
     draft_len: torch.Tensor
@@ -71,9 +73,10 @@ class _Drafts:
     logits: torch.Tensor | None
     ratio: torch.Tensor | None
     q_probs: list
+    q_bad: list
 
 
-class Engine:
+class Engine(RequestLifecycle):
     """Continuous-batching speculative decoding over a slotted KV cache.
 
     Args:
@@ -106,6 +109,10 @@ class Engine:
             callbacks and cancellations act at that granularity. 1 turns it off.
         profile: time each step's phases (``phase_seconds``: draft, target, accept, host), with a
             device synchronisation at every phase boundary (measurement only: it adds syncs).
+
+    Faults (:mod:`.lifecycle`): a request whose callback raises or whose distribution is not finite ends
+    alone with ``finish_reason="error"``; a failed round fails the requests in flight and sets
+    :attr:`healthy` to False (:attr:`last_error` says why). ``step()`` itself does not raise for either.
 
     Example:
         >>> engine = Engine(target, drafter, verify_mode="packed", max_slots=8, max_len=256)  # doctest: +SKIP
@@ -225,7 +232,11 @@ class Engine:
         try:
             if self.profile:
                 self._tick(None)
-            did = self._step()
+            try:
+                did = self._step()
+            except Exception as e:  # noqa: BLE001 - the round failed as a whole (forward, kernel, OOM)
+                self._fail_round(e)
+                did = True
             if self.profile:
                 self._tick("host")
                 self.profiled_steps += int(did)
@@ -274,8 +285,8 @@ class Engine:
             self._tick("target")
 
         # 4. Accept on the device (the shared verify step), then one read: first tokens, accepted, next tokens.
-        first, accepted, next_tokens, vlogits = self._accept(logits, admitted, running, drafts, verify_inputs)
-        packed = torch.cat([first, accepted, next_tokens]).tolist()  # the round's one device read
+        first, accepted, next_tokens, bad, vlogits = self._accept(logits, admitted, running, drafts, verify_inputs)
+        packed = torch.cat([first, accepted, next_tokens, bad.long()]).tolist()  # the round's one device read
         self.host_syncs += 1
         if self.profile:
             self._tick("accept")
@@ -293,17 +304,24 @@ class Engine:
 
     def _commit_round(self, admitted, running, drafts: _Drafts, packed: list[int], vlogits, hidden, offs) -> None:
         """Advance the target cache over what was accepted, hand the new features to the drafter, emit
-        each verified round, commit tokens. ``packed``: prefill first tokens, accepted counts, next tokens."""
+        each verified round, commit tokens; fail (alone) each request whose fault flag is set. ``packed``:
+        prefill first tokens, accepted counts, next tokens, fault flags (prefills, then verifies)."""
         base, n = len(admitted), len(running)
-        first, accepted, next_tokens = packed[:base], packed[base : base + n], packed[base + n :]
+        first, accepted, next_tokens = packed[:base], packed[base : base + n], packed[base + n : base + 2 * n]
+        bad = packed[base + 2 * n :]
         for j, r in enumerate(admitted):  # the prompt's features become the drafter's first context
+            if bad[j]:
+                self._fail(r, NON_FINITE)
+                continue
             self.cache.advance(r.slot, len(r.prompt))
             if hidden is not None:
                 r.pending_ctx = hidden[offs[j] : offs[j + 1]]
-            self._running.append(r)
             self._commit(r, [first[j]])
         rows, dl_host = drafts.tokens.tolist(), drafts.draft_len.tolist()
         for i, (r, a) in enumerate(zip(running, accepted)):
+            if bad[base + i]:
+                self._fail(r, NON_FINITE)
+                continue
             if self.on_round is not None:
                 self._emit_round(r, drafts, vlogits, i, dl_host[i], a)
             self.cache.advance(r.slot, a + 1)
@@ -317,7 +335,7 @@ class Engine:
         n = len(running)
         draft = torch.zeros(n, max(self.block_size - 1, 0), dtype=torch.long)
         draft_len = torch.zeros(n, dtype=torch.long)
-        draft_logits, ratio, q_probs = None, None, [None] * n
+        draft_logits, ratio, q_probs, q_bad = None, None, [None] * n, [None] * n
         if n and self.drafter is not None:
             draft, draft_logits, ratio, draft_len = self._propose(running)
         if self.profile:
@@ -330,10 +348,10 @@ class Engine:
             q_lens = [d + 1 for d in dl_host]
         for i, r in enumerate(running):
             if not r.params.greedy and dl_host[i] > 0:
-                q = processed_probs(draft_logits[i, : q_lens[i] - 1], r.params)
+                q, q_bad[i] = checked_probs(processed_probs(draft_logits[i, : q_lens[i] - 1], r.params))
                 q_probs[i] = q
                 draft[i, : q_lens[i] - 1] = torch.multinomial(q, 1, generator=r.generator).squeeze(1)
-        return _Drafts(draft, draft_len, q_lens, draft_logits, ratio, q_probs)
+        return _Drafts(draft, draft_len, q_lens, draft_logits, ratio, q_probs, q_bad)
 
     def _admit(self, running, verify_tokens: int) -> list[Request]:
         """Queued requests that fit next to ``running`` this round (slots allocated, state ``running``)."""
@@ -349,6 +367,7 @@ class Engine:
             if self.dcache is not None:
                 self.dcache.alloc(req.slot)  # the drafter's context cache uses the same slot id
             req.state = "running"
+            self._running.append(req)  # in flight from here: a failed round fails it too
             admitted.append(req)
             left -= len(req.prompt)
         return admitted
@@ -368,25 +387,30 @@ class Engine:
         return up[: n * (kmax + 1)].view(n, kmax + 1), up[n * (kmax + 1) : n * (2 * kmax + 1)].view(n, kmax), up[n * (2 * kmax + 1) :]
 
     def _accept(self, logits, admitted, running, drafts: _Drafts, verify_inputs):
-        """Prefill first tokens, accepted counts and next tokens (device), and the verify logits
+        """Prefill first tokens, accepted counts, next tokens and per-request fault flags (prefills, then
+        verifies: a logit or processed distribution that is not finite) on the device, and the verify logits
         ``[n, kmax + 1, V]`` a round sink is given (else ``None``)."""
         top = logits.argmax(dim=-1)  # [prefill + verify tokens]: greedy needs nothing else
-        first = top[: len(admitted)].clone()
+        finite = torch.isfinite(logits).all(dim=-1)  # a NaN row fails its request, not the round
+        na = len(admitted)
+        first, bad = top[:na].clone(), ~finite[:na]
         for j, r in enumerate(admitted):
             if not r.params.greedy:
-                first[j] = torch.multinomial(processed_probs(logits[j : j + 1], r.params), 1, generator=r.generator)[0, 0]
+                p, bad_p = checked_probs(processed_probs(logits[j : j + 1], r.params))
+                first[j], bad[j] = torch.multinomial(p, 1, generator=r.generator)[0, 0], bad[j] | bad_p
         if not running:
-            return first, top.new_zeros(0), top.new_zeros(0), None
+            return first, top.new_zeros(0), top.new_zeros(0), bad, None
         vidx, draft_dev, dl_dev = verify_inputs
-        sampled = []
+        vbad, sampled = ~finite[vidx].all(dim=-1), []
         for i, (r, dl) in enumerate(zip(running, drafts.draft_len.tolist())):
             if not r.params.greedy:
-                p = processed_probs(logits[vidx[i, : dl + 1]], r.params)
+                p, bad_p = checked_probs(processed_probs(logits[vidx[i, : dl + 1]], r.params))
+                vbad[i] = vbad[i] | bad_p | (drafts.q_bad[i] if drafts.q_bad[i] is not None else bad_p)
                 q = drafts.q_probs[i] if drafts.q_probs[i] is not None else p.new_zeros(0, p.shape[-1])
                 sampled.append(SampledRows([i], q[None, :dl], p[None], None, r.generator))
         res = accept_block(draft_dev, dl_dev, top[vidx], sampled)
         vlogits = logits[vidx].float() if self.on_round is not None else None
-        return first, res.num_accepted, res.next_tokens, vlogits
+        return first, res.num_accepted, res.next_tokens, torch.cat([bad, vbad]), vlogits
 
     def _greedy_steps(self, running) -> int:
         """How many plain greedy decode steps to queue before the next device read (1: a normal round)."""
@@ -523,50 +547,3 @@ class Engine:
         # copies: the drafter's static draft-logits buffer is reused next round
         self.on_round(VerifiedRound.from_block(r.id, torch.tensor(r.prompt + r.tokens[:-1]), r.bonus, drafts.tokens[i],
                                                draft_logits[i], vlogits[i], draft_len, accepted, ratio))
-
-    # ------------------------------------------------------------------ bookkeeping
-    def _commit(self, r: Request, new: list[int], verify_len: int | None = None) -> None:
-        """Append tokens one by one; stop at EOS, ``max_new_tokens`` or a cancellation exactly where plain
-        decoding would. ``verify_len``: ``new`` ends a verify round of that length, recorded (before the
-        request can finish) with the tokens it emitted: fewer than accepted + 1 when it stopped inside."""
-        eos, emitted, reason = r.params.eos_ids, 0, None
-        for tok in new:
-            r.tokens.append(tok)
-            emitted += 1
-            if r.on_token is not None:
-                r.on_token(tok)
-            reason = ("eos" if tok in eos else "length" if len(r.tokens) >= r.max_new
-                      else "cancelled" if r.cancel_requested else None)
-            if reason is not None:
-                break
-        if verify_len is not None:
-            r.accepted.append(emitted - 1)
-            r.verify_lengths.append(verify_len)
-        if reason is not None:
-            self._finish(r, reason)
-
-    def _finish(self, r: Request, reason: str) -> None:
-        if r.output is not None:
-            return
-        if r.state == "running":
-            self._running.remove(r)
-            self.cache.free(r.slot)
-            if self.dcache is not None:
-                self.dcache.free(r.slot)
-        elif r.state == "queued":
-            self._queue.remove(r)
-        r.state, r.pending_ctx = "done", None
-        r.output = EngineOutput(r.id, list(r.prompt), list(r.tokens), reason, list(r.accepted), list(r.verify_lengths))
-        if self.on_request is not None and reason != "cancelled":
-            self.on_request(FinishedRequest(r.id, torch.tensor(r.prompt), torch.tensor(r.tokens)))
-
-    def _cancel(self, r: Request) -> None:
-        if r.output is not None:
-            return
-        r.cancel_requested = True
-        if not self._in_step:
-            self._finish(r, "cancelled")
-
-    def _reap_cancelled(self) -> None:
-        for r in [r for r in itertools.chain(self._running, self._queue) if r.cancel_requested]:
-            self._finish(r, "cancelled")

@@ -27,9 +27,10 @@ class EngineOutput(RoundTally):
     request_id: int
     prompt_ids: list[int]
     token_ids: list[int]
-    finish_reason: str  # "length", "eos" or "cancelled"
+    finish_reason: str  # "length", "eos", "cancelled" or "error" (then ``error`` says why)
     accepted: list[int] = field(default_factory=list)  # accepted drafts per round after prefill (0s when "off")
     verify_lengths: list[int] = field(default_factory=list)  # tokens verified per round (bonus included)
+    error: str | None = None  # finish_reason "error": what failed (this request only, or the engine's round)
 
 
 @dataclass(frozen=True)

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import torch
 
-__all__ = ["SamplingParams", "processed_probs"]
+__all__ = ["GREEDY_TEMPERATURE", "SamplingParams", "checked_probs", "processed_probs"]
+
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-38 overflows float32 to
+# inf and softmax gives NaN, while 1e-5 keeps any finite logit finite (|logit| < 3.4e33) and is already argmax.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """``temperature == 0`` means greedy; ``top_k`` / ``top_p`` as transformers' warpers (applied
-    after the temperature, top-k before top-p). ``seed`` seeds the request's own generator."""
+    """``temperature < GREEDY_TEMPERATURE`` (1e-5; 0 included) means greedy and is stored as 0.0;
+    ``top_k`` / ``top_p`` as transformers' warpers (applied after the temperature, top-k before top-p).
+    ``seed`` seeds the request's own generator. Invalid values (NaN, inf, negative, wrong type) raise
+    ``ValueError`` naming the field, before any work."""
 
     temperature: float = 0.0
     top_k: int | None = None
@@ -21,12 +29,18 @@ class SamplingParams:
     eos_token_id: int | tuple[int, ...] | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, Real) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        object.__setattr__(self, "temperature", 0.0 if t < GREEDY_TEMPERATURE else float(t))
+        k = self.top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, Integral) or k < 1):
+            raise ValueError(f"top_k must be an integer >= 1, got {k!r}")
+        p = self.top_p
+        if p is not None and (isinstance(p, bool) or not isinstance(p, Real) or not 0 < p <= 1):  # NaN fails too
+            raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, Integral)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -52,3 +66,12 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         remove[..., -1] = False
         scores = scores.masked_fill(remove.scatter(-1, idx, remove), float("-inf"))
     return scores.softmax(dim=-1)
+
+
+def checked_probs(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``probs`` with every row that is not a distribution (non-finite, negative or zero mass) replaced by a
+    uniform one, so ``multinomial`` never faults (a device assert on CUDA), and a 0-dim device flag: some row
+    was replaced (the request is failed after the round's read; no host sync here)."""
+    ok = torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1) & (probs.sum(dim=-1) > 0)
+    safe = torch.where(ok[..., None], probs, torch.full_like(probs, 1.0 / probs.shape[-1]))
+    return safe, ~ok.all()

@@ -14,8 +14,10 @@ Three ways in, all continuously batched together:
 
 Cancelling (the consumer stops iterating, the awaiting task is cancelled, ``future.cancel()`` or
 ``aengine.cancel(future)``) frees the request's engine slot at the next round boundary. A request the
-engine rejects raises :class:`RequestRejected` to its caller; an exception inside the engine thread
-fails every pending request with :class:`EngineFailed` (nothing hangs) and later submissions raise at once.
+engine rejects raises :class:`RequestRejected` to its caller; an exception inside the engine thread or a
+failed engine round (``Engine.healthy`` false) fails every pending request with :class:`EngineFailed`
+(nothing hangs) and later submissions raise at once. A request that fails alone (e.g. a non-finite
+distribution) resolves with ``finish_reason="error"`` and ``output.error``; the others go on.
 """
 
 from __future__ import annotations
@@ -342,6 +344,8 @@ class AsyncEngine:
                     continue
                 progressed = eng.step()
                 self.num_steps += 1
+                if not eng.healthy:  # the round failed as a whole: stop here, every caller gets EngineFailed
+                    raise eng.failure
                 self._resolve_done()
                 if not progressed and not eng.idle:  # the engine cannot make progress: fail, do not spin
                     for job in list(self._jobs.values()):

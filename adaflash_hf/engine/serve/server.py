@@ -146,6 +146,8 @@ class _Generation:
         if exc is not None:
             raise APIError(500, f"generation failed: {type(exc).__name__}: {exc}")
         out = self.future.result()
+        if out.finish_reason == "error" and self.finish_reason is None:  # it failed (alone or with its round)
+            raise APIError(500, f"generation failed: {out.error}")
         if self.finish_reason is None:
             self.finish_reason = _FINISH.get(out.finish_reason, out.finish_reason)
             self.completion_tokens = len(out.token_ids)
@@ -212,6 +214,9 @@ class CompletionService:
             return 503, {"status": "error", "error": f"engine thread failed: {type(self.engine.error).__name__}"}
         if self.engine.closed:
             return 503, {"status": "closed"}
+        core = getattr(self.engine, "engine", None)  # the Engine: a failed round marks it unhealthy
+        if core is not None and not getattr(core, "healthy", True):
+            return 503, {"status": "error", "error": f"engine round failed: {core.last_error}"}
         return 200, {"status": "ok", "model": self.model_name, "pending": self.engine.num_pending}
 
     def parse(self, body, kind: str) -> _Parsed:
