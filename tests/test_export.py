@@ -233,6 +233,33 @@ def test_launch_commands(tmp_path):
         launch_commands(str(out), settings={"num_draft_tokens": 9})
 
 
+
+DOCS_EXPORT_DIR = "/models/my-drafter-dflash"  # the export path README.md and docs/export.md show
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/export.md"])
+def test_docs_show_launch_commands_output(tmp_path, doc):
+    """The launch lines README.md and docs/export.md show are `launch_commands`' output, byte for byte.
+
+    The docs call `launch_commands("/models/my-drafter-dflash", "Qwen/Qwen3-8B", {"tp": 2})` for a block-16
+    drafter; here the export lives in tmp_path and its (absolute) path is put back to the docs' one.
+    `examples/engine_compat/check_vllm_sglang.py` parses the same lines with vLLM's and SGLang's own code.
+    """
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), doc), encoding="utf-8").read()
+    assert f'launch_commands("{DOCS_EXPORT_DIR}", "Qwen/Qwen3-8B", {{"tp": 2}})' in text
+    target = build_tiny_target("qwen3")
+    drafter = build_drafter(target, num_layers=1, block_size=16, use_length_head=False)
+    out = tmp_path / "exp"
+    export_dflash(drafter, str(out))
+    cmds = launch_commands(str(out), "Qwen/Qwen3-8B", {"tp": 2})
+    want = {k: v.replace(os.path.abspath(str(out)), DOCS_EXPORT_DIR) for k, v in cmds.items()}
+    lines = text.splitlines()
+    shown = {"vllm": [line for line in lines if line.startswith("vllm serve ")],
+             "sglang": [line for line in lines if line.startswith("python -m sglang.launch_server ")]}  # fmt: skip
+    assert shown == {"vllm": [want["vllm"]], "sglang": [want["sglang"]]}
+    assert json.loads(shlex.split(want["vllm"])[4])["num_speculative_tokens"] == 15
+
+
 # ----------------------------------------------------------------------------- folder handling
 def test_export_into_existing_empty_dir(tmp_path):
     _, drafter = _drafter(use_length_head=False)
