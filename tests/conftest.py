@@ -83,6 +83,18 @@ def build_drafter(target, num_layers: int = 2, block_size: int = 8, seed: int = 
     return drafter.eval()
 
 
+def distinct_pair(family: str = "qwen3", use_length_head: bool = True, num_layers: int = 2, **kw):
+    """A tiny target and a block-8 drafter whose every tensor is distinct, so a mix-up in a checkpoint
+    layout shows (norms initialise to ones)."""
+    target = build_tiny_target(family)
+    drafter = build_drafter(target, num_layers=num_layers, block_size=8, use_length_head=use_length_head,
+                            length_head_dim=24, **kw)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return target, drafter
+
+
 def target_context(drafter, target, input_ids):
     """Raw drafter context features `[b, T, K*H]` of `input_ids` (target layers `target_layer_ids`)."""
     with torch.no_grad():

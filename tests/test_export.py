@@ -25,7 +25,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import TINY, build_drafter, build_tiny_target, drafter_inputs, spec_dflash_keys, spec_head_keys
+from conftest import TINY, build_drafter, distinct_pair, build_tiny_target, drafter_inputs, spec_dflash_keys, spec_head_keys
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -69,19 +69,10 @@ def exported(path):
         return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
 
 
-def _drafter(family="qwen3", use_length_head=True, num_layers=2):
-    target = build_tiny_target(family)
-    drafter = build_drafter(target, num_layers=num_layers, block_size=8, use_length_head=use_length_head, length_head_dim=24)
-    with torch.no_grad():  # norms initialise to ones: make every tensor distinct so a mix-up shows
-        for p in drafter.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return target, drafter
-
-
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 @pytest.mark.parametrize("use_length_head", [True, False])
 def test_export_is_what_the_engines_load(tmp_path, family, use_length_head):
-    target, drafter = _drafter(family, use_length_head)
+    target, drafter = distinct_pair(family, use_length_head)
     out = tmp_path / "export"
     assert export_dflash(drafter, str(out)) == str(out)
     top = sorted(os.listdir(out))
@@ -146,7 +137,7 @@ def test_export_is_what_the_engines_load(tmp_path, family, use_length_head):
 
 
 def test_round_trip_keeps_the_head_exactly(tmp_path):
-    target, drafter = _drafter()
+    target, drafter = distinct_pair()
     drafter.config.length_head_trained = True
     export_dflash(drafter, str(tmp_path / "out"), dtype=None)
     assert {dt for _, dt in exported(tmp_path / "out").values()} == {"F32"}
@@ -162,7 +153,7 @@ def test_round_trip_keeps_the_head_exactly(tmp_path):
 
 
 def test_export_dtype_argument(tmp_path):
-    _, drafter = _drafter()
+    _, drafter = distinct_pair()
     export_dflash(drafter, str(tmp_path / "fp16"), dtype="float16")
     assert {dt for _, dt in exported(tmp_path / "fp16").values()} == {"F16"}
     assert json.loads((tmp_path / "fp16" / "config.json").read_text())["torch_dtype"] == "float16"
@@ -189,7 +180,7 @@ REMOTE_SCRIPT = textwrap.dedent(
 def test_remote_code_export_loads_with_automodel(tmp_path):
     """`remote_code=True`: the z-lab README's `AutoModel.from_pretrained(..., trust_remote_code=True)` path
     builds our drafter (not a plain Qwen3Model), the head included; the engines' files are unchanged."""
-    _, drafter = _drafter()
+    _, drafter = distinct_pair()
     out = tmp_path / "remote"
     export_dflash(drafter, str(out), dtype=None, remote_code=True)
     raw = json.loads((out / "config.json").read_text())
@@ -213,7 +204,7 @@ def test_remote_code_export_loads_with_automodel(tmp_path):
 
 
 def test_launch_commands(tmp_path):
-    _, drafter = _drafter()
+    _, drafter = distinct_pair()
     out = tmp_path / "exp"
     export_dflash(drafter, str(out))
     cmds = launch_commands(str(out), "Qwen/Qwen3-8B", {"tp": 4, "port": 8001})
@@ -262,7 +253,7 @@ def test_docs_show_launch_commands_output(tmp_path, doc):
 
 # ----------------------------------------------------------------------------- folder handling
 def test_export_into_existing_empty_dir(tmp_path):
-    _, drafter = _drafter(use_length_head=False)
+    _, drafter = distinct_pair(use_length_head=False)
     (tmp_path / "empty").mkdir()
     export_dflash(drafter, str(tmp_path / "empty"))
     assert sorted(os.listdir(tmp_path / "empty")) == ["config.json", "model.safetensors"]
@@ -276,7 +267,7 @@ def test_export_rejects_non_drafter(tmp_path):
 
 
 def test_export_into_non_empty_dir_refused(tmp_path):
-    _, drafter = _drafter()
+    _, drafter = distinct_pair()
     out = tmp_path / "busy"
     out.mkdir()
     (out / "keep.txt").write_text("user data")
@@ -290,7 +281,7 @@ def test_export_into_non_empty_dir_refused(tmp_path):
 def test_crash_during_export_leaves_nothing(tmp_path, monkeypatch, fail_at):
     import safetensors.torch
 
-    _, drafter = _drafter()
+    _, drafter = distinct_pair()
     parent = tmp_path / "exports"
     parent.mkdir()
     out = parent / "drafter"

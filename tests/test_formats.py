@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import TINY, build_drafter, build_tiny_target, drafter_inputs, spec_dflash_keys, spec_head_keys, spec_shapes
+from conftest import TINY, build_drafter, distinct_pair, build_tiny_target, drafter_inputs, spec_dflash_keys, spec_head_keys, spec_shapes
 from safetensors.torch import load_file, save_file
 
 import adaflash_hf
@@ -35,20 +35,11 @@ def _assert_same_outputs(a, b, target):
         torch.testing.assert_close(a(**inputs).last_hidden_state, b(**inputs).last_hidden_state, rtol=0, atol=0)
 
 
-def _drafter(family="qwen3", use_length_head=True, **kw):
-    target = build_tiny_target(family)
-    drafter = build_drafter(target, num_layers=2, block_size=8, use_length_head=use_length_head, length_head_dim=24, **kw)
-    with torch.no_grad():  # norms initialise to ones: make every tensor distinct so a mix-up shows
-        for p in drafter.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return target, drafter
-
-
 # ----------------------------------------------------------------------------- native layout
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 @pytest.mark.parametrize("use_length_head", [True, False])
 def test_native_round_trip(tmp_path, family, use_length_head):
-    target, drafter = _drafter(family, use_length_head)
+    target, drafter = distinct_pair(family, use_length_head)
     drafter.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == "adaflash"
@@ -74,7 +65,7 @@ def test_native_round_trip(tmp_path, family, use_length_head):
 def test_auto_classes_after_import(tmp_path):
     from transformers import AutoConfig, AutoModel
 
-    target, drafter = _drafter()
+    target, drafter = distinct_pair()
     drafter.save_pretrained(tmp_path)
     config = AutoConfig.from_pretrained(tmp_path)
     assert type(config) is AdaFlashConfig and config.target_layer_ids == drafter.config.target_layer_ids
@@ -119,7 +110,7 @@ REMOTE_SCRIPT = textwrap.dedent(
 
 
 def test_trust_remote_code_without_library(tmp_path):
-    target, drafter = _drafter()
+    target, drafter = distinct_pair()
     saved = tmp_path / "saved"
     drafter.save_pretrained(saved)
     copy = tmp_path / "copy"
@@ -276,7 +267,7 @@ def test_spec_layout_loads_with_attn_implementation(tmp_path):
 
 # ----------------------------------------------------------------------------- errors
 def _native_dir(path, **mutate):
-    _, drafter = _drafter()
+    _, drafter = distinct_pair()
     drafter.save_pretrained(path)
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
@@ -290,7 +281,7 @@ def _native_dir(path, **mutate):
 
 
 def _pickle_dir(path):
-    _, drafter = _drafter()
+    _, drafter = distinct_pair()
     drafter.save_pretrained(path)
     state = load_file(os.path.join(path, "model.safetensors"))
     os.remove(os.path.join(path, "model.safetensors"))
@@ -335,7 +326,7 @@ ERROR_CASES = [
     ("plain_qwen3_model", lambda p: _qwen3_dir(p, with_weights=True), ValueError, ["not a drafter config", "qwen3"]),
     ("plain_qwen3_config_only", lambda p: _qwen3_dir(p, with_weights=False), ValueError, ["not a drafter config", "qwen3"]),
     ("no_config", lambda p: os.makedirs(p), FileNotFoundError, ["config.json"]),
-    ("no_weights", lambda p: _drafter()[1].config.save_pretrained(p), FileNotFoundError, ["model.safetensors"]),
+    ("no_weights", lambda p: distinct_pair()[1].config.save_pretrained(p), FileNotFoundError, ["model.safetensors"]),
 ]  # fmt: skip
 
 
