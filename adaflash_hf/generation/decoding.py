@@ -52,6 +52,21 @@ def _check_call(model, drafter, generation_config, model_kwargs) -> None:
     cache = model_kwargs.get("past_key_values")
     if cache is not None and getattr(cache, "is_compileable", False):
         raise ValueError("speculative decoding needs a dynamic cache (it rolls back rejected tokens); got a static one")
+    cached = cache.get_seq_length() if cache is not None else 0
+    if cached:
+        # The drafter drafts from the target's features of the whole prompt, which a pre-filled cache
+        # skipped; feeding the prompt again on top of the cache would be silently wrong.
+        raise ValueError(
+            f"past_key_values already holds {cached} tokens: speculative decoding with an AdaFlash drafter needs "
+            "the whole prompt's target features, so it prefills the cache itself. Pass the full prompt and drop "
+            "past_key_values (or pass an empty DynamicCache())"
+        )
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and mask.dim() == 2 and bool((mask[:, :-1].bool() & ~mask[:, 1:].bool()).any()):
+        raise ValueError(
+            "attention_mask has padding after real tokens (right-padded, or holes): speculative decoding with an "
+            "AdaFlash drafter needs left padding. Pad on the left: tokenizer.padding_side='left'"
+        )
 
 
 def _process(logits_processor, seq: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
