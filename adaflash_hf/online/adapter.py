@@ -268,7 +268,9 @@ class OnlineAdapter:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Train now on what is buffered (up to ``samples_per_update``, even fewer), wait for that
-        update, its version on disk and its Hub push. False on timeout."""
+        update, its version on disk and its Hub push. Returns as soon as nothing more can train (the
+        worker idle with an empty buffer, or stopped), never waits for an update that cannot start.
+        False on timeout (``None``: no limit; an update in progress always finishes)."""
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left():
@@ -285,7 +287,10 @@ class OnlineAdapter:
                 self._force += 1
                 self._cv.notify_all()
                 try:
-                    while self._finished < ticket and not self.stopped and self._thread.is_alive():
+                    # Done at the ticket's update, or as soon as nothing more can train (worker idle and
+                    # nothing buffered): samples of a pending ticket may have been dropped meanwhile.
+                    while (self._finished < ticket and not self.stopped and self._thread.is_alive()
+                           and (self._busy or len(self.buffer) > 0)):
                         remaining = left()
                         if remaining is not None and remaining <= 0:
                             return False
@@ -363,10 +368,11 @@ class OnlineAdapter:
                         return
                     self._cv.wait()
                 samples = self.buffer.take(self.config.samples_per_update)
+                leftover = self.buffer.mark()  # samples arriving from now on are kept for the next update
                 self._started += 1
                 self._busy = True
             try:
-                self._update(samples)
+                self._update(samples, leftover)
             except BaseException as e:  # noqa: BLE001 - the worker must survive anything
                 logger.error("online adapter worker error: %s", redact(f"{type(e).__name__}: {e}"))
             finally:
@@ -375,7 +381,7 @@ class OnlineAdapter:
                     self._finished += 1
                     self._cv.notify_all()
 
-    def _update(self, samples: list[Sample]) -> None:
+    def _update(self, samples: list[Sample], leftover: int | None = None) -> None:
         t0 = time.perf_counter()
         domains = Counter(s.domain for s in samples if s.domain is not None)
         worker = self.worker
@@ -390,8 +396,11 @@ class OnlineAdapter:
             self._on_failure(e)
             return
         record = self._record_update(samples, result, domains, time.perf_counter() - t0)
-        if self.config.clear_after_update:
-            self.buffer.clear()
+        if self.config.clear_after_update and leftover is not None:
+            # What the update trained on left the buffer when it was taken; the samples that were left
+            # over then (already superseded) go, counted in samples_dropped; those that arrived while it
+            # trained stay for the next update.
+            self.buffer.drop_before(leftover)
         logger.info(
             "online update %d (%s): %d samples, loss %.4f -> %.4f, tau before %s, %.1fs",
             record.update, self.config.method, len(samples), result["loss_first"] or 0.0, result["loss_last"] or 0.0,

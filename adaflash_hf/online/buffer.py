@@ -185,6 +185,7 @@ class ReplayBuffer:
         self._lock = threading.Lock()
         self.added = 0
         self.dropped = 0
+        self._head = 0  # sequence number of the oldest item (items leave from the left only)
 
     def add(self, sample: Sample) -> int:
         """Append ``sample`` (evicting the oldest as needed); returns how many samples were dropped."""
@@ -199,6 +200,7 @@ class ReplayBuffer:
             while len(self._items) > self.max_samples or self._bytes > self.max_bytes:
                 old = self._items.popleft()
                 self._bytes -= old.nbytes
+                self._head += 1
                 dropped += 1
             self.dropped += dropped
             return dropped
@@ -210,14 +212,33 @@ class ReplayBuffer:
             while self._items and len(out) < n:
                 s = self._items.popleft()
                 self._bytes -= s.nbytes
+                self._head += 1
                 out.append(s)
             return out
+
+    def mark(self) -> int:
+        """A position after every sample buffered so far (for :meth:`drop_before`)."""
+        with self._lock:
+            return self._head + len(self._items)
+
+    def drop_before(self, mark: int) -> int:
+        """Drop the samples buffered before :meth:`mark` returned ``mark`` (samples added later stay);
+        counted in ``dropped``. Returns how many were dropped."""
+        with self._lock:
+            n = 0
+            while self._items and self._head < mark:
+                self._bytes -= self._items.popleft().nbytes
+                self._head += 1
+                n += 1
+            self.dropped += n
+            return n
 
     def clear(self) -> int:
         """Drop everything; returns how many samples were dropped."""
         with self._lock:
             n = len(self._items)
             self._items.clear()
+            self._head += n
             self._bytes = 0
             return n
 

@@ -59,7 +59,9 @@ class OnlineConfig:
     Buffer:
         max_buffer_samples (default ``4 * samples_per_update``) / max_buffer_bytes; store_features,
         store_target_logits, logits_dtype (see :mod:`adaflash_hf.online.buffer`);
-        clear_after_update: drop samples drafted with the old weights after a swap (as the paper).
+        clear_after_update: after a swap, drop the samples left over in the buffer when the update took
+            its batch (counted in ``samples_dropped``); the trained ones are gone already and those
+            arriving during the update stay for the next one.
     Publishing:
         output_dir: write every update as a numbered version here; keep_versions: rolling window.
         version_layout: ``"native"`` or ``"dflash"`` (SGLang / vLLM).
