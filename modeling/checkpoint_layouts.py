@@ -10,6 +10,7 @@ Self-contained (torch + transformers + safetensors) so it travels with the model
 
 import json
 import os
+import re
 
 import torch
 from safetensors import safe_open
@@ -280,6 +281,24 @@ def to_dflash_keys(names):
     return {n: RELEASED_HEAD_PREFIX + n[len(NATIVE_HEAD_PREFIX) :] if n.startswith(NATIVE_HEAD_PREFIX) else n for n in names}
 
 
+def _read_json(file):
+    """A checkpoint's JSON file; a `ValueError` naming the file when it is not valid JSON."""
+    with open(file, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file} is not valid JSON ({e}): fix or re-save the checkpoint") from None
+
+
+def _check_local_path(path: str) -> None:
+    """A missing local folder, said so (transformers would answer "Repo id must be in the form ...")."""
+    if os.path.exists(path):
+        return
+    hub_id = re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", path) is not None
+    if not hub_id or path.startswith((".", "~")) or os.path.isabs(path):
+        raise FileNotFoundError(f"{path} does not exist: pass an existing local checkpoint folder or a Hub id (org/name)")
+
+
 def _resolve(path, filename, hub_kwargs, required=True):
     return cached_file(
         path,
@@ -296,8 +315,7 @@ def weight_files(path, hub_kwargs) -> list[str]:
         return [single]
     index = _resolve(path, "model.safetensors.index.json", hub_kwargs, required=False)
     if index is not None:
-        with open(index, encoding="utf-8") as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        shards = sorted(set(_read_json(index)["weight_map"].values()))
         return [_resolve(path, shard, hub_kwargs) for shard in shards]
     pickles = [n for n in _PICKLE_NAMES if _resolve(path, n, hub_kwargs, required=False) is not None]
     if pickles:
@@ -358,8 +376,7 @@ def read_length_head(path, hub_kwargs) -> tuple[dict, dict[str, torch.Tensor], s
     if config_file is None:
         return None
     where = f"{path}/{LENGTH_HEAD_SUBFOLDER}"
-    with open(config_file, encoding="utf-8") as f:
-        head_config = json.load(f)
+    head_config = _read_json(config_file)
     weights = _resolve(path, "model.safetensors", kw, required=False)
     if weights is None:
         raise FileNotFoundError(f"{where} has a config.json but no model.safetensors")
@@ -371,6 +388,7 @@ def read_length_head(path, hub_kwargs) -> tuple[dict, dict[str, torch.Tensor], s
 def load_drafter_state_dict(cls, path, *args, **kwargs):
     """Implementation of `AdaFlashDrafter.from_pretrained` for every layout (see the module docstring)."""
     path = str(path)
+    _check_local_path(path)
     hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
     config = kwargs.pop("config", None)
     if config is not None and getattr(config, "model_type", None) != AdaFlashConfig.model_type:
@@ -382,8 +400,7 @@ def load_drafter_state_dict(cls, path, *args, **kwargs):
         raise FileNotFoundError(f"{path} has no config.json")
     config_dict = {}
     if config_file is not None:
-        with open(config_file, encoding="utf-8") as f:
-            config_dict = json.load(f)
+        config_dict = _read_json(config_file)
     # Refuse a config that is not a drafter's before looking for weights, so the error names the real problem.
     if config is None and not is_dflash_layout(config_dict) and config_dict.get("model_type") != AdaFlashConfig.model_type:
         raise ValueError(

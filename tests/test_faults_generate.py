@@ -61,3 +61,88 @@ def test_left_padded_batch_still_equals_rows_alone(pair):
     for i, r in enumerate(rows):
         alone = target.generate(r[None], max_new_tokens=6, do_sample=False)
         assert ours[i, -6:].tolist() == alone[0, -6:].tolist()
+
+
+# --------------------------------------------------------------------------- item 8: one clear error each
+import json  # noqa: E402
+
+from adaflash_hf import AdaFlashDrafter  # noqa: E402
+from adaflash_hf.modeling.configuration_adaflash import default_target_layer_ids  # noqa: E402
+
+
+def test_invalid_config_json_names_the_file(pair, tmp_path):
+    _, drafter = pair
+    drafter.save_pretrained(tmp_path / "ckpt")
+    config = tmp_path / "ckpt" / "config.json"
+    config.write_text(config.read_text() + "}{garbage")
+    with pytest.raises(ValueError, match=rf"{config}.*not valid JSON"):
+        AdaFlashDrafter.from_pretrained(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("path", ["{tmp}/no_such_checkpoint", "./no/such/checkpoint", "no_such_dir/"])
+def test_missing_local_path_says_it_does_not_exist(tmp_path, path):
+    path = path.format(tmp=tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist") as e:
+        AdaFlashDrafter.from_pretrained(path)
+    assert "Repo id" not in str(e.value)
+
+
+def test_zlab_config_without_target_layer_ids_takes_the_zlab_default(pair, tmp_path):
+    """z-lab's reader defaults `target_layer_ids` from `num_target_layers` (no KeyError); without both
+    the error names the fields."""
+    from adaflash_hf.export import export_dflash
+
+    target, drafter = pair
+    out = tmp_path / "dflash"
+    export_dflash(drafter, str(out), dtype=None)
+    config = json.loads((out / "config.json").read_text())
+    config["dflash_config"].pop("target_layer_ids")
+    config.pop("target_layer_ids", None)
+    (out / "config.json").write_text(json.dumps(config))
+    loaded = AdaFlashDrafter.from_pretrained(out)
+    n = target.config.num_hidden_layers
+    assert loaded.config.target_layer_ids == default_target_layer_ids(n, drafter.config.num_hidden_layers)
+    config["dflash_config"].pop("num_target_layers", None)
+    config.pop("num_target_layers", None)
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json: neither dflash_config.target_layer_ids nor num_target_layers"):
+        AdaFlashDrafter.from_pretrained(out)
+
+
+class _TemplateTokenizer:
+    chat_template = "{{ messages }}"
+
+    def apply_chat_template(self, messages, **kw):
+        return "w1 " * len(messages)
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [1] * len(text.split())}
+
+
+def _service():
+    import threading
+
+    from adaflash_hf.engine.serve.server import CompletionService
+
+    svc = CompletionService.__new__(CompletionService)  # message validation needs only the tokenizer
+    svc.tokenizer, svc._tok_lock = _TemplateTokenizer(), threading.Lock()
+    return svc
+
+
+@pytest.mark.parametrize("message,words", [
+    ({"role": "user"}, "has no `content`"),
+    ({"role": "wizard", "content": "hi"}, "'wizard' is not one of"),
+    ({"role": "user", "content": None}, "only an assistant message"),
+])  # fmt: skip
+def test_chat_messages_without_content_or_with_an_unknown_role_are_refused(message, words):
+    from adaflash_hf.engine.serve.server import APIError
+
+    with pytest.raises(APIError) as e:
+        _service()._prompt_ids({"messages": [message]}, "chat")
+    assert e.value.status == 400 and e.value.param == "messages" and words in e.value.message
+
+
+def test_valid_chat_messages_still_pass():
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": None},
+            {"role": "user", "content": [{"type": "text", "text": "x"}]}]
+    assert _service()._prompt_ids({"messages": msgs}, "chat") == [1, 1, 1, 1]

@@ -72,6 +72,9 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
+
+
 def _bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
@@ -260,7 +263,13 @@ class CompletionService:
             for i, m in enumerate(messages):
                 if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                     raise _bad(f"`messages[{i}]` must be an object with a string `role`", "messages")
-                content = m.get("content")
+                if m["role"] not in _CHAT_ROLES:
+                    raise _bad(f"`messages[{i}].role` {m['role']!r} is not one of {', '.join(_CHAT_ROLES)}", "messages")
+                if "content" not in m:
+                    raise _bad(f"`messages[{i}]` has no `content`", "messages")
+                content = m["content"]
+                if content is None and m["role"] != "assistant":  # OpenAI allows null only for an assistant turn
+                    raise _bad(f"`messages[{i}].content` is null; only an assistant message may have null content", "messages")
                 if isinstance(content, list):  # content parts: text only
                     parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
                     if len(parts) != len(content) or not all(isinstance(t, str) for t in parts):
