@@ -1,6 +1,6 @@
 """Every Python snippet of README.md runs as written, in order (later snippets reuse the first one's
 `target`, `tok` and `drafter`), with the Hub models swapped for the embedded reference pair, the GPU
-for the CPU, and long runs shortened: `SWAPS` is the only change made to the text."""
+for the CPU, absolute output paths for the working directory, and long runs shortened: `SWAPS` is the only change made to the text."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ SWAPS = {
     "max_steps=100": "max_steps=2",
     "per_device_train_batch_size=8": "per_device_train_batch_size=2",
     "num_layers=5": "num_layers=1",
+    '"/models/my-drafter-dflash"': '"out/my-drafter-dflash"',  # into the test's working directory, not /models
 }
 
 
