@@ -314,3 +314,22 @@ def test_train_target_loss_decreases_on_fixed_batch(tiny_corpus, tmp_path):
     losses = [l for _, l in s["losses"]]
     assert len(losses) >= 20
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_train_samples_fall_back_to_the_builtin_sample(tmp_path, monkeypatch):
+    """No training data in the data folder (here an empty ADAFLASH_DATA): `chat_samples` serves the
+    built-in sample as prompts (6 train, 2 held-out eval per domain); a folder with the domain's data does not."""
+    monkeypatch.setenv(D.ENV_VAR, str(tmp_path))
+    for domain in D.TRAIN_DOMAINS:
+        assert D.uses_builtin_samples(domain, "train") and D.uses_builtin_samples(domain, "eval")
+        train, held = D.chat_samples(domain, "train"), D.chat_samples(domain, "eval")
+        assert (len(train), len(held)) == (8 - D.BUILTIN_EVAL_PER_DOMAIN, D.BUILTIN_EVAL_PER_DOMAIN)
+        assert all(r["domain"] == domain for r in train + held)
+        key = "text" if domain == "prose" else "messages"
+        assert not {str(r[key]) for r in train} & {str(r[key]) for r in held}
+        if domain != "prose":
+            assert all([m["role"] for m in r["messages"]] == ["user"] for r in train)
+    (tmp_path / "gsm8k").mkdir()
+    assert not D.uses_builtin_samples("math", "train")
+    with pytest.raises(FileNotFoundError):  # partial data is an error, not a silent fallback
+        D.chat_samples("math", "train")

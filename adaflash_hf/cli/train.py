@@ -20,7 +20,23 @@ def add_arguments(p) -> None:
     from ..training import train_drafter  # imports torch: `adaflash train --help` is not instant
 
     train_drafter.add_arguments(p, require_target=False)
-    p.add_argument("--reference", action="store_true", help="train for the embedded reference target")
+    p.add_argument("--reference", action="store_true",
+                   help="train for the embedded reference target, a CPU-sized run unless given otherwise: "
+                        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in REFERENCE_DEFAULTS.items()))
+    # None = not given: the recipe's default, or REFERENCE_DEFAULTS under --reference
+    p.set_defaults(**{k: None for k in REFERENCE_DEFAULTS})
+
+
+# `--reference` is a smoke-sized run on CPU (a few seconds of regeneration), not the 256-token recipe.
+REFERENCE_DEFAULTS = {"max_new_tokens": 16, "eval_per_domain": 0, "batch_size": 4, "max_anchors": 32}
+
+
+def _fill_defaults(a) -> None:
+    from ..training.train_drafter import DrafterRecipe
+
+    for k, small in REFERENCE_DEFAULTS.items():
+        if getattr(a, k) is None:
+            setattr(a, k, small if a.reference else DrafterRecipe.__dataclass_fields__[k].default)
 
 
 def _check_domains(a, D) -> None:
@@ -49,6 +65,7 @@ def run(a: argparse.Namespace) -> int:
     from ..training import train_drafter
 
     prog = f"{PROG} train"
+    _fill_defaults(a)
     if a.reference:
         if a.target:
             raise UsageError("pass either --reference or --target, not both", "drop one of them")
@@ -69,7 +86,7 @@ def run(a: argparse.Namespace) -> int:
         raise UsageError("--regen-only needs --regen-cache FILE", "the regenerated samples are written there")
     if not cached or a.eval_per_domain > 0:
         try:
-            D.data_dir(a.data)
+            D.local_data_dir(a.data)  # none at all is fine: the built-in sample (a one-line note)
         except FileNotFoundError as e:
             raise UsageError(one_line(e), f"pass --data DIR or set {D.ENV_VAR}") from None
     try:

@@ -15,7 +15,8 @@ current directory. Every function takes an optional ``data_dir`` to override tha
 Named eval datasets whose subfolder is not in the data folder (or with no data folder at all, when
 none was asked for) load from the Hugging Face Hub through 🤗 ``datasets`` (`hub_datasets`: one
 table of Hub id, config, split and field per name). A small built-in sample per domain ships with the
-package (`builtin_prompts`) for runs with neither local data nor network.
+package (`builtin_prompts`) for runs with neither local data nor network; `chat_samples` serves it as
+training prompts when the data folder holds no training data (`uses_builtin_samples`).
 """
 
 from __future__ import annotations
@@ -303,12 +304,16 @@ def chat_samples(domain: str, split: str = "train", limit: int | None = None, da
     ``split="train"``: the training files (TRAIN_SOURCES). ``split="eval"``: held-out samples of the
     same kind with full answers (gsm8k test, code_alpaca_2k, sharegpt eval500, last 2% of each prose
     source). Math/code/chat samples are ``{"messages": [...], "domain": d}``; prose samples are
-    ``{"text": chunk, "domain": "prose"}`` (chunks of ~1-2k characters).
+    ``{"text": chunk, "domain": "prose"}`` (chunks of ~1-2k characters). With no data folder for the
+    domain (`uses_builtin_samples`), the built-in sample instead (`builtin_train_samples`: prompts only).
     """
     if domain not in TRAIN_DOMAINS:
         raise ValueError(f"unknown training domain {domain!r}; known: {', '.join(TRAIN_DOMAINS)}")
     if split not in ("train", "eval"):
         raise ValueError(f"unknown split {split!r} for domain {domain!r}; use 'train' or 'eval'")
+    if uses_builtin_samples(domain, split, data_dir):
+        out = builtin_train_samples(domain, split)
+        return out[:limit] if limit is not None else out
     out: list[dict] = []
     if domain == "math":
         gsm = "gsm8k/train.jsonl" if split == "train" else "gsm8k/test.jsonl"
@@ -335,6 +340,35 @@ def chat_samples(domain: str, split: str = "train", limit: int | None = None, da
     else:
         out = _prose_samples(split, data_dir)
     return out[:limit] if limit is not None else out
+
+
+BUILTIN_EVAL_PER_DOMAIN = 2  # of the 8 built-in prompts per domain: the last 2 are the "eval" split
+
+
+def uses_builtin_samples(domain: str, split: str = "train", data_dir=None) -> bool:
+    """True when `chat_samples` falls back to the built-in sample for ``domain``: no data folder was
+    asked for and none exists, or the data folder holds none of the domain's source subfolders
+    (e.g. an empty ``$ADAFLASH_DATA``). A folder passed explicitly that does not exist is an error."""
+    root = local_data_dir(data_dir)
+    if root is None:
+        return True
+    sources = TRAIN_SOURCES[domain] if split == "train" else EVAL_SOURCES[domain]
+    return not any((root / rel.split("/", 1)[0]).is_dir() for rel in sources)
+
+
+def builtin_train_samples(domain: str, split: str = "train") -> list[dict]:
+    """The built-in prompt sample of ``domain`` as training samples (`chat_samples` records without
+    answers: the drafter recipe regenerates the answers with the target anyway). ``split="train"``:
+    the first 6 prompts, ``"eval"``: the last `BUILTIN_EVAL_PER_DOMAIN`, so the eval proxy stays held out."""
+    rows = builtin_prompts(domain)
+    rows = rows[:-BUILTIN_EVAL_PER_DOMAIN] if split == "train" else rows[-BUILTIN_EVAL_PER_DOMAIN:]
+    out = []
+    for r in rows:
+        if "text" in r:
+            out.append({"text": r["text"], "domain": domain, "source": r["source"]})
+        else:
+            out.append({"messages": list(r["messages"]), "domain": domain, "source": r["source"]})
+    return out
 
 
 def all_train_samples(limit_per_domain: int | None = None, data_dir=None) -> dict[str, list[dict]]:
@@ -519,6 +553,8 @@ __all__ = [
     "data_dir",
     "local_data_dir",
     "builtin_prompts",
+    "builtin_train_samples",
+    "uses_builtin_samples",
     "dataset_domain",
     "load_jsonl",
     "chat_samples",

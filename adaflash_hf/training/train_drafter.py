@@ -7,7 +7,8 @@
 Three stages, one command:
 
 1. **Regeneration.** ``--num-prompts`` prompts (split evenly over ``--domains``, drawn with
-   ``--seed`` from the training split of ``adaflash_hf.training.data``) are answered by the target
+   ``--seed`` from the training split of ``adaflash_hf.training.data``; with no training data in the
+   data folder, from the built-in prompt sample, with a one-line note) are answered by the target
    itself with batched, left-padded ``target.generate`` (greedy unless ``--temperature > 0``,
    ``--max-new-tokens``, stop at ``<|im_end|>`` / eos). Chat-style domains use the first user turn
    through the chat template; prose uses the first ``--prose-prefix`` tokens of a chunk as the
@@ -19,7 +20,7 @@ Three stages, one command:
    (``--num-layers`` 2, ``--block-size`` 16, mask token from the tokenizer), AdamW lr 6e-4,
    warmup 4 % then cosine, grad clip 1.0, bf16 autocast on CUDA, length head trained jointly on
    detached features. ``--minutes`` is the *training* wall-clock budget and the LR schedule runs
-   over that time; ``--steps N`` fixes a step count instead (step-based cosine; ``--minutes``
+   over that time; ``--steps N`` (alias ``--max-steps``) fixes a step count instead (step-based cosine; ``--minutes``
    then only acts as a safety stop). ``--length-head-steps`` adds an offline length-head pass on
    the frozen drafter afterwards.
 3. **Outputs** in ``--out``: the drafter in the native layout (bf16 safetensors shards of at most
@@ -282,7 +283,8 @@ def add_arguments(ap: argparse.ArgumentParser, require_target: bool = True) -> a
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--minutes", type=float, default=6.0, help="training wall-clock budget (minutes)")
-    ap.add_argument("--steps", type=int, default=None, help="fixed number of optimizer steps (step-based schedule)")
+    ap.add_argument("--steps", "--max-steps", dest="steps", type=int, default=None,
+                    help="fixed number of optimizer steps (step-based schedule)")
     ap.add_argument("--logging-steps", type=int, default=10)
     ap.add_argument("--num-workers", type=int, default=0)
     # outputs / eval
@@ -413,6 +415,22 @@ def _training_samples(r: DrafterRecipe, target, tok, main_process: bool, timings
     return samples
 
 
+def _builtin_note(r: DrafterRecipe, cached: bool) -> str | None:
+    """The one-line note when training (or eval) prompts come from the built-in sample, else None."""
+    from . import data as D
+
+    train = [] if cached else [d for d in r.domains if D.uses_builtin_samples(d, "train", r.data)]
+    evals = [d for d in r.eval_domains if D.uses_builtin_samples(d, "eval", r.data)] if r.eval_per_domain > 0 else []
+    if not train and not evals:
+        return None
+    where = D.data_dir(r.data) if D.local_data_dir(r.data) is not None else "no data folder"
+    n_train = 8 - D.BUILTIN_EVAL_PER_DOMAIN
+    parts = ([f"training prompts of {','.join(train)} from the built-in sample ({n_train} per domain)"] if train else []) + (
+        [f"eval prompts of {','.join(evals)} from its last {D.BUILTIN_EVAL_PER_DOMAIN}"] if evals else [])
+    return (f"note: {where} holds no training data ({D.ENV_VAR} / --data); " + "; ".join(parts)
+            + ", answered by the target as usual")
+
+
 def _eval_samples(r: DrafterRecipe, target, tok, timings: dict) -> list[dict]:
     """Held-out prompts of every eval domain, answered greedily by the target."""
     t = time.time()
@@ -512,6 +530,9 @@ def run(r: DrafterRecipe) -> int:
     target = _load_target(r.target, device)
     print(f"[train_drafter] target {r.target}: {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params "
           f"on {device} ({time.time() - _T_START:.1f}s)", flush=True)
+    note = _builtin_note(r, cached=bool(r.regen_cache) and Path(r.regen_cache).is_file())
+    if note and main_process:
+        print(note, file=sys.stderr, flush=True)
     samples = _training_samples(r, target, tok, main_process, timings)
     resp_tokens = sum(sum(s["loss_mask"]) for s in samples)
     regen_stats = {"samples": len(samples), "response_tokens": resp_tokens,
