@@ -291,7 +291,8 @@ def add_arguments(ap: argparse.ArgumentParser, require_target: bool = True) -> a
     ap.add_argument("--eval-per-domain", type=int, default=32, help="held-out prompts per domain for the acceptance proxy")
     ap.add_argument("--eval-domains", default="math,code,chat,prose")
     ap.add_argument("--max-shard-size", default="15MB")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
+                    help="no progress bars (regeneration, training); also off when stderr is not a terminal")
     return ap
 
 
@@ -307,7 +308,7 @@ def _split(text: str | None) -> list[str]:
 @dataclass
 class DrafterRecipe:
     """How to regenerate, train and save a drafter (the flags of :func:`add_arguments`, same names;
-    comma lists become lists, ``--no-progress`` becomes ``progress=False``)."""
+    comma lists become lists, ``--no-progress`` / ``--quiet`` or a stderr that is no terminal become ``progress=False``)."""
 
     target: str | None
     out: str
@@ -360,7 +361,7 @@ def config_from_args(a: argparse.Namespace) -> DrafterRecipe:
     for name in ("domains", "sampled_domains", "eval_domains"):
         kw[name] = _split(kw[name])
     kw["target_layer_ids"] = [int(x) for x in _split(a.target_layer_ids)] or None
-    kw["progress"] = not a.no_progress
+    kw["progress"] = not a.no_progress and sys.stderr.isatty()  # bars in a log file are noise
     return DrafterRecipe(**kw)
 
 
