@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--assistant", help="small autoregressive assistant for hf_assisted")
     g = parser.add_argument_group("workload")
     g.add_argument("--datasets", type=_csv, default=["gsm8k"], help="comma list of dataset names (blend included) or jsonl:PATH")
-    g.add_argument("--data-dir", help="root of the eval datasets (default: $ADAFLASH_DATA, else the project's shared/data)")
+    g.add_argument("--data-dir", help="root of local eval datasets (default: $ADAFLASH_DATA, else the project's shared/data); a named set not found there loads from the Hub through datasets, else from the built-in sample")
     g.add_argument("--num-prompts", type=int, default=8)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs checked against plain)")
