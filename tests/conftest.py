@@ -70,6 +70,58 @@ def build_tiny_target(
     return model.eval()
 
 
+REMOTE_CODE_SCRIPT = """
+import sys
+sys.modules["adaflash_hf"] = None  # the library is "not installed"
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModel
+try:
+    import adaflash_hf  # noqa: F401
+except ImportError:
+    pass
+else:
+    raise SystemExit("adaflash_hf should not be importable here")
+path, out = sys.argv[1], sys.argv[2]
+config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+model = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
+assert type(model).__name__ == "AdaFlashDrafter", type(model)
+assert not type(model).__module__.startswith("adaflash_hf"), type(model).__module__
+assert "adaflash_hf" not in {m.split(".")[0] for m in sys.modules if sys.modules[m] is not None}
+torch.manual_seed(0)
+cfg = model.config
+ctx = torch.randn(1, 5, len(cfg.target_layer_ids) * cfg.hidden_size)
+noise = torch.randn(1, cfg.block_size, cfg.hidden_size)
+with torch.no_grad():
+    hidden = model(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state
+state = {k: v.contiguous() for k, v in model.state_dict().items()}
+state["__hidden__"] = hidden
+save_file(state, out)
+print(type(config).__module__, type(model).__module__, type(model).__name__, cfg.use_length_head)
+"""
+
+
+def load_with_remote_code(folder, tmp_path) -> tuple[str, dict]:
+    """Load a copy of `folder` with `AutoModel.from_pretrained(trust_remote_code=True)` in a fresh,
+    offline interpreter run from `tmp_path`, where adaflash_hf cannot be imported. Returns its stdout and
+    its tensors: the state dict plus `__hidden__`, the block states of a call with
+    `torch.manual_seed(0)`, context `randn(1, 5, K*H)`, noise `randn(1, block_size, H)`."""
+    import shutil
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    copy, out = tmp_path / "remote_copy", tmp_path / "remote.safetensors"
+    shutil.copytree(folder, copy)
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", PYTHONPATH="", OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-c", REMOTE_CODE_SCRIPT, str(copy), str(out)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "transformers_modules" in result.stdout
+    return result.stdout, load_file(str(out))
+
+
 def build_drafter(target, num_layers: int = 2, block_size: int = 8, seed: int = 0, mask_token_id=None, **kw):
     """`AdaFlashDrafter.from_target(target, ...)` with a seeded init; the mask defaults to the last vocab id."""
     from adaflash_hf import AdaFlashDrafter

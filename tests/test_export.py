@@ -17,15 +17,11 @@ shapes of the parameters they fill, the config fields they parse), from their so
 import json
 import os
 import shlex
-import shutil
 import stat
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
-from conftest import TINY, build_drafter, distinct_pair, build_tiny_target, drafter_inputs, spec_dflash_keys, spec_head_keys
+from conftest import TINY, build_drafter, distinct_pair, load_with_remote_code, build_tiny_target, drafter_inputs, spec_dflash_keys, spec_head_keys
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -160,23 +156,6 @@ def test_export_dtype_argument(tmp_path):
     assert {t.dtype for t in load_file(str(tmp_path / "fp16" / "length_head" / "model.safetensors")).values()} == {torch.float16}
 
 
-REMOTE_SCRIPT = textwrap.dedent(
-    """
-    import sys, torch
-    from transformers import AutoModel
-    from safetensors.torch import save_file
-    model = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32)
-    print(type(model).__module__, type(model).__name__, model.config.use_length_head)
-    torch.manual_seed(0)
-    ctx = torch.randn(1, 5, len(model.config.target_layer_ids) * model.config.hidden_size)
-    noise = torch.randn(1, 8, model.config.hidden_size)
-    with torch.no_grad():
-        hidden = model(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state
-    save_file({"__hidden__": hidden.contiguous()}, sys.argv[2])
-    """
-)
-
-
 def test_remote_code_export_loads_with_automodel(tmp_path):
     """`remote_code=True`: the z-lab README's `AutoModel.from_pretrained(..., trust_remote_code=True)` path
     builds our drafter (not a plain Qwen3Model), the head included; the engines' files are unchanged."""
@@ -187,20 +166,13 @@ def test_remote_code_export_loads_with_automodel(tmp_path):
     assert raw["auto_map"] == {"AutoModel": "modeling_adaflash.AdaFlashDrafter"}  # AutoConfig stays Qwen3Config
     assert {"modeling_adaflash.py", "configuration_adaflash.py", "checkpoint_layouts.py"} <= set(os.listdir(out))
     assert set(exported(out)) == set(spec_dflash_keys(2))
-    copy = tmp_path / "copy"
-    shutil.copytree(out, copy)
-    result_file = tmp_path / "hidden.safetensors"
-    env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", PYTHONPATH="", OMP_NUM_THREADS="1")
-    result = subprocess.run(
-        [sys.executable, "-c", REMOTE_SCRIPT, str(copy), str(result_file)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "transformers_modules" in result.stdout and "AdaFlashDrafter True" in result.stdout
+    stdout, remote = load_with_remote_code(out, tmp_path)
+    assert "AdaFlashDrafter True" in stdout
     torch.manual_seed(0)
     ctx = torch.randn(1, 5, len(drafter.config.target_layer_ids) * H)
     noise = torch.randn(1, 8, H)
     with torch.no_grad():
-        torch.testing.assert_close(drafter(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state, load_file(str(result_file))["__hidden__"])
+        torch.testing.assert_close(drafter(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state, remote["__hidden__"])
 
 
 def test_launch_commands(tmp_path):

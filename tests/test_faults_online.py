@@ -57,6 +57,17 @@ def _adapter(target, **kw):
     return OnlineAdapter(drafter, target, sample_unit="round", samples_per_update=2, epochs=1, lr=1e-3, **kw)
 
 
+
+def _flush_after_release(adapter, release: threading.Event):
+    """What ``flush`` returns when it is called while an update is held, and the update then released
+    (None: it did not return within 30 s, i.e. it hung)."""
+    result = {}
+    flusher = threading.Thread(target=lambda: result.setdefault("ok", adapter.flush(20)), daemon=True)
+    flusher.start()
+    release.set()
+    flusher.join(30)
+    return result.get("ok")
+
 def test_flush_returns_and_keeps_samples_that_arrive_during_an_update(setup):
     target, rounds = setup
     adapter = _adapter(target)
@@ -89,12 +100,7 @@ def test_leftovers_dropped_after_an_update_are_counted_and_flush_still_returns(s
                 adapter.on_round(r)
         assert training.wait(30)  # update 1 took two; two were left over
         adapter.on_round(rounds[4])  # arrives during the update: kept
-        result = {}
-        flusher = threading.Thread(target=lambda: result.setdefault("ok", adapter.flush(20)), daemon=True)
-        flusher.start()
-        release.set()
-        flusher.join(30)
-        assert result.get("ok") is True
+        assert _flush_after_release(adapter, release) is True
         stats = adapter.stats
         assert stats["samples_dropped"] == 2  # the two leftovers, counted
         assert [h["samples"] for h in stats["history"]] == [2, 1]  # the late sample trained in update 2
@@ -113,12 +119,7 @@ def test_flush_with_everything_dropped_meanwhile_returns(setup):
             for r in rounds[:3]:
                 adapter.on_round(r)
         assert training.wait(30)  # update 1 took two; one left over, nothing arrives later
-        result = {}
-        flusher = threading.Thread(target=lambda: result.setdefault("ok", adapter.flush(20)), daemon=True)
-        flusher.start()
-        release.set()
-        flusher.join(30)
-        assert result.get("ok") is True
+        assert _flush_after_release(adapter, release) is True
         assert adapter.stats["updates"] == 1 and adapter.stats["samples_dropped"] == 1
     finally:
         adapter.close(timeout=10)

@@ -5,14 +5,10 @@ Exports: tests/test_export.py; every DFlash config field the engines read: tests
 
 import json
 import os
-import shutil
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
-from conftest import TINY, build_drafter, distinct_pair, build_tiny_target, drafter_inputs, spec_dflash_keys, spec_head_keys, spec_shapes
+from conftest import TINY, build_drafter, distinct_pair, load_with_remote_code, build_tiny_target, drafter_inputs, spec_dflash_keys, spec_head_keys, spec_shapes
 from safetensors.torch import load_file, save_file
 
 import adaflash_hf
@@ -76,54 +72,11 @@ def test_auto_classes_after_import(tmp_path):
     assert model.config._attn_implementation == "eager"
 
 
-REMOTE_SCRIPT = textwrap.dedent(
-    """
-    import sys
-    sys.modules["adaflash_hf"] = None  # the library is "not installed"
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModel
-    try:
-        import adaflash_hf  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        raise SystemExit("adaflash_hf should not be importable here")
-    path, out = sys.argv[1], sys.argv[2]
-    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
-    model = AutoModel.from_pretrained(path, trust_remote_code=True)
-    assert type(model).__name__ == "AdaFlashDrafter", type(model)
-    assert not type(model).__module__.startswith("adaflash_hf"), type(model).__module__
-    assert "adaflash_hf" not in {m.split(".")[0] for m in sys.modules if sys.modules[m] is not None}
-    torch.manual_seed(0)
-    cfg = model.config
-    ctx = torch.randn(1, 5, len(cfg.target_layer_ids) * cfg.hidden_size)
-    noise = torch.randn(1, cfg.block_size, cfg.hidden_size)
-    with torch.no_grad():
-        hidden = model(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    state["__hidden__"] = hidden
-    save_file(state, out)
-    print(type(config).__module__, type(model).__module__)
-    """
-)
-
-
 def test_trust_remote_code_without_library(tmp_path):
     target, drafter = distinct_pair()
     saved = tmp_path / "saved"
     drafter.save_pretrained(saved)
-    copy = tmp_path / "copy"
-    shutil.copytree(saved, copy)
-    out = tmp_path / "remote.safetensors"
-    env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", PYTHONPATH="", OMP_NUM_THREADS="1")
-    # Run from tmp_path so neither the repo root nor tests/ is on sys.path.
-    result = subprocess.run(
-        [sys.executable, "-c", REMOTE_SCRIPT, str(copy), str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "transformers_modules" in result.stdout
-    remote = load_file(str(out))
+    _, remote = load_with_remote_code(saved, tmp_path)
     hidden = remote.pop("__hidden__")
     local = drafter.state_dict()
     assert set(remote) == set(local)
