@@ -57,7 +57,6 @@ def _adapter(target, **kw):
     return OnlineAdapter(drafter, target, sample_unit="round", samples_per_update=2, epochs=1, lr=1e-3, **kw)
 
 
-
 def _flush_after_release(adapter, release: threading.Event):
     """What ``flush`` returns when it is called while an update is held, and the update then released
     (None: it did not return within 30 s, i.e. it hung)."""
@@ -67,6 +66,7 @@ def _flush_after_release(adapter, release: threading.Event):
     release.set()
     flusher.join(30)
     return result.get("ok")
+
 
 def test_flush_returns_and_keeps_samples_that_arrive_during_an_update(setup):
     target, rounds = setup
