@@ -258,7 +258,7 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=200, help="prompts per section")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--hf-n8b", type=int, default=12, help="prompts through HF generate (batch 1) in section b8")
-    ap.add_argument("--hf-nref", type=int, default=40, help="prompts through HF generate (batch 1) in ref / fp32")
+    ap.add_argument("--hf-nref", type=int, default=32, help="prompts through HF generate (batch 1) in ref / fp32")
     ap.add_argument("--modes", default="fixed", help="engine verify modes with a drafter (fixed, packed, rectangular)")
     ap.add_argument("--slots", type=int, default=32, help="engine concurrency")
     ap.add_argument("--dataset", default="gsm8k")
