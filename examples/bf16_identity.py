@@ -99,7 +99,10 @@ def engine_outputs(target, drafter, prompts, mode: str, max_new: int, slots: int
 
     eng = Engine(target, drafter if mode != "off" else None, verify_mode=mode, max_slots=slots, max_len=max_len,
                  token_budget=max(512, slots * 16))
-    return [o.token_ids for o in eng.generate(prompts, max_new_tokens=max_new)]
+    outs = [o.token_ids for o in eng.generate(prompts, max_new_tokens=max_new)]
+    del eng  # its cache and graph pool, before the next engine is built
+    free_memory()
+    return outs
 
 
 def _greedy_config(target, max_new: int):
