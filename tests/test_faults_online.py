@@ -47,6 +47,14 @@ def setup():
     return target, sink.rounds
 
 
+def _serves_exactly(adapter, target) -> bool:
+    """The adapter's drafter (whatever its weights now) still gives exactly plain greedy output."""
+    ids, mask, _ = ragged_prompts(2, [4, 7], 3)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD_ID)
+    spec = target.generate(ids, assistant_model=adapter.drafter, **kw)
+    return torch.equal(spec, target.generate(ids, **kw))
+
+
 def _gated(adapter):
     """Make the worker's train wait for `release` after signalling `training`."""
     training, release = threading.Event(), threading.Event()
@@ -95,6 +103,7 @@ def test_flush_returns_and_keeps_samples_that_arrive_during_an_update(setup):
         stats = adapter.stats
         assert stats["updates"] == 2 and [h["samples"] for h in stats["history"]] == [2, 1]
         assert stats["samples_buffered"] == 0 and stats["samples_dropped"] == 0
+        assert _serves_exactly(adapter, target)
     finally:
         adapter.close(timeout=10)
 
@@ -114,6 +123,7 @@ def test_leftovers_dropped_after_an_update_are_counted_and_flush_still_returns(s
         assert stats["samples_dropped"] == 2  # the two leftovers, counted
         assert [h["samples"] for h in stats["history"]] == [2, 1]  # the late sample trained in update 2
         assert stats["samples_buffered"] == 0
+        assert _serves_exactly(adapter, target)
     finally:
         adapter.close(timeout=10)
 
@@ -130,16 +140,9 @@ def test_flush_with_everything_dropped_meanwhile_returns(setup):
         assert training.wait(30)  # update 1 took two; one left over, nothing arrives later
         assert _flush_after_release(adapter, release) is True
         assert adapter.stats["updates"] == 1 and adapter.stats["samples_dropped"] == 1
+        assert _serves_exactly(adapter, target)
     finally:
         adapter.close(timeout=10)
-
-
-def _serves_exactly(adapter, target) -> bool:
-    """The adapter's drafter (whatever its weights now) still gives exactly plain greedy output."""
-    ids, mask, _ = ragged_prompts(2, [4, 7], 3)
-    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD_ID)
-    spec = target.generate(ids, assistant_model=adapter.drafter, **kw)
-    return torch.equal(spec, target.generate(ids, **kw))
 
 
 def _names(root) -> list[str]:
