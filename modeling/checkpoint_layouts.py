@@ -516,6 +516,8 @@ def save_atomically(save: Callable[[str], object], path) -> None:
     disk) the temporary folder is removed: nothing new appears at `path` and an earlier save there is
     untouched, so a config never ends up without its weights."""
     path = os.path.abspath(path)
+    if os.path.isfile(path):
+        raise NotADirectoryError(f"{path} is a file: save into a folder")
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".tmp-save-{os.getpid()}-{uuid.uuid4().hex}")

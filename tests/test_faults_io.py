@@ -87,6 +87,13 @@ def test_a_full_disk_keeps_an_earlier_save_loadable(drafter, tmp_path, disk_full
     assert _same(_weights(AdaFlashDrafter.from_pretrained(out)), _weights(drafter))
 
 
+def test_saving_onto_a_file_names_it_and_leaves_it(drafter, tmp_path):
+    (tmp_path / "out").write_text("mine")
+    with pytest.raises(NotADirectoryError, match="out is a file"):
+        drafter.save_pretrained(tmp_path / "out")
+    assert (tmp_path / "out").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_a_save_over_an_earlier_sharded_one_replaces_its_weights(drafter, tmp_path):
     out = tmp_path / "out"
     drafter.save_pretrained(out, max_shard_size="20KB")
