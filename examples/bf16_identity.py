@@ -18,6 +18,9 @@ Sections (each timed, each skippable; results rewritten after every section):
          ``--data-dir`` / ``$ADAFLASH_DATA``, else the built-in sample, made distinct by numbering),
          the same comparisons (HF ones over the first ``--hf-nref``).
   fp32   the reference pair in float32: the control (0 differences expected).
+  b8_fp32  the strict option, the 8B-shaped target in float32 (``--n-fp32`` of the b8 prompts): engine
+         with a drafter vs engine ``off`` (0 differences expected), bf16 vs float32 plain decoding, and
+         the cost: engine tokens per second in bf16 and in float32 on the same prompts.
 
 For every differing prompt: the first differing position and, at that position of the reference
 text, the target's top-2 logit margin (one prefill forward), against the bf16 spacing (ulp) at the
@@ -29,6 +32,7 @@ Writes ``bf16_identity.json`` and ``bf16_identity.md`` into ``--out`` (default `
 Usage:
     python examples/bf16_identity.py --out $OUT                # one H200, about 4 minutes
     python examples/bf16_identity.py --smoke --out /tmp/bf16   # CPU: tiny b8 and the fp32 control, ~30 s
+    python examples/bf16_identity.py --smoke --smoke-all --out /tmp/bf16   # CPU, every section, ~1 minute
 """
 
 from __future__ import annotations
@@ -94,12 +98,21 @@ def real_prompts(tok, dataset: str, n: int, data_dir) -> tuple[list[list[int]], 
 
 
 # ----------------------------------------------------------------------------- decoding
-def engine_outputs(target, drafter, prompts, mode: str, max_new: int, slots: int, max_len: int) -> list[list[int]]:
+def engine_outputs(target, drafter, prompts, mode: str, max_new: int, slots: int, max_len: int,
+                   speed: dict | None = None) -> list[list[int]]:
+    """Greedy outputs of the engine; ``speed[mode]``: generated tokens per second of the run itself
+    (engine construction and CUDA-graph capture excluded)."""
     from adaflash_hf.engine import Engine
 
     eng = Engine(target, drafter if mode != "off" else None, verify_mode=mode, max_slots=slots, max_len=max_len,
                  token_budget=max(512, slots * 16))
+    sync = torch.cuda.synchronize if next(target.parameters()).is_cuda else (lambda: None)
+    sync()
+    t = time.perf_counter()
     outs = [o.token_ids for o in eng.generate(prompts, max_new_tokens=max_new)]
+    sync()
+    if speed is not None:
+        speed[mode] = round(sum(map(len, outs)) / (time.perf_counter() - t), 1)
     del eng  # its cache and graph pool, before the next engine is built
     free_memory()
     return outs
@@ -222,6 +235,29 @@ def run_section(target, drafter, prompts, *, modes, max_new: int, hf_n: int, slo
     return rep
 
 
+def fp32_cost(target, drafter, prompts, *, modes, max_new: int, slots: int, max_len: int) -> dict:
+    """The strict option, loading the target in float32: its output identity (engine with a drafter
+    vs engine ``off``, both float32) and its cost (engine tokens per second, bf16 vs float32, same
+    prompts). Converts ``target`` and ``drafter`` to float32 in place."""
+    rep = {"prompts": len(prompts), "tokens_per_s": {}}
+    outs = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        target.to(dtype)
+        drafter.to(dtype)
+        speed = rep["tokens_per_s"].setdefault(name, {})
+        for m in ["off", *modes]:
+            outs[name, m] = engine_outputs(target, drafter, prompts, m, max_new, slots, max_len, speed)
+        log(f"  {name} tokens/s: {speed}")
+    rep["comparisons"] = [compare(target, prompts, outs["fp32", m], outs["fp32", "off"], f"fp32: engine {m} vs engine off")
+                          for m in modes]
+    rep["comparisons"].append(compare(target, prompts, outs["bf16", "off"], outs["fp32", "off"],
+                                      "bf16 engine off vs fp32 engine off (rounding of plain decoding)", with_margins=False))
+    rep["fp32_time_factor"] = {m: round(rep["tokens_per_s"]["bf16"][m] / rep["tokens_per_s"]["fp32"][m], 2)
+                               for m in ["off", *modes]}
+    log(f"  float32 costs x{rep['fp32_time_factor']} the time per token of bf16")
+    return rep
+
+
 # ----------------------------------------------------------------------------- report
 def markdown(res: dict) -> str:
     m = res["meta"]
@@ -230,7 +266,7 @@ def markdown(res: dict) -> str:
            f"total {m.get('total_s', 0):.0f}s", "",
            "| section | comparison | prompts | differ | share | first differing positions | median top-2 margin at it (bf16 ulps) |",
            "|---|---|---|---|---|---|---|"]
-    for name in ("b8", "ref", "fp32"):
+    for name in ("b8", "ref", "fp32", "b8_fp32"):
         sec = res.get(name)
         if not isinstance(sec, dict) or "comparisons" not in sec:
             if isinstance(sec, dict) and "error" in sec:
@@ -251,13 +287,18 @@ def markdown(res: dict) -> str:
         sec = res.get(name)
         if isinstance(sec, dict) and "timings_s" in sec:
             out.append(f"- {name} timings (s): " + ", ".join(f"{k} {v}" for k, v in sec["timings_s"].items()))
+    cost = res.get("b8_fp32")
+    if isinstance(cost, dict) and "fp32_time_factor" in cost:
+        out.append(f"- strict option (target in float32, 8B shape, {cost['prompts']} prompts): engine tokens/s "
+                   f"{cost['tokens_per_s']}; float32 takes x{cost['fp32_time_factor']} the time per token")
     return "\n".join(out) + "\n"
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT") or "bf16_identity_out")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (8B shape shrunk), every section")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (8B shape shrunk): sections b8 and fp32")
+    ap.add_argument("--smoke-all", action="store_true", help="with --smoke: every section")
     ap.add_argument("--device", default=None)
     ap.add_argument("--n", type=int, default=200, help="prompts per section")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -265,9 +306,10 @@ def main(argv=None):
     ap.add_argument("--hf-nref", type=int, default=32, help="prompts through HF generate (batch 1) in ref / fp32")
     ap.add_argument("--modes", default="fixed", help="engine verify modes with a drafter (fixed, packed, rectangular)")
     ap.add_argument("--slots", type=int, default=32, help="engine concurrency")
+    ap.add_argument("--n-fp32", type=int, default=64, help="prompts of the 8B float32 section (identity and cost)")
     ap.add_argument("--dataset", default="gsm8k")
     ap.add_argument("--data-dir", default=None)
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip (b8,ref,fp32)")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip (b8,ref,fp32,b8_fp32)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip sections that would start after this")
     args = ap.parse_args(argv)
 
@@ -278,6 +320,8 @@ def main(argv=None):
     hf8, hfr = (min(args.hf_n8b, 1), min(args.hf_nref, 2)) if smoke else (args.hf_n8b, args.hf_nref)
     modes = [m for m in args.modes.split(",") if m]
     skip = set(filter(None, args.skip.split(",")))
+    if smoke and not args.smoke_all:  # the quick smoke: tiny b8 and the float32 control
+        skip |= {"ref", "b8_fp32"}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     res = {"meta": {"device": device, "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "",
@@ -325,9 +369,18 @@ def main(argv=None):
         return rep
 
     section("b8", b8)
-    if not smoke:  # the smoke run covers this path with the float32 control
-        section("ref", lambda: ref(torch.bfloat16))
+    section("ref", lambda: ref(torch.bfloat16))
     section("fp32", lambda: ref(torch.float32))
+
+    def b8_fp32():
+        target, drafter = pair_8b(device, smoke)
+        prompts = random_prompts(n, target.config.vocab_size)[: min(args.n_fp32, n)]
+        try:
+            return fp32_cost(target, drafter, prompts, modes=modes, max_new=max_new, slots=args.slots, max_len=512)
+        finally:
+            del target, drafter
+
+    section("b8_fp32", b8_fp32)
     save()
     print(markdown(res))
     control = res.get("fp32", {}).get("comparisons")
