@@ -14,7 +14,7 @@ Sections (each timed, each skippable; results rewritten after every section):
          5-layer random bf16 drafter, ``--n`` random prompts: engine ``off`` vs engine with a drafter
          (``--modes``, default ``fixed``) over all prompts; HF ``generate`` plain (batch 1) vs
          ``generate(assistant_model=drafter)`` over the first ``--hf-n8b``.
-  ref    the embedded reference pair in bf16 over ``--n`` real prompts (``--dataset``, from
+  ref    the embedded reference pair in bf16 over ``--n`` real prompts (``--datasets``, from
          ``--data-dir`` / ``$ADAFLASH_DATA``, else the built-in sample, made distinct by numbering),
          the same comparisons (HF ones over the first ``--hf-nref``).
   fp32   the reference pair in float32: the control (0 differences expected).
@@ -77,14 +77,17 @@ def random_prompts(n: int, vocab: int, seed: int = 0, lo: int = 16, hi: int = 20
     return [torch.randint(0, vocab - 2, (k,), generator=g).tolist() for k in lengths]
 
 
-def real_prompts(tok, dataset: str, n: int, data_dir) -> tuple[list[list[int]], str]:
-    """``n`` distinct chat prompts: the dataset's first ``n``, or its built-in sample numbered
-    ("Question 7: ...") until there are ``n``."""
+def real_prompts(tok, datasets: str, n: int, data_dir) -> tuple[list[list[int]], str]:
+    """``n`` distinct chat prompts, taken in turn from the comma-separated ``datasets`` (each falls
+    back to its domain's built-in sample offline), numbered ("Question 40: ...") when repeated."""
     from adaflash_hf.bench.prompts import load_prompts
     from adaflash_hf.generation.prompts import encode_prompt
 
-    label, base = load_prompts(dataset, n, data_dir)
-    source = f"{label} ({len(base)} records)" + (f", numbered to {n}" if len(base) < n else "")
+    names = [d for d in datasets.split(",") if d]
+    sets = [load_prompts(d, -(-n // len(names)), data_dir) for d in names]
+    interleaved = [m for group in zip(*(ms for _, ms in sets)) for m in group] or sets[0][1]
+    base = list({json.dumps(m, sort_keys=True): m for m in interleaved}.values())  # two sets may share a sample
+    source = ", ".join(f"{label} ({len(ms)})" for label, ms in sets) + (f", numbered to {n}" if len(base) < n else "")
     messages = []
     for i in range(n):
         m = copy.deepcopy(base[i % len(base)])
@@ -307,7 +310,8 @@ def main(argv=None):
     ap.add_argument("--modes", default="fixed", help="engine verify modes with a drafter (fixed, packed, rectangular)")
     ap.add_argument("--slots", type=int, default=32, help="engine concurrency")
     ap.add_argument("--n-fp32", type=int, default=64, help="prompts of the 8B float32 section (identity and cost)")
-    ap.add_argument("--dataset", default="gsm8k")
+    ap.add_argument("--datasets", default="gsm8k,humaneval,mt_bench,alpaca_eval",
+                    help="comma-separated prompt sets of sections ref / fp32 (offline: the built-in samples)")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--skip", default="", help="comma-separated sections to skip (b8,ref,fp32,b8_fp32)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip sections that would start after this")
@@ -362,7 +366,7 @@ def main(argv=None):
         from adaflash_hf import load_reference_pair
 
         target, drafter, tok = load_reference_pair(device=device, dtype=dtype)
-        prompts, source = real_prompts(tok, args.dataset, n, args.data_dir)
+        prompts, source = real_prompts(tok, args.datasets, n, args.data_dir)
         rep = run_section(target.eval(), drafter.eval(), prompts, modes=modes, max_new=max_new, hf_n=hfr,
                           slots=args.slots, max_len=1024)
         rep["prompt_source"] = source
