@@ -8,6 +8,7 @@ weights) and no temporary folder is left beside it.
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -116,7 +117,7 @@ def test_push_to_hub_names_the_repository_after_the_folder(drafter, tmp_path, mo
             return type("Repo", (), {"repo_id": repo_id})()
 
     def upload(self, working_dir, repo_id, files_timestamps, **kwargs):
-        pushed["files"] = sorted(p.name for p in __import__("pathlib").Path(working_dir).iterdir())
+        pushed["files"] = sorted(p.name for p in Path(working_dir).iterdir())
 
     monkeypatch.setattr(modeling_utils, "hf_api", lambda: Api())
     monkeypatch.setattr(modeling_utils, "create_and_tag_model_card", lambda *a, **k: type("Card", (), {"save": lambda s, p: None})())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,7 +163,7 @@ def slow_hub(monkeypatch):
         assert state["release"].wait(30), "test never released the upload"
         fut = Future()
         try:
-            files = sorted(p.name for p in __import__("pathlib").Path(folder_path).iterdir())
+            files = sorted(p.name for p in Path(folder_path).iterdir())
             state["uploads"].append((folder_path.rsplit("/", 1)[-1], files))
             fut.set_result("commit")
         except OSError as e:
@@ -210,7 +211,7 @@ def test_a_failed_version_write_reaches_last_error_and_leaves_nothing(setup, tmp
     save_version = publish.save_version
 
     def disk_full(drafter, path, layout="native"):
-        (tmp_path / "out").joinpath(path).joinpath("config.json").write_text("{}")  # a partial write first
+        (Path(path) / "config.json").write_text("{}")  # a partial write first
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(publish, "save_version", disk_full)
