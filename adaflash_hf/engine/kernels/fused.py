@@ -28,13 +28,14 @@ microseconds, which is why the engine's 8B-shape decode ran at 34% of the bandwi
 
 :meth:`FusedTarget.build` returns ``None`` with a reason (the engine then keeps the modules' path)
 when a layer is not the stock Qwen3 / Llama math: adapters such as PEFT LoRA on a projection,
-module hooks, another norm, MLP or RoPE. Weights are read by address, like the CUDA graphs do:
-update them in place (``load_state_dict``, ``copy_``), not by assigning new parameters.
+module hooks (other than transformers' own output-capturing ones, :func:`foreign_hooks`), another
+norm, MLP or RoPE. Weights are read by address, like the CUDA graphs do: update them in place (``load_state_dict``, ``copy_``), not by assigning new parameters.
 """
 
 from __future__ import annotations
 
 import copy
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -50,7 +51,7 @@ _MAX_ROWS = 16  # skinny_linear.MAX_ROWS (that module needs Triton, imported onl
 _TUNING = ("row_kernels", "block_kernels", "triton_configs", "row_timings", "row_note", "store_kernel", "store_note")
 _TUNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its tuning (FusedTarget.build)
 
-__all__ = ["FusedTarget", "SlotStore", "add_rms_norm", "qk_norm_rope", "qk_norm_rope_store", "rms_norm"]
+__all__ = ["FusedTarget", "SlotStore", "add_rms_norm", "foreign_hooks", "qk_norm_rope", "qk_norm_rope_store", "rms_norm"]
 
 
 # ------------------------------------------------------------------ elementwise math (the HF modules' ops)
@@ -202,6 +203,37 @@ _MLPS = (modeling_qwen3.Qwen3MLP.forward, modeling_llama.LlamaMLP.forward)
 _ROPES = (modeling_qwen3.apply_rotary_pos_emb, modeling_llama.apply_rotary_pos_emb)
 
 
+def _output_capturing_code():
+    """The code object of the forward hook transformers installs to collect ``hidden_states`` /
+    ``attentions`` (``transformers.utils.output_capturing``: a closure made per module, so it is
+    recognised by its code; ``None`` if this transformers has no such function: every hook then counts)."""
+    from transformers.utils import output_capturing
+
+    for name in ("install_output_capuring_hook", "install_output_capturing_hook"):  # 5.23 spells it without the t
+        install = getattr(output_capturing, name, None)
+        if install is not None:
+            for const in install.__code__.co_consts:
+                if isinstance(const, types.CodeType) and const.co_name == "output_capturing_hook":
+                    return const
+    return None
+
+
+_RECORDING_HOOK = _output_capturing_code()
+
+
+def foreign_hooks(module: nn.Module) -> list[str]:
+    """Names of ``module``'s forward (pre-)hooks that may change what its forward computes.
+
+    transformers' own output-capturing hooks (installed on a model the first time hidden states or
+    attentions are requested, and left there) only append to a collector that is active during an HF
+    forward; they never change an output, and the engine's layer loop never activates the collector,
+    so they do not count. The one place adaflash-hf recognises them (``tests/test_engine_fused.py``
+    fails loudly if transformers changes them)."""
+    hooks = list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values())
+    return [getattr(h, "__qualname__", type(h).__name__) for h in hooks
+            if _RECORDING_HOOK is None or getattr(h, "__code__", None) is not _RECORDING_HOOK]
+
+
 def _unsupported(model) -> str | None:
     """Why ``model``'s layers are not the stock math :class:`FusedTarget` reproduces (``None``: they are)."""
     family = model.config.get_text_config(decoder=True).model_type
@@ -216,8 +248,9 @@ def _unsupported(model) -> str | None:
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
         for m in linears + norms + [attn, mlp, layer]:
-            if m._forward_hooks or m._forward_pre_hooks:
-                return f"layer {li}: {type(m).__name__} has forward hooks"
+            foreign = foreign_hooks(m)
+            if foreign:
+                return f"layer {li}: {type(m).__name__} has forward hooks ({', '.join(foreign)})"
         for m in linears:
             if type(m) is not nn.Linear or type(m.weight) is not nn.Parameter:
                 return f"layer {li}: {type(m).__name__} is not a plain nn.Linear (an adapter or a quantised layer)"
