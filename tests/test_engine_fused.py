@@ -312,3 +312,58 @@ def test_our_generate_and_engine_leave_nothing_of_their_own_on_the_target():
     after_modules, after_tensors, after_config = _footprint(target)
     assert after_modules == modules and after_config == config
     assert after_tensors.keys() == tensors.keys() and all(torch.equal(tensors[k], after_tensors[k]) for k in tensors)
+
+
+def _fake_tuner(fused, calls: list) -> None:
+    """Stand-ins for the CUDA-only measurements: they record the call and choose Inductor's one-row kernel."""
+
+    def tune():
+        calls.append("tune")
+        fused.row_kernels = {**fused.row_kernels, "qkv": "gemv", "lm_head": "gemv"}
+        fused.row_timings = {"qkv x1": {"cublas": 2.0, "gemv": 1.0}}
+        return dict(fused.row_kernels)
+
+    def check():
+        calls.append("check")
+        return fused.store_kernel
+
+    fused.tune_row_kernels, fused.check_store_kernel = tune, check
+
+
+def _fresh(dtype=torch.float32, calls=None):
+    """A FusedTarget of a new model object (what a new process sees: nothing tuned in memory)."""
+    fused = FusedTarget(make_target("qwen3", seed=len(calls)).to(dtype), compile=False)
+    _fake_tuner(fused, calls)
+    return fused
+
+
+def test_kernel_choices_are_saved_once_and_read_back_by_the_next_process(tmp_path, monkeypatch):
+    monkeypatch.delenv("ADAFLASH_HF_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = tmp_path / "adaflash_hf" / "kernels"
+    calls = []
+    first = _fresh(calls=calls)
+    assert first.load_or_tune() == "tuned" and calls == ["tune", "check"]
+    assert len(list(folder.glob("*.json"))) == 1 and not list(folder.glob("*.tmp"))
+    second = _fresh(calls=calls)
+    assert second.load_or_tune() == "disk" and calls == ["tune", "check"]  # nothing measured again
+    assert second.tuning_choices() == first.tuning_choices() and second.row_kernels["qkv"] == "gemv"
+    assert second.load_or_tune() == "memory"
+    other = _fresh(torch.bfloat16, calls)  # another dtype is another key
+    assert other.load_or_tune() == "tuned" and len(list(folder.glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("damage,warning", [
+    (lambda text: text[: len(text) // 2], "ignoring the kernel tuning cache file"),
+    (lambda text: text.replace('"gemv"', '"cutlass"'), "do not fit this model"),
+])
+def test_a_damaged_tuning_file_is_ignored_with_a_warning_and_rewritten(tmp_path, monkeypatch, damage, warning):
+    monkeypatch.setenv("ADAFLASH_HF_CACHE", str(tmp_path))
+    calls = []
+    _fresh(calls=calls).load_or_tune()
+    (path,) = (tmp_path / "kernels").glob("*.json")
+    path.write_text(damage(path.read_text()))
+    again = _fresh(calls=calls)
+    with pytest.warns(RuntimeWarning, match=warning):
+        assert again.load_or_tune() == "tuned"
+    assert calls == ["tune", "check"] * 2 and _fresh(calls=calls).load_or_tune() == "disk"

@@ -22,7 +22,8 @@ microseconds, which is why the engine's 8B-shape decode ran at 34% of the bandwi
   Which serves each projection is measured, not assumed: :meth:`FusedTarget.build` times them on the
   model's own weights (CUDA graphs, every layer's weight in turn, so nothing is served from L2) and
   keeps the fastest (:attr:`FusedTarget.row_kernels` for one row, :attr:`FusedTarget.block_kernels`
-  for 2-16 rows). Larger forwards (prefill) always use cuBLAS. (``act(gate) * up`` is not fused into the
+  for 2-16 rows; measured once per GPU, shapes, dtype and library versions, then read from the disk
+  cache of :mod:`.tuning_cache`). Larger forwards (prefill) always use cuBLAS. (``act(gate) * up`` is not fused into the
   down projection: Inductor then recomputes the activation in every output tile, and the down
   projection got slower in the probe.)
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import types
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -47,8 +49,6 @@ from transformers.models.llama import modeling_llama
 from transformers.models.qwen3 import modeling_qwen3
 
 _MAX_ROWS = 16  # skinny_linear.MAX_ROWS (that module needs Triton, imported only when used)
-# what tune_row_kernels and check_store_kernel set
-_TUNING = ("row_kernels", "block_kernels", "triton_configs", "row_timings", "row_note", "store_kernel", "store_note")
 _TUNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its tuning (FusedTarget.build)
 
 __all__ = ["FusedTarget", "SlotStore", "add_rms_norm", "foreign_hooks", "qk_norm_rope", "qk_norm_rope_store", "rms_norm"]
@@ -521,23 +521,78 @@ class FusedTarget:
     def build(cls, model, compile: bool | None = None) -> tuple["FusedTarget | None", str]:
         """``(FusedTarget, "")``, or ``(None, why)`` when the model's layers are not the stock math.
         ``compile``: compile the elementwise functions (default: when the model is on CUDA); compiled
-        on CUDA, the few-row kernels are then measured (:meth:`tune_row_kernels`, ~10-30 s; once per
-        model and process: later builds on the same model reuse the choice)."""
+        on CUDA, the few-row kernels are then chosen (:meth:`load_or_tune`: measured once per GPU, shapes,
+        dtype and library versions, then read from the disk cache; later builds on the same model reuse them)."""
         why = _unsupported(model)
         if why is not None:
             return None, why
         on_cuda = next(model.parameters()).device.type == "cuda"
         fused = cls(model, on_cuda if compile is None else compile)
         if fused.compiled and on_cuda:
-            weight = fused.layers[0].qkv
-            tuned = _TUNED.get(model)
-            if tuned is None or tuned["on"] != (weight.dtype, weight.device):  # e.g. after model.to(dtype)
-                fused.tune_row_kernels()
-                fused.check_store_kernel()
-                tuned = _TUNED[model] = {k: copy.deepcopy(getattr(fused, k)) for k in _TUNING}
-                tuned["on"] = (weight.dtype, weight.device)
-            for k in _TUNING:
-                setattr(fused, k, copy.deepcopy(tuned[k]))
-            if fused.store_kernel == "torch":
-                fused.qk_norm_rope_store = fused._store_torch
+            fused.load_or_tune()
         return fused, ""
+
+    # ------------------------------------------------------------------ tuning: in memory, on disk, measured
+    def tuning_shapes(self) -> dict:
+        """What of the model a kernel choice depends on besides device and dtype (the disk cache's key)."""
+        shapes = {role: [list(self._weight(role)[0].shape), self._weight(role)[1] is not None] for role in ROW_PROJECTIONS}
+        return {**shapes, "layers": len(self.layers), "head_dim": self.model.model.layers[0].self_attn.head_dim}
+
+    def tuning_choices(self) -> dict:
+        """The measured choices as JSON-able data (:meth:`apply_tuning` takes them back)."""
+        return {"row_kernels": dict(self.row_kernels), "block_kernels": dict(self.block_kernels),
+                "triton_configs": [[role, rows, list(cfg)] for (role, rows), cfg in self.triton_configs.items()],
+                "row_timings": copy.deepcopy(self.row_timings), "row_note": self.row_note,
+                "store_kernel": self.store_kernel, "store_note": self.store_note}
+
+    def apply_tuning(self, choices: dict) -> None:
+        """Use ``choices`` (from :meth:`tuning_choices`); a ``ValueError`` if they do not fit this model."""
+        rows, blocks = dict(choices["row_kernels"]), dict(choices["block_kernels"])
+        if set(rows) != set(ROW_PROJECTIONS) or set(blocks) != set(ROW_PROJECTIONS) or any(
+                v not in ROW_KINDS for v in rows.values()) or any(v not in BLOCK_KINDS for v in blocks.values()):
+            raise ValueError(f"kernel choices do not name a kernel per projection: {rows} / {blocks}")
+        configs = {}
+        if any(v == "triton" for v in (*rows.values(), *blocks.values())):
+            from .skinny_linear import SkinnyConfig
+
+            configs = {(role, int(n)): SkinnyConfig(*cfg) for role, n, cfg in choices["triton_configs"]}
+            for role, n in [(r, 1) for r, k in rows.items() if k == "triton"] + [(r, _MAX_ROWS) for r, k in blocks.items() if k == "triton"]:
+                if configs.get((role, n)) not in self._triton_candidates(role, n):
+                    raise ValueError(f"no fitting Triton tile saved for the {role} projection at {n} rows")
+        if choices["store_kernel"] not in ("torch", "triton"):
+            raise ValueError(f"unknown store kernel {choices['store_kernel']!r}")
+        self.row_kernels, self.block_kernels, self.triton_configs = rows, blocks, configs
+        self.row_timings, self.row_note = copy.deepcopy(choices["row_timings"]), str(choices["row_note"])
+        self.store_kernel, self.store_note = choices["store_kernel"], str(choices["store_note"])
+        if self.store_kernel == "torch":
+            self.qk_norm_rope_store = self._store_torch
+        elif self.qk_norm_rope_store is self._store_torch:
+            raise ValueError("the saved choices use the Triton store kernel, which this process does not have")
+
+    def load_or_tune(self) -> str:
+        """Set the few-row kernels and the store kernel: from an earlier build on the same model in this
+        process (``"memory"``), else from the disk cache (``"disk"``, :mod:`.tuning_cache`), else measured
+        now (``"tuned"``: :meth:`tune_row_kernels`, :meth:`check_store_kernel`; then saved to disk)."""
+        from .tuning_cache import load_tuning, save_tuning, tuning_key
+
+        weight = self.layers[0].qkv
+        tuned = _TUNED.get(self.model)
+        if tuned is not None and tuned["on"] == (weight.dtype, weight.device):  # not after model.to(dtype)
+            self.apply_tuning(tuned["choices"])
+            return "memory"
+        key = tuning_key(self.tuning_shapes(), weight.dtype, weight.device)
+        choices, source = load_tuning(key), "disk"
+        if choices is not None:
+            try:
+                self.apply_tuning(choices)
+            except (ValueError, KeyError, TypeError) as exc:
+                warnings.warn(f"ignoring saved kernel choices that do not fit this model ({exc}); tuning again",
+                              RuntimeWarning, stacklevel=2)
+                choices = None
+        if choices is None:
+            self.tune_row_kernels()
+            self.check_store_kernel()
+            choices, source = self.tuning_choices(), "tuned"
+            save_tuning(key, choices)
+        _TUNED[self.model] = {"choices": choices, "on": (weight.dtype, weight.device)}
+        return source
