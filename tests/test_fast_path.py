@@ -10,10 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
+                                                   TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
 from adaflash_hf.engine import Engine
 from adaflash_hf.engine.warmup import workload_buckets
+from adaflash_hf.generation import decoding, fast_path
+from adaflash_hf.generation.fast_path import _sampling
 
-from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids
+from generation_helpers import (PAD_ID, CollectingStreamer, char_tokenizer, engine_prompts, make_drafter, make_target,
+                                plain_greedy_ids, ragged_prompts)
 
 
 def _engine(mode, block_size=4, **kw):
@@ -50,3 +56,110 @@ def test_warmup_refuses_a_busy_engine_and_bad_workloads():
     eng.submit([1, 2, 3], 4)
     with pytest.raises(RuntimeError, match="idle"):
         eng.warmup()
+
+
+# ------------------------------------------------------------------ generate on the engine
+@pytest.fixture
+def eager_loop_forbidden(monkeypatch):
+    """Fails a test whose call runs a round of the eager loop (so the engine route is really taken)."""
+    fast_path.clear_engines()
+
+    def no(*a, **k):
+        raise AssertionError("the eager loop ran")
+
+    monkeypatch.setattr(decoding, "_verify", no)
+    yield
+    fast_path.clear_engines()
+
+
+def _gen(target, drafter, ids, mask, fast, **kw):
+    kw = {"do_sample": False, "max_new_tokens": 14, "pad_token_id": PAD_ID, **kw}
+    return target.generate(ids, attention_mask=mask, assistant_model=drafter, fast_path=fast, **kw)
+
+
+@pytest.mark.parametrize("family,batch,policy", [("qwen3", 1, "fixed"), ("llama", 3, "adaptive"), ("qwen3", 4, "fixed")])
+def test_engine_route_equals_the_eager_loop_and_plain_greedy(family, batch, policy, eager_loop_forbidden, monkeypatch):
+    target = make_target(family)
+    drafter = make_drafter(target, block_size=4, use_length_head=policy == "adaptive")
+    ids, mask, _ = ragged_prompts(batch, [6, 3, 8, 5], seed=batch)
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=14, pad_token_id=PAD_ID)
+    fast, stats = _gen(target, drafter, ids, mask, True, length_policy=policy, return_stats=True)
+    assert torch.equal(fast, plain)
+    assert stats.rounds > 0 and stats.new_tokens == batch * 14 and stats.policy == policy
+    monkeypatch.undo()
+    assert torch.equal(_gen(target, drafter, ids, mask, False, length_policy=policy), plain)
+
+
+def test_engine_route_stops_and_returns_what_generate_does(eager_loop_forbidden):
+    """EOS, a stop string, a streamer and return_dict_in_generate on the engine route == the eager loop."""
+    target = make_target("qwen3", seed=3)
+    drafter = make_drafter(target, block_size=4)
+    ids, mask, rows = ragged_prompts(2, [5, 7], seed=3)
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=PAD_ID)
+    tok, chars = char_tokenizer()
+    stop = "".join(chars[t] for t in ref[0, ids.shape[1] + 5 : ids.shape[1] + 7].tolist())  # inside a block
+    eos = int(ref[1, ids.shape[1] + 9])
+    kw = dict(max_new_tokens=20, eos_token_id=eos, stop_strings=stop, tokenizer=tok, return_dict_in_generate=True)
+    fast = _gen(target, drafter, ids, mask, True, **kw)
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=PAD_ID, **kw)
+    assert torch.equal(fast.sequences, plain.sequences) and fast.sequences.shape[1] < ids.shape[1] + 20
+    streamer = CollectingStreamer()
+    one = _gen(target, drafter, ids[:1, -5:], None, True, max_new_tokens=9, streamer=streamer)
+    assert [t for put in streamer.puts[1:] for t in put] == one[0, 5:].tolist() and streamer.ends == 1
+
+
+def test_round_sink_gets_batch_rows_and_finished_requests(eager_loop_forbidden):
+    target = make_target("llama", seed=4)
+    drafter = make_drafter(target, block_size=4)
+    ids, mask, rows = ragged_prompts(2, [4, 6], seed=4)
+    rounds, finished = [], []
+
+    class Sink:
+        def on_round(self, r):
+            rounds.append(r)
+
+        def on_request(self, f):
+            finished.append(f)
+
+    out = _gen(target, drafter, ids, mask, True, max_new_tokens=8, round_sink=Sink())
+    assert {r.row for r in rounds} == {0, 1}
+    for r in rounds:  # context = the row's unpadded prompt + what it had generated before the round's bonus
+        real = torch.cat([rows[r.row], out[r.row, ids.shape[1]:]])
+        assert torch.equal(r.context_ids, real[: r.context_ids.shape[0]])
+    assert [f.row for f in finished] == [0, 1] and all(torch.equal(f.prompt_ids, rows[f.row]) for f in finished)
+
+
+def test_sampling_warpers_map_to_engine_params_and_others_fall_back_with_a_warning():
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.9)])
+    assert _sampling(warpers) == ({"temperature": 0.7, "top_k": 20, "top_p": 0.9}, None)
+    assert _sampling(LogitsProcessorList([TopKLogitsWarper(5), TemperatureLogitsWarper(0.5)]))[1] == "logits warpers in another order"
+    assert "RepetitionPenaltyLogitsProcessor" in _sampling([RepetitionPenaltyLogitsProcessor(1.2)])[1]
+    target = make_target("qwen3", seed=5)
+    drafter = make_drafter(target, block_size=4)
+    ids = torch.tensor([[5, 9, 2, 7]])
+    for kw, reason in (({"repetition_penalty": 1.3}, "RepetitionPenaltyLogitsProcessor"),
+                       ({"output_scores": True, "return_dict_in_generate": True}, "output_scores")):
+        with pytest.warns(RuntimeWarning, match=f"eager loop.*{reason}"):
+            fast = _gen(target, drafter, ids, None, True, **kw)
+        eager = _gen(target, drafter, ids, None, False, **kw)
+        assert torch.equal(getattr(fast, "sequences", fast), getattr(eager, "sequences", eager))
+
+
+def test_sampling_on_the_engine_follows_the_global_seed():
+    target = make_target("qwen3", seed=6)
+    drafter = make_drafter(target, block_size=4)
+    ids = torch.tensor([[5, 9, 2, 7]])
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        outs.append(_gen(target, drafter, ids, None, True, do_sample=True, temperature=0.8, top_k=30))
+    assert torch.equal(outs[0], outs[1]) and outs[0].shape[1] == 4 + 14
+
+
+def test_fast_path_is_validated_and_off_cuda_auto_keeps_the_eager_loop(monkeypatch):
+    target = make_target("qwen3", seed=7)
+    drafter = make_drafter(target, block_size=4)
+    with pytest.raises(ValueError, match="fast_path"):
+        _gen(target, drafter, torch.tensor([[1, 2]]), None, "yes")
+    monkeypatch.setattr(decoding, "engine_decoding", lambda *a, **k: pytest.fail("engine route on CPU with auto"))
+    _gen(target, drafter, torch.tensor([[1, 2]]), None, "auto")

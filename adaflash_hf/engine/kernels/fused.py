@@ -51,7 +51,8 @@ from transformers.models.qwen3 import modeling_qwen3
 _MAX_ROWS = 16  # skinny_linear.MAX_ROWS (that module needs Triton, imported only when used)
 _TUNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its tuning (FusedTarget.build)
 
-__all__ = ["FusedTarget", "SlotStore", "add_rms_norm", "foreign_hooks", "qk_norm_rope", "qk_norm_rope_store", "rms_norm"]
+__all__ = ["FusedTarget", "SlotStore", "add_rms_norm", "foreign_hooks", "qk_norm_rope", "qk_norm_rope_store", "rms_norm",
+           "unsupported_layers"]
 
 
 # ------------------------------------------------------------------ elementwise math (the HF modules' ops)
@@ -234,7 +235,7 @@ def foreign_hooks(module: nn.Module) -> list[str]:
             if _RECORDING_HOOK is None or getattr(h, "__code__", None) is not _RECORDING_HOOK]
 
 
-def _unsupported(model) -> str | None:
+def unsupported_layers(model) -> str | None:
     """Why ``model``'s layers are not the stock math :class:`FusedTarget` reproduces (``None``: they are)."""
     family = model.config.get_text_config(decoder=True).model_type
     rope = {"qwen3": modeling_qwen3, "llama": modeling_llama}.get(family)
@@ -523,7 +524,7 @@ class FusedTarget:
         ``compile``: compile the elementwise functions (default: when the model is on CUDA); compiled
         on CUDA, the few-row kernels are then chosen (:meth:`load_or_tune`: measured once per GPU, shapes,
         dtype and library versions, then read from the disk cache; later builds on the same model reuse them)."""
-        why = _unsupported(model)
+        why = unsupported_layers(model)
         if why is not None:
             return None, why
         on_cuda = next(model.parameters()).device.type == "cuda"
