@@ -163,3 +163,14 @@ def test_fast_path_is_validated_and_off_cuda_auto_keeps_the_eager_loop(monkeypat
         _gen(target, drafter, torch.tensor([[1, 2]]), None, "yes")
     monkeypatch.setattr(decoding, "engine_decoding", lambda *a, **k: pytest.fail("engine route on CPU with auto"))
     _gen(target, drafter, torch.tensor([[1, 2]]), None, "auto")
+
+
+def test_generate_warmup_prepares_the_engine_the_next_call_uses(eager_loop_forbidden):
+    target = make_target("qwen3", seed=8)
+    drafter = make_drafter(target, block_size=4)
+    assert fast_path.warmup(target, drafter, batch_size=2, prompt_len=6, max_new_tokens=10, length_policy="fixed") >= 0
+    (cached,) = fast_path._ENGINES.values()
+    ids, mask, _ = ragged_prompts(2, [6, 4], seed=8)
+    out = _gen(target, drafter, ids, mask, True, max_new_tokens=10, length_policy="fixed")
+    assert list(fast_path._ENGINES.values()) == [cached]  # the same engine, not a new one
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=PAD_ID))

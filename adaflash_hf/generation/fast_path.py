@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import warnings
 import weakref
 from collections import OrderedDict
@@ -38,7 +39,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from ..spec.hooks import round_callbacks
 from ..spec.policy import resolve_policy
 
-__all__ = ["FAST_PATH_CHOICES", "MAX_ENGINES", "clear_engines", "engine_decoding", "fast_path_refusal", "takes_engine"]
+__all__ = ["FAST_PATH_CHOICES", "MAX_ENGINES", "clear_engines", "engine_decoding", "fast_path_refusal", "takes_engine", "warmup"]
 
 FAST_PATH_CHOICES = ("auto", True, False)
 MAX_ENGINES = 2  # engines kept alive (each holds its KV caches and graphs)
@@ -144,6 +145,28 @@ def _engine_for(model, drafter, mode: str, rows: int, max_len: int, budget: int,
         while len(_ENGINES) > MAX_ENGINES:
             _ENGINES.popitem(last=False)
         return hit
+
+
+def warmup(target, drafter, batch_size: int = 1, prompt_len: int = 512, max_new_tokens: int = 128,
+           length_policy: str | None = None, length_rate=None, length_min=None) -> float:
+    """Build (or find) the engine that ``generate(assistant_model=drafter)`` will use for batches of up to
+    ``batch_size`` prompts of ``prompt_len`` tokens and capture the graphs it needs
+    (:meth:`~adaflash_hf.engine.Engine.warmup`); returns the seconds it took.
+
+    Example:
+        >>> warmup(target, drafter, batch_size=1, prompt_len=512, max_new_tokens=128)  # doctest: +SKIP
+    """
+    t0 = time.perf_counter()
+    policy = resolve_policy(length_policy, drafter)
+    mode = "packed" if policy.value == "adaptive" else "fixed"
+    block = drafter.config.block_size
+    if not drafter.is_bound_to(target):
+        drafter.bind_target(target)
+    cached = _engine_for(target, drafter, mode, batch_size, prompt_len + max_new_tokens + block,
+                         max(prompt_len, batch_size * block), length_rate, length_min)
+    with cached.lock:
+        cached.engine.warmup(concurrency=min(batch_size, cached.engine.max_slots), prompt_lens=[prompt_len])
+    return time.perf_counter() - t0
 
 
 def _split_criteria(stopping_criteria):
