@@ -108,7 +108,7 @@ def fast_path_refusal(model, drafter, generation_config, logits_processor, model
 def takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length_policy=None) -> bool:
     """Whether :func:`~.decoding.adaflash_decoding` should run this call on the engine (see the module
     docstring); a call the engine cannot take warns once, naming the reason."""
-    if not any(fast_path is c or fast_path == c for c in FAST_PATH_CHOICES if not isinstance(c, bool)) and not isinstance(fast_path, bool):
+    if not (isinstance(fast_path, bool) or fast_path == "auto"):
         raise ValueError(f"fast_path must be 'auto', True or False, got {fast_path!r}")
     if fast_path is False or (fast_path == "auto" and next(model.parameters()).device.type != "cuda"):
         return False
