@@ -38,6 +38,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from transformers.generation.stopping_criteria import StoppingCriteria
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_gpu_check import free_memory, log, qwen3_8b_shape, sync, tiny_pair  # noqa: E402
@@ -234,7 +235,7 @@ def methods(res, target, drafter, device, args, deadline):
         res["b8_over_b1_round"] = res["ours_generate_b8"]["ms_per_round"] / ours["ms_per_round"]
 
 
-class _StopAt:
+class _StopAt(StoppingCriteria):
     """Stop once a row holds ``length`` tokens (prompt included)."""
 
     def __init__(self, length: int):
