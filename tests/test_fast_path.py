@@ -154,6 +154,9 @@ def test_sampling_on_the_engine_follows_the_global_seed():
         torch.manual_seed(11)
         outs.append(_gen(target, drafter, ids, None, True, do_sample=True, temperature=0.8, top_k=30))
     assert torch.equal(outs[0], outs[1]) and outs[0].shape[1] == 4 + 14
+    torch.manual_seed(11)  # no warper at all (temperature 1, top_k off) still samples
+    plain_sampled = _gen(target, drafter, ids, None, True, do_sample=True, temperature=1.0, top_k=None, max_new_tokens=30)
+    assert not torch.equal(plain_sampled, _gen(target, drafter, ids, None, True, max_new_tokens=30))
 
 
 def test_fast_path_is_validated_and_off_cuda_auto_keeps_the_eager_loop(monkeypatch):

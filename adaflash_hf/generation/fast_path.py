@@ -198,6 +198,8 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
     max_length, eos, rest = _split_criteria(stopping_criteria)
     max_new = (max_length if max_length is not None else generation_config.max_length) - width
     fields, _ = _sampling(logits_processor)
+    if generation_config.do_sample:
+        fields.setdefault("temperature", 1.0)  # sampling with no temperature warper is temperature 1, not greedy
     policy = resolve_policy(length_policy, drafter)
     mode = "packed" if policy.value == "adaptive" else "fixed"
     block = drafter.config.block_size
