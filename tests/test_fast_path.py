@@ -177,3 +177,17 @@ def test_generate_warmup_prepares_the_engine_the_next_call_uses(eager_loop_forbi
     out = _gen(target, drafter, ids, mask, True, max_new_tokens=10, length_policy="fixed")
     assert list(fast_path._ENGINES.values()) == [cached]  # the same engine, not a new one
     assert torch.equal(out, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=PAD_ID))
+
+
+def test_an_engine_built_under_inference_mode_serves_outside_it(eager_loop_forbidden):
+    """The cached engine outlives the call: built and first used under torch.inference_mode (as the CLI
+    does), it must still serve a call outside it, and leave the target's weights updatable in place."""
+    target = make_target("qwen3", seed=9)
+    drafter = make_drafter(target, block_size=4)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        inside = _gen(target, drafter, ids, None, True, max_new_tokens=8)
+    outside = _gen(target, drafter, ids, None, True, max_new_tokens=12)
+    assert torch.equal(outside[:, :12], inside) and len(fast_path._ENGINES) == 1
+    assert not target.model.layers[0].self_attn.q_proj.weight.is_inference()
+    target.load_state_dict(target.state_dict())  # in place: fails on inference tensors

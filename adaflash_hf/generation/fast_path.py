@@ -138,9 +138,10 @@ def _engine_for(model, drafter, mode: str, rows: int, max_len: int, budget: int,
             if e.max_slots >= rows and e.max_len >= max_len and e.token_budget >= budget and e.healthy:
                 _ENGINES.move_to_end(key)
                 return hit
-        engine = Engine(model, drafter, verify_mode=mode, max_slots=pow2(rows, 1), max_len=pow2(max_len, 256),
-                        token_budget=pow2(budget, 64), length_rate=length_rate, length_min=length_min,
-                        cuda_graphs=True)  # off CUDA: the same static bucket forwards, eagerly
+        with torch.inference_mode(False):  # see engine_decoding: the engine is reused outside this call's mode
+            engine = Engine(model, drafter, verify_mode=mode, max_slots=pow2(rows, 1), max_len=pow2(max_len, 256),
+                            token_budget=pow2(budget, 64), length_rate=length_rate, length_min=length_min,
+                            cuda_graphs=True)  # off CUDA: the same static bucket forwards, eagerly
         hit = _ENGINES[key] = _Cached(weakref.ref(model), weakref.ref(drafter), engine, threading.Lock())
         while len(_ENGINES) > MAX_ENGINES:
             _ENGINES.popitem(last=False)
@@ -164,7 +165,7 @@ def warmup(target, drafter, batch_size: int = 1, prompt_len: int = 512, max_new_
         drafter.bind_target(target)
     cached = _engine_for(target, drafter, mode, batch_size, prompt_len + max_new_tokens + block,
                          max(prompt_len, batch_size * block), length_rate, length_min)
-    with cached.lock:
+    with cached.lock, torch.inference_mode(False), torch.no_grad():
         cached.engine.warmup(concurrency=min(batch_size, cached.engine.max_slots), prompt_lens=[prompt_len])
     return time.perf_counter() - t0
 
@@ -209,7 +210,9 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
     stats = GenerationStats(block_size=block, policy=policy.value)
     output = _Output.for_config(generation_config, logits_processor, stopping_criteria, streamer)
     on_round, on_request = round_callbacks(round_sink, drafter)
-    with cached.lock:
+    # The cached engine outlives this call: its caches and lazily made buffers must be normal tensors even
+    # when generate runs under torch.inference_mode (in-place updates of inference tensors fail outside it).
+    with cached.lock, torch.inference_mode(False), torch.no_grad():
         saved = engine.on_round, engine.on_request
         row_of: dict[int, int] = {}
         engine.on_round = None if on_round is None else (lambda r: on_round(dataclasses.replace(r, row=row_of[r.row])))

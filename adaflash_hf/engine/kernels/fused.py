@@ -177,7 +177,7 @@ def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | N
         if all(t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and t.is_contiguous()
                and t.storage_offset() == o for t, o in zip(tensors, offsets)):
             return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
-        with torch.no_grad():
+        with torch.no_grad(), torch.inference_mode(False):  # the model's weights stay normal (updatable) tensors
             out = torch.cat([t.detach() for t in tensors])
             start = 0
             for t in tensors:
