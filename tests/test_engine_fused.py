@@ -367,3 +367,11 @@ def test_a_damaged_tuning_file_is_ignored_with_a_warning_and_rewritten(tmp_path,
     with pytest.warns(RuntimeWarning, match=warning):
         assert again.load_or_tune() == "tuned"
     assert calls == ["tune", "check"] * 2 and _fresh(calls=calls).load_or_tune() == "disk"
+
+
+def test_fusing_under_inference_mode_leaves_normal_updatable_weights():
+    target = make_target("qwen3")
+    with torch.inference_mode():
+        Engine(target, None, verify_mode="off", max_slots=1, max_len=32)
+    assert not any(p.is_inference() for p in target.parameters())
+    target.load_state_dict(target.state_dict())  # in place: fails on inference tensors
