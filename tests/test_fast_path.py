@@ -138,7 +138,8 @@ def test_sampling_warpers_map_to_engine_params_and_others_fall_back_with_a_warni
     drafter = make_drafter(target, block_size=4)
     ids = torch.tensor([[5, 9, 2, 7]])
     for kw, reason in (({"repetition_penalty": 1.3}, "RepetitionPenaltyLogitsProcessor"),
-                       ({"output_scores": True, "return_dict_in_generate": True}, "output_scores")):
+                       ({"output_scores": True, "return_dict_in_generate": True}, "output_scores"),
+                       ({"output_hidden_states": True, "return_dict_in_generate": True}, "output_hidden_states")):
         with pytest.warns(RuntimeWarning, match=f"eager loop.*{reason}"):
             fast = _gen(target, drafter, ids, None, True, **kw)
         eager = _gen(target, drafter, ids, None, False, **kw)
@@ -191,3 +192,14 @@ def test_an_engine_built_under_inference_mode_serves_outside_it(eager_loop_forbi
     assert torch.equal(outside[:, :12], inside) and len(fast_path._ENGINES) == 1
     assert not target.model.layers[0].self_attn.q_proj.weight.is_inference()
     target.load_state_dict(target.state_dict())  # in place: fails on inference tensors
+
+
+def test_a_lora_target_falls_back_with_the_reason():
+    peft = pytest.importorskip("peft")
+    base = make_target("qwen3", seed=10)
+    drafter = make_drafter(base, block_size=4)
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    ids = torch.tensor([[5, 9, 2, 7]])
+    with pytest.warns(RuntimeWarning, match="eager loop.*not a plain nn.Linear"):
+        fast = lora.generate(input_ids=ids, assistant_model=drafter, fast_path=True, do_sample=False, max_new_tokens=8)
+    assert torch.equal(fast, lora.generate(input_ids=ids, do_sample=False, max_new_tokens=8))
