@@ -203,3 +203,22 @@ def test_a_lora_target_falls_back_with_the_reason():
     with pytest.warns(RuntimeWarning, match="eager loop.*not a plain nn.Linear"):
         fast = lora.generate(input_ids=ids, assistant_model=drafter, fast_path=True, do_sample=False, max_new_tokens=8)
     assert torch.equal(fast, lora.generate(input_ids=ids, do_sample=False, max_new_tokens=8))
+
+
+def test_a_failing_call_leaves_nothing_queued_in_the_cached_engine(eager_loop_forbidden):
+    target = make_target("qwen3", seed=12)
+    drafter = make_drafter(target, block_size=4)
+    ids = torch.tensor([[5, 9, 2, 7], [3, 3, 1, 2]])
+
+    class Exploding(CollectingStreamer):
+        def put(self, value):
+            super().put(value)
+            if len(self.puts) == 3:
+                raise KeyboardInterrupt  # not a callback error the engine absorbs: the call is interrupted
+
+    with pytest.raises(KeyboardInterrupt):
+        _gen(target, drafter, ids[:1], None, True, streamer=Exploding())
+    (cached,) = fast_path._ENGINES.values()
+    assert cached.engine.idle
+    assert torch.equal(_gen(target, drafter, ids, None, True),
+                       target.generate(ids, do_sample=False, max_new_tokens=14, pad_token_id=PAD_ID))

@@ -229,6 +229,10 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
                 row_of[handle.request_id] = i
                 handles.append(handle)
             outs = [h.result() for h in handles]
+        except BaseException:
+            for h in handles:  # nothing of a failed or interrupted call stays queued in the cached engine
+                h.cancel()
+            raise
         finally:
             engine.on_round, engine.on_request = saved
     for i, o in enumerate(outs):
