@@ -57,7 +57,7 @@ class AdaFlashConfig(PreTrainedConfig):
     length_head_trained (`bool`, defaults to `False`):
         Set once the head has been trained; the `adaptive` policy is the default only then.
     length_rate (`float`, defaults to 1.0) / length_min (`int`, defaults to 1):
-        `k_hat = clamp(round(a * block_size * length_rate), length_min, block_size)`.
+        `k_hat = clamp(floor(a * block_size * length_rate), length_min, block_size)` (the paper's).
     layer_types (`list[str]`, *optional*) / sliding_window (`int`, *optional*):
         Per drafter layer `"full_attention"` (default: the block sees all context and itself
         bidirectionally) or `"sliding_attention"`, as z-lab DFlash checkpoints declare it and vLLM /

@@ -15,7 +15,7 @@ from adaflash_hf.spec.length_policy import (
 )
 
 # --------------------------------------------------------------------------------------------
-# adaptive_verify_length: k_hat = clamp(round(a * B * rate), min_len, B)
+# adaptive_verify_length: k_hat = clamp(floor(a * B * rate), min_len, B), the paper's formula
 
 A_GRID = torch.linspace(0, 1, 41)
 
@@ -36,7 +36,7 @@ def test_adaptive_verify_length(B, rate, min_len):
     assert k_hat.dtype == torch.long and k_hat.shape == A_GRID.shape
     assert ((k_hat >= min_len) & (k_hat <= B)).all()
     assert (k_hat[1:] >= k_hat[:-1]).all()  # more confident head -> never shorter
-    ref = [min(B, max(min_len, round(float(a) * B * rate))) for a in A_GRID.tolist()]
+    ref = [min(B, max(min_len, math.floor(float(a) * B * rate))) for a in A_GRID.tolist()]
     assert k_hat.tolist() == ref
     # extremes: a = 0 verifies the minimum; a = 1 at rate >= 1 verifies the full block
     assert k_hat[0].item() == min_len
@@ -45,6 +45,21 @@ def test_adaptive_verify_length(B, rate, min_len):
     # column-vector head output and NaN predictions are handled
     assert torch.equal(adaptive_verify_length(A_GRID[:, None], B, rate, min_len), k_hat)
     assert adaptive_verify_length(torch.tensor([float("nan")]), B, rate, min_len).item() == min_len
+
+
+# (ratio, block, rate, k_hat by hand): floor, not round, as in the paper
+PAPER_FORMULA_CASES = [(0.47, 16, 1.0, 7), (0.99, 16, 1.0, 15), (0.06, 16, 1.0, 1), (0.5, 16, 0.5, 4), (0.9, 8, 1.0, 7)]
+
+
+@pytest.mark.parametrize("a,B,rate,expected", PAPER_FORMULA_CASES)
+def test_adaptive_is_the_papers_floor(a, B, rate, expected):
+    assert adaptive_verify_length(torch.tensor([a]), B, rate=rate).item() == expected
+
+
+@pytest.mark.parametrize("B", [8, 16])
+def test_a_perfect_head_verifies_exactly_what_is_accepted(B):
+    accepted = torch.arange(B)  # the head's label is (accepted + 1) / B
+    assert torch.equal(adaptive_verify_length((accepted + 1) / B, B), accepted + 1)
 
 
 def test_adaptive_rate_scales_length():
