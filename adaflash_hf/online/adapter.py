@@ -54,6 +54,8 @@ from .lock import RoundLock
 from .publish import VersionPublisher
 from .worker import NonFiniteLossError, ShadowTrainer, copy_drafter
 
+_MAX_OPEN_ROWS = 4096  # requests in flight whose served rounds are kept
+
 __all__ = [
     "LABEL_MODES",
     "METHODS",
@@ -135,6 +137,9 @@ class OnlineAdapter:
         self._hooks = DrafterHooks(weights_lock=self.round_lock)
         register_hooks(drafter, self._hooks)
         self._swap_pending = threading.Event()  # set while a swap waits for the round lock
+        # served rounds of requests in flight, per (loop thread, row): (anchor, accepted, verify length)
+        self._served: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        self._served_lock = threading.Lock()
         self._init_stats()
         self._init_worker_thread()
 
@@ -207,8 +212,10 @@ class OnlineAdapter:
         ``sample_unit="request"``, buffer it as a sample. Never blocks on training."""
         if self.config.sample_unit != "request" or self.config.method == "off" or self.stopped or self._closing:
             return
+        with self._served_lock:
+            served = self._served.pop((threading.get_ident(), int(finished.row)), None)
         try:
-            sample = RequestSample.from_request(finished, domain=self.domain)
+            sample = RequestSample.from_request(finished, domain=self.domain, served=served)
         except Exception as e:  # noqa: BLE001 - a bad request must never break generation
             self.sample_errors += 1
             logger.warning("online adapter could not buffer a request: %s", redact(f"{type(e).__name__}: {e}"))
@@ -224,6 +231,8 @@ class OnlineAdapter:
             self._tau_sum += int(verified.num_accepted) + 1
             self._tau_n += 1
             self.rounds_seen += 1
+        if self.config.sample_unit == "request" and self.config.method == "opd":
+            self._keep_served(verified)
         if self.config.sample_unit != "round" or self.config.method == "off" or self.stopped or self._closing:
             return
         try:
@@ -240,6 +249,20 @@ class OnlineAdapter:
             logger.warning("online adapter could not buffer a round: %s", redact(f"{type(e).__name__}: {e}"))
             return
         self._add(sample)
+
+    def _keep_served(self, verified) -> None:
+        """Remember a served round's real acceptance for its request's sample (the length head's label).
+        Rows are keyed by the loop's thread (each loop numbers its own rows); an anchor that does not move
+        forward starts a new request on that row (one that ended without ``on_request``)."""
+        key = (threading.get_ident(), int(verified.row))
+        entry = (int(verified.context_ids.numel()), int(verified.num_accepted), int(verified.verify_len))
+        with self._served_lock:
+            rounds = self._served.setdefault(key, [])
+            if rounds and rounds[-1][0] >= entry[0]:
+                rounds.clear()
+            rounds.append(entry)
+            while len(self._served) > _MAX_OPEN_ROWS:  # rows whose request never finished (cancelled, failed)
+                self._served.pop(next(iter(self._served)))
 
     def _add(self, sample: Sample) -> None:
         self.buffer.add(sample)
