@@ -197,3 +197,34 @@ def test_load_scaled_rate_validation(kwargs, match):
     args = dict(base_rate=1.0, batch_size=8) | kwargs
     with pytest.raises(ValueError, match=match):
         load_scaled_rate(**args)
+
+
+# --------------------------------------------------------------------------------------------
+# the engine keeps the rate fixed by default (the paper's; load is left to admission); load scaling on request
+@pytest.mark.parametrize("halving,expected_len", [(None, 8), (2, 2)])  # 4 requests, rate 1: 1 / (1 + log2(4) / 1) -> floor(8/3)
+def test_engine_rate_is_fixed_unless_load_scaling_is_asked(halving, expected_len):
+    from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids
+
+    from adaflash_hf.engine import Engine
+
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=8)
+    force_length_head(drafter, ratio_high=True)
+    prompts = engine_prompts([4, 5, 6, 7], seed=2)
+    engine = Engine(target, drafter, verify_mode="packed", max_slots=4, max_len=40, token_budget=64, length_rate=1.0,
+                    halving_batch=halving)
+    outs = engine.generate(prompts, max_new_tokens=12)
+    assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 12) for p in prompts]
+    assert max(o.verify_lengths[0] for o in outs) == expected_len
+
+
+def test_bench_flags_carry_the_length_settings():
+    import argparse
+
+    from adaflash_hf.bench.cli_args import add_arguments, config_from_args
+
+    args = add_arguments(argparse.ArgumentParser()).parse_args(["--reference", "--length-rate", "0.75", "--halving-batch", "64"])
+    cfg = config_from_args(args)
+    assert (cfg.length_rate, cfg.halving_batch) == (0.75, 64)
+    default = config_from_args(add_arguments(argparse.ArgumentParser()).parse_args(["--reference"]))
+    assert (default.length_rate, default.halving_batch) == (None, None)
