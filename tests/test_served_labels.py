@@ -116,3 +116,21 @@ def test_served_labels_need_anchors():
     ids = torch.arange(12)[None]
     with pytest.raises(ValueError, match="served_accepted needs anchors"):
         worker.request_model(drafter)(input_ids=ids, served_accepted=torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_head_error_on_served_rounds_falls_after_an_update(served_pair):
+    target, prompts, refs = served_pair
+    drafter = make_drafter(target, block_size=B)
+    trace = PerPositionTrace([1.0] * 4 + [0.0] * 3)  # every round accepts 4 drafts: label 5 / B
+    adapter = OnlineAdapter(drafter, target, samples_per_update=len(prompts), epochs=4, batch_size=1, head_lr=3e-3, lr=1e-5)
+    try:
+        for _ in range(2):  # served rounds before the update, then rounds the update never saw
+            eng = Engine(target, drafter, verify_mode="fixed", max_slots=3, max_len=48, token_budget=64, round_sink=adapter,
+                         draft_replay=DraftReplay(refs, trace))
+            assert [o.token_ids for o in eng.generate(prompts, max_new_tokens=MAX_NEW)] == [refs[tuple(p)] for p in prompts]
+            assert adapter.wait_for_update(60)
+        hist = adapter.stats["history"][0]
+    finally:
+        adapter.close()
+    assert hist["head_mae_before"] is not None and hist["head_mae_after"] is not None
+    assert hist["head_mae_after"] < 0.5 * hist["head_mae_before"], hist

@@ -75,7 +75,9 @@ logger = logging.getLogger("adaflash_hf.online")
 class UpdateRecord:
     """One finished update. ``tau_before``: mean tokens per round (accepted + 1) served since the
     previous swap; ``tau_after``: the same for the rounds served with this update's weights
-    (running until the next update)."""
+    (running until the next update). ``head_mae_before`` / ``head_mae_after``: the length head's mean
+    absolute error ``|ratio - (accepted + 1) / B|`` on the same served rounds (those whose block the
+    verify length did not cut), i.e. on rounds no update had trained on yet."""
 
     update: int
     samples: int
@@ -86,6 +88,8 @@ class UpdateRecord:
     rounds_before: int
     tau_after: float | None = None
     rounds_after: int = 0
+    head_mae_before: float | None = None
+    head_mae_after: float | None = None
     seconds: float = 0.0
     version: int | None = None
     path: str | None = None
@@ -148,6 +152,8 @@ class OnlineAdapter:
         self._tau_sum = 0
         self._tau_n = 0
         self._last_swap_tau: tuple[float | None, int] = (None, 0)
+        self._head_err = [0.0, 0]  # the length head's absolute error on served rounds since the last swap
+        self._last_swap_mae: float | None = None
         self.rounds_seen = 0
         self.updates = 0
         self.failures = 0
@@ -231,6 +237,10 @@ class OnlineAdapter:
             self._tau_sum += int(verified.num_accepted) + 1
             self._tau_n += 1
             self.rounds_seen += 1
+            B = self.drafter.config.block_size
+            if verified.predicted_ratio is not None and (verified.num_accepted < verified.verify_len - 1 or verified.verify_len == B):
+                self._head_err[0] += abs(verified.predicted_ratio - (verified.num_accepted + 1) / B)
+                self._head_err[1] += 1
         if self.config.sample_unit == "request" and self.config.method == "opd":
             self._keep_served(verified)
         if self.config.sample_unit != "round" or self.config.method == "off" or self.stopped or self._closing:
@@ -356,9 +366,11 @@ class OnlineAdapter:
         with self._stats_lock:
             tau = self._tau_sum / self._tau_n if self._tau_n else None
             rounds_since = self._tau_n
+            mae = self._head_err[0] / self._head_err[1] if self._head_err[1] else None
             history = [asdict(h) for h in self.history]
         if history:  # the newest version's tau_after is live until the next update
             history[-1]["tau_after"], history[-1]["rounds_after"] = tau, rounds_since
+            history[-1]["head_mae_after"] = mae
         return {
             "method": self.config.method,
             "updates": self.updates,
@@ -436,6 +448,7 @@ class OnlineAdapter:
             tau_before, rounds_before = self._last_swap_tau
             if self.history:
                 self.history[-1].tau_after, self.history[-1].rounds_after = tau_before, rounds_before
+                self.history[-1].head_mae_after = self._last_swap_mae
             record = UpdateRecord(
                 update=self.updates + 1,
                 samples=len(samples),
@@ -444,6 +457,7 @@ class OnlineAdapter:
                 head_loss_last=result["head_loss_last"],
                 tau_before=tau_before,
                 rounds_before=rounds_before,
+                head_mae_before=self._last_swap_mae,
                 seconds=seconds,
                 domains=dict(domains),
             )
@@ -495,6 +509,8 @@ class OnlineAdapter:
                 with self._stats_lock:
                     self._last_swap_tau = (self._tau_sum / self._tau_n if self._tau_n else None, self._tau_n)
                     self._tau_sum, self._tau_n = 0, 0
+                    self._last_swap_mae = self._head_err[0] / self._head_err[1] if self._head_err[1] else None
+                    self._head_err = [0.0, 0]
         finally:
             self._swap_pending.clear()
 
