@@ -556,6 +556,8 @@ def write_dflash_checkpoint(model, path: str, dtype="bfloat16", remote_code_dir:
 
     from safetensors.torch import save_file
 
+    if model.config.use_length_head and getattr(model.config, "length_head_type", "released") != "released":
+        raise ValueError("the paper's length-head variant has no DFlash / released layout: save it with save_pretrained")
     path = os.path.abspath(path)
     if os.path.exists(path) and os.listdir(path):
         raise FileExistsError(f"{path} exists and is not empty: choose a new directory")

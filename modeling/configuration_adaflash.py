@@ -31,6 +31,9 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [min(max(i, 0), num_target_layers - 1) for i in ids]
 
 
+LENGTH_HEAD_TYPES = ("released", "paper")
+
+
 @strict
 class AdaFlashConfig(PreTrainedConfig):
     r"""
@@ -54,10 +57,13 @@ class AdaFlashConfig(PreTrainedConfig):
         Whether the drafter carries the adaptive verify-length head.
     length_head_dim (`int`, defaults to 256):
         Bottleneck width of the length head.
+    length_head_type (`str`, defaults to `"released"`):
+        `"released"`: the released checkpoints' head (concat of block mean and last slot, a residual
+        MLP); `"paper"`: the paper's description (per-slot Linear + SiLU, mean over the block, Linear).
     length_head_trained (`bool`, defaults to `False`):
         Set once the head has been trained; the `adaptive` policy is the default only then.
     length_rate (`float`, defaults to 1.0) / length_min (`int`, defaults to 1):
-        `k_hat = clamp(round(a * block_size * length_rate), length_min, block_size)`.
+        `k_hat = clamp(floor(a * block_size * length_rate), length_min, block_size)` (the paper's).
     layer_types (`list[str]`, *optional*) / sliding_window (`int`, *optional*):
         Per drafter layer `"full_attention"` (default: the block sees all context and itself
         bidirectionally) or `"sliding_attention"`, as z-lab DFlash checkpoints declare it and vLLM /
@@ -107,6 +113,7 @@ class AdaFlashConfig(PreTrainedConfig):
 
     use_length_head: bool = True
     length_head_dim: int = 256
+    length_head_type: str = "released"
     length_head_trained: bool = False
     length_rate: float = 1.0
     length_min: int = 1
@@ -160,8 +167,10 @@ class AdaFlashConfig(PreTrainedConfig):
             raise ValueError(f"length_min must be in 1..block_size={self.block_size}, got {self.length_min}")
         if self.length_rate <= 0:
             raise ValueError(f"length_rate must be > 0, got {self.length_rate}")
+        if self.length_head_type not in LENGTH_HEAD_TYPES:
+            raise ValueError(f"length_head_type must be one of {LENGTH_HEAD_TYPES}, got {self.length_head_type!r}")
         if self.length_head_dim < 1:
             raise ValueError(f"length_head_dim must be >= 1, got {self.length_head_dim}")
 
 
-__all__ = ["AdaFlashConfig", "default_target_layer_ids"]
+__all__ = ["AdaFlashConfig", "LENGTH_HEAD_TYPES", "default_target_layer_ids"]

@@ -157,6 +157,29 @@ class AdaFlashLengthHead(nn.Module):
         return torch.sigmoid(self.out(h).squeeze(-1).float())
 
 
+class AdaFlashPaperLengthHead(nn.Module):
+    """The length head as the paper describes it (``length_head_type="paper"``): per block slot
+    `Linear(H, d)` + SiLU, mean over the block, `Linear(d, 1)`, sigmoid. Same input and output as
+    :class:`AdaFlashLengthHead`."""
+
+    def __init__(self, hidden_size: int, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, dim)
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, block_hidden: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.silu(self.proj(block_hidden)).mean(dim=-2)
+        return torch.sigmoid(self.out(h).squeeze(-1).float())
+
+
+def build_length_head(config) -> nn.Module | None:
+    """The length head ``config`` asks for (``None`` without one)."""
+    if not config.use_length_head:
+        return None
+    head = AdaFlashPaperLengthHead if getattr(config, "length_head_type", "released") == "paper" else AdaFlashLengthHead
+    return head(config.hidden_size, config.length_head_dim)
+
+
 @dataclass
 class AdaFlashDrafterOutput(BaseModelOutputWithPast):
     """`last_hidden_state` holds the final-normed block states `[b, q, H]` (transformers' DFlash contract)."""
@@ -205,7 +228,7 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         self.layers = nn.ModuleList([AdaFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        self.length_head = AdaFlashLengthHead(config.hidden_size, config.length_head_dim) if config.use_length_head else None
+        self.length_head = build_length_head(config)
         self._target_refs: dict[str, nn.Module] = {}
         self.post_init()
 
@@ -465,4 +488,5 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         return self.length_head(block_hidden.detach())
 
 
-__all__ = ["AdaFlashDrafter", "AdaFlashPreTrainedModel", "AdaFlashLengthHead", "AdaFlashDrafterOutput"]
+__all__ = ["AdaFlashDrafter", "AdaFlashPreTrainedModel", "AdaFlashLengthHead", "AdaFlashPaperLengthHead",
+           "AdaFlashDrafterOutput"]

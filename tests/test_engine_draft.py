@@ -128,7 +128,7 @@ def test_context_only_update_then_draft_equals_drafting_every_round(pair, static
 SKIP_CASES = [
     (0.125, 64, 3, False, True, "context only"),  # B * rate = 1: every k_hat is 1 whatever the head says
     (0.125, 64, 3, True, True, "context only"),
-    (0.15, 2, 4, True, True, "context only"),  # load-scaled: rate floor 0.15 -> round(8 * 0.15) = 1
+    (0.15, 2, 4, True, True, "context only"),  # load-scaled: rate floor 0.15 -> floor(8 * 0.15) = 1
     (1.0, 64, 3, True, False, "no head"),  # the head predicts ~0: k_hat = 1, the body runs, the LM head does not
     (1.0, 64, 3, False, False, "no head"),
     (1.0, 64, 1, True, True, "drafts"),
@@ -166,7 +166,7 @@ def test_packed_drafts_nothing_when_every_k_hat_is_one(rate, halving, requests, 
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_draft_width_follows_the_longest_verify(graphs):
-    """The LM head runs for the longest draft only: k_hat = round(a * B * rate) = 3 -> 2 draft positions."""
+    """The LM head runs for the longest draft only: k_hat = floor(a * B * rate) = 3 -> 2 draft positions."""
     target = make_target("llama")
     drafter = make_drafter(target, block_size=8)
     force_length_head(drafter, ratio_high=True)

@@ -668,7 +668,7 @@ def spy_candidates(monkeypatch) -> list[tuple[int, int]]:
 HF_ROUTE_CASES = [
     ("qwen3", 120, 8, "fixed", None, 1.0, "oracle", 7),
     ("llama", 121, 4, "fixed", None, 1.0, "random", 3),
-    ("llama", 122, 8, "adaptive", "high", 0.5, "oracle", 3),  # k_hat = round(1 * 8 * 0.5) = 4
+    ("llama", 122, 8, "adaptive", "high", 0.5, "oracle", 3),  # k_hat = floor(1 * 8 * 0.5) = 4
     ("qwen3", 123, 16, "adaptive", "high", 1.0, "oracle", 15),
     ("qwen3", 124, 8, "adaptive", "low", 1.0, "oracle", 0),  # k_hat = 1: plain decoding steps
     ("llama", 125, 8, "fixed", None, 1.0, "nan", 0),  # non-finite draft logits: no candidates

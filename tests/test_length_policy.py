@@ -15,7 +15,7 @@ from adaflash_hf.spec.length_policy import (
 )
 
 # --------------------------------------------------------------------------------------------
-# adaptive_verify_length: k_hat = clamp(round(a * B * rate), min_len, B)
+# adaptive_verify_length: k_hat = clamp(floor(a * B * rate), min_len, B), the paper's formula
 
 A_GRID = torch.linspace(0, 1, 41)
 
@@ -36,7 +36,7 @@ def test_adaptive_verify_length(B, rate, min_len):
     assert k_hat.dtype == torch.long and k_hat.shape == A_GRID.shape
     assert ((k_hat >= min_len) & (k_hat <= B)).all()
     assert (k_hat[1:] >= k_hat[:-1]).all()  # more confident head -> never shorter
-    ref = [min(B, max(min_len, round(float(a) * B * rate))) for a in A_GRID.tolist()]
+    ref = [min(B, max(min_len, math.floor(float(a) * B * rate))) for a in A_GRID.tolist()]
     assert k_hat.tolist() == ref
     # extremes: a = 0 verifies the minimum; a = 1 at rate >= 1 verifies the full block
     assert k_hat[0].item() == min_len
@@ -45,6 +45,21 @@ def test_adaptive_verify_length(B, rate, min_len):
     # column-vector head output and NaN predictions are handled
     assert torch.equal(adaptive_verify_length(A_GRID[:, None], B, rate, min_len), k_hat)
     assert adaptive_verify_length(torch.tensor([float("nan")]), B, rate, min_len).item() == min_len
+
+
+# (ratio, block, rate, k_hat by hand): floor, not round, as in the paper
+PAPER_FORMULA_CASES = [(0.47, 16, 1.0, 7), (0.99, 16, 1.0, 15), (0.06, 16, 1.0, 1), (0.5, 16, 0.5, 4), (0.9, 8, 1.0, 7)]
+
+
+@pytest.mark.parametrize("a,B,rate,expected", PAPER_FORMULA_CASES)
+def test_adaptive_is_the_papers_floor(a, B, rate, expected):
+    assert adaptive_verify_length(torch.tensor([a]), B, rate=rate).item() == expected
+
+
+@pytest.mark.parametrize("B", [8, 16])
+def test_a_perfect_head_verifies_exactly_what_is_accepted(B):
+    accepted = torch.arange(B)  # the head's label is (accepted + 1) / B
+    assert torch.equal(adaptive_verify_length((accepted + 1) / B, B), accepted + 1)
 
 
 def test_adaptive_rate_scales_length():
@@ -182,3 +197,34 @@ def test_load_scaled_rate_validation(kwargs, match):
     args = dict(base_rate=1.0, batch_size=8) | kwargs
     with pytest.raises(ValueError, match=match):
         load_scaled_rate(**args)
+
+
+# --------------------------------------------------------------------------------------------
+# the engine keeps the rate fixed by default (the paper's; load is left to admission); load scaling on request
+@pytest.mark.parametrize("halving,expected_len", [(None, 8), (2, 2)])  # 4 requests, rate 1: 1 / (1 + log2(4) / 1) -> floor(8/3)
+def test_engine_rate_is_fixed_unless_load_scaling_is_asked(halving, expected_len):
+    from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids
+
+    from adaflash_hf.engine import Engine
+
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=8)
+    force_length_head(drafter, ratio_high=True)
+    prompts = engine_prompts([4, 5, 6, 7], seed=2)
+    engine = Engine(target, drafter, verify_mode="packed", max_slots=4, max_len=40, token_budget=64, length_rate=1.0,
+                    halving_batch=halving)
+    outs = engine.generate(prompts, max_new_tokens=12)
+    assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 12) for p in prompts]
+    assert max(o.verify_lengths[0] for o in outs) == expected_len
+
+
+def test_bench_flags_carry_the_length_settings():
+    import argparse
+
+    from adaflash_hf.bench.cli_args import add_arguments, config_from_args
+
+    args = add_arguments(argparse.ArgumentParser()).parse_args(["--reference", "--length-rate", "0.75", "--halving-batch", "64"])
+    cfg = config_from_args(args)
+    assert (cfg.length_rate, cfg.halving_batch) == (0.75, 64)
+    default = config_from_args(add_arguments(argparse.ArgumentParser()).parse_args(["--reference"]))
+    assert (default.length_rate, default.halving_batch) == (None, None)

@@ -48,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--attn-implementation", default="sdpa")
     g.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed before each method and concurrency")
     g.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="candidate tokens per round of prompt_lookup")
+    g.add_argument("--length-rate", type=float, default=None,
+                   help="adaptive methods: rate of k_hat = floor(a*B*rate) (default: the drafter config's)")
+    g.add_argument("--halving-batch", type=int, default=None,
+                   help="engine methods: scale the rate down with the batch, half at this many requests (default: fixed rate)")
     g = parser.add_argument_group("online methods (osd, adaflash)")
     g.add_argument("--online-sample-unit", default="request", choices=("request", "round"),
                    help="what one online sample is: a finished request (the paper's unit) or one verified round")
@@ -96,7 +100,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         datasets=args.datasets, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, concurrency=args.concurrency,
         methods=args.methods, device=args.device, dtype=args.dtype, attn_implementation=args.attn_implementation,
-        warmup=args.warmup, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens, online_sample_unit=args.online_sample_unit,
+        warmup=args.warmup, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens, length_rate=args.length_rate,
+        halving_batch=args.halving_batch, online_sample_unit=args.online_sample_unit,
         online_samples_per_update=args.online_samples_per_update, online_epochs=args.online_epochs,
         online_lr=args.online_lr, online_wait=args.online_wait, out=args.out, data_dir=args.data_dir,
         command=getattr(args, "command", None), plots=not args.no_plots, verbose=not args.quiet,

@@ -23,6 +23,9 @@ class BenchConfig:
     ``temperature`` 0 means greedy, and only greedy runs are compared token for token.
     ``warmup``: prompts decoded untimed before each (method, concurrency) is first timed.
     ``prompt_lookup_num_tokens``: candidate tokens per round of the ``prompt_lookup`` baseline.
+    ``length_rate``: the length head's ``k_hat = clamp(floor(a * B * rate), 1, B)`` rate for every adaptive
+    method (``None``: the drafter config's); ``halving_batch``: the engine methods scale that rate down with
+    the batch (half at this many requests; ``None``, the default: fixed rate, load left to admission).
     ``online_*``: the online methods' adapter (``OnlineAdapter``) settings: what a sample is
     (``"request"``: a finished request, or ``"round"``), samples that trigger an
     update, epochs over them, learning rate, and whether each triggered update is waited for
@@ -48,6 +51,8 @@ class BenchConfig:
     attn_implementation: str = "sdpa"
     warmup: int = 1
     prompt_lookup_num_tokens: int = 10
+    length_rate: float | None = None
+    halving_batch: int | None = None
     online_sample_unit: str = "request"
     online_samples_per_update: int = 128
     online_epochs: int = 2

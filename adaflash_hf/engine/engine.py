@@ -3,7 +3,7 @@
 One :meth:`Engine.step` is one round for every running request:
 
 1. draft: one drafter forward over all running requests (per-slot drafter context cache), the
-   length head's ``k_hat_i`` scaled by the load (:func:`load_scaled_rate`);
+   length head's ``k_hat_i`` at a fixed rate (load is left to admission; :func:`load_scaled_rate` on request);
 2. admit: queued requests whose prompt fits what is left of the token budget, up to the EMA
    estimate of how many fit (:class:`AdmissionController`);
 3. one packed target forward over the new prompts (prefill) and every running request's bonus +
@@ -26,7 +26,7 @@ next to it. The drafter step of 1 is one static forward for all running requests
 three times: the verify lengths (length head), the drafts, then accepted counts + next tokens after
 the target. The drafter's LM head runs only for the draft positions some request verifies: not at
 all when every ``k_hat`` is 1 or every request has one token left (the round is then plain
-decoding); when the load-scaled rate alone caps every ``k_hat`` at 1 the drafter layers are skipped
+decoding); when the rate alone caps every ``k_hat`` at 1 the drafter layers are skipped
 too and only the new context is stored. ``cuda_graphs=False`` keeps the all-eager reference path (SDPA, any shapes);
 ``examples/engine_gpu_check.py`` checks both agree and measures them.
 """
@@ -87,8 +87,10 @@ class Engine(RequestLifecycle):
         max_slots: concurrent requests (KV slots for target and drafter).
         max_len: positions per slot: ``len(prompt) + max_new_tokens`` must not exceed it.
         token_budget: most tokens one target forward may carry (prefill + verify).
-        length_rate, length_min: the length head policy (default: the drafter config's); the rate
-            is scaled down with the batch (``load_scaled_rate(length_rate, batch, halving_batch)``).
+        length_rate, length_min: the length head policy (default: the drafter config's).
+        halving_batch: ``None`` (default) keeps the rate fixed, as the paper does (load is left to
+            admission); a batch size scales the rate down with the batch instead
+            (``load_scaled_rate(length_rate, batch, halving_batch)``: half the rate at that batch).
         ema_beta: admission EMA weight.
         round_sink: receives every verified round, and every finished (not cancelled) request when it
             has ``on_request`` (default: an OnlineAdapter attached to the drafter).
@@ -111,6 +113,9 @@ class Engine(RequestLifecycle):
             callbacks and cancellations act at that granularity. 1 turns it off.
         profile: time each step's phases (``phase_seconds``: draft, target, accept, host), with a
             device synchronisation at every phase boundary (measurement only: it adds syncs).
+        draft_replay: acceptance replay for benchmarks (:class:`adaflash_hf.bench.replay.DraftReplay`):
+            after the drafter's real forward, its length-head ratios and drafted tokens are replaced by a
+            trace's (greedy requests only; outputs stay those of plain greedy decoding).
 
     Faults (:mod:`.lifecycle`): a request whose callback raises or whose distribution is not finite ends
     alone with ``finish_reason="error"``; a failed round fails the requests in flight and sets
@@ -123,9 +128,9 @@ class Engine(RequestLifecycle):
 
     def __init__(self, target, drafter=None, verify_mode: str = "packed", max_slots: int = 16, max_len: int = 1024,
                  token_budget: int = 512, length_rate: float | None = None, length_min: int | None = None,
-                 halving_batch: int = 64, ema_beta: float = 0.2, round_sink: RoundSink | None = None,
+                 halving_batch: int | None = None, ema_beta: float = 0.2, round_sink: RoundSink | None = None,
                  step_hook: Callable[[StepInfo], None] | None = None, cuda_graphs: bool | None = None,
-                 fused_kernels: bool = True, decode_steps: int = 8, profile: bool = False):
+                 fused_kernels: bool = True, decode_steps: int = 8, profile: bool = False, draft_replay=None):
         if verify_mode not in VERIFY_MODES:
             raise ValueError(f"unknown verify_mode {verify_mode!r}: choose one of {', '.join(VERIFY_MODES)}")
         if decode_steps < 1:
@@ -139,6 +144,7 @@ class Engine(RequestLifecycle):
                 drafter.bind_target(target)
         self.target, self.drafter, self.verify_mode = target, drafter if verify_mode != "off" else None, verify_mode
         self.max_slots, self.max_len, self.token_budget = max_slots, max_len, token_budget
+        self.draft_replay = draft_replay
         self.device = next(target.parameters()).device
         self.block_size = self.drafter.config.block_size if self.drafter is not None else 1
         cfg = self.drafter.config if self.drafter is not None else None
@@ -497,11 +503,17 @@ class Engine(RequestLifecycle):
         if all(r.remaining <= 1 for r in running):
             return True
         if self.verify_mode in ("packed", "rectangular") and self.drafter.length_head is not None:
-            rate = load_scaled_rate(self.length_rate, len(running), self.halving_batch)
+            rate = self._length_rate(len(running))
             most = choose_verify_length(LengthPolicy.ADAPTIVE, 1, self.block_size, ratio=torch.ones(1), rate=rate,
                                         min_len=self.length_min)
             return int(most) <= 1  # the policy is monotone in the ratio: a ratio of 1 gives the largest k_hat
         return False
+
+    def _length_rate(self, batch: int) -> float:
+        """The length head's rate for a round of ``batch`` requests (fixed unless ``halving_batch`` is set)."""
+        if self.halving_batch is None:
+            return self.length_rate
+        return load_scaled_rate(self.length_rate, batch, self.halving_batch)
 
     def _propose(self, running):
         """One drafter forward for all running requests: drafts ``[n, B-1]`` and draft lengths ``[n]`` (host),
@@ -534,7 +546,9 @@ class Engine(RequestLifecycle):
                 remaining = torch.tensor([r.remaining for r in running])
                 adaptive = self.verify_mode != "fixed" and ratio is not None
                 policy = LengthPolicy.ADAPTIVE if adaptive else LengthPolicy.FIXED
-                rate = load_scaled_rate(self.length_rate, n, self.halving_batch) if adaptive else 1.0
+                if adaptive and self.draft_replay is not None:
+                    ratio = self.draft_replay.ratios(running, ratio, B)
+                rate = self._length_rate(n) if adaptive else 1.0
                 k_hat = choose_verify_length(policy, n, B, ratio=ratio, rate=rate, min_len=self.length_min).cpu()  # read 1
                 self.host_syncs += int(adaptive)
                 draft_len = torch.minimum(k_hat - 1, remaining - 1).clamp(min=0)
@@ -554,6 +568,8 @@ class Engine(RequestLifecycle):
         draft = torch.zeros(n, B - 1, dtype=torch.long)
         draft[:, :width] = host[:, 1:]
         draft_len = torch.where(host[:, 0].bool(), draft_len, torch.zeros_like(draft_len))
+        if self.draft_replay is not None:
+            self.draft_replay.drafts(running, draft, B)
         return draft, logits, ratio, draft_len
 
     def _emit_round(self, r: Request, drafts: _Drafts, vlogits: torch.Tensor, i: int, draft_len: int, accepted: int) -> None:

@@ -46,7 +46,7 @@ class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
             `fixed` (full block, classic DFlash) or `expected_gain` (per-position: the draft's own
             top-1 probability stands in for each slot's conditional acceptance, and the prefix with
             most expected tokens per verify cost wins).
-        length_rate, length_min: the adaptive policy's `k_hat = clamp(round(a*B*rate), min, B)`;
+        length_rate, length_min: the adaptive policy's `k_hat = clamp(floor(a*B*rate), min, B)`;
             default to the drafter config's.
         verify_token_cost: cost of one more verified token relative to a whole round
             (expected-gain policy); SPEC's H200 table gives ~0.01-0.05 at batch 1.

@@ -54,6 +54,8 @@ from .lock import RoundLock
 from .publish import VersionPublisher
 from .worker import NonFiniteLossError, ShadowTrainer, copy_drafter
 
+_MAX_OPEN_ROWS = 4096  # requests in flight whose served rounds are kept
+
 __all__ = [
     "LABEL_MODES",
     "METHODS",
@@ -73,7 +75,9 @@ logger = logging.getLogger("adaflash_hf.online")
 class UpdateRecord:
     """One finished update. ``tau_before``: mean tokens per round (accepted + 1) served since the
     previous swap; ``tau_after``: the same for the rounds served with this update's weights
-    (running until the next update)."""
+    (running until the next update). ``head_mae_before`` / ``head_mae_after``: the length head's mean
+    absolute error ``|ratio - (accepted + 1) / B|`` on the same served rounds (those whose block the
+    verify length did not cut), i.e. on rounds no update had trained on yet."""
 
     update: int
     samples: int
@@ -84,6 +88,8 @@ class UpdateRecord:
     rounds_before: int
     tau_after: float | None = None
     rounds_after: int = 0
+    head_mae_before: float | None = None
+    head_mae_after: float | None = None
     seconds: float = 0.0
     version: int | None = None
     path: str | None = None
@@ -135,6 +141,9 @@ class OnlineAdapter:
         self._hooks = DrafterHooks(weights_lock=self.round_lock)
         register_hooks(drafter, self._hooks)
         self._swap_pending = threading.Event()  # set while a swap waits for the round lock
+        # served rounds of requests in flight, per (loop thread, row): (anchor, accepted, verify length)
+        self._served: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        self._served_lock = threading.Lock()
         self._init_stats()
         self._init_worker_thread()
 
@@ -143,6 +152,8 @@ class OnlineAdapter:
         self._tau_sum = 0
         self._tau_n = 0
         self._last_swap_tau: tuple[float | None, int] = (None, 0)
+        self._head_err = [0.0, 0]  # the length head's absolute error on served rounds since the last swap
+        self._last_swap_mae: float | None = None
         self.rounds_seen = 0
         self.updates = 0
         self.failures = 0
@@ -207,8 +218,10 @@ class OnlineAdapter:
         ``sample_unit="request"``, buffer it as a sample. Never blocks on training."""
         if self.config.sample_unit != "request" or self.config.method == "off" or self.stopped or self._closing:
             return
+        with self._served_lock:
+            served = self._served.pop((threading.get_ident(), int(finished.row)), None)
         try:
-            sample = RequestSample.from_request(finished, domain=self.domain)
+            sample = RequestSample.from_request(finished, domain=self.domain, served=served)
         except Exception as e:  # noqa: BLE001 - a bad request must never break generation
             self.sample_errors += 1
             logger.warning("online adapter could not buffer a request: %s", redact(f"{type(e).__name__}: {e}"))
@@ -224,6 +237,12 @@ class OnlineAdapter:
             self._tau_sum += int(verified.num_accepted) + 1
             self._tau_n += 1
             self.rounds_seen += 1
+            B = self.drafter.config.block_size
+            if verified.predicted_ratio is not None and (verified.num_accepted < verified.verify_len - 1 or verified.verify_len == B):
+                self._head_err[0] += abs(verified.predicted_ratio - (verified.num_accepted + 1) / B)
+                self._head_err[1] += 1
+        if self.config.sample_unit == "request" and self.config.method == "opd":
+            self._keep_served(verified)
         if self.config.sample_unit != "round" or self.config.method == "off" or self.stopped or self._closing:
             return
         try:
@@ -240,6 +259,20 @@ class OnlineAdapter:
             logger.warning("online adapter could not buffer a round: %s", redact(f"{type(e).__name__}: {e}"))
             return
         self._add(sample)
+
+    def _keep_served(self, verified) -> None:
+        """Remember a served round's real acceptance for its request's sample (the length head's label).
+        Rows are keyed by the loop's thread (each loop numbers its own rows); an anchor that does not move
+        forward starts a new request on that row (one that ended without ``on_request``)."""
+        key = (threading.get_ident(), int(verified.row))
+        entry = (int(verified.context_ids.numel()), int(verified.num_accepted), int(verified.verify_len))
+        with self._served_lock:
+            rounds = self._served.setdefault(key, [])
+            if rounds and rounds[-1][0] >= entry[0]:
+                rounds.clear()
+            rounds.append(entry)
+            while len(self._served) > _MAX_OPEN_ROWS:  # rows whose request never finished (cancelled, failed)
+                self._served.pop(next(iter(self._served)))
 
     def _add(self, sample: Sample) -> None:
         self.buffer.add(sample)
@@ -345,9 +378,11 @@ class OnlineAdapter:
         with self._stats_lock:
             tau = self._tau_sum / self._tau_n if self._tau_n else None
             rounds_since = self._tau_n
+            mae = self._head_err[0] / self._head_err[1] if self._head_err[1] else None
             history = [asdict(h) for h in self.history]
         if history:  # the newest version's tau_after is live until the next update
             history[-1]["tau_after"], history[-1]["rounds_after"] = tau, rounds_since
+            history[-1]["head_mae_after"] = mae
         return {
             "method": self.config.method,
             "updates": self.updates,
@@ -425,6 +460,7 @@ class OnlineAdapter:
             tau_before, rounds_before = self._last_swap_tau
             if self.history:
                 self.history[-1].tau_after, self.history[-1].rounds_after = tau_before, rounds_before
+                self.history[-1].head_mae_after = self._last_swap_mae
             record = UpdateRecord(
                 update=self.updates + 1,
                 samples=len(samples),
@@ -433,6 +469,7 @@ class OnlineAdapter:
                 head_loss_last=result["head_loss_last"],
                 tau_before=tau_before,
                 rounds_before=rounds_before,
+                head_mae_before=self._last_swap_mae,
                 seconds=seconds,
                 domains=dict(domains),
             )
@@ -484,6 +521,8 @@ class OnlineAdapter:
                 with self._stats_lock:
                     self._last_swap_tau = (self._tau_sum / self._tau_n if self._tau_n else None, self._tau_n)
                     self._tau_sum, self._tau_n = 0, 0
+                    self._last_swap_mae = self._head_err[0] / self._head_err[1] if self._head_err[1] else None
+                    self._head_err = [0.0, 0]
         finally:
             self._swap_pending.clear()
 

@@ -143,19 +143,27 @@ class RequestSample:
     Only token ids are kept (``8 * T`` bytes): the worker recomputes the target's features and
     distributions for the whole sequence in one frozen-target forward and trains on up to
     ``max_anchors`` blocks anchored in the response, as offline training does.
+
+    ``served`` (``[r, 3]`` long: anchor, accepted, verify length) are the request's served rounds: the
+    bonus token's position in ``input_ids``, the drafts the target really accepted and the slots it
+    verified. The worker then anchors the blocks there and trains the length head on those real
+    counts (censored where the verify length cut the block), in every sampling mode.
     """
 
     input_ids: torch.Tensor  # prompt + response, [T]
     prompt_len: int
     domain: str | None = None
     nbytes: int = 0
+    served: torch.Tensor | None = None
 
     @classmethod
-    def from_request(cls, finished, domain: str | None = None) -> "RequestSample":
-        """A sample from a `FinishedRequest` (ids copied to the CPU)."""
+    def from_request(cls, finished, domain: str | None = None, served: list[tuple[int, int, int]] | None = None) -> "RequestSample":
+        """A sample from a `FinishedRequest` (ids copied to the CPU) and its served rounds, if recorded."""
         prompt = finished.prompt_ids.detach().to("cpu", torch.long).reshape(-1)
         ids = torch.cat([prompt, finished.output_ids.detach().to("cpu", torch.long).reshape(-1)])
-        return cls(input_ids=ids, prompt_len=prompt.numel(), domain=domain, nbytes=_ID_BYTES * ids.numel())
+        rounds = torch.tensor(served, dtype=torch.long).reshape(-1, 3) if served else None
+        nbytes = _ID_BYTES * (ids.numel() + (rounds.numel() if rounds is not None else 0))
+        return cls(input_ids=ids, prompt_len=prompt.numel(), domain=domain, nbytes=nbytes, served=rounds)
 
     @property
     def response_len(self) -> int:

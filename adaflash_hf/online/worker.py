@@ -6,7 +6,9 @@ objective (:class:`~adaflash_hf.training.objective.DrafterObjective`):
 * a **request** sample (a finished request) is trained on exactly like offline data, by
   :class:`~adaflash_hf.training.model.DrafterTrainingModel` with a distilling objective: up to
   ``max_anchors`` blocks anchored in the response, the target's features and distributions
-  recomputed for the whole sequence;
+  recomputed for the whole sequence; when the adapter recorded the request's served rounds, the blocks
+  are anchored there and the length head learns the drafts the target really accepted in each
+  (censored where the verify length cut the block), in every sampling mode;
 * a **round** sample (one verified round) is a single block: the drafter drafts it from the
   context's target features, and the same objective scores slots ``1..n`` against the verify
   forward's target distributions (``n = min(accepted + 1, verify_len - 1)``; ``label_mode="rollout"``:
@@ -231,7 +233,10 @@ class ShadowTrainer:
         pad = getattr(self.target.config, "pad_token_id", None)
         collate = DrafterDataCollator(max_length=None, pad_token_id=pad if isinstance(pad, int) else 0)
         rows = [{"input_ids": s.input_ids.tolist(), "loss_mask": [0] * s.prompt_len + [1] * s.response_len} for s in batch]
-        return {k: v.to(device) for k, v in collate(rows).items()}
+        out = collate(rows)
+        if all(s.served is not None for s in batch):
+            out.update(served_blocks(batch, self.config.max_anchors))
+        return {k: v.to(device) for k, v in out.items()}
 
     # ------------------------------------------------------------------ training
     def _batch_losses(self, shadow, batch: list, wrapper) -> list[tuple]:
@@ -314,3 +319,24 @@ class ShadowTrainer:
             head_sum += float(head)
         n = max(len(samples), 1)
         return {"loss": main_sum / n, "head_loss": head_sum / n}
+
+
+def served_blocks(batch: list[RequestSample], max_anchors: int) -> dict[str, torch.Tensor]:
+    """Blocks anchored at each request's served rounds, with the length head's labels from real verification:
+    ``anchors`` / ``anchor_valid`` / ``served_accepted`` / ``served_verify_len`` ``[b, n]`` (up to
+    ``max_anchors`` rounds per request, evenly spread; a round needs a next token inside the request)."""
+    kept = []
+    for s in batch:
+        r = s.served[s.served[:, 0] + 1 < s.input_ids.numel()]
+        if r.shape[0] > max_anchors:
+            r = r[torch.linspace(0, r.shape[0] - 1, max_anchors).round().long()]
+        kept.append(r)
+    n = max(1, max(r.shape[0] for r in kept))
+    out = torch.zeros(3, len(batch), n, dtype=torch.long)
+    valid = torch.zeros(len(batch), n, dtype=torch.bool)
+    for i, r in enumerate(kept):
+        out[:, i, : r.shape[0]] = r.T
+        valid[i, : r.shape[0]] = True
+    out[2][~valid] = 1  # padding: any verify length (masked out)
+    return {"anchors": out[0], "anchor_valid": valid, "served_accepted": out[1], "served_verify_len": out[2]}
+

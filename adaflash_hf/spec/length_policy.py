@@ -72,12 +72,14 @@ def adaptive_verify_length(
     rate: float = 1.0,
     min_len: int = 1,
 ) -> torch.Tensor:
-    """Length-head policy: ``k_hat = clamp(round(a * B * rate), min_len, B)``.
+    """Length-head policy, the paper's: ``k_hat = clamp(floor(a * B * rate), min_len, B)``.
 
-    ``a`` is the head's predicted acceptance ratio per row (``[b]`` or ``[b, 1]``); ``rate`` is
-    the load scale (see :func:`load_scaled_rate`). ``round`` is round-half-to-even (torch and
-    Python agree). A NaN prediction maps to ``min_len``: the shortest verify is always lossless,
-    so a broken head costs speed, never correctness or a crash.
+    ``a`` is the head's predicted acceptance ratio per row (``[b]`` or ``[b, 1]``); ``rate`` is a
+    fixed scale (1.0 in the paper's ablation; :func:`load_scaled_rate` shrinks it with the batch on
+    request). Floor, not round: a head that predicts ``(accepted + 1) / B`` exactly (its training
+    label) verifies exactly the accepted drafts plus the bonus. A NaN prediction maps to
+    ``min_len``: the shortest verify is always lossless, so a broken head costs speed, never
+    correctness or a crash.
 
     Example:
         >>> adaptive_verify_length(torch.tensor([0.0, 0.4, 1.0]), block_size=16).tolist()
@@ -92,7 +94,7 @@ def adaptive_verify_length(
     if a.dim() != 1:
         raise ValueError(f"accept_ratio must be [b] or [b, 1], got shape {tuple(accept_ratio.shape)}")
     a = torch.nan_to_num(a, nan=0.0)
-    k_hat = torch.round(a * (block_size * rate)).clamp(min_len, block_size)
+    k_hat = torch.floor(a * (block_size * rate)).clamp(min_len, block_size)
     return k_hat.long()
 
 

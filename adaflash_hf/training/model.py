@@ -189,8 +189,9 @@ class DrafterTrainingModel(nn.Module):
         )
         return out.last_hidden_state, labels
 
-    def _length_loss(self, hidden, accepted, anchor_valid) -> torch.Tensor:
-        """The length head's MSE on the detached block states (0 when it is off or frozen)."""
+    def _length_loss(self, hidden, accepted, anchor_valid, verify_len=None) -> torch.Tensor:
+        """The length head's MSE on the detached block states (0 when it is off or frozen); ``verify_len``
+        marks censored labels (:func:`~.losses.length_head_loss`)."""
         base = self.base_drafter
         head = getattr(base, "length_head", None)
         if not (self.length_head_weight > 0 and head is not None and any(p.requires_grad for p in head.parameters())
@@ -198,7 +199,8 @@ class DrafterTrainingModel(nn.Module):
             return hidden.new_zeros((), dtype=torch.float32)
         b, n = anchor_valid.shape
         pred = base.predict_accept_ratio(hidden.view(b, n, self.block_size, -1))  # detached inside
-        return self.loss_fn.head_loss(pred[anchor_valid], accepted[anchor_valid])
+        vl = verify_len[anchor_valid] if verify_len is not None else None
+        return self.loss_fn.head_loss(pred[anchor_valid], accepted[anchor_valid], verify_len=vl)
 
     def forward(
         self,
@@ -208,6 +210,8 @@ class DrafterTrainingModel(nn.Module):
         target_features: torch.Tensor | None = None,
         anchors: torch.LongTensor | None = None,
         anchor_valid: torch.Tensor | None = None,
+        served_accepted: torch.LongTensor | None = None,
+        served_verify_len: torch.LongTensor | None = None,
     ) -> dict[str, torch.Tensor]:
         r"""
         input_ids / attention_mask (`[b, T]`, right padded).
@@ -215,10 +219,16 @@ class DrafterTrainingModel(nn.Module):
             real token.
         target_features (`[b, T, K*H]`, optional): cached context features; computed from the target
             when absent.
-        anchors / anchor_valid (`[b, n]`, optional): fixed anchors (tests); sampled otherwise.
+        anchors / anchor_valid (`[b, n]`, optional): fixed anchors (tests, served rounds); sampled otherwise.
+        served_accepted / served_verify_len (`[b, n]`, optional, with `anchors`): the drafts the target
+            really accepted in the served round anchored there, and that round's verify length (online
+            training): the length head's labels, censored where the verify length cut the block. Without
+            them the head learns the greedy match of this drafter's own drafts (teacher-forced, offline).
         """
         B = self.block_size
         b, T = input_ids.shape
+        if served_accepted is not None and (anchors is None or served_accepted.shape != anchors.shape):
+            raise ValueError("served_accepted needs anchors of the same shape (the served rounds' positions)")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         attention_mask = attention_mask.to(torch.bool)
@@ -247,7 +257,10 @@ class DrafterTrainingModel(nn.Module):
             t_sel = target_logits[rows[sel], label_pos[sel] - 1].to(logits.device)
         ce, lab_sel = self.loss_fn.block_loss(logits, labels[sel], w_sel, t_sel)
         m = self.loss_fn.metrics(logits, lab_sel, sel, anchor_valid)
-        length_loss = self._length_loss(hidden, m["accepted"], anchor_valid)
+        if served_accepted is not None:
+            length_loss = self._length_loss(hidden, served_accepted, anchor_valid, served_verify_len)
+        else:
+            length_loss = self._length_loss(hidden, m["accepted"], anchor_valid)
         return {
             "loss": ce + self.length_head_weight * length_loss,
             "ce_loss": ce.detach(),

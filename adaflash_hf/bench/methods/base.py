@@ -19,6 +19,8 @@ class BenchContext:
     generate_kwargs: dict
     engines: dict = field(default_factory=dict)  # the engine methods' engines, kept across batches
     prompt_lookup_num_tokens: int = 10
+    length_rate: float | None = None  # the length head's rate (None: the drafter config's)
+    halving_batch: int | None = None  # engine methods: load-scaled rate (None: fixed rate, the default)
 
 
 @dataclass

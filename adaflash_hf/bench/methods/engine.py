@@ -19,7 +19,8 @@ def _engine_for(ctx, mode: str, prompts: list[list[int]], max_new: int):
     need_budget = _pow2_at_least(max(max(map(len, prompts)), len(prompts) * block), 64)
     eng = ctx.engines.get((mode, len(prompts)))
     if eng is None or eng.max_len < need_len or eng.token_budget < need_budget:
-        eng = Engine(ctx.target, drafter, verify_mode=mode, max_slots=len(prompts), max_len=need_len, token_budget=need_budget)
+        eng = Engine(ctx.target, drafter, verify_mode=mode, max_slots=len(prompts), max_len=need_len, token_budget=need_budget,
+                     length_rate=ctx.length_rate, halving_batch=ctx.halving_batch)
         eng.warmup(concurrency=len(prompts))  # the decode rounds' graphs, before any timed request
         ctx.engines[(mode, len(prompts))] = eng
     return eng, block

@@ -24,6 +24,7 @@ def ours(policy):
             input_ids,
             attention_mask,
             length_policy=policy(ctx.drafter) if callable(policy) else policy,
+            length_rate=ctx.length_rate,
             return_stats=True,
             streamer=streamer,
             **ctx.generate_kwargs,

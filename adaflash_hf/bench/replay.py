@@ -1,0 +1,217 @@
+"""Acceptance replay: the engine's real cost under a known acceptance trace (SPEC section 9).
+
+Random weights accept nothing, so speculative throughput of a large target is measured by replay:
+the target and the drafter run every forward and kernel of every round, but each request's drafted
+tokens are made to agree with the target's own greedy continuation (precomputed by plain decoding)
+for exactly the number of positions a trace says, followed by a token that is certainly wrong. The
+target's real verification then accepts ``min(L, k_hat - 1)`` drafts (``L`` the trace's accepted count
+of that round, ``k_hat`` the verify length), and the output still equals plain greedy decoding.
+The length head's decision is replayed from the same trace: the head's predicted ratio of the trace's
+round replaces the live head's, so the engine verifies what the recorded head would have verified.
+
+Results measured this way are *replay*, never a model's result: they say what the engine costs under
+that acceptance, not what any drafter achieves.
+
+Traces:
+
+- :class:`PerPositionTrace`: the probability that draft slot ``j`` is accepted, per slot (e.g. the
+  paper's DFlash on Qwen3-8B, :func:`paper_dflash_trace`); the head's ratio is the oracle
+  ``(L + 1) / B`` or, given a recorded trace, a recorded head's ratio for a round of the same ``L``;
+- :class:`RecordedTrace`: rounds a real pair ran in ``fixed`` mode (whole block verified, so the
+  accepted counts are not cut by a verify length), each with its length head's ratio
+  (:meth:`RecordedTrace.record`).
+
+Example:
+    >>> from adaflash_hf.engine import Engine
+    >>> refs = {tuple(p): Engine(target, None, verify_mode="off").generate([p], 64)[0].token_ids
+    ...         for p in prompts}  # doctest: +SKIP
+    >>> replay = DraftReplay(refs, paper_dflash_trace())  # doctest: +SKIP
+    >>> engine = Engine(target, drafter, verify_mode="packed", draft_replay=replay)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DraftReplay", "PerPositionTrace", "RecordedTrace", "TraceRound", "paper_dflash_trace"]
+
+# The paper's DFlash acceptance per draft slot on Qwen3-8B is given at its ends only (slot 1 0.89,
+# slot 15 0.13). A geometric fall between them gives tau 7.06, the paper's own mean acceptance
+# length (7.09); a linear one would give 8.65.
+PAPER_DFLASH_ENDS = (0.89, 0.13)
+
+
+@dataclass(frozen=True)
+class TraceRound:
+    """One round of a trace: drafts the target accepts when the whole block is verified, and the
+    length head's predicted acceptance ratio for that block."""
+
+    accepted: int
+    ratio: float
+
+
+class RecordedTrace:
+    """Rounds recorded from a real drafter / target pair: each round's accepted drafts (whole block
+    verified) and its length head's ratio. ``draw`` picks a recorded round at random.
+
+    Example:
+        >>> t = RecordedTrace([TraceRound(3, 0.25), TraceRound(0, 0.1)], name="demo")
+        >>> t.tau
+        2.5
+    """
+
+    def __init__(self, rounds: list[TraceRound], name: str = "recorded"):
+        if not rounds:
+            raise ValueError("a recorded trace needs at least one round")
+        self.rounds, self.name = list(rounds), name
+        self._by_accepted: dict[int, list[float]] = {}
+        for r in self.rounds:
+            self._by_accepted.setdefault(r.accepted, []).append(r.ratio)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per round when every block is verified whole (accepted drafts + the target's own)."""
+        return 1.0 + sum(r.accepted for r in self.rounds) / len(self.rounds)
+
+    def draw(self, rng: random.Random, block_size: int) -> TraceRound:
+        r = self.rounds[rng.randrange(len(self.rounds))]
+        return TraceRound(min(r.accepted, block_size - 1), r.ratio)
+
+    def ratio_for(self, accepted: int, rng: random.Random) -> float:
+        """A recorded head's ratio for a round that accepted ``accepted`` drafts (the nearest count
+        recorded when none accepted exactly that many)."""
+        near = min(self._by_accepted, key=lambda a: (abs(a - accepted), a))
+        ratios = self._by_accepted[near]
+        return ratios[rng.randrange(len(ratios))]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "rounds": [[r.accepted, r.ratio] for r in self.rounds]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RecordedTrace":
+        return cls([TraceRound(int(a), float(q)) for a, q in data["rounds"]], data.get("name", "recorded"))
+
+    @classmethod
+    def record(cls, target, drafter, prompts: list[list[int]], max_new_tokens: int, name: str = "recorded",
+               eos_token_id=None, **engine_kwargs) -> "RecordedTrace":
+        """Run ``prompts`` greedily through the engine in ``fixed`` mode and keep every verified round
+        (its accepted drafts and the length head's ratio; the drafter needs a length head)."""
+        from ..engine import Engine
+
+        if getattr(drafter, "length_head", None) is None:
+            raise ValueError("recording a trace needs a drafter with a length head (its ratios are replayed)")
+        rounds: list[TraceRound] = []
+
+        def keep(v):
+            if v.verify_len == drafter.config.block_size:  # a block cut by max_new_tokens says less
+                rounds.append(TraceRound(v.num_accepted, float(v.predicted_ratio)))
+
+        engine_kwargs.setdefault("max_len", max(len(p) for p in prompts) + max_new_tokens + 8)
+        Engine(target, drafter, verify_mode="fixed", round_sink=keep, **engine_kwargs).generate(
+            prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        return cls(rounds, name)
+
+
+class PerPositionTrace:
+    """Rounds drawn from per-slot acceptance: ``probs[j - 1]`` is the probability that draft slot ``j`` is
+    accepted (non-increasing in ``j``). One uniform ``u`` per round gives ``L = #{j: probs[j-1] > u}``,
+    so ``P(L >= j) = probs[j - 1]`` exactly.
+
+    The head's ratio: the oracle ``(L + 1) / B`` (``ratio_from=None``: the verify length is exactly what
+    is accepted, an upper bound for any head), or a ratio a recorded head gave for a round of the same
+    ``L`` (``ratio_from``: a :class:`RecordedTrace`).
+
+    Example:
+        >>> PerPositionTrace([1.0, 0.5, 0.0]).tau
+        2.5
+    """
+
+    def __init__(self, probs: list[float], ratio_from: RecordedTrace | None = None, name: str = "per-position"):
+        probs = [float(p) for p in probs]
+        if not probs or any(not 0.0 <= p <= 1.0 for p in probs):
+            raise ValueError(f"per-slot acceptance must be probabilities in [0, 1], got {probs}")
+        if any(b > a for a, b in zip(probs, probs[1:])):
+            raise ValueError(f"per-slot acceptance must not increase with the slot, got {probs}")
+        self.probs, self.ratio_from, self.name = probs, ratio_from, name
+
+    @property
+    def tau(self) -> float:
+        return 1.0 + sum(self.probs)
+
+    def draw(self, rng: random.Random, block_size: int) -> TraceRound:
+        u = rng.random()
+        accepted = min(sum(p > u for p in self.probs), block_size - 1)
+        ratio = (accepted + 1) / block_size if self.ratio_from is None else self.ratio_from.ratio_for(accepted, rng)
+        return TraceRound(accepted, ratio)
+
+
+def paper_dflash_trace(block_size: int = 16, ratio_from: RecordedTrace | None = None) -> PerPositionTrace:
+    """The paper's DFlash per-slot acceptance on Qwen3-8B, 0.89 at slot 1 falling geometrically to 0.13
+    at slot 15 (only the ends are published; see ``PAPER_DFLASH_ENDS``), over ``block_size - 1`` slots."""
+    first, last = PAPER_DFLASH_ENDS
+    n = block_size - 1
+    step = (last / first) ** (1.0 / max(n - 1, 1))
+    name = "paper DFlash per-slot" + (f" (ratios from {ratio_from.name})" if ratio_from is not None else " (oracle head)")
+    return PerPositionTrace([first * step**j for j in range(n)], ratio_from, name)
+
+
+class DraftReplay:
+    """Makes the engine's drafts and length-head ratios follow a trace (``Engine(draft_replay=...)``).
+
+    ``references[tuple(prompt)]``: the plain greedy continuation of each prompt (at least as long as its
+    ``max_new_tokens``). Per request and round one trace round is drawn (a seeded stream per request
+    id, so two engines given the same submissions draw the same rounds); :meth:`ratios` replaces the
+    head's ratios, :meth:`drafts` the drafted tokens. ``planned[(request id, round)]`` keeps each draw
+    (``round``: the request's verify rounds so far), which a check compares with what was accepted.
+    Greedy requests only: under sampling the target's accepted tokens are not the precomputed ones.
+    ``trace`` may be swapped between runs.
+    """
+
+    def __init__(self, references: dict[tuple, list[int]], trace, seed: int = 0):
+        self.references, self.trace, self.seed = references, trace, seed
+        self.planned: dict[tuple[int, int], TraceRound] = {}
+        self._rngs: dict[int, random.Random] = {}
+
+    def _round(self, r, block_size: int) -> TraceRound:
+        key = (r.id, len(r.accepted))
+        if key not in self.planned:
+            if not r.params.greedy:
+                raise ValueError("acceptance replay runs greedy requests only")
+            rng = self._rngs.setdefault(r.id, random.Random(self.seed * 1_000_003 + r.id))
+            self.planned[key] = self.trace.draw(rng, block_size)
+        return self.planned[key]
+
+    def ratios(self, running, ratio: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The trace's head ratio of this round for each running request (on ``ratio``'s device)."""
+        values = [self._round(r, block_size).ratio for r in running]
+        return torch.tensor(values, dtype=torch.float32).to(ratio.device, non_blocking=True)
+
+    def drafts(self, running, tokens: torch.Tensor, block_size: int) -> None:
+        """Overwrite ``tokens [n, B-1]`` (host) in place: the request's greedy continuation for the round's
+        accepted count, then a token other than the continuation's."""
+        for i, r in enumerate(running):
+            ref = self.references.get(tuple(r.prompt))
+            if ref is None:
+                raise KeyError(f"no reference continuation for request {r.id}'s prompt")
+            cont = ref[len(r.tokens): len(r.tokens) + block_size - 1]
+            good = min(self._round(r, block_size).accepted, len(cont))
+            if good:
+                tokens[i, :good] = torch.tensor(cont[:good])
+            if good < min(len(cont), block_size - 1):
+                t = cont[good]
+                tokens[i, good] = t - 1 if t > 0 else t + 1
+
+    def followed(self, outputs) -> tuple[int, int]:
+        """``(rounds that accepted what the trace planned, rounds checked)`` over ``outputs``: a round
+        accepts ``min(L, verify_len - 1)`` drafts when replay holds."""
+        ok = total = 0
+        for o in outputs:
+            for t, (a, v) in enumerate(zip(o.accepted, o.verify_lengths)):
+                plan = self.planned.get((o.request_id, t))
+                if plan is not None:
+                    total += 1
+                    ok += int(a == min(plan.accepted, v - 1))
+        return ok, total

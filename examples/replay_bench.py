@@ -1,0 +1,319 @@
+"""ACCEPTANCE REPLAY at the Qwen3-8B shape on one H200: the engine's tok/s of ``off`` / ``fixed`` / ``packed``
+per concurrency under known acceptance traces (issue 18, item 3). Replay, not a model's result.
+
+Random weights accept nothing, so the drafted tokens are made to follow a trace
+(:mod:`adaflash_hf.bench.replay`): the 8B-shaped target (random bf16 weights) and a 5-layer drafter of
+the z-lab DFlash shape (block 16, length head) run every forward and kernel of every round, the drafts
+agree with the target's own greedy continuation for the trace's accepted count of that round and are
+wrong right after, and the length head's ratio is the trace's. The engine's real verify lengths, packing,
+graphs and reads are what is timed.
+
+Traces (``--traces``):
+  ``paper``      the paper's DFlash per-slot acceptance on Qwen3-8B (slot 1 0.89 ... slot 15 0.13,
+                 geometric between the published ends: tau 7.06), oracle head (k_hat = accepted + 1);
+  ``paper_ref``  the same acceptance, head ratios of the reference pair's length head for rounds that
+                 accepted as many (its real calibration, recorded on the first ``--domains`` set);
+  ``<domain>``   the reference pair's own rounds on that set (``fixed`` mode, whole blocks), accepted
+                 counts and head ratios as recorded.
+
+The target's greedy argmax is made decisive before anything runs: the embedding is scaled up so the
+residual stream carries the input token, and the LM head rows are a permutation of the embedding
+rows, so the next greedy token is ``perm[token]`` by a wide margin. Every forward is unchanged in
+cost, but bf16 rounding that differs between batch shapes cannot flip an argmax, so the
+precomputed continuation is what every verify accepts. Every output is checked against it (the
+``off`` engine's and, for one prompt, HF ``generate``'s).
+
+Writes ``replay_bench.json`` and ``replay_bench.md`` into ``--out`` (default ``$OUT``), rewritten after
+every row; prints progress and a summary.
+
+The reference pair's prompts come from ``$ADAFLASH_DATA`` (default: ``shared/data`` in the checkout, else the
+small excerpt in ``tests/fixtures/data``).
+
+Usage:
+    python examples/replay_bench.py --out $OUT                     # H200, about 6-8 minutes
+    python examples/replay_bench.py --smoke --out /tmp/replay      # CPU, tiny shapes, ~20 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine_gpu_check as egc  # noqa: E402  (the 8B builder, prompt loading, timing helpers)
+
+from adaflash_hf.bench.replay import DraftReplay, RecordedTrace, paper_dflash_trace  # noqa: E402
+from adaflash_hf.spec.rounds import mean_tokens_per_round  # noqa: E402
+
+log = egc.log
+BLOCK = 16
+EMBED_SCALE = 5e4  # embedding elements ~1000 against a residual update of ~15 RMS over 36 random layers
+
+
+def decisive_argmax(model, seed: int = 0) -> torch.Tensor:
+    """Make the greedy next token ``perm[token]`` with a wide margin (see the module docstring); returns ``perm``."""
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    if emb.data_ptr() == head.data_ptr():
+        raise ValueError("decisive_argmax needs untied embeddings")
+    perm = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed)).to(emb.device)
+    with torch.no_grad():
+        head[perm] = emb  # the logit of perm[t] is the input embedding of t against itself
+        emb.mul_(EMBED_SCALE)
+    return perm
+
+
+def build_drafter(target, device, smoke: bool):
+    """A 5-layer drafter of the target's width (z-lab DFlash shape: block 16, 5 target layers), random
+    bf16 weights built on the device, with a length head; bound to ``target``."""
+    from adaflash_hf import AdaFlashDrafter
+
+    vocab = target.get_input_embeddings().weight.shape[0]
+    torch.manual_seed(1)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            d = AdaFlashDrafter.from_target(target, num_layers=5, block_size=BLOCK, mask_token_id=vocab - 1,
+                                            use_length_head=True)
+    finally:
+        torch.set_default_dtype(old)
+    return d.eval()
+
+
+def record_traces(device, domains, n, max_new, smoke):
+    """The reference pair's rounds per domain (fixed mode, bf16 on the GPU; float32 on the CPU)."""
+    out = {}
+    dtype = torch.float32 if smoke else torch.bfloat16
+    for dom in domains:
+        t = time.perf_counter()
+        target, drafter, prompts, eos, source = egc.reference_pair(device, dtype, dom, n)
+        longest = max(len(p) for p in prompts)
+        rec = RecordedTrace.record(target, drafter, prompts, max_new, name=f"reference pair, {dom}", eos_token_id=eos,
+                                   max_slots=len(prompts), token_budget=max(4096, longest + len(prompts) * BLOCK))
+        acc = [r.accepted for r in rec.rounds]
+        out[dom] = rec
+        log(f"trace {dom} ({source}): {len(acc)} whole-block rounds, tau {rec.tau:.2f}, "
+            f"mean head ratio {statistics.mean(r.ratio for r in rec.rounds):.3f} ({time.perf_counter() - t:.1f}s)")
+        del target, drafter
+        egc.free_memory()
+    return out
+
+
+def timed(eng, prompts, max_new, device, reps):
+    """``reps`` timed runs of ``prompts`` (median tok/s; graph capture inside a run is subtracted)."""
+    rates, outs = [], None
+    dg = getattr(eng, "draft_graphs", None)
+    for _ in range(reps):
+        cap0 = eng.graphs.capture_seconds + (dg.capture_seconds if dg is not None else 0.0)
+        egc.sync(device)
+        t = time.perf_counter()
+        outs = eng.generate(prompts, max_new_tokens=max_new)
+        egc.sync(device)
+        cap = eng.graphs.capture_seconds + (dg.capture_seconds if dg is not None else 0.0) - cap0
+        rates.append(sum(len(o.token_ids) for o in outs) / max(time.perf_counter() - t - cap, 1e-9))
+    return statistics.median(rates), rates, outs
+
+
+def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile):
+    """One (mode, trace, concurrency) row: warm-up if asked, timed runs, identity and trace checks,
+    optionally the profiled per-step phases."""
+    if warm:
+        eng.generate(prompts, max_new_tokens=max_new)
+    steps0, fwd0 = eng.num_steps, len(eng.forward_tokens)
+    rate, rates, outs = timed(eng, prompts, max_new, device, reps)
+    acc = [a for o in outs for a in o.accepted]
+    vl = [v for o in outs for v in o.verify_lengths]
+    fwd = eng.forward_tokens[fwd0:]
+    row = {"tok_per_s": rate, "tok_per_s_runs": rates, "tau": mean_tokens_per_round(acc) if acc else 1.0,
+           "mean_verify_len": sum(vl) / max(1, len(vl)), "steps_per_run": (eng.num_steps - steps0) / reps,
+           "mean_forward_tokens": sum(fwd) / max(1, len(fwd)),
+           "identical": sum(o.token_ids == refs[tuple(p)] for o, p in zip(outs, prompts)), "requests": len(prompts)}
+    if replay is not None:
+        ok, total = replay.followed(outs)
+        row["trace_followed"] = f"{ok}/{total}"
+    if profile:
+        row["phases"] = egc.phase_breakdown(eng, lambda: eng.generate(prompts, max_new_tokens=max_new))
+    return row
+
+
+def markdown(res: dict) -> str:
+    m = res["meta"]
+    out = ["# ACCEPTANCE REPLAY, Qwen3-8B shape (random bf16 weights), engine tok/s", "",
+           f"{m.get('gpu') or m['device']}; {m['prompt_len']}-token prompts, {m['max_new_tokens']} new tokens per "
+           f"request, one request per concurrency slot, all submitted at once; drafter: {m.get('drafter', '')}. "
+           "Replay: the drafts follow the trace, the engine's forwards, kernels and verify lengths are real. "
+           "Not a model's result.", ""]
+    off = {r["concurrency"]: r for r in res["rows"] if r["mode"] == "off" and "tok_per_s" in r}
+    for name, tr in res.get("traces", {}).items():
+        out += [f"## trace `{name}`: {tr['description']} (trace tau {tr['tau']:.2f})", "",
+                "| concurrency | off tok/s | fixed tok/s (x off) | packed tok/s (x off, x fixed) | tau fixed / packed "
+                "| packed verify len | identical | trace followed |", "|---|---|---|---|---|---|---|---|"]
+        for c in m["concurrency"]:
+            f = next((r for r in res["rows"] if r.get("trace") == name and r["mode"] == "fixed" and r["concurrency"] == c), {})
+            p = next((r for r in res["rows"] if r.get("trace") == name and r["mode"] == "packed" and r["concurrency"] == c), {})
+            o = off.get(c, {})
+            ot, ft, pt = o.get("tok_per_s"), f.get("tok_per_s"), p.get("tok_per_s")
+            ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
+            num = lambda v: f"{v:.0f}" if v else (f.get("error") or p.get("error") or "-")[:40]  # noqa: E731
+            out.append(f"| {c} | {num(ot)} | {num(ft)} ({ratio(ft, ot)}) | {num(pt)} ({ratio(pt, ot)}, {ratio(pt, ft)}) | "
+                       f"{f.get('tau', 0):.2f} / {p.get('tau', 0):.2f} | {p.get('mean_verify_len', 0):.2f} | "
+                       f"{o.get('identical', '-')}/{f.get('identical', '-')}/{p.get('identical', '-')} of {c} | "
+                       f"{f.get('trace_followed', '-')}, {p.get('trace_followed', '-')} |")
+        out.append("")
+    prof = [r for r in res["rows"] if "phases" in r]
+    if prof:
+        out += ["## Per step (profiled run, device synced per phase)", "", "| trace | mode | concurrency | phases |",
+                "|---|---|---|---|"]
+        out += [f"| {r.get('trace', '-')} | {r['mode']} | {r['concurrency']} | {egc.fmt_phases(r['phases'])} |" for r in prof]
+        out.append("")
+    if res.get("checks"):
+        out += ["## Checks", "", "```", json.dumps(res["checks"], indent=1, default=str), "```", ""]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "replay_bench_out"))
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, every step")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--concurrency", default="1,8,32,64,128")
+    ap.add_argument("--traces", default="paper,paper_ref,gsm8k,sharegpt")
+    ap.add_argument("--domains", default="gsm8k,sharegpt", help="sets whose reference-pair rounds are recorded")
+    ap.add_argument("--record-prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=1, help="timed runs per row after the warm-up (median)")
+    ap.add_argument("--profile-at", default="1,128", help="concurrencies that also get a profiled run")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="rows that would start after this are skipped")
+    args = ap.parse_args(argv)
+    smoke = args.smoke
+    device = args.device or ("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+    conc = [1, 3] if smoke else [int(c) for c in args.concurrency.split(",")]
+    max_new = 12 if smoke else args.max_new_tokens
+    plen = 16 if smoke else args.prompt_len
+    domains = ["gsm8k"] if smoke else [d for d in args.domains.split(",") if d]
+    traces_wanted = ["paper", "paper_ref", "gsm8k"] if smoke else [t for t in args.traces.split(",") if t]
+    profile_at = {int(c) for c in args.profile_at.split(",") if c}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    deadline = egc.T0 + args.budget_s
+    res = {"meta": {"label": "ACCEPTANCE REPLAY (not a model's result)", "device": device,
+                    "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "", "torch": torch.__version__,
+                    "smoke": smoke, "concurrency": conc, "prompt_len": plen, "max_new_tokens": max_new,
+                    "reps": args.reps, "block_size": BLOCK}, "traces": {}, "rows": [], "checks": {}}
+
+    def save():
+        res["meta"]["total_s"] = time.perf_counter() - egc.T0
+        for name, text in (("replay_bench.json", json.dumps(res, indent=1, default=str)), ("replay_bench.md", markdown(res))):
+            tmp = out_dir / (name + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(out_dir / name)
+
+    # 1. Traces (the reference pair's rounds are recorded first: the 8B model then has the GPU to itself).
+    root = Path(__file__).resolve().parent.parent
+    for data in (root / "shared" / "data", root / "tests" / "fixtures" / "data"):  # unless ADAFLASH_DATA says
+        if data.is_dir():
+            os.environ.setdefault("ADAFLASH_DATA", str(data))
+    res["meta"]["data"] = os.environ.get("ADAFLASH_DATA")
+    recorded = {}
+    need = [d for d in domains if d in traces_wanted] or (domains[:1] if "paper_ref" in traces_wanted else [])
+    try:
+        recorded = record_traces(device, need, 2 if smoke else args.record_prompts, 24 if smoke else 64, smoke)
+    except Exception:  # noqa: BLE001 - the paper trace still runs
+        res["checks"]["record_error"] = traceback.format_exc()
+        log("recording traces FAILED\n" + res["checks"]["record_error"])
+    traces = {}
+    for name in traces_wanted:
+        if name == "paper":
+            traces[name] = paper_dflash_trace(BLOCK)
+        elif name == "paper_ref" and need and need[0] in recorded:
+            traces[name] = paper_dflash_trace(BLOCK, ratio_from=recorded[need[0]])
+        elif name in recorded:
+            traces[name] = recorded[name]
+    for name, tr in traces.items():
+        res["traces"][name] = {"description": tr.name, "tau": tr.tau,
+                               **({"rounds": tr.to_json()["rounds"]} if isinstance(tr, RecordedTrace) else {"probs": tr.probs})}
+    save()
+
+    # 2. The 8B-shaped target and the drafter; prompts and their greedy continuations (the off engine).
+    from adaflash_hf.engine import Engine
+
+    t = time.perf_counter()
+    target = egc.qwen3_8b_shape(device, smoke)
+    perm = decisive_argmax(target)
+    drafter = build_drafter(target, device, smoke)
+    res["meta"]["drafter"] = (f"{drafter.config.num_hidden_layers} layers, hidden {drafter.config.hidden_size}, block "
+                              f"{BLOCK}, target layers {list(drafter.config.target_layer_ids)}, length head")
+    egc.sync(device)
+    log(f"built the 8B-shaped target + drafter in {time.perf_counter() - t:.1f}s ({res['meta']['drafter']})")
+    vocab = target.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab - 1, (plen,), generator=g).tolist() for _ in range(max(conc))]
+    budget = max(4096, max(conc) * BLOCK + plen)
+    kw = dict(max_slots=max(conc), max_len=plen + max_new + 8, token_budget=budget, cuda_graphs=True)
+    t = time.perf_counter()
+    off = Engine(target, None, verify_mode="off", **kw)
+    refs = {tuple(p): o.token_ids for p, o in zip(prompts, off.generate(prompts, max_new_tokens=max_new))}
+    walk = sum(o[i + 1] == int(perm[o[i]]) for o in refs.values() for i in range(len(o) - 1))
+    res["checks"]["argmax_is_the_permutation"] = f"{walk}/{sum(len(o) - 1 for o in refs.values())}"
+    hf = egc._greedy_refs(target, prompts[:1], min(16, max_new))[0]
+    res["checks"]["off_equals_hf_generate"] = hf == refs[tuple(prompts[0])][: len(hf)]
+    log(f"references: {len(refs)} prompts in {time.perf_counter() - t:.1f}s; greedy = perm walk "
+        f"{res['checks']['argmax_is_the_permutation']}; off == HF generate: {res['checks']['off_equals_hf_generate']}")
+    save()
+
+    def row(mode, c, trace_name, fn):
+        r = {"mode": mode, "concurrency": c, **({"trace": trace_name} if trace_name else {})}
+        if time.perf_counter() > deadline:
+            r["error"] = "skipped: time budget"
+            log(f"{mode} {trace_name or ''} c={c}: skipped (time budget)")
+        else:
+            try:
+                r.update(fn())
+                log(f"{mode:6s} {trace_name or '-':9s} c={c:4d} {r['tok_per_s']:9.1f} tok/s  tau {r['tau']:.2f}  verify "
+                    f"{r['mean_verify_len']:.2f}  identical {r['identical']}/{r['requests']}  "
+                    f"followed {r.get('trace_followed', '-')}" + (f"  | {egc.fmt_phases(r['phases'])}" if "phases" in r else ""))
+            except Exception:  # noqa: BLE001 - record and go on
+                r["error"] = traceback.format_exc()
+                log(f"{mode} {trace_name} c={c} FAILED\n{r['error']}")
+        res["rows"].append(r)
+        save()
+
+    # 3. off per concurrency, then fixed and packed per trace and concurrency.
+    for c in conc:
+        row("off", c, None, lambda c=c: run_row(off, None, prompts[:c], refs, max_new, device, args.reps, True, c in profile_at))
+    del off
+    egc.free_memory()
+    replays = {m: DraftReplay(refs, None) for m in ("fixed", "packed")}  # one each: request ids are per engine
+    engines = {m: Engine(target, drafter, verify_mode=m, draft_replay=replays[m], **kw) for m in replays}
+    warmed = set()
+    for name, tr in traces.items():
+        for rp in replays.values():
+            rp.trace = tr
+        for c in conc:
+            for mode, eng in engines.items():
+                warm = (mode, c) not in warmed
+                warmed.add((mode, c))
+                row(mode, c, name, lambda eng=eng, mode=mode, c=c, warm=warm: run_row(
+                    eng, replays[mode], prompts[:c], refs, max_new, device, args.reps, warm,
+                    c in profile_at and name == "paper"))
+    bad = [r for r in res["rows"] if "identical" in r and r["identical"] != r["requests"]]
+    res["checks"]["rows_not_identical"] = len(bad)
+    save()
+    print(markdown(res))
+    log(f"done: {len(res['rows'])} rows, {len(bad)} with outputs different from plain greedy; wrote {out_dir}")
+    failed = [r for r in res["rows"] if "error" in r] + ([res["checks"]["record_error"]] if "record_error" in res["checks"] else [])
+    print("identical to plain greedy:", not bad and res["checks"]["off_equals_hf_generate"], "| rows failed:", len(failed))
+    return 1 if bad or failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Acceptance replay (adaflash_hf.bench.replay): the engine's real forwards under a trace's acceptance.
+
+Identity with plain greedy decoding holds, every round accepts what the trace planned (cut by the
+verify length), and the head's replayed ratio sets the verify length."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from adaflash_hf.bench.replay import DraftReplay, PerPositionTrace, RecordedTrace, TraceRound, paper_dflash_trace
+from adaflash_hf.engine import Engine
+
+from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids
+
+B = 8
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def replay_pair():
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=B)
+    prompts = engine_prompts([5, 9, 12], seed=4)
+    refs = {tuple(p): plain_greedy_ids(target, p, MAX_NEW) for p in prompts}
+    return target, drafter, prompts, refs
+
+
+def _run(pair, mode, trace, graphs=True):
+    target, drafter, prompts, refs = pair
+    replay = DraftReplay(refs, trace, seed=2)
+    eng = Engine(target, drafter, verify_mode=mode, max_slots=3, max_len=48, token_budget=64, cuda_graphs=graphs,
+                 draft_replay=replay)
+    return eng.generate(prompts, max_new_tokens=MAX_NEW), replay
+
+
+@pytest.mark.parametrize("mode,graphs", [("fixed", True), ("packed", True), ("packed", False)])
+def test_replay_is_lossless_and_follows_the_trace(replay_pair, mode, graphs):
+    trace = PerPositionTrace([0.95, 0.9, 0.8, 0.6, 0.4, 0.3, 0.1])  # oracle head: k_hat = L + 1
+    outs, replay = _run(replay_pair, mode, trace, graphs)
+    _, _, prompts, refs = replay_pair
+    assert [o.token_ids for o in outs] == [refs[tuple(p)] for p in prompts]
+    ok, total = replay.followed(outs)
+    assert total >= 2 * len(prompts) and ok == total
+    accepted = [a for o in outs for a in o.accepted]
+    assert max(accepted) >= 3  # the trace, not the random drafter (which accepts ~nothing), drives acceptance
+    if mode == "packed":  # the oracle ratio (L + 1) / B verifies exactly the planned drafts + the bonus
+        for o in outs:
+            for t, v in enumerate(o.verify_lengths):
+                plan = replay.planned.get((o.request_id, t))
+                if plan is not None and v > 1:
+                    assert v == plan.accepted + 1
+
+
+@pytest.mark.parametrize("accepted", [0, 2, B - 1])
+def test_recorded_trace_sets_tau_exactly(replay_pair, accepted):
+    outs, _ = _run(replay_pair, "fixed", RecordedTrace([TraceRound(accepted, 1.0)]))
+    for o in outs:  # every round but a last one cut by max_new_tokens accepts the trace's count
+        assert o.accepted[:-1] == [accepted] * (len(o.accepted) - 1)
+        assert o.accepted[-1] <= accepted
+
+
+def test_replayed_ratio_sets_the_verify_length(replay_pair):
+    outs, _ = _run(replay_pair, "packed", RecordedTrace([TraceRound(B - 1, 3 / B)]))
+    # k_hat = 3 from the ratio whatever the live head says; the trace would accept more: cut at 2 drafts
+    assert {v for o in outs for v in o.verify_lengths[:-1]} == {3}
+    assert {a for o in outs for a in o.accepted[:-1]} == {2}
+
+
+def test_per_position_draws_match_the_slot_probabilities():
+    probs = [0.9, 0.7, 0.4, 0.1]
+    trace, rng, n = PerPositionTrace(probs), random.Random(0), 20000
+    draws = [trace.draw(rng, block_size=5).accepted for _ in range(n)]
+    for j, p in enumerate(probs, start=1):
+        assert abs(sum(d >= j for d in draws) / n - p) < 0.015
+    assert abs(1 + sum(draws) / n - trace.tau) < 0.03
+
+
+def test_paper_trace_ends_and_mean_acceptance():
+    t = paper_dflash_trace(16)
+    assert len(t.probs) == 15 and t.probs[0] == pytest.approx(0.89) and t.probs[-1] == pytest.approx(0.13)
+    assert all(b < a for a, b in zip(t.probs, t.probs[1:]))
+    assert abs(t.tau - 7.09) < 0.1  # the paper's mean acceptance length for DFlash on Qwen3-8B
+
+
+def test_ratio_from_a_recorded_head():
+    rec = RecordedTrace([TraceRound(1, 0.2), TraceRound(5, 0.7)])
+    t = PerPositionTrace([1.0] * 5 + [0.0] * 2, ratio_from=rec)  # always 5 accepted
+    assert t.draw(random.Random(0), 8) == TraceRound(5, 0.7)
+    assert rec.ratio_for(2, random.Random(0)) == 0.2  # nearest recorded count
+
+
+@pytest.mark.parametrize("probs", [[0.5, 0.9], [1.2], []])
+def test_bad_per_position_trace_is_rejected(probs):
+    with pytest.raises(ValueError, match="per-slot acceptance"):
+        PerPositionTrace(probs)
+
+
+def test_record_keeps_whole_blocks_and_round_trips(replay_pair):
+    target, drafter, prompts, _ = replay_pair
+    rec = RecordedTrace.record(target, drafter, prompts, MAX_NEW, name="tiny", max_slots=3, token_budget=64)
+    assert rec.rounds and all(0 <= r.accepted < B and 0.0 < r.ratio < 1.0 for r in rec.rounds)
+    back = RecordedTrace.from_json(rec.to_json())
+    assert back.rounds == rec.rounds and back.name == "tiny"
+
+
+def test_replay_rejects_sampled_requests(replay_pair):
+    target, drafter, prompts, refs = replay_pair
+    eng = Engine(target, drafter, verify_mode="fixed", max_slots=1, max_len=48, token_budget=64,
+                 draft_replay=DraftReplay(refs, paper_dflash_trace(B)))
+    out = eng.generate(prompts[:1], max_new_tokens=4, temperature=1.0, seed=0)[0]
+    assert out.finish_reason == "error" and "greedy" in out.error
