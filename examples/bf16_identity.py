@@ -193,10 +193,19 @@ def near_tie_share(target, prompts, refs) -> dict:
             "median_top2_margin": allm.median().item() if allm.numel() else None}
 
 
+def _until_eos(seq: list[int], eos: set[int]) -> list[int]:
+    return next((seq[: k + 1] for k, t in enumerate(seq) if t in eos), seq)
+
+
 def compare(target, prompts, outs: list, refs: list, label: str, with_margins: bool = True) -> dict:
     """Prompts where ``outs`` differs from ``refs`` (the reference), first differing positions, margins."""
     diffs = []
+    eos = target.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos]) - {None}
     for i, (o, r) in enumerate(zip(outs, refs)):
+        # HF generate stops at EOS even with eos_token_id=None (it falls back to the model's); the
+        # engine decodes max_new tokens: compare both up to the first EOS, the same stop rule.
+        o, r = _until_eos(o, eos), _until_eos(r, eos)
         j = _first_diff(o, r)
         if j is not None and (j < len(o) or j < len(r)):
             row = {"prompt": i, "first_diff": j}
