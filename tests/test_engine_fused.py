@@ -14,7 +14,7 @@ import importlib
 import pytest
 import torch
 
-from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, make_target_cache, target_forward
+from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, layout_args, make_target_cache, target_forward
 from adaflash_hf.engine.kernels import fused as F
 
 from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids
@@ -123,7 +123,7 @@ def test_fused_engine_is_lossless_in_every_mode(family):
     prompts = engine_prompts([3, 7, 12, 5], seed=1)
     refs = [plain_greedy_ids(target, p, 12) for p in prompts]
     for mode in ("packed", "fixed", "off"):
-        eng = Engine(target, drafter, verify_mode=mode, max_slots=4, max_len=64, cuda_graphs=True)
+        eng = Engine(target, **layout_args(drafter, mode), max_slots=4, max_len=64, cuda_graphs=True)
         assert eng.fused is not None and eng.graphs.fused is eng.fused
         assert [o.token_ids for o in eng.generate(prompts, max_new_tokens=12)] == refs
 
@@ -138,11 +138,11 @@ def test_unsupported_layers_keep_the_modules_path_with_a_reason():
     lora = peft.get_peft_model(make_target("qwen3"), peft.LoraConfig(r=2, target_modules=["q_proj"])).base_model.model
     fused, why = FusedTarget.build(lora)
     assert fused is None and "not a plain nn.Linear" in why
-    eng = Engine(lora, None, verify_mode="off", max_slots=2, max_len=32)
+    eng = Engine(lora, None, max_slots=2, max_len=32)
     assert eng.fused is None and "nn.Linear" in eng.fusion_note
     prompt = engine_prompts([6], seed=2)[0]
     assert eng.generate([prompt], max_new_tokens=6)[0].token_ids == plain_greedy_ids(lora, prompt, 6)
-    assert Engine(make_target("qwen3"), None, verify_mode="off", fused_kernels=False).fusion_note == "fused_kernels=False"
+    assert Engine(make_target("qwen3"), None, fused_kernels=False).fusion_note == "fused_kernels=False"
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "add_rms_norm", "qk_norm_rope"])
@@ -165,7 +165,7 @@ def test_replaced_weights_are_refused_before_any_work():
     """model.to(...) after building the engine re-allocates every parameter: the fused weights would be
     stale, so the next request is refused with a message that says what happened."""
     target = make_target("qwen3")
-    eng = Engine(target, None, verify_mode="off", max_slots=2, max_len=32)
+    eng = Engine(target, None, max_slots=2, max_len=32)
     prompt = engine_prompts([5], seed=3)[0]
     assert eng.generate([prompt], max_new_tokens=4)[0].token_ids == plain_greedy_ids(target, prompt, 4)
     target.to(torch.float64)
