@@ -138,7 +138,8 @@ def test_unsupported_layers_keep_the_modules_path_with_a_reason():
     lora = peft.get_peft_model(make_target("qwen3"), peft.LoraConfig(r=2, target_modules=["q_proj"])).base_model.model
     fused, why = FusedTarget.build(lora)
     assert fused is None and "not a plain nn.Linear" in why
-    eng = Engine(lora, None, max_slots=2, max_len=32)
+    with pytest.warns(RuntimeWarning, match="fused kernels off.*nn.Linear"):
+        eng = Engine(lora, None, max_slots=2, max_len=32)
     assert eng.fused is None and "nn.Linear" in eng.fusion_note
     prompt = engine_prompts([6], seed=2)[0]
     assert eng.generate([prompt], max_new_tokens=6)[0].token_ids == plain_greedy_ids(lora, prompt, 6)
@@ -240,3 +241,137 @@ def test_static_fused_forward_stores_like_the_modules(family, dtype, extra):
         results.append(out + [cache.k.clone(), cache.v.clone()])
     for a, b in zip(*results):
         assert torch.equal(a, b) if dtype == torch.float32 else torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.02)
+
+
+def test_transformers_output_capturing_hooks_are_recognised_and_only_they():
+    """Tripwire for the one transformers internal :func:`F.foreign_hooks` reads: the code of the hook
+    ``transformers.utils.output_capturing`` installs the first time hidden states are requested."""
+    assert F._RECORDING_HOOK is not None, "transformers' output-capturing hook moved: update fused._output_capturing_code"
+    target = make_target("qwen3")
+    target.generate(torch.tensor([[3, 4, 5]]), do_sample=False, max_new_tokens=2, output_hidden_states=True,
+                    return_dict_in_generate=True)
+    hooked = [m for m in target.modules() if m._forward_hooks]
+    assert hooked, "transformers no longer leaves forward hooks after output_hidden_states=True"
+    assert all(F.foreign_hooks(m) == [] for m in hooked)
+    layer = target.model.layers[0]
+    handle = layer.register_forward_hook(lambda m, i, o: o)
+    assert F.foreign_hooks(layer) == ["test_transformers_output_capturing_hooks_are_recognised_and_only_they.<locals>.<lambda>"]
+    handle.remove()
+
+
+def _plain_hidden(target, drafter, ids):
+    target.generate(ids, do_sample=False, max_new_tokens=3, output_hidden_states=True, return_dict_in_generate=True)
+
+
+def _ours(target, drafter, ids):
+    target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=5)
+
+
+def _native_dflash(target, drafter, ids):
+    target.generate(ids, assistant_model=drafter, speculation_type="dflash", do_sample=False, max_new_tokens=5)
+
+
+@pytest.mark.parametrize("before", [_plain_hidden, _ours, _native_dflash])
+def test_engine_built_after_any_generate_call_fuses_and_is_lossless(before, recwarn):
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4)
+    prompts = engine_prompts([5, 9], seed=4)
+    refs = [plain_greedy_ids(target, p, 8) for p in prompts]
+    before(target, drafter, torch.tensor([prompts[0]]))
+    assert any(m._forward_hooks for m in target.modules())  # transformers' hooks are there
+    eng = Engine(target, drafter, length_policy="fixed", max_slots=2, max_len=48, cuda_graphs=True)
+    assert eng.fused is not None and eng.fusion_note == ""
+    assert not [w for w in recwarn if "fused kernels off" in str(w.message)]
+    assert [o.token_ids for o in eng.generate(prompts, max_new_tokens=8)] == refs
+
+
+def test_a_hook_that_may_change_a_forward_turns_fusion_off_with_a_warning():
+    target = make_target("qwen3")
+    target.model.layers[2].self_attn.register_forward_pre_hook(lambda m, a: None)
+    with pytest.warns(RuntimeWarning, match="fused kernels off.*layer 2: Qwen3Attention has forward hooks"):
+        eng = Engine(target, None, max_slots=1, max_len=32)
+    assert eng.fused is None
+
+
+def _footprint(model) -> tuple:
+    """What a library could leave on a model: module attributes, hooks, parameters and buffers."""
+    modules = {name: (sorted(vars(m)), [h.__code__ for h in m._forward_hooks.values()],
+                      list(m._forward_pre_hooks.values())) for name, m in model.named_modules()}
+    tensors = {k: v.clone() for k, v in model.state_dict().items()}
+    return modules, tensors, model.generation_config.to_dict()
+
+
+def test_our_generate_and_engine_leave_nothing_of_their_own_on_the_target():
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    ids = torch.tensor([[7, 8, 9, 10]])
+    _plain_hidden(target, drafter, ids)  # transformers' own hooks and flag: theirs, present before and after
+    modules, tensors, config = _footprint(target)
+    _ours(target, drafter, ids)
+    Engine(target, drafter, length_policy="adaptive", max_slots=2, max_len=32, cuda_graphs=True).generate([[1, 2, 3]], 4)
+    after_modules, after_tensors, after_config = _footprint(target)
+    assert after_modules == modules and after_config == config
+    assert after_tensors.keys() == tensors.keys() and all(torch.equal(tensors[k], after_tensors[k]) for k in tensors)
+
+
+def _fake_tuner(fused, calls: list) -> None:
+    """Stand-ins for the CUDA-only measurements: they record the call and choose Inductor's one-row kernel."""
+
+    def tune():
+        calls.append("tune")
+        fused.row_kernels = {**fused.row_kernels, "qkv": "gemv", "lm_head": "gemv"}
+        fused.row_timings = {"qkv x1": {"cublas": 2.0, "gemv": 1.0}}
+        return dict(fused.row_kernels)
+
+    def check():
+        calls.append("check")
+        return fused.store_kernel
+
+    fused.tune_row_kernels, fused.check_store_kernel = tune, check
+
+
+def _fresh(dtype=torch.float32, calls=None):
+    """A FusedTarget of a new model object (what a new process sees: nothing tuned in memory)."""
+    fused = FusedTarget(make_target("qwen3", seed=len(calls)).to(dtype), compile=False)
+    _fake_tuner(fused, calls)
+    return fused
+
+
+def test_kernel_choices_are_saved_once_and_read_back_by_the_next_process(tmp_path, monkeypatch):
+    monkeypatch.delenv("ADAFLASH_HF_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = tmp_path / "adaflash_hf" / "kernels"
+    calls = []
+    first = _fresh(calls=calls)
+    assert first.load_or_tune() == "tuned" and calls == ["tune", "check"]
+    assert len(list(folder.glob("*.json"))) == 1 and not list(folder.glob("*.tmp"))
+    second = _fresh(calls=calls)
+    assert second.load_or_tune() == "disk" and calls == ["tune", "check"]  # nothing measured again
+    assert second.tuning_choices() == first.tuning_choices() and second.row_kernels["qkv"] == "gemv"
+    assert second.load_or_tune() == "memory"
+    other = _fresh(torch.bfloat16, calls)  # another dtype is another key
+    assert other.load_or_tune() == "tuned" and len(list(folder.glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("damage,warning", [
+    (lambda text: text[: len(text) // 2], "ignoring the kernel tuning cache file"),
+    (lambda text: text.replace('"gemv"', '"cutlass"'), "do not fit this model"),
+])
+def test_a_damaged_tuning_file_is_ignored_with_a_warning_and_rewritten(tmp_path, monkeypatch, damage, warning):
+    monkeypatch.setenv("ADAFLASH_HF_CACHE", str(tmp_path))
+    calls = []
+    _fresh(calls=calls).load_or_tune()
+    (path,) = (tmp_path / "kernels").glob("*.json")
+    path.write_text(damage(path.read_text()))
+    again = _fresh(calls=calls)
+    with pytest.warns(RuntimeWarning, match=warning):
+        assert again.load_or_tune() == "tuned"
+    assert calls == ["tune", "check"] * 2 and _fresh(calls=calls).load_or_tune() == "disk"
+
+
+def test_fusing_under_inference_mode_leaves_normal_updatable_weights():
+    target = make_target("qwen3")
+    with torch.inference_mode():
+        Engine(target, None, max_slots=1, max_len=32)
+    assert not any(p.is_inference() for p in target.parameters())
+    target.load_state_dict(target.state_dict())  # in place: fails on inference tensors

@@ -19,7 +19,9 @@ EXPECTED = {
     "online_adaptation.py": ["update 1 -> version 1", "identical: True"],
     "export_for_sglang_vllm.py": ["reloaded export decodes like the original: True", "identical: True", "sglang.launch_server", "vllm serve"],
     "engine_gpu_check.py": ["correctness: all exact"],
+    "bf16_identity.py": ["float32 control: 0 of"],
     "replay_bench.py": ["identical to plain greedy: True | rows failed: 0"],
+    "fast_generate_gpu.py": ["section errors: []"],
 }
 
 

@@ -165,6 +165,17 @@ class _Run:
         return summary
 
 
+def _warm_up(args, job: "_Run", target, drafter) -> None:
+    """Build the engine generate will run on and capture its graphs before the first (timed) batch."""
+    from ..generation.fast_path import warmup
+
+    seconds = warmup(target, drafter, batch_size=min(args.batch_size, len(job.rows)), prompt_len=max(map(len, job.rows)),
+                     max_new_tokens=args.max_new_tokens, length_policy=args.length_policy, length_rate=args.length_rate,
+                     length_min=args.length_min)
+    if args.stats:
+        write(f"  [stats] engine built and warmed up in {seconds:.1f} s")
+
+
 def run(args) -> int:
     records = _records(args)
     target, drafter, tok = load_models_from_args(args, need_drafter=not args.no_drafter)
@@ -174,6 +185,8 @@ def run(args) -> int:
         check_policy(drafter, args.length_policy)
     out_file = open(args.output, "w", encoding="utf-8") if args.output else None
     job = _Run(args, target, drafter, tok, records, out_file)
+    if drafter is not None and next(target.parameters()).device.type == "cuda":
+        _warm_up(args, job, target, drafter)
     bar = progress(total=len(job.rows), desc="generate", unit="prompt", leave=False)
     try:
         for b0 in range(0, len(job.rows), args.batch_size):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
@@ -105,7 +106,8 @@ class Engine(RequestLifecycle):
         fused_kernels: run the target's layers with fused projections and elementwise kernels
             (:class:`~.kernels.fused.FusedTarget`: q/k/v and gate/up weights become views of one tensor per
             layer; elementwise math compiled on CUDA). Kept off automatically, with the reason in
-            :attr:`fusion_note`, for layers that are not the stock Qwen3 / Llama math (e.g. LoRA).
+            :attr:`fusion_note` and a warning, for layers that are not the stock Qwen3 / Llama math (e.g.
+            LoRA, a hook that may change a forward; transformers' output-capturing hooks do not count).
         decode_steps: ``off`` mode with graphs: while nothing waits for admission and every running
             request is greedy, queue up to this many decode steps (no more than any request's remaining
             tokens; one graph replay each, launched while the previous runs) and read them back once
@@ -152,6 +154,9 @@ class Engine(RequestLifecycle):
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         self.decode_steps = decode_steps if layout == "off" and self.cuda_graphs else 1
         self.fused, self.fusion_note = FusedTarget.build(target) if fused_kernels else (None, "fused_kernels=False")
+        if fused_kernels and self.fused is None:  # asked for and refused: never silently at half speed
+            warnings.warn(f"Engine: fused kernels off, the target's layers run through its modules: {self.fusion_note}",
+                          RuntimeWarning, stacklevel=2)
         if self.cuda_graphs:  # one spare slot row takes the bucket padding; slots are whole flex blocks
             self.cache = make_target_cache(target, max_slots, max_len, spare_slots=1, len_multiple=BLOCK)
             self.graphs = DecodeGraphs(target, self.cache, self.hidden_layers,
@@ -210,6 +215,18 @@ class Engine(RequestLifecycle):
                                                                   None if seed is None else seed + i, eos_token_id))
                    for i, p in enumerate(prompts)]
         return [h.result() for h in handles]
+
+    def warmup(self, concurrency: int = 1, prompt_lens=()) -> float:
+        """Compile and capture now what rounds of up to ``concurrency`` running requests with prompts of
+        ``prompt_lens`` tokens need (:mod:`.warmup`), so that the first requests do not pay for it. Needs
+        an idle engine; returns the seconds it took. A no-op for graphs off CUDA.
+
+        Example:
+            >>> engine.warmup(concurrency=8, prompt_lens=[512])  # doctest: +SKIP
+        """
+        from .warmup import warmup
+
+        return warmup(self, concurrency, prompt_lens)
 
     @property
     def num_running(self) -> int:

@@ -11,7 +11,8 @@ def speculative_generate(target, drafter, input_ids, attention_mask=None, **gene
 
     A thin spelling of `target.generate(input_ids, attention_mask=..., assistant_model=drafter,
     **generate_kwargs)` that works for any batch size. Options: `length_policy` (`adaptive`,
-    `fixed`, `expected_gain`), `length_rate`, `length_min`, `return_stats`, `round_sink`.
+    `fixed`, `expected_gain`), `length_rate`, `length_min`, `return_stats`, `round_sink`, `fast_path`
+    (`"auto"`: on CUDA the rounds run on the engine's fused layers and CUDA graphs; see `fast_path.py`).
 
     Example:
         >>> batch = tok(prompts, return_tensors="pt", padding=True, padding_side="left")  # doctest: +SKIP

@@ -22,6 +22,7 @@ from ..spec.hooks import hooks_for, round_callbacks
 from ..spec.rounds import FinishedRequest, RoundSink, VerifiedRound
 from ..spec.verify import SampledRows, accept_block
 from .drafting import AdaFlashCandidateGenerator
+from .fast_path import engine_decoding, takes_engine
 from .stats import GenerationStats
 
 
@@ -202,6 +203,7 @@ def adaflash_decoding(
     length_min: int | None = None,
     return_stats: bool = False,
     round_sink: RoundSink | None = None,
+    fast_path: str | bool = "auto",
     **model_kwargs,
 ):
     """Speculative decoding with an AdaFlash drafter, as a transformers `custom_generate` method.
@@ -212,10 +214,18 @@ def adaflash_decoding(
     that stopped earlier than others hold -inf scores / logits and zero hidden states in the steps
     after their last token (plain generate keeps computing them on padding).
 
+    `fast_path`: on CUDA (`"auto"`) the rounds run on the engine's fused layers, slot caches and CUDA
+    graphs when the call allows it, else here with a warning naming why (:mod:`.fast_path`); `True`
+    takes the engine off CUDA too, `False` never.
+
     Example:
         >>> out = target.generate(ids, custom_generate=adaflash_decoding, drafter=drafter)  # doctest: +SKIP
     """
     _check_call(model, drafter, generation_config, model_kwargs)
+    if takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length_policy):
+        return engine_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                               length_policy=length_policy, length_rate=length_rate, length_min=length_min,
+                               return_stats=return_stats, round_sink=round_sink, **model_kwargs)
     # An online adapter attached to the drafter (`OnlineAdapter.attach()`) receives every round.
     on_round, on_request = round_callbacks(round_sink, drafter)
     generator = AdaFlashCandidateGenerator.for_target(

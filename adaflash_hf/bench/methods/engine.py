@@ -21,6 +21,7 @@ def _engine_for(ctx, policy: str | None, prompts: list[list[int]], max_new: int)
     if eng is None or eng.max_len < need_len or eng.token_budget < need_budget:
         eng = Engine(ctx.target, drafter, length_policy=policy, max_slots=len(prompts), max_len=need_len,
                      token_budget=need_budget, length_rate=ctx.length_rate, halving_batch=ctx.halving_batch)
+        eng.warmup(concurrency=len(prompts))  # the decode rounds' graphs, before any timed request
         ctx.engines[(policy, len(prompts))] = eng
     return eng, block
 

@@ -22,19 +22,22 @@ microseconds, which is why the engine's 8B-shape decode ran at 34% of the bandwi
   Which serves each projection is measured, not assumed: :meth:`FusedTarget.build` times them on the
   model's own weights (CUDA graphs, every layer's weight in turn, so nothing is served from L2) and
   keeps the fastest (:attr:`FusedTarget.row_kernels` for one row, :attr:`FusedTarget.block_kernels`
-  for 2-16 rows). Larger forwards (prefill) always use cuBLAS. (``act(gate) * up`` is not fused into the
+  for 2-16 rows; measured once per GPU, shapes, dtype and library versions, then read from the disk
+  cache of :mod:`.tuning_cache`). Larger forwards (prefill) always use cuBLAS. (``act(gate) * up`` is not fused into the
   down projection: Inductor then recomputes the activation in every output tile, and the down
   projection got slower in the probe.)
 
 :meth:`FusedTarget.build` returns ``None`` with a reason (the engine then keeps the modules' path)
 when a layer is not the stock Qwen3 / Llama math: adapters such as PEFT LoRA on a projection,
-module hooks, another norm, MLP or RoPE. Weights are read by address, like the CUDA graphs do:
-update them in place (``load_state_dict``, ``copy_``), not by assigning new parameters.
+module hooks (other than transformers' own output-capturing ones, :func:`foreign_hooks`), another
+norm, MLP or RoPE. Weights are read by address, like the CUDA graphs do: update them in place (``load_state_dict``, ``copy_``), not by assigning new parameters.
 """
 
 from __future__ import annotations
 
 import copy
+import types
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -46,11 +49,10 @@ from transformers.models.llama import modeling_llama
 from transformers.models.qwen3 import modeling_qwen3
 
 _MAX_ROWS = 16  # skinny_linear.MAX_ROWS (that module needs Triton, imported only when used)
-# what tune_row_kernels and check_store_kernel set
-_TUNING = ("row_kernels", "block_kernels", "triton_configs", "row_timings", "row_note", "store_kernel", "store_note")
 _TUNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its tuning (FusedTarget.build)
 
-__all__ = ["FusedTarget", "SlotStore", "add_rms_norm", "qk_norm_rope", "qk_norm_rope_store", "rms_norm"]
+__all__ = ["FusedTarget", "SlotStore", "add_rms_norm", "foreign_hooks", "qk_norm_rope", "qk_norm_rope_store", "rms_norm",
+           "unsupported_layers"]
 
 
 # ------------------------------------------------------------------ elementwise math (the HF modules' ops)
@@ -175,7 +177,7 @@ def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | N
         if all(t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and t.is_contiguous()
                and t.storage_offset() == o for t, o in zip(tensors, offsets)):
             return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
-        with torch.no_grad():
+        with torch.no_grad(), torch.inference_mode(False):  # the model's weights stay normal (updatable) tensors
             out = torch.cat([t.detach() for t in tensors])
             start = 0
             for t in tensors:
@@ -202,7 +204,38 @@ _MLPS = (modeling_qwen3.Qwen3MLP.forward, modeling_llama.LlamaMLP.forward)
 _ROPES = (modeling_qwen3.apply_rotary_pos_emb, modeling_llama.apply_rotary_pos_emb)
 
 
-def _unsupported(model) -> str | None:
+def _output_capturing_code():
+    """The code object of the forward hook transformers installs to collect ``hidden_states`` /
+    ``attentions`` (``transformers.utils.output_capturing``: a closure made per module, so it is
+    recognised by its code; ``None`` if this transformers has no such function: every hook then counts)."""
+    from transformers.utils import output_capturing
+
+    for name in ("install_output_capuring_hook", "install_output_capturing_hook"):  # 5.23 spells it without the t
+        install = getattr(output_capturing, name, None)
+        if install is not None:
+            for const in install.__code__.co_consts:
+                if isinstance(const, types.CodeType) and const.co_name == "output_capturing_hook":
+                    return const
+    return None
+
+
+_RECORDING_HOOK = _output_capturing_code()
+
+
+def foreign_hooks(module: nn.Module) -> list[str]:
+    """Names of ``module``'s forward (pre-)hooks that may change what its forward computes.
+
+    transformers' own output-capturing hooks (installed on a model the first time hidden states or
+    attentions are requested, and left there) only append to a collector that is active during an HF
+    forward; they never change an output, and the engine's layer loop never activates the collector,
+    so they do not count. The one place adaflash-hf recognises them (``tests/test_engine_fused.py``
+    fails loudly if transformers changes them)."""
+    hooks = list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values())
+    return [getattr(h, "__qualname__", type(h).__name__) for h in hooks
+            if _RECORDING_HOOK is None or getattr(h, "__code__", None) is not _RECORDING_HOOK]
+
+
+def unsupported_layers(model) -> str | None:
     """Why ``model``'s layers are not the stock math :class:`FusedTarget` reproduces (``None``: they are)."""
     family = model.config.get_text_config(decoder=True).model_type
     rope = {"qwen3": modeling_qwen3, "llama": modeling_llama}.get(family)
@@ -216,8 +249,9 @@ def _unsupported(model) -> str | None:
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
         for m in linears + norms + [attn, mlp, layer]:
-            if m._forward_hooks or m._forward_pre_hooks:
-                return f"layer {li}: {type(m).__name__} has forward hooks"
+            foreign = foreign_hooks(m)
+            if foreign:
+                return f"layer {li}: {type(m).__name__} has forward hooks ({', '.join(foreign)})"
         for m in linears:
             if type(m) is not nn.Linear or type(m.weight) is not nn.Parameter:
                 return f"layer {li}: {type(m).__name__} is not a plain nn.Linear (an adapter or a quantised layer)"
@@ -488,23 +522,78 @@ class FusedTarget:
     def build(cls, model, compile: bool | None = None) -> tuple["FusedTarget | None", str]:
         """``(FusedTarget, "")``, or ``(None, why)`` when the model's layers are not the stock math.
         ``compile``: compile the elementwise functions (default: when the model is on CUDA); compiled
-        on CUDA, the few-row kernels are then measured (:meth:`tune_row_kernels`, ~10-30 s; once per
-        model and process: later builds on the same model reuse the choice)."""
-        why = _unsupported(model)
+        on CUDA, the few-row kernels are then chosen (:meth:`load_or_tune`: measured once per GPU, shapes,
+        dtype and library versions, then read from the disk cache; later builds on the same model reuse them)."""
+        why = unsupported_layers(model)
         if why is not None:
             return None, why
         on_cuda = next(model.parameters()).device.type == "cuda"
         fused = cls(model, on_cuda if compile is None else compile)
         if fused.compiled and on_cuda:
-            weight = fused.layers[0].qkv
-            tuned = _TUNED.get(model)
-            if tuned is None or tuned["on"] != (weight.dtype, weight.device):  # e.g. after model.to(dtype)
-                fused.tune_row_kernels()
-                fused.check_store_kernel()
-                tuned = _TUNED[model] = {k: copy.deepcopy(getattr(fused, k)) for k in _TUNING}
-                tuned["on"] = (weight.dtype, weight.device)
-            for k in _TUNING:
-                setattr(fused, k, copy.deepcopy(tuned[k]))
-            if fused.store_kernel == "torch":
-                fused.qk_norm_rope_store = fused._store_torch
+            fused.load_or_tune()
         return fused, ""
+
+    # ------------------------------------------------------------------ tuning: in memory, on disk, measured
+    def tuning_shapes(self) -> dict:
+        """What of the model a kernel choice depends on besides device and dtype (the disk cache's key)."""
+        shapes = {role: [list(self._weight(role)[0].shape), self._weight(role)[1] is not None] for role in ROW_PROJECTIONS}
+        return {**shapes, "layers": len(self.layers), "head_dim": self.model.model.layers[0].self_attn.head_dim}
+
+    def tuning_choices(self) -> dict:
+        """The measured choices as JSON-able data (:meth:`apply_tuning` takes them back)."""
+        return {"row_kernels": dict(self.row_kernels), "block_kernels": dict(self.block_kernels),
+                "triton_configs": [[role, rows, list(cfg)] for (role, rows), cfg in self.triton_configs.items()],
+                "row_timings": copy.deepcopy(self.row_timings), "row_note": self.row_note,
+                "store_kernel": self.store_kernel, "store_note": self.store_note}
+
+    def apply_tuning(self, choices: dict) -> None:
+        """Use ``choices`` (from :meth:`tuning_choices`); a ``ValueError`` if they do not fit this model."""
+        rows, blocks = dict(choices["row_kernels"]), dict(choices["block_kernels"])
+        if set(rows) != set(ROW_PROJECTIONS) or set(blocks) != set(ROW_PROJECTIONS) or any(
+                v not in ROW_KINDS for v in rows.values()) or any(v not in BLOCK_KINDS for v in blocks.values()):
+            raise ValueError(f"kernel choices do not name a kernel per projection: {rows} / {blocks}")
+        configs = {}
+        if any(v == "triton" for v in (*rows.values(), *blocks.values())):
+            from .skinny_linear import SkinnyConfig
+
+            configs = {(role, int(n)): SkinnyConfig(*cfg) for role, n, cfg in choices["triton_configs"]}
+            for role, n in [(r, 1) for r, k in rows.items() if k == "triton"] + [(r, _MAX_ROWS) for r, k in blocks.items() if k == "triton"]:
+                if configs.get((role, n)) not in self._triton_candidates(role, n):
+                    raise ValueError(f"no fitting Triton tile saved for the {role} projection at {n} rows")
+        if choices["store_kernel"] not in ("torch", "triton"):
+            raise ValueError(f"unknown store kernel {choices['store_kernel']!r}")
+        self.row_kernels, self.block_kernels, self.triton_configs = rows, blocks, configs
+        self.row_timings, self.row_note = copy.deepcopy(choices["row_timings"]), str(choices["row_note"])
+        self.store_kernel, self.store_note = choices["store_kernel"], str(choices["store_note"])
+        if self.store_kernel == "torch":
+            self.qk_norm_rope_store = self._store_torch
+        elif self.qk_norm_rope_store is self._store_torch:
+            raise ValueError("the saved choices use the Triton store kernel, which this process does not have")
+
+    def load_or_tune(self) -> str:
+        """Set the few-row kernels and the store kernel: from an earlier build on the same model in this
+        process (``"memory"``), else from the disk cache (``"disk"``, :mod:`.tuning_cache`), else measured
+        now (``"tuned"``: :meth:`tune_row_kernels`, :meth:`check_store_kernel`; then saved to disk)."""
+        from .tuning_cache import load_tuning, save_tuning, tuning_key
+
+        weight = self.layers[0].qkv
+        tuned = _TUNED.get(self.model)
+        if tuned is not None and tuned["on"] == (weight.dtype, weight.device):  # not after model.to(dtype)
+            self.apply_tuning(tuned["choices"])
+            return "memory"
+        key = tuning_key(self.tuning_shapes(), weight.dtype, weight.device)
+        choices, source = load_tuning(key), "disk"
+        if choices is not None:
+            try:
+                self.apply_tuning(choices)
+            except (ValueError, KeyError, TypeError) as exc:
+                warnings.warn(f"ignoring saved kernel choices that do not fit this model ({exc}); tuning again",
+                              RuntimeWarning, stacklevel=2)
+                choices = None
+        if choices is None:
+            self.tune_row_kernels()
+            self.check_store_kernel()
+            choices, source = self.tuning_choices(), "tuned"
+            save_tuning(key, choices)
+        _TUNED[self.model] = {"choices": choices, "on": (weight.dtype, weight.device)}
+        return source

@@ -1,0 +1,267 @@
+"""``generate(assistant_model=drafter)`` through the engine: fused layers, slot caches, CUDA graphs.
+
+:func:`~.decoding.adaflash_decoding` runs every round through the HF modules with a dynamic cache. On
+CUDA the same call is sent here instead (``fast_path="auto"``, the default): each row becomes one
+request of an :class:`~adaflash_hf.engine.Engine` built once per target, drafter and length policy (and
+rebuilt larger when a call does not fit it). What generate prepared is kept: the stopping criteria
+(``max_length`` and EOS become the engine's own limits; stop strings and any other criterion are checked
+token by token, and a row stops exactly where plain decoding would), temperature / top-k / top-p
+sampling, the streamer, ``return_dict_in_generate``, ``return_stats`` and the round sink (rounds carry
+the batch row, as the eager loop's do).
+
+What the engine cannot do (per-token scores, logits or hidden states, another logits processor, the
+``expected_gain`` policy, a pre-filled cache, layers the engine cannot drive as they are: adapters,
+hooks, another architecture) goes to the eager loop with one warning naming the reason
+(:func:`fast_path_refusal`). Off CUDA ``"auto"`` keeps the eager loop without a warning (the documented
+default); ``fast_path=True`` takes the engine there too (eager kernels: the CPU tests' route),
+``False`` never does.
+
+Engines are kept in a small module-level cache (the last :data:`MAX_ENGINES`), never on the target.
+
+Example:
+    >>> out = target.generate(ids, assistant_model=drafter, max_new_tokens=64)  # doctest: +SKIP
+    >>> out = target.generate(ids, assistant_model=drafter, fast_path=False)  # the eager loop  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import warnings
+import weakref
+from collections import OrderedDict
+
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+from ..spec.hooks import round_callbacks
+from ..spec.policy import resolve_policy
+
+__all__ = ["FAST_PATH_CHOICES", "MAX_ENGINES", "clear_engines", "engine_decoding", "fast_path_refusal", "takes_engine", "warmup"]
+
+FAST_PATH_CHOICES = ("auto", True, False)
+MAX_ENGINES = 2  # engines kept alive (each holds its KV caches and graphs)
+_ENGINES: "OrderedDict[tuple, _Cached]" = OrderedDict()
+_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass
+class _Cached:
+    target: weakref.ref
+    drafter: weakref.ref
+    engine: object
+    lock: threading.Lock
+
+
+def clear_engines() -> None:
+    """Drop every cached engine (their caches and graphs are freed with them)."""
+    with _LOCK:
+        _ENGINES.clear()
+
+
+def _sampling(logits_processor) -> tuple[dict, str | None]:
+    """The engine's ``SamplingParams`` fields for generate's processors, or why they have none."""
+    fields, order = {}, {TemperatureLogitsWarper: 0, TopKLogitsWarper: 1, TopPLogitsWarper: 2}
+    last = -1
+    for p in logits_processor or []:
+        rank = order.get(type(p))
+        if rank is None or rank <= last:
+            return {}, f"logits processor {type(p).__name__}" if rank is None else "logits warpers in another order"
+        last = rank
+        if isinstance(p, TemperatureLogitsWarper):
+            fields["temperature"] = float(p.temperature)
+        elif isinstance(p, TopKLogitsWarper):
+            fields["top_k"] = int(p.top_k)
+        elif p.min_tokens_to_keep != 1:
+            return {}, "top_p with min_tokens_to_keep > 1"
+        else:
+            fields["top_p"] = float(p.top_p)
+    return fields, None
+
+
+def fast_path_refusal(model, drafter, generation_config, logits_processor, model_kwargs, length_policy=None) -> str | None:
+    """Why this generate call cannot run through the engine (``None``: it can)."""
+    from ..engine.kernels.fused import unsupported_layers
+    from ..engine.target import check_target_supported
+
+    cfg = generation_config
+    for flag in ("output_scores", "output_logits", "output_hidden_states"):
+        if getattr(cfg, flag, False) and (flag == "output_hidden_states" or cfg.return_dict_in_generate):
+            return f"{flag}=True (the engine returns tokens only)"
+    _, why = _sampling(logits_processor)
+    if why is not None:
+        return why
+    if resolve_policy(length_policy, drafter).value == "expected_gain":
+        return "length_policy='expected_gain'"
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and cache.get_seq_length():
+        return "a pre-filled past_key_values"
+    try:
+        check_target_supported(model)
+    except ValueError as exc:
+        return str(exc)
+    return unsupported_layers(model)
+
+
+def takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length_policy=None) -> bool:
+    """Whether :func:`~.decoding.adaflash_decoding` should run this call on the engine (see the module
+    docstring); a call the engine cannot take warns once, naming the reason."""
+    if not (isinstance(fast_path, bool) or fast_path == "auto"):
+        raise ValueError(f"fast_path must be 'auto', True or False, got {fast_path!r}")
+    if fast_path is False or (fast_path == "auto" and next(model.parameters()).device.type != "cuda"):
+        return False
+    why = fast_path_refusal(model, drafter, generation_config, logits_processor, model_kwargs, length_policy)
+    if why is not None:
+        warnings.warn(f"generate(assistant_model=<AdaFlash drafter>) runs the eager loop, not the engine: {why}",
+                      RuntimeWarning, stacklevel=4)
+        return False
+    return True
+
+
+def _engine_for(model, drafter, mode: str, rows: int, max_len: int, budget: int, length_rate, length_min) -> _Cached:
+    """The cached engine for these models and mode if it fits the call, else a new one (replacing it)."""
+    from ..engine import Engine
+
+    def pow2(n: int, floor: int) -> int:
+        return max(floor, 1 << max(0, n - 1).bit_length())
+
+    p = next(model.parameters())
+    key = (id(model), id(drafter), mode, length_rate, length_min, p.device, p.dtype)
+    with _LOCK:
+        hit = _ENGINES.get(key)
+        if hit is not None and (hit.target() is not model or hit.drafter() is not drafter):
+            hit = None  # ids reused by new objects
+        if hit is not None:
+            e = hit.engine
+            if e.max_slots >= rows and e.max_len >= max_len and e.token_budget >= budget and e.healthy:
+                _ENGINES.move_to_end(key)
+                return hit
+        with torch.inference_mode(False):  # see engine_decoding: the engine is reused outside this call's mode
+            engine = Engine(model, drafter, length_policy=mode, max_slots=pow2(rows, 1), max_len=pow2(max_len, 256),
+                            token_budget=pow2(budget, 64), length_rate=length_rate, length_min=length_min,
+                            cuda_graphs=True)  # off CUDA: the same static bucket forwards, eagerly
+        hit = _ENGINES[key] = _Cached(weakref.ref(model), weakref.ref(drafter), engine, threading.Lock())
+        while len(_ENGINES) > MAX_ENGINES:
+            _ENGINES.popitem(last=False)
+        return hit
+
+
+def warmup(target, drafter, batch_size: int = 1, prompt_len: int = 512, max_new_tokens: int = 128,
+           length_policy: str | None = None, length_rate=None, length_min=None) -> float:
+    """Build (or find) the engine that ``generate(assistant_model=drafter)`` will use for batches of up to
+    ``batch_size`` prompts of ``prompt_len`` tokens and capture the graphs it needs
+    (:meth:`~adaflash_hf.engine.Engine.warmup`); returns the seconds it took.
+
+    Example:
+        >>> warmup(target, drafter, batch_size=1, prompt_len=512, max_new_tokens=128)  # doctest: +SKIP
+    """
+    t0 = time.perf_counter()
+    policy = resolve_policy(length_policy, drafter)
+    mode = policy.value  # the engine's length_policy
+    block = drafter.config.block_size
+    if not drafter.is_bound_to(target):
+        drafter.bind_target(target)
+    cached = _engine_for(target, drafter, mode, batch_size, prompt_len + max_new_tokens + block,
+                         max(prompt_len, batch_size * block), length_rate, length_min)
+    with cached.lock, torch.inference_mode(False), torch.no_grad():
+        cached.engine.warmup(concurrency=min(batch_size, cached.engine.max_slots), prompt_lens=[prompt_len])
+    return time.perf_counter() - t0
+
+
+def _split_criteria(stopping_criteria):
+    """``(max_length or None, eos ids, the other criteria)``: the first two the engine applies itself."""
+    max_length, eos, rest = None, [], StoppingCriteriaList()
+    for c in stopping_criteria or []:
+        if isinstance(c, MaxLengthCriteria):
+            max_length = c.max_length if max_length is None else min(max_length, c.max_length)
+        elif isinstance(c, EosTokenCriteria):
+            eos += [int(t) for t in c.eos_token_id.flatten().tolist()]
+        else:
+            rest.append(c)
+    return max_length, tuple(eos), rest
+
+
+def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer, *,
+                    length_policy=None, length_rate=None, length_min=None, return_stats=False, round_sink=None,
+                    **model_kwargs):
+    """The body of :func:`~.decoding.adaflash_decoding` on the engine (after :func:`fast_path_refusal` said
+    it can): same arguments, same return value."""
+    from ..engine import SamplingParams
+    from .decoding import _emit_requests, _finish, _Output
+    from .stats import GenerationStats
+
+    mask = model_kwargs.get("attention_mask")
+    width = input_ids.shape[1]
+    prompts = [row[m.bool()].tolist() if mask is not None else row.tolist()
+               for row, m in zip(input_ids, mask if mask is not None else input_ids)]
+    max_length, eos, rest = _split_criteria(stopping_criteria)
+    max_new = (max_length if max_length is not None else generation_config.max_length) - width
+    fields, _ = _sampling(logits_processor)
+    if generation_config.do_sample:
+        fields.setdefault("temperature", 1.0)  # sampling with no temperature warper is temperature 1, not greedy
+    policy = resolve_policy(length_policy, drafter)
+    mode = policy.value  # the engine's length_policy
+    block = drafter.config.block_size
+    cached = _engine_for(model, drafter, mode, len(prompts), max(map(len, prompts)) + max_new + block,
+                         max(max(map(len, prompts)), len(prompts) * block), length_rate, length_min)
+    engine = cached.engine
+    stats = GenerationStats(block_size=block, policy=policy.value)
+    output = _Output.for_config(generation_config, logits_processor, stopping_criteria, streamer)
+    on_round, on_request = round_callbacks(round_sink, drafter)
+    # The cached engine outlives this call: its caches and lazily made buffers must be normal tensors even
+    # when generate runs under torch.inference_mode (in-place updates of inference tensors fail outside it).
+    with cached.lock, torch.inference_mode(False), torch.no_grad():
+        saved = engine.on_round, engine.on_request
+        row_of: dict[int, int] = {}
+        engine.on_round = None if on_round is None else (lambda r: on_round(dataclasses.replace(r, row=row_of[r.row])))
+        engine.on_request = None
+        try:
+            handles = []
+            for i, prompt in enumerate(prompts):
+                seed = int(torch.randint(0, 2**62, (1,))) if fields.get("temperature") else None  # the global RNG, as generate
+                params = SamplingParams(seed=seed, eos_token_id=eos or None, **fields)
+                holder: list = []
+                handle = engine.submit(prompt, max_new, params,
+                                       on_token=_token_sink(input_ids[i].tolist(), rest, streamer, holder))
+                holder.append(handle)
+                row_of[handle.request_id] = i
+                handles.append(handle)
+            outs = [h.result() for h in handles]
+        except BaseException:
+            for h in handles:  # nothing of a failed or interrupted call stays queued in the cached engine
+                h.cancel()
+            raise
+        finally:
+            engine.on_round, engine.on_request = saved
+    for i, o in enumerate(outs):
+        if o.finish_reason == "error":
+            raise RuntimeError(f"row {i} failed in the engine: {o.error}")
+        output.finished[i] = torch.cat([input_ids[i], torch.tensor(o.token_ids, dtype=input_ids.dtype, device=input_ids.device)])
+        for a, v in zip(o.accepted, o.verify_lengths):
+            stats.record(i, v, a)
+    # draft_time_s / verify_time_s stay 0: splitting an engine round needs device syncs (Engine(profile=True))
+    if streamer is not None:
+        streamer.end()
+    if on_request is not None:
+        _emit_requests(on_request, input_ids, mask, output)
+    return _finish(input_ids, output, generation_config, stats, return_stats)
+
+
+def _token_sink(seq: list[int], criteria, streamer, handle: list):
+    """The engine's per-token callback for one row: stream the token, and end the request right after it
+    when a stopping criterion the engine does not apply itself says so (``handle[0]``: the row's request);
+    ``None`` if there is nothing to do per token."""
+    if not len(criteria) and streamer is None:
+        return None
+    seq = list(seq)
+
+    def on_token(tok: int) -> None:
+        seq.append(tok)
+        if streamer is not None:
+            streamer.put(torch.tensor([tok]))
+        if len(criteria) and bool(criteria(torch.tensor([seq]), None)[0]):
+            handle[0].cancel()  # inside a round: the request ends after this token, as plain decoding stops
+
+    return on_token
