@@ -110,9 +110,9 @@ def engine_outputs(target, drafter, prompts, mode: str, max_new: int, slots: int
                    speed: dict | None = None) -> list[list[int]]:
     """Greedy outputs of the engine; ``speed[mode]``: generated tokens per second of the run itself
     (engine construction and CUDA-graph capture excluded)."""
-    from adaflash_hf.engine import Engine
+    from adaflash_hf.engine import Engine, layout_args
 
-    eng = Engine(target, drafter if mode != "off" else None, verify_mode=mode, max_slots=slots, max_len=max_len,
+    eng = Engine(target, **layout_args(drafter, mode), max_slots=slots, max_len=max_len,
                  token_budget=max(512, slots * 16))
     sync = torch.cuda.synchronize if next(target.parameters()).is_cuda else (lambda: None)
     if speed is not None:  # kernels compiled for this dtype before the timed run

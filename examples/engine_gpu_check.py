@@ -7,7 +7,7 @@ section still runs, and the JSON + markdown are rewritten after every section):
           kernels) == the eager forward through the HF modules per bucket (logits allclose) and end to end (greedy outputs of every verify mode identical to the
           eager engine and to HF ``generate``);
   b_8b    Qwen3-8B shape, random bf16 weights built on the GPU: copy bandwidth and the batch-1
-          floor (weight bytes / bandwidth), plain decoding in the engine (``verify_mode="off"``) at
+          floor (weight bytes / bandwidth), plain decoding in the engine (no drafter) at
           batch 1 and context ~1024 with ``decode_steps`` 1, 8 (the default) and 16, after an untimed
           request of the same length (also through the HF modules, ``fused_kernels=False``), the
           one-row kernels the fused layers chose at build and their timings, a per-token breakdown
@@ -242,7 +242,7 @@ def equivalence(target, drafter, prompts, *, slots: int, max_len: int, budget: i
     """Per bucket: graph replay (fused layers, compiled kernels) logits / features vs the eager packed
     forward through the HF modules on the same cache. End to end: every verify mode, graphs on vs off
     vs HF greedy ``generate``."""
-    from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, make_target_cache, target_forward
+    from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, layout_args, make_target_cache, target_forward
     from adaflash_hf.engine.kernels.attention import BLOCK
 
     device = next(target.parameters()).device
@@ -290,7 +290,7 @@ def equivalence(target, drafter, prompts, *, slots: int, max_len: int, budget: i
     for mode in ("off", "fixed", "packed", "rectangular"):
         outs = {}
         for graphs_on in (True, False):
-            eng = Engine(target, drafter if mode != "off" else None, verify_mode=mode, max_slots=slots, max_len=max_len,
+            eng = Engine(target, **layout_args(drafter, mode), max_slots=slots, max_len=max_len,
                          token_budget=budget, cuda_graphs=graphs_on)
             outs[graphs_on] = [o.token_ids for o in eng.generate(check, max_new_tokens=max_new)]
             if graphs_on:
@@ -356,7 +356,7 @@ def cost_8b(device, smoke: bool, quick: bool):
 
     # The same decode through the HF modules (fused_kernels=False, one step per replay): the old path.
     try:
-        eng = Engine(model, None, verify_mode="off", max_slots=1, max_len=ctx + new + 8, token_budget=ctx + 8,
+        eng = Engine(model, None, max_slots=1, max_len=ctx + new + 8, token_budget=ctx + 8,
                      cuda_graphs=True, fused_kernels=False, decode_steps=1)
         steps, dt = decode(eng, 0)
         rep["off_batch1_modules"] = {"tok_per_s": steps / dt, "steps_timed": steps}
@@ -373,7 +373,7 @@ def cost_8b(device, smoke: bool, quick: bool):
         key = "off_batch1" if k == 8 else f"off_batch1_steps_{k}"
         try:
             t = time.perf_counter()
-            eng = Engine(model, None, verify_mode="off", max_slots=1, max_len=ctx + new + 8, token_budget=ctx + 8,
+            eng = Engine(model, None, max_slots=1, max_len=ctx + new + 8, token_budget=ctx + 8,
                          cuda_graphs=True, decode_steps=k)
             rep["fuse_s"], rep["fusion_note"] = time.perf_counter() - t, eng.fusion_note
             if eng.fused is not None:
@@ -493,12 +493,12 @@ def throughput(target, drafter, prompts, eos, *, concurrency, modes, max_new, ma
     per concurrency c: c prompts, one untimed run of the same workload, then ``reps`` timed runs (the
     median tok/s is reported, every run kept). Capture time is reported and subtracted. Each row
     carries the acceptance trace summary the projection uses."""
-    from adaflash_hf.engine import Engine
+    from adaflash_hf.engine import Engine, layout_args
 
     device = next(target.parameters()).device
     rows = []
     for mode in modes:
-        eng = Engine(target, drafter if mode != "off" else None, verify_mode=mode, max_slots=max(concurrency),
+        eng = Engine(target, **layout_args(drafter, mode), max_slots=max(concurrency),
                      max_len=max_len, token_budget=budget, cuda_graphs=True)
         for c in concurrency:
             if time.perf_counter() > deadline:

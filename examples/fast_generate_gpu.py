@@ -255,7 +255,9 @@ class _StopAt(StoppingCriteria):
 
 
 def _engine_runner(Engine, target, drafter, mode, prompt, args):
-    eng = Engine(target, drafter if mode != "off" else None, verify_mode=mode, max_slots=1,
+    from adaflash_hf.engine import layout_args
+
+    eng = Engine(target, **layout_args(drafter, mode), max_slots=1,
                  max_len=len(prompt) + args.max_new + 32, token_budget=max(64, len(prompt)))
     eng.warmup(concurrency=1, prompt_lens=[len(prompt)])
     return lambda n: eng.generate([prompt], max_new_tokens=n)[0]

@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     save()
 
     # 2. The 8B-shaped target and the drafter; prompts and their greedy continuations (the off engine).
-    from adaflash_hf.engine import Engine
+    from adaflash_hf.engine import Engine, layout_args
 
     t = time.perf_counter()
     target = egc.qwen3_8b_shape(device, smoke)
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     budget = max(4096, max(conc) * BLOCK + plen)
     kw = dict(max_slots=max(conc), max_len=plen + max_new + 8, token_budget=budget, cuda_graphs=True)
     t = time.perf_counter()
-    off = Engine(target, None, verify_mode="off", **kw)
+    off = Engine(target, None, **kw)
     refs = {tuple(p): o.token_ids for p, o in zip(prompts, off.generate(prompts, max_new_tokens=max_new))}
     walk = sum(o[i + 1] == int(perm[o[i]]) for o in refs.values() for i in range(len(o) - 1))
     res["checks"]["argmax_is_the_permutation"] = f"{walk}/{sum(len(o) - 1 for o in refs.values())}"
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
     del off
     egc.free_memory()
     replays = {m: DraftReplay(refs, None) for m in ("fixed", "packed")}  # one each: request ids are per engine
-    engines = {m: Engine(target, drafter, verify_mode=m, draft_replay=replays[m], **kw) for m in replays}
+    engines = {m: Engine(target, **layout_args(drafter, m), draft_replay=replays[m], **kw) for m in replays}
     warmed = set()
     for name, tr in traces.items():
         for rp in replays.values():

@@ -51,9 +51,9 @@ def _engine(pair, delay: float = 0.0, hook=None, **kw):
         if delay:
             time.sleep(delay)
 
-    args = dict(verify_mode="packed", max_slots=SLOTS, max_len=MAX_LEN, token_budget=64)
+    args = dict(drafter=drafter, length_policy="adaptive", max_slots=SLOTS, max_len=MAX_LEN, token_budget=64)
     args.update(kw)
-    return Engine(target, drafter, step_hook=step_hook, **args)
+    return Engine(target, step_hook=step_hook, **args)
 
 
 def _wait(cond, timeout=5.0):
@@ -144,7 +144,7 @@ def test_concurrent_mixed_requests_from_threads_and_tasks(pair):
 
 # ---------------------------------------------------------------- cancellation
 def test_breaking_out_of_a_stream_cancels_and_frees_the_slot(pair):
-    eng = _engine(pair, delay=0.01, verify_mode="off")  # one token per step: steps count tokens
+    eng = _engine(pair, delay=0.01, drafter=None, length_policy=None)  # one token per step: steps count tokens
     prompt = _prompts([5], seed=5)[0]
     with AsyncEngine(eng) as ae:
         async def main():
@@ -178,7 +178,7 @@ def test_breaking_out_of_a_stream_cancels_and_frees_the_slot(pair):
 
 
 def test_cancelling_the_task_cancels_the_request(pair):
-    eng = _engine(pair, delay=0.01, verify_mode="off")
+    eng = _engine(pair, delay=0.01, drafter=None, length_policy=None)
     with AsyncEngine(eng) as ae:
         async def main():
             task = asyncio.create_task(ae.generate(_prompts([4], seed=6)[0], 80))
@@ -194,7 +194,7 @@ def test_cancelling_the_task_cancels_the_request(pair):
 
 
 def test_sync_cancel_running_and_queued(pair):
-    eng = _engine(pair, delay=0.01, max_slots=1, verify_mode="off")
+    eng = _engine(pair, delay=0.01, max_slots=1, drafter=None, length_policy=None)
     prompts = _prompts([3, 4], seed=7)
     with AsyncEngine(eng) as ae:
         running = ae.submit(prompts[0], 80)

@@ -131,12 +131,12 @@ def test_json_has_every_field_for_each_method(full_run):
     for m in ("dflash_native", "hf_assisted", "prompt_lookup"):  # tau estimated from target verify forwards
         est = cells[(m, "alpha", 1)]
         assert not est["skipped"] and est["tau_estimated"] and est["tau"] >= 1 and est["rounds"] > 0
-    for ds in ("alpha", "beta"):  # the serving engine, per verify mode, with its per-round stats
+    for ds in ("alpha", "beta"):  # the serving engine, per length policy, with its per-round stats
         for c in (1, 2):
-            off, fixed, packed = (cells[(f"engine_{m}", ds, c)] for m in ("off", "fixed", "packed"))
-            assert not any(x["skipped"] for x in (off, fixed, packed)), (ds, c)
+            off, fixed, adaptive = (cells[(f"engine_{m}", ds, c)] for m in ("off", "fixed", "adaptive"))
+            assert not any(x["skipped"] for x in (off, fixed, adaptive)), (ds, c)
             assert off["tau"] == 1.0 and off["mean_verify_length"] == 1.0
-            assert fixed["tau"] >= 1 and fixed["mean_verify_length"] > 1 and packed["rounds"] > 0
+            assert fixed["tau"] >= 1 and fixed["mean_verify_length"] > 1 and adaptive["rounds"] > 0
             assert fixed["tau"] == pytest.approx(cells[("fixed", ds, c)]["tau"])  # same drafter, same rule
 
 

@@ -92,11 +92,19 @@ def test_help_is_fast_without_torch(command):
     assert not imported & {"torch", "transformers"}
 
 
-def test_serve_verify_modes_match_the_engine():
-    from adaflash_hf.cli.serve import VERIFY_MODES
-    from adaflash_hf.engine import VERIFY_MODES as ENGINE_VERIFY_MODES
+def test_serve_length_policies_are_the_engines():
+    import argparse
 
-    assert VERIFY_MODES == ENGINE_VERIFY_MODES
+    from adaflash_hf.cli.serve import add_arguments
+    from adaflash_hf.engine import Engine, round_layout  # noqa: F401 - the engine resolves the same names
+    from adaflash_hf.spec.policy import ENGINE_POLICIES, POLICY_NAMES
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert set(ENGINE_POLICIES) <= set(POLICY_NAMES)
+    for name in ENGINE_POLICIES:
+        assert p.parse_args(["--length-policy", name]).length_policy == name
+    assert p.parse_args([]).length_policy is None and not p.parse_args([]).plain
 
 
 def test_no_command_prints_help(capsys):

@@ -15,6 +15,7 @@ from adaflash_hf.engine import (
     RequestRejected,
     SlotKVCache,
     draft_blocks,
+    layout_args,
     make_drafter_cache,
     make_target_cache,
     target_forward,
@@ -50,7 +51,7 @@ class OracleEngine(Engine):
             cont = cont + [0] * (B - 1 - len(cont))
             good = self.rng.randint(0, B - 1)
             tokens[i] = torch.tensor([t if j < good else (t + 1) % 126 for j, t in enumerate(cont)])
-            if self.verify_mode != "fixed":
+            if self.layout != "fixed":
                 draft_len[i] = min(self.rng.randint(0, B - 1), r.remaining - 1)
         return tokens, logits, ratio, draft_len
 
@@ -174,7 +175,7 @@ def test_modes_greedy_identical_real_drafter(pair, mode):
     """The real (random) drafter and length head: every mode equals plain greedy, per request."""
     target, drafter = pair
     prompts = engine_prompts(RAGGED, seed=4)
-    engine = Engine(target, drafter, verify_mode=mode, max_slots=3, max_len=32, token_budget=40)
+    engine = Engine(target, **layout_args(drafter, mode), max_slots=3, max_len=32, token_budget=40)
     handles = [engine.submit(p, n) for p, n in zip(prompts, MAX_NEW)]
     engine.run_until_idle()
     for h, p, n in zip(handles, prompts, MAX_NEW):
@@ -189,7 +190,7 @@ def test_modes_greedy_identical_with_acceptance(pair, mode):
     prompts = engine_prompts(RAGGED, seed=5)
     refs = {tuple(p): plain_greedy_ids(target, p, 16) for p in prompts}
     infos = []
-    engine = OracleEngine(target, drafter, verify_mode=mode, max_slots=4, max_len=40, token_budget=48, refs=refs, seed=1,
+    engine = OracleEngine(target, **layout_args(drafter, mode), max_slots=4, max_len=40, token_budget=48, refs=refs, seed=1,
                           step_hook=infos.append)
     outs = engine.generate(prompts, max_new_tokens=14)
     verify_only = [i for i in infos if i.num_prefill == 0]
@@ -214,7 +215,7 @@ def test_eos_stops_like_plain_generate(pair):
     ref = plain_greedy_ids(target, prompt, 12)
     eos = ref[4]
     expected = ref[: ref.index(eos) + 1]
-    engine = OracleEngine(target, drafter, verify_mode="packed", max_slots=2, max_len=32, token_budget=32,
+    engine = OracleEngine(target, drafter, length_policy="adaptive", max_slots=2, max_len=32, token_budget=32,
                           refs={tuple(prompt): ref + [0] * 8})
     out = engine.generate([prompt], max_new_tokens=12, eos_token_id=eos)[0]
     assert out.token_ids == expected and out.finish_reason == "eos"
@@ -247,7 +248,7 @@ def test_admission_never_exceeds_budget_or_slots(pair, mode):
             seen.append(info)
 
         prompts = engine_prompts([3, 9, 5, 12, 2, 7, 4, 11, 6, 1], seed=7)
-        engine = Engine(target, drafter, verify_mode=mode, max_slots=5, max_len=32, token_budget=20, step_hook=hook)
+        engine = Engine(target, **layout_args(drafter, mode), max_slots=5, max_len=32, token_budget=20, step_hook=hook)
         outs = engine.generate(prompts, max_new_tokens=8)
         for o, p in zip(outs, prompts):
             assert o.token_ids == plain_greedy_ids(target, p, 8)
@@ -266,14 +267,20 @@ def test_too_long_requests_are_rejected_clearly(pair):
         engine.submit(list(range(9)), max_new_tokens=2)
     with pytest.raises(RequestRejected, match="empty prompt"):
         engine.submit([], max_new_tokens=2)
-    with pytest.raises(ValueError, match="verify_mode"):
-        Engine(target, drafter, verify_mode="bogus")
+    with pytest.raises(ValueError, match="unknown length_policy 'bogus'"):
+        Engine(target, drafter, length_policy="bogus")
+    with pytest.raises(ValueError, match="expected_gain"):
+        Engine(target, drafter, length_policy="expected_gain")
+    with pytest.raises(ValueError, match="need a drafter"):
+        Engine(target, None, length_policy="fixed")
+    with pytest.raises(ValueError, match="rectangular=True pads"):
+        Engine(target, drafter, length_policy="fixed", rectangular=True)
     assert engine.idle
 
 
 def test_cancellation_frees_slot(pair):
     target, drafter = pair
-    engine = Engine(target, drafter, verify_mode="packed", max_slots=2, max_len=40, token_budget=32)
+    engine = Engine(target, drafter, length_policy="adaptive", max_slots=2, max_len=40, token_budget=32)
     prompts = engine_prompts([4, 5, 6], seed=8)
     streamed = []
     a = engine.submit(prompts[0], 30, on_token=streamed.append)
@@ -294,7 +301,7 @@ def test_cancellation_frees_slot(pair):
 
 def test_cancel_from_callback_mid_round(pair):
     target, drafter = pair
-    engine = Engine(target, drafter, verify_mode="fixed", max_slots=2, max_len=40, token_budget=32)
+    engine = Engine(target, drafter, length_policy="fixed", max_slots=2, max_len=40, token_budget=32)
     box = {}
 
     def cb(tok):
@@ -321,7 +328,7 @@ def test_round_sink_receives_verified_rounds(pair):
             requests.append(finished)
 
     prompts = engine_prompts([3, 6, 5], seed=10)
-    engine = Engine(target, drafter, verify_mode="packed", max_slots=2, max_len=32, token_budget=32, round_sink=Sink())
+    engine = Engine(target, drafter, length_policy="adaptive", max_slots=2, max_len=32, token_budget=32, round_sink=Sink())
     handles = [engine.submit(p, 6) for p in prompts]
     handles[2].cancel()  # a cancelled request is not a finished one
     outs = [h.result() for h in handles[:2]]
@@ -349,7 +356,7 @@ def _token2_marginal(target, prompt, top_k):
 
 
 def _sample_token2(target, drafter, prompt, n, monkeypatch=None):
-    engine = Engine(target, drafter, verify_mode="fixed", max_slots=64, max_len=16, token_budget=256)
+    engine = Engine(target, drafter, length_policy="fixed", max_slots=64, max_len=16, token_budget=256)
     outs = engine.generate([prompt] * n, max_new_tokens=3, temperature=1.0, top_k=3, seed=0)
     assert all(o.verify_lengths[0] == 2 for o in outs)  # token 2 went through speculative acceptance
     return torch.bincount(torch.tensor([o.token_ids[1] for o in outs]), minlength=target.config.vocab_size).float() / n
@@ -396,7 +403,7 @@ def test_soak_random_arrivals_and_cancellations(soak_pair, mode, n_requests, gra
     target, drafter, pool, refs = soak_pair
     rng = random.Random(MODES.index(mode))
     seen = []
-    eng = OracleEngine(target, drafter, verify_mode=mode, max_slots=12, max_len=32, token_budget=48, refs=refs, seed=3,
+    eng = OracleEngine(target, **layout_args(drafter, mode), max_slots=12, max_len=32, token_budget=48, refs=refs, seed=3,
                        step_hook=seen.append, cuda_graphs=graphs)
     handles, to_submit = [], n_requests
     while to_submit or not eng.idle:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from adaflash_hf.engine import Engine, draft_blocks, make_drafter_cache
+from adaflash_hf.engine import Engine, draft_blocks, layout_args, make_drafter_cache
 from adaflash_hf.engine.kernels.attention import BLOCK
 from adaflash_hf.engine.drafter import DraftGraphs, append_context
 
@@ -142,7 +142,7 @@ def test_packed_drafts_nothing_when_every_k_hat_is_one(rate, halving, requests, 
     drafter = make_drafter(target, block_size=8)
     force_length_head(drafter, ratio_high=high)
     prompts = engine_prompts([3, 7, 5, 4][:requests], seed=11)
-    engine = Engine(target, drafter, verify_mode="packed", max_slots=4, max_len=32, token_budget=40,
+    engine = Engine(target, drafter, length_policy="adaptive", max_slots=4, max_len=32, token_budget=40,
                     length_rate=rate, length_min=1, halving_batch=halving, cuda_graphs=graphs)
     outs = engine.generate(prompts, max_new_tokens=6)
     assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 6) for p in prompts]  # lossless
@@ -170,7 +170,7 @@ def test_draft_width_follows_the_longest_verify(graphs):
     target = make_target("llama")
     drafter = make_drafter(target, block_size=8)
     force_length_head(drafter, ratio_high=True)
-    engine = Engine(target, drafter, verify_mode="packed", max_slots=2, max_len=32, token_budget=32, length_rate=0.375,
+    engine = Engine(target, drafter, length_policy="adaptive", max_slots=2, max_len=32, token_budget=32, length_rate=0.375,
                     cuda_graphs=graphs)
     prompts = engine_prompts([5, 6], seed=3)
     outs = engine.generate(prompts, max_new_tokens=7)
@@ -189,7 +189,7 @@ def test_sink_attached_never_skips_the_drafter_layers(pair):
         def on_round(self, v):
             rounds.append(v)
 
-    engine = Engine(target, drafter, verify_mode="packed", max_slots=2, max_len=32, token_budget=32, length_rate=0.125,
+    engine = Engine(target, drafter, length_policy="adaptive", max_slots=2, max_len=32, token_budget=32, length_rate=0.125,
                     round_sink=Sink(), cuda_graphs=True)
     engine.generate(engine_prompts([3, 5], seed=2), max_new_tokens=4)
     assert rounds and all(v.predicted_ratio is not None and v.verify_len == 1 for v in rounds)
@@ -220,7 +220,7 @@ def test_static_round_work_does_not_grow_with_requests(mode, reads):
     force_length_head(drafter, ratio_high=True)
     counts = []
     for n in (2, 6):
-        engine = Engine(target, drafter if mode != "off" else None, verify_mode=mode, max_slots=8, max_len=48,
+        engine = Engine(target, **layout_args(drafter, mode), max_slots=8, max_len=48,
                         token_budget=64, cuda_graphs=True)
         handles = [engine.submit(p, 30) for p in engine_prompts([4] * n, seed=n)]
         engine.step()  # prefill
@@ -237,7 +237,7 @@ def test_static_round_work_does_not_grow_with_requests(mode, reads):
 
 def test_profile_phases(pair):
     target, drafter = pair
-    engine = Engine(target, drafter, verify_mode="packed", max_slots=2, max_len=32, token_budget=32, cuda_graphs=True,
+    engine = Engine(target, drafter, length_policy="adaptive", max_slots=2, max_len=32, token_budget=32, cuda_graphs=True,
                     profile=True)
     engine.generate(engine_prompts([3, 5], seed=1), max_new_tokens=5)
     assert set(engine.phase_seconds) == {"draft", "target", "accept", "host"}
@@ -287,7 +287,7 @@ def test_round_sink_sees_the_same_rounds_on_both_drafter_paths(pair, mode):
             def on_round(self, v):
                 rounds.append(v)
 
-        engine = Engine(target, drafter, verify_mode=mode, max_slots=3, max_len=32, token_budget=40, round_sink=Sink(),
+        engine = Engine(target, **layout_args(drafter, mode), max_slots=3, max_len=32, token_budget=40, round_sink=Sink(),
                         cuda_graphs=graphs)
         engine.generate(prompts, max_new_tokens=6)
         seen[graphs] = rounds

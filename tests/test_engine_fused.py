@@ -14,7 +14,7 @@ import importlib
 import pytest
 import torch
 
-from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, make_target_cache, target_forward
+from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, layout_args, make_target_cache, target_forward
 from adaflash_hf.engine.kernels import fused as F
 
 from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids
@@ -123,7 +123,7 @@ def test_fused_engine_is_lossless_in_every_mode(family):
     prompts = engine_prompts([3, 7, 12, 5], seed=1)
     refs = [plain_greedy_ids(target, p, 12) for p in prompts]
     for mode in ("packed", "fixed", "off"):
-        eng = Engine(target, drafter, verify_mode=mode, max_slots=4, max_len=64, cuda_graphs=True)
+        eng = Engine(target, **layout_args(drafter, mode), max_slots=4, max_len=64, cuda_graphs=True)
         assert eng.fused is not None and eng.graphs.fused is eng.fused
         assert [o.token_ids for o in eng.generate(prompts, max_new_tokens=12)] == refs
 
@@ -139,11 +139,11 @@ def test_unsupported_layers_keep_the_modules_path_with_a_reason():
     fused, why = FusedTarget.build(lora)
     assert fused is None and "not a plain nn.Linear" in why
     with pytest.warns(RuntimeWarning, match="fused kernels off.*nn.Linear"):
-        eng = Engine(lora, None, verify_mode="off", max_slots=2, max_len=32)
+        eng = Engine(lora, None, max_slots=2, max_len=32)
     assert eng.fused is None and "nn.Linear" in eng.fusion_note
     prompt = engine_prompts([6], seed=2)[0]
     assert eng.generate([prompt], max_new_tokens=6)[0].token_ids == plain_greedy_ids(lora, prompt, 6)
-    assert Engine(make_target("qwen3"), None, verify_mode="off", fused_kernels=False).fusion_note == "fused_kernels=False"
+    assert Engine(make_target("qwen3"), None, fused_kernels=False).fusion_note == "fused_kernels=False"
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "add_rms_norm", "qk_norm_rope"])
@@ -166,7 +166,7 @@ def test_replaced_weights_are_refused_before_any_work():
     """model.to(...) after building the engine re-allocates every parameter: the fused weights would be
     stale, so the next request is refused with a message that says what happened."""
     target = make_target("qwen3")
-    eng = Engine(target, None, verify_mode="off", max_slots=2, max_len=32)
+    eng = Engine(target, None, max_slots=2, max_len=32)
     prompt = engine_prompts([5], seed=3)[0]
     assert eng.generate([prompt], max_new_tokens=4)[0].token_ids == plain_greedy_ids(target, prompt, 4)
     target.to(torch.float64)
@@ -279,7 +279,7 @@ def test_engine_built_after_any_generate_call_fuses_and_is_lossless(before, recw
     refs = [plain_greedy_ids(target, p, 8) for p in prompts]
     before(target, drafter, torch.tensor([prompts[0]]))
     assert any(m._forward_hooks for m in target.modules())  # transformers' hooks are there
-    eng = Engine(target, drafter, verify_mode="fixed", max_slots=2, max_len=48, cuda_graphs=True)
+    eng = Engine(target, drafter, length_policy="fixed", max_slots=2, max_len=48, cuda_graphs=True)
     assert eng.fused is not None and eng.fusion_note == ""
     assert not [w for w in recwarn if "fused kernels off" in str(w.message)]
     assert [o.token_ids for o in eng.generate(prompts, max_new_tokens=8)] == refs
@@ -289,7 +289,7 @@ def test_a_hook_that_may_change_a_forward_turns_fusion_off_with_a_warning():
     target = make_target("qwen3")
     target.model.layers[2].self_attn.register_forward_pre_hook(lambda m, a: None)
     with pytest.warns(RuntimeWarning, match="fused kernels off.*layer 2: Qwen3Attention has forward hooks"):
-        eng = Engine(target, None, verify_mode="off", max_slots=1, max_len=32)
+        eng = Engine(target, None, max_slots=1, max_len=32)
     assert eng.fused is None
 
 
@@ -308,7 +308,7 @@ def test_our_generate_and_engine_leave_nothing_of_their_own_on_the_target():
     _plain_hidden(target, drafter, ids)  # transformers' own hooks and flag: theirs, present before and after
     modules, tensors, config = _footprint(target)
     _ours(target, drafter, ids)
-    Engine(target, drafter, verify_mode="packed", max_slots=2, max_len=32, cuda_graphs=True).generate([[1, 2, 3]], 4)
+    Engine(target, drafter, length_policy="adaptive", max_slots=2, max_len=32, cuda_graphs=True).generate([[1, 2, 3]], 4)
     after_modules, after_tensors, after_config = _footprint(target)
     assert after_modules == modules and after_config == config
     assert after_tensors.keys() == tensors.keys() and all(torch.equal(tensors[k], after_tensors[k]) for k in tensors)
@@ -372,6 +372,6 @@ def test_a_damaged_tuning_file_is_ignored_with_a_warning_and_rewritten(tmp_path,
 def test_fusing_under_inference_mode_leaves_normal_updatable_weights():
     target = make_target("qwen3")
     with torch.inference_mode():
-        Engine(target, None, verify_mode="off", max_slots=1, max_len=32)
+        Engine(target, None, max_slots=1, max_len=32)
     assert not any(p.is_inference() for p in target.parameters())
     target.load_state_dict(target.state_dict())  # in place: fails on inference tensors

@@ -15,6 +15,7 @@ from adaflash_hf.engine import (
     DecodeGraphs,
     Engine,
     PackedLayout,
+    layout_args,
     SlotAttention,
     make_target_cache,
     pick_bucket,
@@ -247,7 +248,7 @@ def test_engine_static_path_lossless(pair, mode):
     target, drafter = pair
     prompts = engine_prompts(RAGGED, seed=4)
     infos = []
-    engine = Engine(target, drafter, verify_mode=mode, max_slots=3, max_len=32, token_budget=40, cuda_graphs=True,
+    engine = Engine(target, **layout_args(drafter, mode), max_slots=3, max_len=32, token_budget=40, cuda_graphs=True,
                     step_hook=infos.append)
     assert engine.graphs is not None and engine.cache.spare_slots == 1 and engine.cache.max_len % 128 == 0
     handles = [engine.submit(p, n) for p, n in zip(prompts, MAX_NEW)]
@@ -328,7 +329,7 @@ def test_engine_decode_steps_are_lossless(pair, decode_steps):
     eos = ref0[_first_new(ref0)]
     runs = []
     for k in (1, decode_steps):
-        engine = Engine(target, None, verify_mode="off", max_slots=3, max_len=32, token_budget=32, cuda_graphs=True,
+        engine = Engine(target, None, max_slots=3, max_len=32, token_budget=32, cuda_graphs=True,
                         decode_steps=k)
         streamed = [[] for _ in prompts]
         handles = [engine.submit(prompts[0], 12, eos_token_id=eos, on_token=streamed[0].append),
@@ -356,7 +357,7 @@ def test_engine_decode_steps_wait_for_admission_and_sampling(pair):
     """Several steps per replay only when nothing waits for a slot and every running request is greedy:
     admission latency and sampled requests are those of single steps."""
     target, _ = pair
-    engine = Engine(target, None, verify_mode="off", max_slots=1, max_len=32, token_budget=32, cuda_graphs=True,
+    engine = Engine(target, None, max_slots=1, max_len=32, token_budget=32, cuda_graphs=True,
                     decode_steps=8)
     a = engine.submit([1, 2, 3], 10)
     engine.step()
@@ -370,4 +371,4 @@ def test_engine_decode_steps_wait_for_admission_and_sampling(pair):
     engine.run_until_idle()
     assert len(c.result().token_ids) == 10
     with pytest.raises(ValueError, match="decode_steps"):
-        Engine(target, None, verify_mode="off", decode_steps=0)
+        Engine(target, None, decode_steps=0)

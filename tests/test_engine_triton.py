@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, target_forward
+from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, layout_args, target_forward
 from adaflash_hf.engine import drafter as drafter_module
 from adaflash_hf.engine import graphs as graphs_module
 from adaflash_hf.engine.kernels import skinny_linear as SL
@@ -203,7 +203,7 @@ def test_engine_with_triton_kernels_is_lossless(mode, monkeypatch):
     target = _hd16_target()
     drafter = make_drafter(target, block_size=4)
     prompts = engine_prompts([3, 9, 5], seed=7)
-    eng = Engine(target, drafter, verify_mode=mode, max_slots=2, max_len=32, cuda_graphs=True)
+    eng = Engine(target, **layout_args(drafter, mode), max_slots=2, max_len=32, cuda_graphs=True)
     outs = eng.generate(prompts, max_new_tokens=6)
     assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 6) for p in prompts]
     assert eng.graphs.attention.backend == "triton" and eng.cache.num_free == 2

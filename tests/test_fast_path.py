@@ -13,7 +13,7 @@ import torch
 from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from adaflash_hf.engine import Engine
+from adaflash_hf.engine import Engine, layout_args
 from adaflash_hf.engine.warmup import workload_buckets
 from adaflash_hf.generation import decoding, fast_path
 from adaflash_hf.generation.fast_path import _sampling
@@ -24,8 +24,8 @@ from generation_helpers import (PAD_ID, CollectingStreamer, char_tokenizer, engi
 
 def _engine(mode, block_size=4, **kw):
     target = make_target("qwen3")
-    drafter = make_drafter(target, block_size=block_size) if mode != "off" else None
-    return target, Engine(target, drafter, verify_mode=mode, max_slots=2, max_len=64, cuda_graphs=True, **kw)
+    drafter = make_drafter(target, block_size=block_size)
+    return target, Engine(target, **layout_args(drafter, mode), max_slots=2, max_len=64, cuda_graphs=True, **kw)
 
 
 @pytest.mark.parametrize("mode", ["packed", "rectangular", "fixed", "off"])

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import build_word_tokenizer
 
-from adaflash_hf.engine import Engine
+from adaflash_hf.engine import Engine, layout_args
 from adaflash_hf.engine import engine as engine_mod
 from adaflash_hf.engine.lifecycle import NON_FINITE
 from adaflash_hf.engine.sampling import GREEDY_TEMPERATURE, SamplingParams
@@ -37,7 +37,7 @@ def refs(pair):
 
 
 def _engine(pair, mode="packed", cls=Engine, **kw):
-    return cls(pair[0], pair[1], verify_mode=mode, max_slots=SLOTS, max_len=40, token_budget=48, **kw)
+    return cls(pair[0], **layout_args(pair[1], mode), max_slots=SLOTS, max_len=40, token_budget=48, **kw)
 
 
 def _assert_clean(engine):

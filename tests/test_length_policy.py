@@ -211,7 +211,7 @@ def test_engine_rate_is_fixed_unless_load_scaling_is_asked(halving, expected_len
     drafter = make_drafter(target, block_size=8)
     force_length_head(drafter, ratio_high=True)
     prompts = engine_prompts([4, 5, 6, 7], seed=2)
-    engine = Engine(target, drafter, verify_mode="packed", max_slots=4, max_len=40, token_budget=64, length_rate=1.0,
+    engine = Engine(target, drafter, length_policy="adaptive", max_slots=4, max_len=40, token_budget=64, length_rate=1.0,
                     halving_batch=halving)
     outs = engine.generate(prompts, max_new_tokens=12)
     assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 12) for p in prompts]

@@ -831,7 +831,7 @@ def test_engine_requests_feed_an_attached_adapter(pair):
     adapter = OnlineAdapter(d, pair, samples_per_update=2, epochs=1, lr=1e-2).attach()
     try:
         start = snapshot(d)
-        engine = Engine(pair, d, verify_mode="packed", max_slots=2, max_len=48, token_budget=48)
+        engine = Engine(pair, d, length_policy="adaptive", max_slots=2, max_len=48, token_budget=48)
         prompts = [row.tolist() for row in ragged_prompts(4, [5, 7, 6, 4], 3)[2]]
         outs = engine.generate(prompts, max_new_tokens=8)
         assert adapter.wait_for_update(30) and adapter.stats["updates"] >= 1

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from adaflash_hf.bench.replay import DraftReplay, PerPositionTrace, RecordedTrace, TraceRound, paper_dflash_trace
-from adaflash_hf.engine import Engine
+from adaflash_hf.engine import Engine, layout_args
 
 from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids
 
@@ -30,7 +30,7 @@ def replay_pair():
 def _run(pair, mode, trace, graphs=True):
     target, drafter, prompts, refs = pair
     replay = DraftReplay(refs, trace, seed=2)
-    eng = Engine(target, drafter, verify_mode=mode, max_slots=3, max_len=48, token_budget=64, cuda_graphs=graphs,
+    eng = Engine(target, **layout_args(drafter, mode), max_slots=3, max_len=48, token_budget=64, cuda_graphs=graphs,
                  draft_replay=replay)
     return eng.generate(prompts, max_new_tokens=MAX_NEW), replay
 
@@ -107,7 +107,7 @@ def test_record_keeps_whole_blocks_and_round_trips(replay_pair):
 
 def test_replay_rejects_sampled_requests(replay_pair):
     target, drafter, prompts, refs = replay_pair
-    eng = Engine(target, drafter, verify_mode="fixed", max_slots=1, max_len=48, token_budget=64,
+    eng = Engine(target, drafter, length_policy="fixed", max_slots=1, max_len=48, token_budget=64,
                  draft_replay=DraftReplay(refs, paper_dflash_trace(B)))
     out = eng.generate(prompts[:1], max_new_tokens=4, temperature=1.0, seed=0)[0]
     assert out.finish_reason == "error" and "greedy" in out.error

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from adaflash_hf.bench.replay import DraftReplay, PerPositionTrace
-from adaflash_hf.engine import Engine
+from adaflash_hf.engine import Engine, layout_args
 from adaflash_hf.online import OnlineAdapter, OnlineConfig
 from adaflash_hf.online.worker import ShadowTrainer, served_blocks
 from adaflash_hf.training.losses import length_head_loss
@@ -46,7 +46,7 @@ def test_request_samples_carry_the_served_rounds(served_pair, mode, sampled):
     try:
         # greedy: the replay makes rounds accept 0..B-1 drafts; sampled: the random drafter's real acceptance
         replay = None if sampled else DraftReplay(refs, PerPositionTrace([0.9, 0.8, 0.6, 0.5, 0.3, 0.2, 0.1]))
-        eng = Engine(target, drafter, verify_mode=mode, max_slots=3, max_len=48, token_budget=64, round_sink=adapter,
+        eng = Engine(target, **layout_args(drafter, mode), max_slots=3, max_len=48, token_budget=64, round_sink=adapter,
                      draft_replay=replay)
         outs = eng.generate(prompts, max_new_tokens=MAX_NEW, **({"temperature": 1.0, "seed": 3} if sampled else {}))
         samples = adapter.buffer.take(len(adapter.buffer))
@@ -67,7 +67,7 @@ def test_head_is_trained_on_served_counts_not_on_its_own_simulation(served_pair)
     worker = ShadowTrainer(drafter, target, OnlineConfig())
     adapter = OnlineAdapter(drafter, target, samples_per_update=1000, epochs=1)
     try:
-        eng = Engine(target, drafter, verify_mode="fixed", max_slots=3, max_len=48, token_budget=64, round_sink=adapter,
+        eng = Engine(target, drafter, length_policy="fixed", max_slots=3, max_len=48, token_budget=64, round_sink=adapter,
                      draft_replay=DraftReplay(refs, PerPositionTrace([0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4])))
         eng.generate(prompts, max_new_tokens=MAX_NEW)
         samples = adapter.buffer.take(len(adapter.buffer))
@@ -125,7 +125,7 @@ def test_head_error_on_served_rounds_falls_after_an_update(served_pair):
     adapter = OnlineAdapter(drafter, target, samples_per_update=len(prompts), epochs=4, batch_size=1, head_lr=3e-3, lr=1e-5)
     try:
         for _ in range(2):  # served rounds before the update, then rounds the update never saw
-            eng = Engine(target, drafter, verify_mode="fixed", max_slots=3, max_len=48, token_budget=64, round_sink=adapter,
+            eng = Engine(target, drafter, length_policy="fixed", max_slots=3, max_len=48, token_budget=64, round_sink=adapter,
                          draft_replay=DraftReplay(refs, trace))
             assert [o.token_ids for o in eng.generate(prompts, max_new_tokens=MAX_NEW)] == [refs[tuple(p)] for p in prompts]
             assert adapter.wait_for_update(60)

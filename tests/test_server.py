@@ -39,7 +39,7 @@ def setup():
         if state["delay"]:
             time.sleep(state["delay"])
 
-    engine = Engine(target, drafter, verify_mode="packed", max_slots=SLOTS, max_len=MAX_LEN, token_budget=BUDGET,
+    engine = Engine(target, drafter, length_policy="adaptive", max_slots=SLOTS, max_len=MAX_LEN, token_budget=BUDGET,
                     step_hook=hook)
     server = make_server(engine, tok, port=0, model_name=MODEL, default_max_tokens=8).start()
     yield dict(server=server, target=target, tok=tok, engine=engine, state=state, aengine=server.service.engine)
@@ -311,7 +311,7 @@ def test_engine_failure_is_a_500_then_503(tiny_tokenizer):
     def explode(info):
         raise RuntimeError("device lost")
 
-    engine = Engine(target, None, verify_mode="off", max_slots=2, max_len=32, token_budget=32, step_hook=explode)
+    engine = Engine(target, None, max_slots=2, max_len=32, token_budget=32, step_hook=explode)
     with make_server(engine, tiny_tokenizer(128), port=0) as server:
         server.start()
         status, body = post(server, C, {"prompt": "w1 w2", "max_tokens": 4})

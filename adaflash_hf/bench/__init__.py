@@ -17,9 +17,9 @@ each concurrency (prompts decoded together in one left-padded batch) times every
   + length head, adaptive policy when the drafter's length head is trained, else fixed). Their
   wall time includes the adapter's cost (with ``--online-wait``, the wait for every triggered
   update); tau per update goes to ``BenchResult.online`` and the ``tau_online.png`` plot;
-- ``engine_off``, ``engine_fixed``, ``engine_packed``: the serving engine
+- ``engine_off``, ``engine_fixed``, ``engine_adaptive``: the serving engine
   (`adaflash_hf.engine.Engine`, continuous batching over a slotted KV cache, CUDA graphs on GPU)
-  in that verify mode, the batch submitted at once.
+  without a drafter, or with that length policy, the batch submitted at once.
 
 For greedy runs every method's generated ids are compared, prompt by prompt, with plain decoding
 of the same batch layout; a mismatch is a *failure* (``BenchResult.failures``), printed loudly, and

@@ -8,7 +8,7 @@ from typing import Any
 BASELINES = ("plain", "plain_static")
 DEFAULT_METHODS = (
     "plain", "plain_static", "hf_assisted", "prompt_lookup", "dflash_native", "fixed", "adaptive", "expected_gain", "osd", "adaflash",
-    "engine_off", "engine_fixed", "engine_packed",
+    "engine_off", "engine_fixed", "engine_adaptive",
 )  # fmt: skip
 
 

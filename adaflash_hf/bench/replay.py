@@ -23,10 +23,10 @@ Traces:
 
 Example:
     >>> from adaflash_hf.engine import Engine
-    >>> refs = {tuple(p): Engine(target, None, verify_mode="off").generate([p], 64)[0].token_ids
+    >>> refs = {tuple(p): Engine(target).generate([p], 64)[0].token_ids
     ...         for p in prompts}  # doctest: +SKIP
     >>> replay = DraftReplay(refs, paper_dflash_trace())  # doctest: +SKIP
-    >>> engine = Engine(target, drafter, verify_mode="packed", draft_replay=replay)  # doctest: +SKIP
+    >>> engine = Engine(target, drafter, length_policy="adaptive", draft_replay=replay)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class RecordedTrace:
                 rounds.append(TraceRound(v.num_accepted, float(v.predicted_ratio)))
 
         engine_kwargs.setdefault("max_len", max(len(p) for p in prompts) + max_new_tokens + 8)
-        Engine(target, drafter, verify_mode="fixed", round_sink=keep, **engine_kwargs).generate(
+        Engine(target, drafter, length_policy="fixed", round_sink=keep, **engine_kwargs).generate(
             prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
         return cls(rounds, name)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from ..loading import UsageError, check_drafter_path, check_target_path, one_line
+from ..spec.policy import ENGINE_POLICIES
 from .common import PROG, add_model_args, check_either_reference, load_models_from_args, number, positive_int
 
 HELP = "OpenAI-compatible HTTP server (completions, chat, streaming) over the continuous-batching engine"
@@ -19,9 +20,6 @@ DESCRIPTION = (
     "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
     "       -d '{\"prompt\": \"Hello\", \"max_tokens\": 16, \"temperature\": 0}'"
 )
-# adaflash_hf.engine.VERIFY_MODES, spelled out so that `--help` needs no torch (a test keeps them equal).
-VERIFY_MODES = ("packed", "rectangular", "fixed", "off")
-
 
 def add_arguments(p) -> None:
     add_model_args(p)
@@ -33,15 +31,17 @@ def add_arguments(p) -> None:
                                         "a request may leave `model` out, or must name this one")
     g.add_argument("--default-max-tokens", type=positive_int, default=256, help="max_tokens of a request that gives none (capped at what fits after its prompt)")
     g = p.add_argument_group("engine")
-    g.add_argument("--verify-mode", choices=VERIFY_MODES, default="packed",
-                   help="packed: each request its own verify length; rectangular; fixed (full block); off (no drafter)")
+    g.add_argument("--length-policy", choices=ENGINE_POLICIES, default=None,
+                   help="adaptive: each request verifies the length head's k_hat; fixed: the full block "
+                        "(default: adaptive when the drafter's length head is trained, else fixed)")
+    g.add_argument("--plain", action="store_true", help="serve the target alone (plain decoding, no drafter)")
     g.add_argument("--max-slots", type=positive_int, default=16, help="requests decoded concurrently (KV slots)")
     g.add_argument("--max-len", type=number(int, lambda v: v >= 2, "an integer >= 2"), default=None,
                    help="positions per request, prompt + completion (default: min(2048, the target's max positions))")
     g.add_argument("--token-budget", type=positive_int, default=None,
                    help="most tokens in one target forward; also the longest prompt (default: --max-len)")
     g.add_argument("--decode-steps", type=positive_int, default=8,
-                   help="--verify-mode off on CUDA: greedy decode steps per graph replay while no request waits "
+                   help="--plain on CUDA: greedy decode steps per graph replay while no request waits "
                         "(streaming then arrives in groups of up to this many tokens; 1: one at a time)")
 
 
@@ -52,9 +52,11 @@ def _check_models(args) -> bool:
         raise UsageError("--drafter given without --target", "pass --target PATH_OR_HUB_ID (the model the drafter is for)")
     if not args.target:
         args.reference = True  # the embedded reference pair
-    need_drafter = args.verify_mode != "off"
+    need_drafter = not args.plain
+    if args.plain and (args.drafter or args.length_policy):
+        raise UsageError("--plain serves the target alone", "leave out --drafter / --length-policy, or --plain")
     if args.target and need_drafter and not args.drafter:
-        raise UsageError("no drafter given", "pass --drafter PATH_OR_HUB_ID, or --verify-mode off to serve the target alone")
+        raise UsageError("no drafter given", "pass --drafter PATH_OR_HUB_ID, or --plain to serve the target alone")
     if args.target:
         check_target_path(args.target)
         if args.drafter:
@@ -72,14 +74,14 @@ def _service(args, need_drafter: bool):
     max_len = args.max_len or min(2048, getattr(cfg, "max_position_embeddings", None) or 2048)
     token_budget = args.token_budget or max_len
     try:
-        engine = Engine(target, drafter if need_drafter else None, verify_mode=args.verify_mode,
+        engine = Engine(target, drafter if need_drafter else None, length_policy=args.length_policy if need_drafter else None,
                         max_slots=args.max_slots, max_len=max_len, token_budget=token_budget,
                         decode_steps=args.decode_steps)
     except ValueError as e:
         raise UsageError(f"cannot serve this model: {one_line(e)}", "the engine drives Qwen3 / Llama-family targets") from None
     name = args.model_name or ("adaflash-reference" if args.reference else args.target.rstrip("/"))
     service = CompletionService(engine, tok, name, min(args.default_max_tokens, max_len - 1))
-    return service, (f"model {name!r}", f"(verify mode {args.verify_mode}, {args.max_slots} slots, "
+    return service, (f"model {name!r}", f"(verify: {engine.layout}, {args.max_slots} slots, "
                                         f"max_len {max_len}, token budget {token_budget})")
 
 

@@ -6,7 +6,8 @@ from .admission import AdmissionController
 from .kernels.attention import SlotAttention, slot_block_mask, slot_mask_mod
 from .serve.async_engine import AsyncEngine, EngineClosed, EngineFailed, RequestFuture, TokenStream
 from .drafter import DraftGraphs, DraftOutput, SlotCacheView, append_context, draft_blocks, make_drafter_cache
-from .engine import VERIFY_MODES, Engine, EngineOutput, RequestHandle, RequestRejected, StepInfo
+from ..spec.policy import ENGINE_POLICIES, LAYOUTS, layout_args, round_layout
+from .engine import Engine, EngineOutput, RequestHandle, RequestRejected, StepInfo
 from .kernels.fused import FusedTarget
 from .graphs import DecodeGraphs, GraphRunner, pick_bucket, q_buckets, token_buckets
 from .kv_cache import SlotKVCache
@@ -24,7 +25,7 @@ from .target import (
 __all__ = [
     "AdmissionController", "AsyncEngine", "Engine", "EngineClosed", "EngineFailed", "OpenAIServer", "RequestFuture",
     "TokenStream", "make_server", "EngineOutput", "PackedLayout", "RequestHandle", "RequestRejected",
-    "SamplingParams", "SlotCacheView", "SlotKVCache", "StepInfo", "VERIFY_MODES", "check_target_supported",
+    "SamplingParams", "SlotCacheView", "SlotKVCache", "StepInfo", "ENGINE_POLICIES", "LAYOUTS", "check_target_supported", "layout_args", "round_layout",
     "draft_blocks", "make_drafter_cache", "make_target_cache", "packed_attention", "processed_probs", "target_forward",
     # the CUDA-graph decode path
     "DecodeGraphs", "SlotAttention", "decoder_forward", "pick_bucket", "q_buckets", "slot_block_mask", "slot_mask_mod",

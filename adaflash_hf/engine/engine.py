@@ -11,10 +11,11 @@ One :meth:`Engine.step` is one round for every running request:
 4. accept (greedy or speculative sampling on processed distributions), commit token by token
    (EOS / ``max_new_tokens``), advance the caches by what was accepted, free finished slots.
 
-Verify modes: ``packed`` (each request its own ``k_hat_i``; ``sum_i k_hat_i`` tokens),
-``rectangular`` (every request padded to the round's largest ``k_hat``: the cost of a padded
-``[b, max k_hat]`` batch, tokens past a request's own ``k_hat`` are computed but never accepted),
-``fixed`` (full block, DFlash) and ``off`` (plain decoding, one token per request per step).
+What a round verifies (:func:`round_layout`, from ``length_policy`` as in ``generate``): ``packed``
+(``adaptive``: each request its own ``k_hat_i``; ``sum_i k_hat_i`` tokens), ``rectangular``
+(``adaptive, rectangular=True``: every request padded to the round's largest ``k_hat``: the cost of a
+padded ``[b, max k_hat]`` batch, tokens past a request's own ``k_hat`` are computed but never accepted),
+``fixed`` (full block, DFlash) and ``off`` (no drafter: plain decoding, one token per request per step).
 The round never sends more than ``token_budget`` tokens: if the drafts do not fit, the longest
 verify lengths are trimmed (a shorter verify is always lossless).
 
@@ -44,6 +45,7 @@ import torch
 
 from ..spec.hooks import hooks_for, round_callbacks
 from ..spec.length_policy import LengthPolicy, choose_verify_length, load_scaled_rate
+from ..spec.policy import round_layout
 from ..spec.rounds import RoundSink, VerifiedRound
 from ..spec.verify import SampledRows, accept_block
 from .admission import AdmissionController, fit_token_budget
@@ -56,9 +58,7 @@ from .requests import EngineOutput, Request, RequestHandle, RequestRejected, Ste
 from .sampling import SamplingParams, checked_probs, processed_probs
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
 
-__all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo", "VERIFY_MODES"]
-
-VERIFY_MODES = ("packed", "rectangular", "fixed", "off")
+__all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo"]
 
 
 @dataclass
@@ -82,8 +82,12 @@ class Engine(RequestLifecycle):
 
     Args:
         target: a Qwen3 / Llama ``*ForCausalLM`` (eval mode).
-        drafter: an :class:`AdaFlashDrafter` bound to ``target`` (``None`` only with ``verify_mode="off"``).
-        verify_mode: ``packed`` | ``rectangular`` | ``fixed`` | ``off``.
+        drafter: an :class:`AdaFlashDrafter` bound to ``target``; ``None``: plain decoding.
+        length_policy: ``adaptive`` (the length head's ``k_hat`` per request, packed into one forward) or
+            ``fixed`` (the whole block, DFlash); the same setting as ``generate``'s; default: ``adaptive``
+            when the drafter's length head is trained, else ``fixed``.
+        rectangular: with ``adaptive``, pad every request to the round's largest ``k_hat`` (the cost of a
+            padded ``[b, max k_hat]`` batch; for comparison only).
         max_slots: concurrent requests (KV slots for target and drafter).
         max_len: positions per slot: ``len(prompt) + max_new_tokens`` must not exceed it.
         token_budget: most tokens one target forward may carry (prefill + verify).
@@ -122,27 +126,25 @@ class Engine(RequestLifecycle):
     :attr:`healthy` to False (:attr:`last_error` says why). ``step()`` itself does not raise for either.
 
     Example:
-        >>> engine = Engine(target, drafter, verify_mode="packed", max_slots=8, max_len=256)  # doctest: +SKIP
+        >>> engine = Engine(target, drafter, length_policy="adaptive", max_slots=8, max_len=256)  # doctest: +SKIP
         >>> [o.token_ids for o in engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)]  # doctest: +SKIP
     """
 
-    def __init__(self, target, drafter=None, verify_mode: str = "packed", max_slots: int = 16, max_len: int = 1024,
+    def __init__(self, target, drafter=None, length_policy: str | None = None, rectangular: bool = False,
+                 max_slots: int = 16, max_len: int = 1024,
                  token_budget: int = 512, length_rate: float | None = None, length_min: int | None = None,
                  halving_batch: int | None = None, ema_beta: float = 0.2, round_sink: RoundSink | None = None,
                  step_hook: Callable[[StepInfo], None] | None = None, cuda_graphs: bool | None = None,
                  fused_kernels: bool = True, decode_steps: int = 8, profile: bool = False, draft_replay=None):
-        if verify_mode not in VERIFY_MODES:
-            raise ValueError(f"unknown verify_mode {verify_mode!r}: choose one of {', '.join(VERIFY_MODES)}")
+        layout = round_layout(drafter, length_policy, rectangular)
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         check_target_supported(target)
-        if verify_mode != "off":
-            if drafter is None:
-                raise ValueError(f"verify_mode={verify_mode!r} needs a drafter (only 'off' runs without one)")
+        if drafter is not None:
             drafter.check_target(target)
             if not drafter.is_bound_to(target):
                 drafter.bind_target(target)
-        self.target, self.drafter, self.verify_mode = target, drafter if verify_mode != "off" else None, verify_mode
+        self.target, self.drafter, self.layout = target, drafter, layout
         self.max_slots, self.max_len, self.token_budget = max_slots, max_len, token_budget
         self.draft_replay = draft_replay
         self.device = next(target.parameters()).device
@@ -150,7 +152,7 @@ class Engine(RequestLifecycle):
         cfg = self.drafter.config if self.drafter is not None else None
         self.hidden_layers = list(cfg.target_layer_ids) if cfg is not None else None
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
-        self.decode_steps = decode_steps if verify_mode == "off" and self.cuda_graphs else 1
+        self.decode_steps = decode_steps if layout == "off" and self.cuda_graphs else 1
         self.fused, self.fusion_note = FusedTarget.build(target) if fused_kernels else (None, "fused_kernels=False")
         if fused_kernels and self.fused is None:  # asked for and refused: never silently at half speed
             warnings.warn(f"Engine: fused kernels off, the target's layers run through its modules: {self.fusion_note}",
@@ -174,7 +176,7 @@ class Engine(RequestLifecycle):
         self.length_rate = length_rate if length_rate is not None else (getattr(cfg, "length_rate", 1.0) if cfg else 1.0)
         self.length_min = length_min if length_min is not None else (getattr(cfg, "length_min", 1) if cfg else 1)
         self.halving_batch = halving_batch
-        per_req = {"off": 1.0, "fixed": float(self.block_size)}.get(verify_mode, max(1.0, self.block_size * self.length_rate / 2))
+        per_req = {"off": 1.0, "fixed": float(self.block_size)}.get(layout, max(1.0, self.block_size * self.length_rate / 2))
         self.admission = AdmissionController(max_slots, max_len, token_budget, per_req, beta=ema_beta)
         # Verified rounds and finished requests go to `round_sink`, else to the drafter's registered hooks.
         self.on_round, self.on_request = round_callbacks(round_sink, self.drafter) if self.drafter is not None else (None, None)
@@ -363,9 +365,9 @@ class Engine(RequestLifecycle):
             draft, draft_logits, ratio, draft_len = self._propose(running)
         if self.profile:
             self._tick("draft")
-        draft_len = fit_token_budget(draft_len, self.token_budget, rectangular=self.verify_mode == "rectangular")
+        draft_len = fit_token_budget(draft_len, self.token_budget, rectangular=self.layout == "rectangular")
         dl_host = draft_len.tolist()
-        if self.verify_mode == "rectangular" and n:
+        if self.layout == "rectangular" and n:
             q_lens = [max(dl_host) + 1] * n
         else:
             q_lens = [d + 1 for d in dl_host]
@@ -502,7 +504,7 @@ class Engine(RequestLifecycle):
             return False
         if all(r.remaining <= 1 for r in running):
             return True
-        if self.verify_mode in ("packed", "rectangular") and self.drafter.length_head is not None:
+        if self.layout in ("packed", "rectangular"):
             rate = self._length_rate(len(running))
             most = choose_verify_length(LengthPolicy.ADAPTIVE, 1, self.block_size, ratio=torch.ones(1), rate=rate,
                                         min_len=self.length_min)
@@ -544,7 +546,7 @@ class Engine(RequestLifecycle):
             draft_len = torch.zeros(n, dtype=torch.long)
             if not skip:
                 remaining = torch.tensor([r.remaining for r in running])
-                adaptive = self.verify_mode != "fixed" and ratio is not None
+                adaptive = self.layout != "fixed" and ratio is not None
                 policy = LengthPolicy.ADAPTIVE if adaptive else LengthPolicy.FIXED
                 if adaptive and self.draft_replay is not None:
                     ratio = self.draft_replay.ratios(running, ratio, B)

@@ -22,12 +22,12 @@ __all__ = ["warmup", "workload_buckets"]
 
 def _target_buckets(engine, concurrency: int) -> set[tuple]:
     g = engine.graphs
-    most_q = 1 if engine.verify_mode == "off" else engine.block_size  # near its end a request verifies fewer
+    most_q = 1 if engine.layout == "off" else engine.block_size  # near its end a request verifies fewer
     out = set()
     for n in range(1, concurrency + 1):
         rows = {pick_bucket(g.row_buckets, m) for m in range(n, concurrency + 1)}  # highest slot in use + 1
         for q in range(1, most_q + 1):  # the round's longest verify; the others verify 1 .. q tokens
-            totals = [n * q] if engine.verify_mode == "rectangular" else range(q + n - 1, n * q + 1)
+            totals = [n * q] if engine.layout == "rectangular" else range(q + n - 1, n * q + 1)
             for T in totals:
                 if T <= g.token_buckets[-1]:
                     out |= {(pick_bucket(g.token_buckets, T), pick_bucket(g.q_buckets, q), Rb) for Rb in rows}

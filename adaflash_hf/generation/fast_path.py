@@ -2,7 +2,7 @@
 
 :func:`~.decoding.adaflash_decoding` runs every round through the HF modules with a dynamic cache. On
 CUDA the same call is sent here instead (``fast_path="auto"``, the default): each row becomes one
-request of an :class:`~adaflash_hf.engine.Engine` built once per target, drafter and verify mode (and
+request of an :class:`~adaflash_hf.engine.Engine` built once per target, drafter and length policy (and
 rebuilt larger when a call does not fit it). What generate prepared is kept: the stopping criteria
 (``max_length`` and EOS become the engine's own limits; stop strings and any other criterion are checked
 token by token, and a row stops exactly where plain decoding would), temperature / top-k / top-p
@@ -139,7 +139,7 @@ def _engine_for(model, drafter, mode: str, rows: int, max_len: int, budget: int,
                 _ENGINES.move_to_end(key)
                 return hit
         with torch.inference_mode(False):  # see engine_decoding: the engine is reused outside this call's mode
-            engine = Engine(model, drafter, verify_mode=mode, max_slots=pow2(rows, 1), max_len=pow2(max_len, 256),
+            engine = Engine(model, drafter, length_policy=mode, max_slots=pow2(rows, 1), max_len=pow2(max_len, 256),
                             token_budget=pow2(budget, 64), length_rate=length_rate, length_min=length_min,
                             cuda_graphs=True)  # off CUDA: the same static bucket forwards, eagerly
         hit = _ENGINES[key] = _Cached(weakref.ref(model), weakref.ref(drafter), engine, threading.Lock())
@@ -159,7 +159,7 @@ def warmup(target, drafter, batch_size: int = 1, prompt_len: int = 512, max_new_
     """
     t0 = time.perf_counter()
     policy = resolve_policy(length_policy, drafter)
-    mode = "packed" if policy.value == "adaptive" else "fixed"
+    mode = policy.value  # the engine's length_policy
     block = drafter.config.block_size
     if not drafter.is_bound_to(target):
         drafter.bind_target(target)
@@ -202,7 +202,7 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
     if generation_config.do_sample:
         fields.setdefault("temperature", 1.0)  # sampling with no temperature warper is temperature 1, not greedy
     policy = resolve_policy(length_policy, drafter)
-    mode = "packed" if policy.value == "adaptive" else "fixed"
+    mode = policy.value  # the engine's length_policy
     block = drafter.config.block_size
     cached = _engine_for(model, drafter, mode, len(prompts), max(map(len, prompts)) + max_new + block,
                          max(max(map(len, prompts)), len(prompts) * block), length_rate, length_min)

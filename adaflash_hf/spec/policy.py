@@ -1,4 +1,6 @@
-"""Verify-length policy names and the one default rule, without torch (the CLI builds its flags from them).
+"""Verify-length policy names, the one default rule and what an engine round verifies under them, without
+torch (the CLI builds its flags from them). ``length_policy`` is the one name of the setting in
+``generate``, the engine, the CLI and bench.
 
 The verify lengths themselves are computed in :mod:`.length_policy`.
 """
@@ -7,7 +9,8 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["LengthPolicy", "POLICY_NAMES", "default_policy", "resolve_policy"]
+__all__ = ["ENGINE_POLICIES", "LAYOUTS", "LengthPolicy", "POLICY_NAMES", "default_policy", "layout_args", "resolve_policy",
+           "round_layout"]
 
 
 class LengthPolicy(str, Enum):
@@ -23,6 +26,7 @@ class LengthPolicy(str, Enum):
 
 
 POLICY_NAMES = tuple(p.value for p in LengthPolicy)
+ENGINE_POLICIES = (LengthPolicy.ADAPTIVE.value, LengthPolicy.FIXED.value)  # what the serving engine runs
 
 
 def default_policy(config) -> LengthPolicy:
@@ -50,3 +54,45 @@ def resolve_policy(name: str | LengthPolicy | None, drafter) -> LengthPolicy:
     if policy is LengthPolicy.ADAPTIVE and getattr(drafter, "length_head", None) is None:
         raise ValueError("length_policy='adaptive' needs a drafter with a length head (config.use_length_head)")
     return policy
+
+
+def round_layout(drafter, length_policy: str | None = None, rectangular: bool = False) -> str:
+    """What an engine round verifies: ``off`` (no drafter: plain decoding, one token per request), ``fixed``
+    (the whole block), ``packed`` (``adaptive``: each request its own ``k_hat``) or ``rectangular``
+    (``adaptive``, every request padded to the round's largest ``k_hat``). ``length_policy`` is generate's
+    setting (``None``: :func:`default_policy` of the drafter).
+
+    Example:
+        >>> round_layout(None)
+        'off'
+    """
+    if drafter is None:
+        if length_policy is not None or rectangular:
+            raise ValueError(f"length_policy={length_policy!r} / rectangular={rectangular} need a drafter "
+                             "(without one the engine decodes plainly)")
+        return "off"
+    policy = resolve_policy(length_policy, drafter)
+    if policy.value not in ENGINE_POLICIES:
+        raise ValueError(f"the engine runs length_policy {' or '.join(ENGINE_POLICIES)}, not {policy.value!r}")
+    if rectangular and policy is not LengthPolicy.ADAPTIVE:
+        raise ValueError("rectangular=True pads the adaptive verify lengths: it needs length_policy='adaptive'")
+    return "fixed" if policy is LengthPolicy.FIXED else ("rectangular" if rectangular else "packed")
+
+
+LAYOUTS = ("packed", "rectangular", "fixed", "off")
+
+
+def layout_args(drafter, layout: str) -> dict:
+    """The ``Engine`` arguments (``adaflash_hf.engine``) giving round layout ``layout`` (the inverse of :func:`round_layout`),
+    for scripts and tests that run every layout.
+
+    Example:
+        >>> layout_args("d", "rectangular")
+        {'drafter': 'd', 'length_policy': 'adaptive', 'rectangular': True}
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown round layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+    if layout == "off":
+        return {"drafter": None}
+    return {"drafter": drafter, "length_policy": "fixed" if layout == "fixed" else "adaptive",
+            **({"rectangular": True} if layout == "rectangular" else {})}

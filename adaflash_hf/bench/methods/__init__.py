@@ -33,10 +33,10 @@ METHODS: dict[str, Method] = {
         "adaflash", ours(adaflash_policy), "AdaFlash loop, adaptive verify length + online OPD",
         needs_drafter=True, online="opd",
     ),
-    "engine_off": Method("engine_off", engine("off"), "serving engine, plain decoding (continuous batching)"),
+    "engine_off": Method("engine_off", engine(None), "serving engine, plain decoding (continuous batching)"),
     "engine_fixed": Method("engine_fixed", engine("fixed"), "serving engine, fixed full-block verify", needs_drafter=True),
-    "engine_packed": Method(
-        "engine_packed", engine("packed"), "serving engine, per-request verify lengths packed in one forward",
+    "engine_adaptive": Method(
+        "engine_adaptive", engine("adaptive"), "serving engine, per-request verify lengths packed in one forward",
         needs_drafter=True, skip=needs_length_head,
     ),
 }  # fmt: skip

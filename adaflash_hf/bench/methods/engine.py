@@ -9,25 +9,25 @@ def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, int(n) - 1).bit_length())
 
 
-def _engine_for(ctx, mode: str, prompts: list[list[int]], max_new: int):
-    """The context's engine for (mode, batch size), rebuilt when this batch does not fit it."""
+def _engine_for(ctx, policy: str | None, prompts: list[list[int]], max_new: int):
+    """The context's engine for (length policy, batch size), rebuilt when this batch does not fit it."""
     from ...engine import Engine
 
-    drafter = ctx.drafter if mode != "off" else None
+    drafter = ctx.drafter if policy is not None else None
     block = drafter.config.block_size if drafter is not None else 1
     need_len = _pow2_at_least(max(map(len, prompts)) + max_new + block, 256)
     need_budget = _pow2_at_least(max(max(map(len, prompts)), len(prompts) * block), 64)
-    eng = ctx.engines.get((mode, len(prompts)))
+    eng = ctx.engines.get((policy, len(prompts)))
     if eng is None or eng.max_len < need_len or eng.token_budget < need_budget:
-        eng = Engine(ctx.target, drafter, verify_mode=mode, max_slots=len(prompts), max_len=need_len, token_budget=need_budget,
-                     length_rate=ctx.length_rate, halving_batch=ctx.halving_batch)
+        eng = Engine(ctx.target, drafter, length_policy=policy, max_slots=len(prompts), max_len=need_len,
+                     token_budget=need_budget, length_rate=ctx.length_rate, halving_batch=ctx.halving_batch)
         eng.warmup(concurrency=len(prompts))  # the decode rounds' graphs, before any timed request
-        ctx.engines[(mode, len(prompts))] = eng
+        ctx.engines[(policy, len(prompts))] = eng
     return eng, block
 
 
-def engine(mode):
-    """The serving engine in verify mode `mode`, one request per row.
+def engine(policy: str | None):
+    """The serving engine with length policy `policy` (``None``: no drafter, plain decoding), one request per row.
 
     The batch is submitted at once (concurrency = batch size). One engine per (mode, batch size) is
     kept in the context, sized with power-of-two headroom so that later batches reuse it (and its
@@ -43,7 +43,7 @@ def engine(mode):
         kw = ctx.generate_kwargs
         max_new = int(kw["max_new_tokens"])
         prompts = [row[m.bool()].tolist() for row, m in zip(input_ids, attention_mask)]
-        eng, block = _engine_for(ctx, mode, prompts, max_new)
+        eng, block = _engine_for(ctx, policy, prompts, max_new)
         eos = kw.get("eos_token_id", ctx.target.generation_config.eos_token_id)
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else eos
         params = SamplingParams(kw.get("temperature") or 0.0, kw.get("top_k") or None, kw.get("top_p"), None, eos)
@@ -53,7 +53,7 @@ def engine(mode):
         width = max(len(o.token_ids) for o in outs)
         seq = torch.full((len(outs), input_ids.shape[1] + width), int(kw.get("pad_token_id") or 0), dtype=input_ids.dtype)
         seq[:, : input_ids.shape[1]] = input_ids.cpu()
-        stats = GenerationStats(block_size=block, policy=f"engine {mode}")
+        stats = GenerationStats(block_size=block, policy=f"engine {eng.layout}")
         for i, o in enumerate(outs):
             seq[i, input_ids.shape[1] : input_ids.shape[1] + len(o.token_ids)] = torch.tensor(o.token_ids, dtype=seq.dtype)
             for a, v in zip(o.accepted, o.verify_lengths):
