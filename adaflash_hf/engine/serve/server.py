@@ -50,7 +50,7 @@ def require_serve_extra():
         from . import app, uvicorn_server
     except ImportError as e:
         raise ImportError(f"the HTTP server needs the `serve` extra ({e.name} is missing): "
-                          "pip install 'adaflash-hf[serve]'") from e
+                          "pip install 'adaflash-hf[serve]'", name=e.name) from e
     return uvicorn, app, uvicorn_server
 
 
