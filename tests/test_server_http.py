@@ -183,7 +183,8 @@ def test_a_stalled_body_gets_a_408(tight):
 
 
 def test_an_idle_keep_alive_connection_is_closed(tight):
-    """An answered connection left idle is closed by the server (recv sees the end), not held open."""
+    """An answered connection left idle, or one that never sends a byte, is closed by the server (recv sees
+    the end), not held open."""
     body = b'{"prompt": "w1 w2", "max_tokens": 2, "temperature": 0}'
     sock = _raw(tight, _post_head(body) + body)
     got = b""
@@ -193,6 +194,10 @@ def test_an_idle_keep_alive_connection_is_closed(tight):
     while sock.recv(65536):
         pass
     assert time.monotonic() - t0 < 5
+    sock.close()
+    sock = _raw(tight, b"")  # a connection that never sends a byte is closed too
+    t0 = time.monotonic()
+    assert sock.recv(65536) == b"" and time.monotonic() - t0 < 5
     sock.close()
     _still_answers(tight)
 

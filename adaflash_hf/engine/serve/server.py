@@ -97,7 +97,8 @@ class OpenAIServer:
 
     def serve_forever(self) -> None:
         """Serve until :meth:`close`, a signal, or (``exit_after_failure_s``) an engine failure."""
-        config = self._uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False,
+        config = self._uvicorn.Config(self.app, http=self._runner.QuietConnectionTimeout, lifespan="off",
+                                      log_config=None, access_log=False,
                                       timeout_keep_alive=self.settings.timeout_keep_alive_s,
                                       timeout_graceful_shutdown=5, backlog=self.settings.backlog)
         self._server = self._runner.TickServer(config, self._tick)
