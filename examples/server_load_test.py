@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     answered = sum(r["answered"] for r in result["rounds"])
     equal = sum(r["equal_to_alone"] for r in result["rounds"])
     ok = answered == equal == n and result["engine_idle_after"] and result["health_after"] == 200
-    gpu = torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu"
+    gpu = torch.cuda.get_device_name(0) if device == "cuda" else f"CPU, {os.cpu_count()} cores ({platform.machine()})"
     summary = {
         "command": " ".join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "hardware": gpu, "device": device,
