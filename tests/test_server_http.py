@@ -171,13 +171,16 @@ def test_client_that_leaves_cancels_its_request(srv, stream):
     _still_answers(srv)
 
 
-def test_a_stalled_body_gets_a_408(tight):
-    sock = _raw(tight, _post_head(b'{"prompt": ', length=40) + b'{"prompt": ')  # 11 of 40 bytes, then nothing
+@pytest.mark.parametrize("head,sent,status,words", [
+    (_post_head(b"", length=40), b'{"prompt": ', 408, b"did not arrive within 0.5 s"),  # 11 of 40 bytes, then nothing
+    (_post_head(b"", length=9 * 2**20), b"", 413, b"request body too large (9437184 bytes > 8388608)"),
+])  # fmt: skip
+def test_a_stalled_or_oversized_body_is_answered_at_once(tight, head, sent, status, words):
+    sock = _raw(tight, head + sent)
     t0, got = time.monotonic(), b""
     while not got.endswith(b"}"):
         got += sock.recv(65536)
-    assert got.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 5
-    assert b"did not arrive within 0.5 s" in got
+    assert got.startswith(b"HTTP/1.1 %d" % status) and time.monotonic() - t0 < 5 and words in got, got
     sock.close()
     _still_answers(tight)
 
