@@ -67,7 +67,7 @@ def main() -> int:
         s = adapter.stats
         tau = "-" if s["tau_since_update"] is None else f"{s['tau_since_update']:.2f}"
         print(f"served {p[:50]!r}: {s['updates']} update(s) so far, tau since the last swap {tau}")
-    adapter.close(flush=True)  # train on what is left, write that version, finish Hub pushes
+    adapter.close(flush=True)  # train on what is left, write that version; Hub pushes get hub_timeout (10 s)
 
     stats = adapter.stats
     for h in stats["history"]:

@@ -7,6 +7,7 @@ the fused target context *and* the block, queries from the block only, and the b
 itself bidirectionally.
 """
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
-from .checkpoint_layouts import embedding_fingerprint_mismatch, load_drafter_state_dict
+from .checkpoint_layouts import embedding_fingerprint_mismatch, load_drafter_state_dict, save_atomically
 from .configuration_adaflash import AdaFlashConfig, default_target_layer_ids
 
 
@@ -328,6 +329,21 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         shaped tensors are named in one error; pickle checkpoints are refused (safetensors only).
         """
         return load_drafter_state_dict(cls, pretrained_model_name_or_path, *args, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' `save_pretrained`, all or nothing: written beside `save_directory` first, then
+        moved into place (`config.json` last), so a failed save (a full disk) leaves no config without
+        weights and an earlier save there stays loadable. Other ranks (`is_main_process=False`) write
+        as transformers does.
+
+        Example:
+            >>> drafter.save_pretrained("out/my-drafter")  # doctest: +SKIP
+        """
+        if not kwargs.get("is_main_process", True):
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("push_to_hub"):  # the repository is named after the real folder, not the temporary one
+            kwargs.setdefault("repo_id", os.path.basename(os.path.abspath(save_directory)))
+        return save_atomically(lambda tmp: super(AdaFlashDrafter, self).save_pretrained(tmp, *args, **kwargs), save_directory)
 
     # ----------------------------------------------------------------- forward
     def fuse_context(self, context_hidden_states: torch.Tensor) -> torch.Tensor:

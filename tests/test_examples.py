@@ -19,6 +19,7 @@ EXPECTED = {
     "online_adaptation.py": ["update 1 -> version 1", "identical: True"],
     "export_for_sglang_vllm.py": ["reloaded export decodes like the original: True", "identical: True", "sglang.launch_server", "vllm serve"],
     "engine_gpu_check.py": ["correctness: all exact"],
+    "bf16_identity.py": ["float32 control: 0 of"],
     "server_load_test.py": ["answered 4/4, equal to alone 4/4", "passed: True"],
 }
 

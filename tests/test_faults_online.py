@@ -1,20 +1,30 @@
-"""Issue 19, item 3: `OnlineAdapter.flush()` never hangs, and samples arriving during an update are
-kept for the next update (or, when dropped, counted).
+"""Issue 19, items 3 and 8: the online adapter under injected faults, and still serving exactly the
+target's greedy output afterwards.
 
-Deterministic: the worker's `train` is wrapped to block on an event, so samples arrive while an
-update is in progress; the worker thread is held off (by holding the adapter's condition) while
-the first batch is buffered, so the update takes exactly what the test expects.
+- `flush()` never hangs, and samples arriving during an update are kept for the next update (or,
+  when dropped, counted). Deterministic: the worker's `train` is wrapped to block on an event, so
+  samples arrive while an update is in progress; the worker thread is held off (by holding the
+  adapter's condition) while the first batch is buffered, so the update takes exactly what the
+  test expects.
+- Pruning (`keep_versions=1`) never deletes the version being uploaded or the last one uploaded
+  (the fake upload blocks until released, then reads the folder).
+- A failed version write (disk full) reaches `last_error` and leaves nothing on disk.
+- `close()` with an unreachable Hub (offline mode) returns within its short `hub_timeout`.
 """
 
 from __future__ import annotations
 
+import errno
 import threading
+from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import torch
 from generation_helpers import PAD_ID, make_drafter, make_target, ragged_prompts
 
-from adaflash_hf.online import OnlineAdapter
+from adaflash_hf import AdaFlashDrafter
+from adaflash_hf.online import OnlineAdapter, list_versions
 
 
 class Collect:
@@ -36,6 +46,14 @@ def setup():
                     max_new_tokens=24, pad_token_id=PAD_ID)
     assert len(sink.rounds) >= 6
     return target, sink.rounds
+
+
+def _serves_exactly(adapter, target) -> bool:
+    """The adapter's drafter (whatever its weights now) still gives exactly plain greedy output."""
+    ids, mask, _ = ragged_prompts(2, [4, 7], 3)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=PAD_ID)
+    spec = target.generate(ids, assistant_model=adapter.drafter, **kw)
+    return torch.equal(spec, target.generate(ids, **kw))
 
 
 def _gated(adapter):
@@ -86,6 +104,7 @@ def test_flush_returns_and_keeps_samples_that_arrive_during_an_update(setup):
         stats = adapter.stats
         assert stats["updates"] == 2 and [h["samples"] for h in stats["history"]] == [2, 1]
         assert stats["samples_buffered"] == 0 and stats["samples_dropped"] == 0
+        assert _serves_exactly(adapter, target)
     finally:
         adapter.close(timeout=10)
 
@@ -105,6 +124,7 @@ def test_leftovers_dropped_after_an_update_are_counted_and_flush_still_returns(s
         assert stats["samples_dropped"] == 2  # the two leftovers, counted
         assert [h["samples"] for h in stats["history"]] == [2, 1]  # the late sample trained in update 2
         assert stats["samples_buffered"] == 0
+        assert _serves_exactly(adapter, target)
     finally:
         adapter.close(timeout=10)
 
@@ -121,5 +141,117 @@ def test_flush_with_everything_dropped_meanwhile_returns(setup):
         assert training.wait(30)  # update 1 took two; one left over, nothing arrives later
         assert _flush_after_release(adapter, release) is True
         assert adapter.stats["updates"] == 1 and adapter.stats["samples_dropped"] == 1
+        assert _serves_exactly(adapter, target)
     finally:
         adapter.close(timeout=10)
+
+
+def _names(root) -> list[str]:
+    return [p.name for _, p in list_versions(root)]
+
+
+@pytest.fixture
+def slow_hub(monkeypatch):
+    """`HfApi.upload_folder` that blocks until `release` is set, then reads the folder (what a real
+    upload does last); records (version folder, files read) per upload, or the error."""
+    import huggingface_hub
+
+    state = {"release": threading.Event(), "uploading": threading.Event(), "uploads": []}
+
+    def upload_folder(self, *, repo_id, folder_path, commit_message=None, run_as_future=False, **kwargs):
+        state["uploading"].set()
+        assert state["release"].wait(30), "test never released the upload"
+        fut = Future()
+        try:
+            files = sorted(p.name for p in Path(folder_path).iterdir())
+            state["uploads"].append((folder_path.rsplit("/", 1)[-1], files))
+            fut.set_result("commit")
+        except OSError as e:
+            state["uploads"].append((folder_path.rsplit("/", 1)[-1], type(e).__name__))
+            fut.set_exception(e)
+        return fut
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: repo_id)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    return state
+
+
+def test_pruning_keeps_the_version_uploading_and_the_last_uploaded(setup, tmp_path, slow_hub):
+    target, rounds = setup
+    out = tmp_path / "out"
+    adapter = _adapter(target, output_dir=str(out), keep_versions=1, hub_repo="org/drafter", hub_max_retries=0)
+    try:
+        for k in range(3):  # three updates while the first upload is still running
+            adapter.on_round(rounds[2 * k])
+            adapter.on_round(rounds[2 * k + 1])
+            assert adapter.wait_for_update(30)
+            assert slow_hub["uploading"].wait(30)
+        # v1 uploading and v2 pending (then superseded by v3) stay beyond the window of one.
+        assert _names(out) == ["v00001", "v00002", "v00003"]
+        slow_hub["release"].set()
+        assert adapter.flush(30)
+        assert [u[0] for u in slow_hub["uploads"]] == ["v00001", "v00003"]
+        assert all("model.safetensors" in u[1] and "config.json" in u[1] for u in slow_hub["uploads"]), slow_hub["uploads"]
+        assert adapter.stats["hub"]["last_pushed"] == 3 and adapter.stats["hub"]["gave_up"] == 0
+        adapter.on_round(rounds[6])
+        adapter.on_round(rounds[7])
+        assert adapter.flush(30)  # v4 written: v3 (the last uploaded) is kept, v1 and v2 go
+        assert _names(out) == ["v00003", "v00004"]
+        assert _serves_exactly(adapter, target)
+    finally:
+        slow_hub["release"].set()
+        adapter.close(timeout=10)
+
+
+def test_a_failed_version_write_reaches_last_error_and_leaves_nothing(setup, tmp_path, monkeypatch):
+    import adaflash_hf.online.publish as publish
+
+    target, rounds = setup
+    out = tmp_path / "out"
+    save_version = publish.save_version
+
+    def disk_full(drafter, path, layout="native"):
+        (Path(path) / "config.json").write_text("{}")  # a partial write first
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(publish, "save_version", disk_full)
+    adapter = _adapter(target, output_dir=str(out))
+    try:
+        adapter.on_round(rounds[0])
+        adapter.on_round(rounds[1])
+        assert adapter.flush(30)
+        stats = adapter.stats
+        assert stats["updates"] == 1 and stats["write_failures"] == 1
+        assert "No space left on device" in stats["last_error"] and "online version" in stats["last_error"]
+        assert sorted(p.name for p in out.iterdir()) == []  # no version, no temporary left behind
+        assert _serves_exactly(adapter, target)
+        monkeypatch.setattr(publish, "save_version", save_version)  # disk freed: the next update is written
+        adapter.on_round(rounds[2])
+        adapter.on_round(rounds[3])
+        assert adapter.flush(30)
+        assert _names(out) == ["v00001"] and adapter.stats["write_failures"] == 1
+        AdaFlashDrafter.from_pretrained(out / "v00001")
+    finally:
+        adapter.close(timeout=10)
+
+
+def test_close_with_an_offline_hub_returns_within_hub_timeout(setup, tmp_path, monkeypatch):
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    target, rounds = setup
+    out = tmp_path / "out"
+    # The default retry schedule (5 retries from 2 s) would hold a draining close() for about a minute.
+    adapter = _adapter(target, output_dir=str(out), hub_repo="org/drafter")
+    adapter.on_round(rounds[0])
+    adapter.on_round(rounds[1])
+    assert adapter.wait_for_update(30)
+    assert _serves_exactly(adapter, target)
+    closer = threading.Thread(target=adapter.close, daemon=True)  # default hub_timeout
+    closer.start()
+    closer.join(8)
+    assert not closer.is_alive(), "close() kept waiting for an offline Hub push"
+    hub = adapter.stats["hub"]
+    assert hub["pushes"] == 0 and hub["gave_up"] == 1 and "offline" in hub["last_error"].lower()
+    assert _names(out) == ["v00001"]  # the local version stays

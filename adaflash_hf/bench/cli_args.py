@@ -31,15 +31,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("workload")
     g.add_argument("--datasets", type=_csv, default=["gsm8k"], help="comma list of dataset names (blend included) or jsonl:PATH")
     g.add_argument("--data-dir", help="root of local eval datasets (default: $ADAFLASH_DATA, else the project's shared/data); a named set not found there loads from the Hub through datasets, else from the built-in sample")
-    g.add_argument("--num-prompts", type=int, default=8)
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--num-prompts", type=int, default=None, help=_default_help("num_prompts"))
+    g.add_argument("--max-new-tokens", type=int, default=None, help=_default_help("max_new_tokens"))
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs checked against plain)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--concurrency", type=_ints, default=[1], help="comma list of batch sizes, e.g. 1,4,16")
     g.add_argument(
-        "--methods", type=_csv, default=list(DEFAULT_METHODS), help=f"comma list from: {', '.join(DEFAULT_METHODS)} (default: all)"
+        "--methods", type=_csv, default=None,
+        help=f"comma list from: {', '.join(DEFAULT_METHODS)} ({_default_help('methods')})",
     )
     g = parser.add_argument_group("runtime")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
@@ -64,8 +65,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+# What a flag left out means. `--reference` is a first look that runs in about a minute on a laptop CPU:
+# fewer prompts and tokens, and the methods a newcomer compares (plain, prompt lookup, ours, the engine).
+DEFAULTS = {"num_prompts": 8, "max_new_tokens": 128, "methods": list(DEFAULT_METHODS)}
+REFERENCE_DEFAULTS = {"num_prompts": 4, "max_new_tokens": 64,
+                      "methods": ["plain", "prompt_lookup", "fixed", "adaptive", "engine_fixed"]}  # fmt: skip
+
+
+def _default_help(name: str) -> str:
+    def show(v):
+        return ",".join(v) if isinstance(v, list) else v
+
+    full = "all" if name == "methods" else show(DEFAULTS[name])
+    return f"default: {full}; with --reference {show(REFERENCE_DEFAULTS[name])}"
+
+
+def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Give every flag left out (None) its default: `REFERENCE_DEFAULTS` under ``--reference``."""
+    for name, value in (REFERENCE_DEFAULTS if args.reference else DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, list(value) if isinstance(value, list) else value)
+    return args
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The `BenchConfig` of parsed `add_arguments` flags."""
+    fill_defaults(args)
     return BenchConfig(
         target=args.target, drafter=args.drafter, tokenizer=args.tokenizer, assistant=args.assistant, reference=args.reference,
         datasets=args.datasets, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,

@@ -106,7 +106,7 @@ def _serve(args, records, target, drafter, tok, adapter) -> int:
             bar.update(1)
     finally:
         bar.close()
-        adapter.close(flush=args.flush, timeout=args.timeout)
+        adapter.close(flush=args.flush, timeout=args.timeout, hub_timeout=args.timeout)
     return served_tokens
 
 

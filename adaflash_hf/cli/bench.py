@@ -73,7 +73,9 @@ def _check_datasets(args) -> None:
 
 def run(args) -> int:
     from .. import bench
+    from ..bench.cli_args import fill_defaults
 
+    fill_defaults(args)
     _check_models(args)
     _check_workload(args, bench.METHODS)
     _check_datasets(args)

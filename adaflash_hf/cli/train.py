@@ -17,9 +17,9 @@ DESCRIPTION = (
 
 
 def add_arguments(p) -> None:
-    from ..training import train_drafter  # imports torch: `adaflash train --help` is not instant
+    from ..training.drafter_recipe import add_arguments as recipe_arguments  # torch-free: fast --help
 
-    train_drafter.add_arguments(p, require_target=False)
+    recipe_arguments(p, require_target=False)
     p.add_argument("--reference", action="store_true",
                    help="train for the embedded reference target, a CPU-sized run unless given otherwise: "
                         + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in REFERENCE_DEFAULTS.items()))
@@ -32,7 +32,7 @@ REFERENCE_DEFAULTS = {"max_new_tokens": 16, "eval_per_domain": 0, "batch_size": 
 
 
 def _fill_defaults(a) -> None:
-    from ..training.train_drafter import DrafterRecipe
+    from ..training.drafter_recipe import DrafterRecipe
 
     for k, small in REFERENCE_DEFAULTS.items():
         if getattr(a, k) is None:

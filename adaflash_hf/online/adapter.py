@@ -272,48 +272,60 @@ class OnlineAdapter:
         worker idle with an empty buffer, or stopped), never waits for an update that cannot start.
         False on timeout (``None``: no limit; an update in progress always finishes)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._train_buffered(deadline):
+            return False
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        return self.publisher.flush(left) if self.publisher is not None else True
 
-        def left():
-            return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+    def _train_buffered(self, deadline: float | None) -> bool:
+        """The training half of :meth:`flush` (its version written too); False at ``deadline``."""
+        if self._thread is None:
+            return True
+        with self._cv:
+            if len(self.buffer) > 0:
+                ticket = self._started + 1
+            elif self._busy:
+                ticket = self._started
+            else:
+                ticket = self._finished
+            self._force += 1
+            self._cv.notify_all()
+            try:
+                # Done at the ticket's update, or as soon as nothing more can train (worker idle and
+                # nothing buffered): samples of a pending ticket may have been dropped meanwhile.
+                while (self._finished < ticket and not self.stopped and self._thread.is_alive()
+                       and (self._busy or len(self.buffer) > 0)):  # fmt: skip
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    self._cv.wait(remaining)
+            finally:
+                self._force -= 1
+        return True
 
-        if self._thread is not None:
-            with self._cv:
-                if len(self.buffer) > 0:
-                    ticket = self._started + 1
-                elif self._busy:
-                    ticket = self._started
-                else:
-                    ticket = self._finished
-                self._force += 1
-                self._cv.notify_all()
-                try:
-                    # Done at the ticket's update, or as soon as nothing more can train (worker idle and
-                    # nothing buffered): samples of a pending ticket may have been dropped meanwhile.
-                    while (self._finished < ticket and not self.stopped and self._thread.is_alive()
-                           and (self._busy or len(self.buffer) > 0)):
-                        remaining = left()
-                        if remaining is not None and remaining <= 0:
-                            return False
-                        self._cv.wait(remaining)
-                finally:
-                    self._force -= 1
-        return self.publisher.flush(left()) if self.publisher is not None else True
-
-    def close(self, flush: bool = False, timeout: float | None = 120.0) -> None:
+    def close(self, flush: bool = False, timeout: float | None = 120.0, hub_timeout: float | None = 10.0) -> bool:
         """Drain cleanly: stop taking rounds, finish the updates already triggered (and, with
-        ``flush=True``, one on a final partial buffer), stop the worker, unregister from the drafter
-        and finish pending Hub pushes (each wait up to ``timeout``)."""
+        ``flush=True``, one on a final partial buffer), stop the worker and unregister from the
+        drafter (each wait up to ``timeout``), then give pending Hub pushes up to ``hub_timeout``
+        seconds without retrying (``None``: no limit). An unfinished push is counted in
+        ``stats["hub"]`` (``gave_up``, ``last_error``); its version stays on disk. Returns False
+        when something was left unfinished.
+
+        Example:
+            >>> adapter.close(flush=True, hub_timeout=300)  # wait longer for a large upload  # doctest: +SKIP
+        """
         self._closing = True  # on_round ignores rounds from now on
-        if flush:
-            self.flush(timeout)
+        done = self._train_buffered(None if timeout is None else time.monotonic() + timeout) if flush else True
         with self._cv:
             self._closing = True
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+            done = done and not self._thread.is_alive()
         unregister_hooks(self.drafter, self._hooks)
         if self.publisher is not None:
-            self.publisher.close(timeout)
+            done = self.publisher.close(hub_timeout) and done
+        return done
 
     def __enter__(self) -> "OnlineAdapter":
         return self
@@ -525,6 +537,8 @@ class OnlineAdapter:
                                       what="online version")  # fmt: skip
         with self._stats_lock:
             record.version, record.path = (done[0], str(done[1])) if done is not None else (None, None)
+            if done is None:  # the swap stands (serving uses the new weights); only its copy on disk failed
+                self.last_error = self.publisher.last_error
 
     # ================================================================== evaluation
     def evaluate(self, samples) -> dict:

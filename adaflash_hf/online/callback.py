@@ -59,7 +59,8 @@ class OnlineAdapterCallback(TrainerCallback):
         on_save_publish: publish on every ``on_save`` (default True).
         target_name: for the model card.
         version_layout: ``"native"`` or ``"dflash"`` (SGLang / vLLM layout; plain drafters only).
-        hub_wait_on_train_end: seconds to wait for pending pushes when training ends.
+        hub_wait_on_train_end: seconds to wait for pending pushes when training ends (each gets its
+            attempt, without retries then; an unfinished one is counted in the Hub stats).
     """
 
     def __init__(

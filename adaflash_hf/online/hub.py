@@ -11,6 +11,12 @@
   and logged, and never raised into the caller; the local version stays where it is. When versions
   arrive faster than they upload, only the newest pending one is pushed (older pending ones are
   skipped: the Hub repository tracks the latest state, the local directory keeps the window).
+* **Local copies in use** (:meth:`HubPublisher.in_use`): the version uploading, the one pending and
+  the last one pushed; :class:`~adaflash_hf.online.versions.VersionStore` never prunes them, so a
+  rolling window smaller than the upload backlog cannot delete a folder mid-upload.
+* **Closing** waits a short, bounded time (``close(timeout=10.0)``): retries stop at once (a push
+  still in its back-off gives up, counted in ``gave_up`` with its ``last_error``), the attempt in
+  flight and the pending version get the rest of ``timeout``, the local versions stay on disk.
 * **Model card**: :func:`render_card` fills ``hub_cards/drafter_card.md`` (``{{ key }}``
   placeholders) with the target, the data domains seen, the versions and tau before / after.
 """
@@ -196,7 +202,9 @@ class HubPublisher:
         self.timeout_s = timeout_s
         self._cv = threading.Condition()
         self._pending: tuple[str, int, str] | None = None
+        self._uploading: int | None = None  # the version whose push is in progress
         self._busy = False
+        self._draining = False  # close() called: no more retries
         self._closed = False
         self._thread: threading.Thread | None = None
         self._repo_ready = False
@@ -218,6 +226,12 @@ class HubPublisher:
             "last_pushed": self.last_pushed,
             "last_error": self.last_error,
         }
+
+    def in_use(self) -> set[int]:
+        """The versions whose local folders must stay: uploading, pending, and the last one pushed."""
+        with self._cv:
+            pending = self._pending[1] if self._pending is not None else None
+            return {v for v in (self._uploading, pending, self.last_pushed) if v is not None}
 
     def submit(self, folder: str | os.PathLike, version: int, commit_message: str | None = None) -> None:
         """Queue ``folder`` for upload; returns immediately (never raises for Hub trouble)."""
@@ -245,14 +259,22 @@ class HubPublisher:
                 self._cv.wait(remaining)
         return True
 
-    def close(self, timeout: float | None = 60.0) -> bool:
-        """Finish the pending upload (up to ``timeout``), then stop the thread."""
+    def close(self, timeout: float | None = 10.0) -> bool:
+        """Stop: no more retries; the attempt in flight and the pending version get up to ``timeout``
+        seconds (``None``: no limit), then the thread ends. False when a push was left unfinished
+        (its upload may still complete in the background; the local version stays either way)."""
+        with self._cv:
+            self._draining = True
+            self._cv.notify_all()
         done = self.flush(timeout)
         with self._cv:
             self._closed = True
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=0 if not done else 5.0)
+        if not done:
+            logger.warning("hub publisher for %s closed with a push unfinished after %ss; the local version stays",
+                           self.repo_id, timeout)  # fmt: skip
         return done
 
     # ------------------------------------------------------------------ worker
@@ -264,6 +286,7 @@ class HubPublisher:
                 if self._pending is None:
                     return
                 job, self._pending = self._pending, None
+                self._uploading = job[1]
                 self._busy = True
             try:
                 self._push_with_retries(*job)
@@ -274,14 +297,15 @@ class HubPublisher:
             finally:
                 with self._cv:
                     self._busy = False
+                    self._uploading = None
                     self._cv.notify_all()
 
     def _sleep(self, attempt: int) -> bool:
-        """Back off; returns False when the publisher closed meanwhile."""
+        """Back off; returns False when the publisher is closing (no more retries then)."""
         delay = min(self.backoff_s * (2**attempt), self.max_backoff_s)
         with self._cv:
-            self._cv.wait_for(lambda: self._closed, timeout=delay)
-            return not self._closed
+            self._cv.wait_for(lambda: self._draining or self._closed, timeout=delay)
+            return not (self._draining or self._closed)
 
     def _push_with_retries(self, folder: str, version: int, message: str) -> None:
         from huggingface_hub import HfApi
@@ -300,8 +324,9 @@ class HubPublisher:
                     run_as_future=True,
                 )
                 future.result(timeout=self.timeout_s) if hasattr(future, "result") else future
-                self.pushes += 1
-                self.last_pushed = version
+                with self._cv:
+                    self.pushes += 1
+                    self.last_pushed = version
                 logger.info("pushed drafter version %s to %s", version, self.repo_id)
                 return
             except Exception as e:  # noqa: BLE001 - Hub trouble must never reach serving

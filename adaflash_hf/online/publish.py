@@ -3,8 +3,9 @@
 One implementation for the online adapter (every update) and for ``OnlineAdapterCallback`` (a
 ``transformers.Trainer`` run): :class:`VersionPublisher` writes the drafter atomically as the next
 version (:class:`~adaflash_hf.online.versions.VersionStore`) with a rendered card and metadata, then
-queues the push (:class:`~adaflash_hf.online.hub.HubPublisher`, background, retried). It never
-raises: a failed write is logged (redacted) and counted, and serving or training goes on.
+queues the push (:class:`~adaflash_hf.online.hub.HubPublisher`, background, retried); pruning keeps
+the versions the push still needs. It never raises: a failed write is logged (redacted), counted
+and kept in ``last_error``, nothing of it stays on disk, and serving or training goes on.
 
 Example:
     >>> pub = VersionPublisher("runs/versions", hub_repo="org/drafter")  # doctest: +SKIP
@@ -60,15 +61,18 @@ class VersionPublisher:
     ):
         if layout not in LAYOUTS:
             raise ValueError(f"version_layout must be 'native' or 'dflash', got {layout!r}")
-        self.store = VersionStore(output_dir, keep_versions=keep_versions)
         self.hub_repo = hub_repo
         self.hub = (
             HubPublisher(hub_repo, private=hub_private, max_retries=hub_max_retries, backoff_s=hub_backoff_s)
             if hub_repo
             else None
         )
+        # Pruning keeps what a push still reads (the version uploading, pending, last pushed).
+        in_use = self.hub.in_use if self.hub is not None else None
+        self.store = VersionStore(output_dir, keep_versions=keep_versions, in_use=in_use)
         self.layout = layout
         self.failures = 0
+        self.last_error: str | None = None
 
     def publish(
         self,
@@ -88,7 +92,8 @@ class VersionPublisher:
             path = self.store.write(lambda p: save_version(drafter, p, self.layout), metadata=metadata, files=files)
         except Exception as e:  # noqa: BLE001 - publishing must never stop serving or training
             self.failures += 1
-            logger.warning("could not write %s: %s", what, redact(f"{type(e).__name__}: {e}"))
+            self.last_error = redact(f"could not write {what}: {type(e).__name__}: {e}")
+            logger.warning("%s", self.last_error)
             return None
         if self.hub is not None:
             self.hub.submit(path, number, commit_message=commit_message.format(version=number))
@@ -102,6 +107,6 @@ class VersionPublisher:
         """Wait for the queued pushes (True without a Hub repo)."""
         return self.hub.flush(timeout) if self.hub is not None else True
 
-    def close(self, timeout: float | None = 60.0) -> None:
-        if self.hub is not None:
-            self.hub.close(timeout)
+    def close(self, timeout: float | None = 10.0) -> bool:
+        """Stop the Hub pushes, waiting up to ``timeout`` for the one in flight (:meth:`HubPublisher.close`)."""
+        return self.hub.close(timeout) if self.hub is not None else True

@@ -13,8 +13,10 @@ with ``os.replace`` (atomic on POSIX), and only then is ``LATEST`` replaced (its
 a temporary file and renamed). A crash at any point therefore leaves ``LATEST`` naming a
 complete, loadable version: before the rename the new version does not exist; between the rename
 and the marker the old marker still names the previous version. Leftover temporary directories
-are removed by the next write. Only the newest ``keep_versions`` versions are kept (the one
-``LATEST`` names never goes).
+are removed by the next write. Only the newest ``keep_versions`` versions are kept; the one
+``LATEST`` names never goes, nor do those ``in_use()`` returns (e.g. a version being uploaded and
+the last one uploaded: :meth:`~adaflash_hf.online.hub.HubPublisher.in_use`), which go at the first
+write after they are released.
 
 Example:
     >>> store = VersionStore("out/drafter", keep_versions=3)  # doctest: +SKIP
@@ -31,7 +33,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 __all__ = [
@@ -151,14 +153,22 @@ class VersionStore:
         root: the output directory (created when missing).
         keep_versions: rolling window size (>= 1).
         link_latest: also maintain a ``latest`` symlink to the newest version (best effort).
+        in_use: returns the version numbers pruning must keep beyond the window (default: none).
     """
 
-    def __init__(self, root: str | os.PathLike, keep_versions: int = 3, link_latest: bool = True):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        keep_versions: int = 3,
+        link_latest: bool = True,
+        in_use: Callable[[], Collection[int]] | None = None,
+    ):
         if keep_versions < 1:
             raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
         self.root = Path(root)
         self.keep_versions = int(keep_versions)
         self.link_latest = link_latest
+        self.in_use = in_use
         self.root.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ reading
@@ -243,12 +253,13 @@ class VersionStore:
                 pass
 
     def prune(self) -> list[Path]:
-        """Remove versions beyond the rolling window (never the one ``LATEST`` names)."""
+        """Remove versions beyond the rolling window (never the one ``LATEST`` names nor those in use)."""
         latest = self.latest()
+        keep = set(self.in_use()) if self.in_use is not None else set()
         versions = self.versions()
         removed = []
-        for _, path in versions[: max(len(versions) - self.keep_versions, 0)]:
-            if latest is not None and path.resolve() == latest.resolve():
+        for number, path in versions[: max(len(versions) - self.keep_versions, 0)]:
+            if number in keep or (latest is not None and path.resolve() == latest.resolve()):
                 continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)

@@ -1,9 +1,10 @@
 """Drafter checkpoints from training: the native layout, LoRA deltas merged, written atomically.
 
 :func:`save_drafter` writes a plain or PEFT drafter as a checkpoint ``AdaFlashDrafter.from_pretrained``
-loads. The files are written into a temporary folder inside the destination and moved into place one
-by one with ``os.replace``, ``config.json`` last: a reader that finds the config finds the weights it
-describes, and an interrupted save leaves the previous checkpoint's config in place.
+loads, through ``AdaFlashDrafter.save_pretrained``, which is all or nothing: the files are written into a
+temporary folder beside the destination and moved into place with ``os.replace``, ``config.json`` last,
+so a reader that finds the config finds the weights it describes, and an interrupted save leaves the
+previous checkpoint in place.
 
 Example:
     >>> save_drafter(peft_drafter, "out/drafter", dtype=torch.bfloat16)  # doctest: +SKIP
@@ -14,8 +15,6 @@ from __future__ import annotations
 import copy
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -95,23 +94,6 @@ def _clean_drafter(base: nn.Module, sd: dict[str, torch.Tensor], dtype: torch.dt
     return clean
 
 
-def _move_into_place(tmp: Path, dest: Path) -> None:
-    """Move every file of ``tmp`` into ``dest`` with ``os.replace``, ``config.json`` last; weight
-    shards of an earlier save that the new one does not have are removed before the config moves."""
-    names = sorted(p.name for p in tmp.iterdir())
-    names.sort(key=lambda n: n == "config.json")
-    stale = [p for p in dest.iterdir() if p.is_file() and p.name.startswith("model") and ".safetensors" in p.name
-             and p.name not in names]  # fmt: skip
-    for name in names:
-        if name == "config.json":
-            for p in stale:
-                p.unlink(missing_ok=True)
-        target = dest / name
-        if target.is_dir() and not (tmp / name).is_dir():
-            shutil.rmtree(target)
-        os.replace(tmp / name, target)
-
-
 def save_drafter(
     drafter: nn.Module,
     save_directory: str | os.PathLike,
@@ -133,11 +115,5 @@ def save_drafter(
     if not is_main_process:  # distributed: other ranks write as transformers does, without the config
         clean.save_pretrained(dest, max_shard_size=max_shard_size, is_main_process=False, **kwargs)
         return dest
-    dest.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-save-", dir=dest))
-    try:
-        clean.save_pretrained(tmp, max_shard_size=max_shard_size, is_main_process=True, **kwargs)
-        _move_into_place(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    clean.save_pretrained(dest, max_shard_size=max_shard_size, is_main_process=True, **kwargs)  # all or nothing
     return dest

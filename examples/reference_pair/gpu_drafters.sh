@@ -3,7 +3,7 @@
 #   bash examples/reference_pair/gpu_drafters.sh four       # the shipped four-domain drafter + the AR assistant
 #   bash examples/reference_pair/gpu_drafters.sh chatprose  # the chat + prose-only drafter of the online runs
 # `four` regenerates the target's answers over all four domains once, trains one drafter on them
-# (LAYERS / TARGET_LAYERS / BATCH / DRAFT_MINUTES) and, beside it, the small autoregressive assistant of
+# (LAYERS / TARGET_LAYERS / BATCH / WORKERS / LR / DRAFT_MINUTES) and, beside it, the small autoregressive assistant of
 # the `hf_assisted` baseline on the same answers. One drafter per call: three drafters at batch 64 beside
 # each other ran out of the H200's 140 GB (docs/logs/drafters_gpu_1712).
 # Inputs carried beside the checkout: .whl/ (transformers wheel) and .devdata/ (make_devdata.py).
@@ -34,7 +34,7 @@ else
     --sampled-domains math,code,chat --regen-cache $W/regen.jsonl --regen-only 2>&1 | tail -n 3
   timeout $LIMIT $TD --out $W/drafter --domains math,code,chat,prose --regen-cache $W/regen.jsonl \
     --num-layers ${LAYERS:-5} --target-layer-ids ${TARGET_LAYERS:-1,2,3,4,5} --batch-size ${BATCH:-64} \
-    --minutes $MIN --eval-per-domain 8 > $W/drafter.log 2>&1 &
+    --num-workers ${WORKERS:-0} --lr ${LR:-6e-4} --minutes $MIN --eval-per-domain 8 > $W/drafter.log 2>&1 &
   python3 examples/reference_pair/assistant_corpus.py --regen-cache $W/regen.jsonl --target $T --out $W/acorpus
   timeout 200 python3 -m adaflash_hf.training.train_target --data $W/acorpus --out $W/assistant --minutes 2.5 \
     --hidden-size 128 --layers 2 --sample-tokens 0 > $W/assistant.log 2>&1

@@ -19,11 +19,13 @@ from pathlib import Path
 BENCH_ONLY = ("math500/test.jsonl", "mathqa/test_1000.jsonl")
 
 
-def data_files() -> list[str]:
-    """Every file the drafter recipes (all four domains) and the benchmarks read, each once."""
+def data_files(eval_only: bool = False) -> list[str]:
+    """Every file the drafter recipes (all four domains) and the benchmarks read, each once; with
+    ``eval_only`` the benchmarks' files alone (a small carry when the checkout itself is large)."""
     from adaflash_hf.training.data import EVAL_SOURCES, TRAIN_SOURCES
 
-    rels = [r for sources in (TRAIN_SOURCES, EVAL_SOURCES) for files in sources.values() for r in files]
+    groups = (EVAL_SOURCES,) if eval_only else (TRAIN_SOURCES, EVAL_SOURCES)
+    rels = [r for sources in groups for files in sources.values() for r in files]
     return sorted(set(rels) | set(BENCH_ONLY))
 
 
@@ -31,10 +33,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default="../shared/data")
     ap.add_argument("--out", default=".devdata")
+    ap.add_argument("--eval-only", action="store_true", help="only the held-out and benchmark files (no training sources)")
     ap.add_argument("--target-corpus", action="store_true", help="also pre-tokenise the target's training corpus")
     a = ap.parse_args(argv)
     src, out = Path(a.data), Path(a.out)
-    files = data_files()
+    files = data_files(a.eval_only)
     out.mkdir(parents=True, exist_ok=True)
     with tarfile.open(out / "data.tar.gz", "w:gz") as tar:
         for rel in files:
