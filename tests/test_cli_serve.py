@@ -3,18 +3,24 @@ end-to-end run on the embedded reference pair (the default) answering a real HTT
 
 from __future__ import annotations
 
-import json
 import logging
+import os
+import signal
 import socket
+import sys
 import threading
-import urllib.request
+import time
 
+import httpx
+import openai
 import pytest
 import torch
 from conftest import build_drafter, build_tiny_target
 
 import adaflash_hf.engine.serve.server as server_mod
 from adaflash_hf.cli import main
+from adaflash_hf.engine import Engine
+from adaflash_hf.engine.serve.settings import EXIT_ENGINE_FAILED
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +49,8 @@ def _cases(c, port):
         "bad-length-policy": (["--length-policy", "expected_gain"], ["--length-policy", "expected_gain"]),
         "plain-with-drafter": (["--plain", "--target", c["target"], "--drafter", c["drafter"]], ["--plain serves the target alone"]),
         "zero-decode-steps": (["--decode-steps", "0"], ["--decode-steps", "positive integer"]),
+        "zero-concurrency": (["--max-concurrent-requests", "0"], ["--max-concurrent-requests", "positive integer"]),
+        "negative-body-timeout": (["--body-timeout", "-1"], ["--body-timeout", "seconds >= 0"]),
         "drafter-without-target": (["--drafter", c["drafter"]], ["--drafter given without --target"]),
         "reference-and-target": (["--reference", "--target", c["target"], "--drafter", c["drafter"]], ["not both"]),
         "missing-target": (["--target", c["missing"], "--drafter", c["drafter"]], ["--target", "not found"]),
@@ -65,36 +73,100 @@ def test_serve_user_errors_are_one_line(case, ckpts, busy_port, capsys):
     assert "Traceback" not in out + err
 
 
-def test_serve_runs_the_reference_pair_by_default(monkeypatch, capsys):
-    """No --target: the embedded reference pair; a real request answered with plain greedy's text."""
-    seen = {}
-    original = server_mod.OpenAIServer.serve_forever
+def _serve_in_main_thread(monkeypatch, argv, client):
+    """Run `adaflash serve ARGV` here (uvicorn takes the signals on the main thread) while ``client(server)``
+    talks to it from another thread; returns (exit status, the server)."""
+    seen, original = {}, server_mod.OpenAIServer.serve_forever
 
-    def serve_briefly(self, poll_interval=0.5):
-        thread = threading.Thread(target=original, args=(self, 0.05), daemon=True)
-        thread.start()
+    def talk():
+        while "server" not in seen:
+            time.sleep(0.01)
+        server = seen["server"]
+        for _ in range(500):  # until uvicorn answers
+            try:
+                if httpx.get(server.url + "/health", timeout=5).status_code:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.02)
         try:
-            body = json.dumps({"model": "adaflash-reference", "prompt": "Once upon a time", "max_tokens": 6,
-                               "temperature": 0}).encode()
-            req = urllib.request.Request(self.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=30) as r:
-                seen["completion"] = json.loads(r.read())
-            seen["service"] = self.service
-        finally:
-            self.shutdown()
-            thread.join()
+            client(server)
+        except BaseException as e:  # noqa: BLE001 - reported by the test below
+            seen["error"] = e
 
-    monkeypatch.setattr(server_mod.OpenAIServer, "serve_forever", serve_briefly)
-    rc = main(["serve", "--port", "0", "--max-len", "128", "--max-slots", "2", "--threads", "1"])
+    def recording(self):
+        seen["server"] = self
+        original(self)
+
+    monkeypatch.setattr(server_mod.OpenAIServer, "serve_forever", recording)
+    thread = threading.Thread(target=talk, daemon=True)
+    thread.start()
+    rc = main(["serve", "--port", "0", "--max-len", "128", "--max-slots", "2", "--threads", "1", *argv])
+    thread.join(30)
+    if "error" in seen:
+        raise seen["error"]
+    return rc, seen["server"]
+
+
+def test_serve_runs_the_reference_pair_by_default(monkeypatch, capsys):
+    """No --target: the embedded reference pair; a real request answered with plain greedy's text; SIGTERM
+    stops it with status 0 and the engine closed."""
+    seen = {}
+
+    def client(server):
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        seen["completion"] = api.completions.create(model="adaflash-reference", prompt="Once upon a time",
+                                                    max_tokens=6, temperature=0)
+        os.kill(os.getpid(), signal.SIGTERM)  # what a container runtime sends
+
+    rc, server = _serve_in_main_thread(monkeypatch, [], client)
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "model 'adaflash-reference' at http://127.0.0.1:" in out and "max_len 128" in out
-    svc = seen["service"]
+    assert "stopping" in err
+    svc = server.service
     assert svc.engine.closed  # the server closed its engine on the way out
     tok, target = svc.tokenizer, svc.engine.engine.target
     ids = tok("Once upon a time")["input_ids"]
     with torch.no_grad():
         ref = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=6)[0, len(ids):]
-    assert seen["completion"]["choices"][0]["text"] == tok.decode(ref, skip_special_tokens=True)
+    assert seen["completion"].choices[0].text == tok.decode(ref, skip_special_tokens=True)
     assert "POST /v1/completions 200 prompt_tokens=" in err and "Once upon" not in err
     assert not logging.getLogger("adaflash_hf.server").handlers  # the CLI's log handler is removed again
+
+
+def test_engine_failure_fails_the_request_reports_503_and_exits_3(monkeypatch, capsys):
+    """A CUDA OOM inside the engine: the request in flight gets a 500 naming it, /health turns 503, and the
+    process exits with status 3 (EXIT_ENGINE_FAILED) so that a supervisor restarts it."""
+    seen = {}
+
+    def oom(self):
+        raise RuntimeError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(Engine, "step", oom)
+
+    def client(server):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4}, timeout=30)
+        seen["completion"] = (r.status_code, r.json())
+        r = httpx.get(server.url + "/health", timeout=5)
+        seen["health"] = (r.status_code, r.json())
+
+    rc, _ = _serve_in_main_thread(monkeypatch, ["--exit-after-failure", "1.5"], client)
+    err = capsys.readouterr().err
+    assert rc == EXIT_ENGINE_FAILED == 3, err
+    status, body = seen["completion"]
+    assert status == 500 and "CUDA out of memory (injected)" in body["error"]["message"]
+    status, body = seen["health"]
+    assert status == 503 and body["status"] == "error" and "CUDA out of memory" in body["error"]
+    assert "exit status 3" in err and "exit code 3" in err
+
+
+def test_without_the_serve_extra_serve_names_it(monkeypatch, capsys):
+    """uvicorn / fastapi missing: `adaflash serve` fails at once (before loading a model) with one line naming
+    `pip install 'adaflash-hf[serve]'` (that `--help` imports neither is checked in test_cli)."""
+    for name in ("uvicorn", "fastapi"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import uvicorn` now raises ImportError
+    rc = main(["serve", "--port", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    line = err.strip().splitlines()[-1]
+    assert "needs the `serve` extra (uvicorn is missing)" in line and "pip install 'adaflash-hf[serve]'" in line, line

@@ -8,6 +8,8 @@ from ..loading import UsageError, check_drafter_path, check_target_path, one_lin
 from ..spec.policy import ENGINE_POLICIES
 from .common import PROG, add_model_args, check_either_reference, load_models_from_args, number, positive_int
 
+seconds = number(float, lambda v: v >= 0, "a number of seconds >= 0")
+
 HELP = "OpenAI-compatible HTTP server (completions, chat, streaming) over the continuous-batching engine"
 DESCRIPTION = (
     "Serve a target + drafter (default: the embedded reference pair) over HTTP with OpenAI's API:\n"
@@ -15,7 +17,10 @@ DESCRIPTION = (
     "GET /health. Concurrent requests are decoded together by the continuous-batching engine; fields:\n"
     "max_tokens, temperature (default 1.0, as OpenAI; 0 = greedy), top_p, top_k, seed, stop, stream\n"
     "(server-sent events), usage counts. One log line per request on stderr (no prompt text).\n"
-    "Standard library HTTP (no extra dependencies); put a reverse proxy in front for TLS / auth.\n\n"
+    "FastAPI on uvicorn (pip install 'adaflash-hf[serve]'); put a reverse proxy in front for TLS / auth.\n"
+    "A client that disconnects cancels its request; past --max-concurrent-requests a request gets a 429.\n"
+    "exit status: 0 stopped (Ctrl-C / SIGTERM), 2 usage error, 3 the engine failed (/health answered 503\n"
+    "for --exit-after-failure seconds first): a supervisor should restart the server.\n\n"
     "example:\n  adaflash serve --port 8000\n"
     "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
     "       -d '{\"prompt\": \"Hello\", \"max_tokens\": 16, \"temperature\": 0}'"
@@ -30,6 +35,13 @@ def add_arguments(p) -> None:
     g.add_argument("--model-name", help="model id reported by /v1/models (default: the --target path, or adaflash-reference); "
                                         "a request may leave `model` out, or must name this one")
     g.add_argument("--default-max-tokens", type=positive_int, default=256, help="max_tokens of a request that gives none (capped at what fits after its prompt)")
+    g.add_argument("--max-concurrent-requests", type=positive_int, default=256,
+                   help="completion requests in flight (generating or queued); one more gets a 429 with Retry-After")
+    g.add_argument("--timeout-keep-alive", type=seconds, default=5.0, help="seconds an idle keep-alive connection stays open")
+    g.add_argument("--body-timeout", type=seconds, default=30.0,
+                   help="seconds to wait for the next piece of a request body (a 408 after)")
+    g.add_argument("--exit-after-failure", type=seconds, default=2.0,
+                   help="after an engine failure, answer /health with 503 this long, then exit with status 3")
     g = p.add_argument_group("engine")
     g.add_argument("--length-policy", choices=ENGINE_POLICIES, default=None,
                    help="adaptive: each request verifies the length head's k_hat; fixed: the full block "
@@ -79,6 +91,7 @@ def _service(args, need_drafter: bool):
                         decode_steps=args.decode_steps)
     except ValueError as e:
         raise UsageError(f"cannot serve this model: {one_line(e)}", "the engine drives Qwen3 / Llama-family targets") from None
+    engine.warmup(concurrency=args.max_slots)  # capture the decode rounds' graphs before the first request
     name = args.model_name or ("adaflash-reference" if args.reference else args.target.rstrip("/"))
     service = CompletionService(engine, tok, name, min(args.default_max_tokens, max_len - 1))
     return service, (f"model {name!r}", f"(verify: {engine.layout}, {args.max_slots} slots, "
@@ -91,10 +104,18 @@ def run(args) -> int:
     import threading
 
     need_drafter = _check_models(args)
-    from ..engine.serve.server import OpenAIServer
+    from ..engine.serve.server import OpenAIServer, ServeSettings, require_serve_extra
 
+    try:
+        require_serve_extra()
+    except ImportError as e:
+        raise UsageError(f"the HTTP server needs the `serve` extra ({e.name} is missing)",
+                         "pip install 'adaflash-hf[serve]'") from None
+    settings = ServeSettings(max_concurrent_requests=args.max_concurrent_requests,
+                             timeout_keep_alive_s=args.timeout_keep_alive, body_timeout_s=args.body_timeout,
+                             exit_after_failure_s=args.exit_after_failure)
     try:  # bind first: a port in use fails at once, before models load
-        server = OpenAIServer((args.host, args.port))
+        server = OpenAIServer((args.host, args.port), settings=settings)
     except OSError as e:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or one_line(e)}",
                          "pick another --port (0 picks a free one) or --host") from None
@@ -109,12 +130,12 @@ def run(args) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     try:
-        server.service, (model, settings) = _service(args, need_drafter)
+        server.service, (model, settings_line) = _service(args, need_drafter)
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-        print(f"{PROG} serve: {model} at {server.url}/v1 {settings}; endpoints /v1/completions, /v1/chat/completions, "
+        print(f"{PROG} serve: {model} at {server.url}/v1 {settings_line}; endpoints /v1/completions, /v1/chat/completions, "
               f"/v1/models, /health; Ctrl-C stops", flush=True)
-        server.serve_forever()
+        server.serve_forever()  # uvicorn stops on SIGINT / SIGTERM, then re-raises it: KeyboardInterrupt
     except KeyboardInterrupt:
         print(f"{PROG} serve: stopping", file=sys.stderr)
     finally:
@@ -122,4 +143,6 @@ def run(args) -> int:
         logger.removeHandler(handler)
         if old_sigterm is not None:
             signal.signal(signal.SIGTERM, old_sigterm)
-    return 0
+    if server.exit_code:
+        print(f"{PROG} serve: the engine failed; exit status {server.exit_code} (restart the server)", file=sys.stderr)
+    return server.exit_code

@@ -373,7 +373,7 @@ class Engine(RequestLifecycle):
             q_lens = [d + 1 for d in dl_host]
         for i, r in enumerate(running):
             if not r.params.greedy and dl_host[i] > 0:
-                q, q_bad[i] = checked_probs(processed_probs(draft_logits[i, : q_lens[i] - 1], r.params))
+                q, q_bad[i] = checked_probs(r.sampling_rows(processed_probs(draft_logits[i, : q_lens[i] - 1], r.params)))
                 q_probs[i] = q
                 draft[i, : q_lens[i] - 1] = torch.multinomial(q, 1, generator=r.generator).squeeze(1)
         return _Drafts(draft, draft_len, q_lens, draft_logits, ratio, q_probs, q_bad)
@@ -421,7 +421,7 @@ class Engine(RequestLifecycle):
         first, bad = top[:na].clone(), ~finite[:na]
         for j, r in enumerate(admitted):
             if not r.params.greedy:
-                p, bad_p = checked_probs(processed_probs(logits[j : j + 1], r.params))
+                p, bad_p = checked_probs(r.sampling_rows(processed_probs(logits[j : j + 1], r.params)))
                 first[j], bad[j] = torch.multinomial(p, 1, generator=r.generator)[0, 0], bad[j] | bad_p
         if not running:
             return first, top.new_zeros(0), top.new_zeros(0), bad, None
@@ -429,7 +429,7 @@ class Engine(RequestLifecycle):
         vbad, sampled = ~finite[vidx].all(dim=-1), []
         for i, (r, dl) in enumerate(zip(running, drafts.draft_len.tolist())):
             if not r.params.greedy:
-                p, bad_p = checked_probs(processed_probs(logits[vidx[i, : dl + 1]], r.params))
+                p, bad_p = checked_probs(r.sampling_rows(processed_probs(logits[vidx[i, : dl + 1]], r.params)))
                 vbad[i] = vbad[i] | bad_p | (drafts.q_bad[i] if drafts.q_bad[i] is not None else bad_p)
                 q = drafts.q_probs[i] if drafts.q_probs[i] is not None else p.new_zeros(0, p.shape[-1])
                 sampled.append(SampledRows([i], q[None, :dl], p[None], None, r.generator))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..spec.rounds import RoundTally
-from .sampling import SamplingParams
+from .sampling import SamplingParams, position_keyed_samples
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -54,7 +54,8 @@ class Request:
         self.generator = None
         if not params.greedy:
             self.generator = torch.Generator(device=device)  # where the logits it samples from live
-            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+            # unseeded: a seed drawn from torch's global generator (torch.manual_seed makes a run repeatable)
+            self.generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ())))
         self.slot: int | None = None
         self.tokens: list[int] = []
         self.pending_ctx: torch.Tensor | None = None  # target features the drafter has not consumed
@@ -71,6 +72,13 @@ class Request:
     @property
     def remaining(self) -> int:
         return self.max_new - len(self.tokens)
+
+    def sampling_rows(self, probs: torch.Tensor) -> torch.Tensor:
+        """The distributions to sample this round's rows from (rows: output positions from ``len(tokens)``):
+        ``probs`` as they are, or for a seeded request its position-keyed samples (reproducible under load)."""
+        if self.params.seed is None:
+            return probs
+        return position_keyed_samples(probs, self.params.seed, len(self.tokens))
 
 
 class RequestHandle:

@@ -8,7 +8,7 @@ from numbers import Integral, Real
 
 import torch
 
-__all__ = ["GREEDY_TEMPERATURE", "SamplingParams", "checked_probs", "processed_probs"]
+__all__ = ["GREEDY_TEMPERATURE", "SamplingParams", "checked_probs", "position_keyed_samples", "processed_probs"]
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-38 overflows float32 to
 # inf and softmax gives NaN, while 1e-5 keeps any finite logit finite (|logit| < 3.4e33) and is already argmax.
@@ -19,7 +19,9 @@ GREEDY_TEMPERATURE = 1e-5
 class SamplingParams:
     """``temperature < GREEDY_TEMPERATURE`` (1e-5; 0 included) means greedy and is stored as 0.0;
     ``top_k`` / ``top_p`` as transformers' warpers (applied after the temperature, top-k before top-p).
-    ``seed`` seeds the request's own generator. Invalid values (NaN, inf, negative, wrong type) raise
+    ``seed`` makes the request reproducible: the token at each output position is a function of the seed,
+    the position and the text before it only (see :func:`position_keyed_samples`), so the same request
+    gives the same text alone or batched with any others. Invalid values (NaN, inf, negative, wrong type) raise
     ``ValueError`` naming the field, before any work."""
 
     temperature: float = 0.0
@@ -75,3 +77,38 @@ def checked_probs(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ok = torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1) & (probs.sum(dim=-1) > 0)
     safe = torch.where(ok[..., None], probs, torch.full_like(probs, 1.0 / probs.shape[-1]))
     return safe, ~ok.all()
+
+
+def position_keyed_samples(probs: torch.Tensor, seed: int, start: int) -> torch.Tensor:
+    """One-hot rows of the tokens sampled from ``probs [k, V]`` for output positions ``start .. start + k - 1``.
+
+    Gumbel-max with noise keyed by ``(seed, position, token)``: row ``j``'s token is ``argmax(log p_j + g)``
+    with ``g`` a counter-based hash of ``(seed, start + j, v)``, an exact sample of ``p_j``. Giving these
+    one-hot rows to speculative sampling as both ``q`` and ``p`` makes a draft accepted exactly when it
+    equals the target's sample, so the text depends on neither the drafts nor how a round was cut (the
+    batch, the token budget). Rows that are not finite pass through unchanged (``checked_probs`` flags them).
+
+        >>> p = torch.tensor([[0.2, 0.8], [0.5, 0.5]])
+        >>> torch.equal(position_keyed_samples(p, 7, 3), position_keyed_samples(p, 7, 3))
+        True
+    """
+    k, vocab = probs.shape
+    key = hash((int(seed), 0x5EED)) & _MASK31  # int tuples hash the same in every process
+    pos = _mix31(torch.arange(start, start + k, device=probs.device) ^ key)
+    h = _mix31(pos[:, None] ^ _mix31(torch.arange(vocab, device=probs.device))[None, :])
+    u = (h.double() + 0.5) / 2**31  # uniform in (0, 1)
+    gumbel = -torch.log(-torch.log(u))
+    tokens = (probs.double().log() + gumbel).argmax(dim=-1, keepdim=True)
+    one_hot = torch.zeros_like(probs).scatter_(-1, tokens, 1.0)
+    return torch.where(torch.isfinite(probs).all(dim=-1, keepdim=True), one_hot, probs)
+
+
+_MASK31 = 2**31 - 1
+
+
+def _mix31(x: torch.Tensor) -> torch.Tensor:
+    """An integer hash on 31 bits (int64 products never overflow): nearby inputs give unrelated outputs."""
+    x = x & _MASK31
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK31
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK31
+    return (x >> 16) ^ x

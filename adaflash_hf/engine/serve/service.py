@@ -1,0 +1,401 @@
+"""The OpenAI API's logic without HTTP: request parsing and validation, generation, response shapes.
+
+:class:`CompletionService` turns an OpenAI request body into an engine request on one
+:class:`AsyncEngine` (so concurrent requests are decoded together) and shapes the answers; the HTTP
+transport (``app.py``, ``server.py``) only moves bytes. Supported fields: ``prompt`` (a string or a
+list of token ids) / ``messages``, ``max_tokens`` (``max_completion_tokens``), ``temperature``,
+``top_p``, ``top_k``, ``seed``, ``stop`` (a string or a list: the text is cut before the first stop
+string and the request is cancelled right there, ``finish_reason="stop"``), ``stream`` (chunks in
+OpenAI's format; ``stream_options.include_usage`` adds a usage chunk) and ``usage`` counts. A bad
+request raises :class:`APIError` (a 400 with an OpenAI-style ``{"error": {...}}`` body).
+
+Example::
+
+    svc = CompletionService(Engine(target, drafter, max_slots=8, max_len=1024), tok)
+    req = svc.parse({"prompt": "Hi", "max_tokens": 8, "temperature": 0}, "completion")
+    gen = svc.start(req)                     # inside a running event loop
+    text = await gen.text()
+    print(svc.response(req, gen, text, "cmpl-1"))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+from functools import partial
+
+from .async_engine import AsyncEngine, EngineClosed, EngineFailed
+from ..sampling import SamplingParams
+
+__all__ = ["APIError", "CompletionService"]
+
+MAX_STOP_STRINGS = 16
+_END = object()
+_FINISH = {"eos": "stop", "length": "length", "cancelled": "cancelled"}
+# Fields we do not implement: the value a request may carry anyway (OpenAI clients send defaults).
+_UNSUPPORTED = {
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
+    "top_logprobs": (None, 0), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
+}  # fmt: skip
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's error JSON with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
+
+
+def _bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+class _Parsed:
+    __slots__ = ("kind", "prompt_ids", "max_tokens", "params", "stops", "stream", "include_usage")
+
+
+class _Generation:
+    """One request in flight, read on an event loop: submits it, turns committed tokens into text deltas,
+    applies stop strings. Create it inside a running loop (the engine thread hands tokens to that loop)."""
+
+    def __init__(self, service: "CompletionService", req: _Parsed):
+        self.service, self.req = service, req
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+        self._q: asyncio.Queue = asyncio.Queue()
+        self._head = None  # the first item, read by admitted()
+        put = partial(_to_loop, asyncio.get_running_loop(), self._q.put_nowait)
+        try:
+            self.future = service.engine.submit(req.prompt_ids, req.max_tokens, req.params, on_token=put)
+        except (EngineClosed, EngineFailed) as e:
+            raise APIError(503, f"the engine is not running: {e}") from None
+        self.future.add_done_callback(lambda f: _quietly(put, _END))
+
+    def cancel(self) -> None:
+        self.service.engine.cancel(self.future)
+
+    async def admitted(self) -> None:
+        """Wait for the first token, or for a refusal: a request the engine can never fit is a 400, one
+        submitted to a stopped engine a 503 (checked before a stream commits to its headers)."""
+        self._head = await self._q.get()
+        if self._head is not _END or self.future.cancelled():
+            return
+        exc = self.future.exception()
+        if isinstance(exc, ValueError):  # RequestRejected: a request the engine can never fit
+            msg = str(exc).replace("max_new_tokens", "max_tokens")
+            raise _bad(msg, "max_tokens" if "max_tokens" in msg else "prompt")
+        if isinstance(exc, (EngineClosed, EngineFailed)) and self.future.request_id is None:
+            raise APIError(503, f"the engine is not running: {exc}")
+
+    async def text(self) -> str:
+        return "".join([piece async for piece in self.deltas()])
+
+    async def _items(self):
+        item = self._head if self._head is not None else await self._q.get()
+        while item is not _END:
+            yield item
+            item = await self._q.get()
+
+    async def deltas(self):
+        """Yield text pieces as they become final; sets ``finish_reason`` / ``completion_tokens``."""
+        stops, decode = self.req.stops, self.service.decode
+        longest = max((len(s) for s in stops), default=0)
+        tokens: list[int] = []
+        emitted = ""
+        async for item in self._items():
+            if self.finish_reason is not None:  # stopped: drain what the round still committed
+                continue
+            tokens.append(item)
+            text = decode(tokens)
+            if not text.startswith(emitted):  # the tokenizer revised earlier text: wait for it to settle
+                continue
+            if stops:
+                start = max(0, len(emitted) - longest)
+                hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+                if hits:
+                    cut = min(hits)
+                    self.finish_reason, self.completion_tokens = "stop", len(tokens)
+                    self.cancel()
+                    if cut > len(emitted):
+                        yield text[len(emitted):cut]
+                    emitted = text[:cut]
+                    continue
+            end = len(text) - _holdback(text, stops)
+            if end > len(emitted):
+                yield text[len(emitted):end]
+                emitted = text[:end]
+        if self.future.cancelled():
+            raise APIError(503, "the request was cancelled")
+        exc = self.future.exception()
+        if exc is not None:
+            raise APIError(500, f"generation failed: {type(exc).__name__}: {exc}")
+        out = self.future.result()
+        if out.finish_reason == "error" and self.finish_reason is None:  # it failed (alone or with its round)
+            raise APIError(500, f"generation failed: {out.error}")
+        if self.finish_reason is None:
+            self.finish_reason = _FINISH.get(out.finish_reason, out.finish_reason)
+            self.completion_tokens = len(out.token_ids)
+            text = decode(out.token_ids)
+            if text.startswith(emitted) and len(text) > len(emitted):
+                yield text[len(emitted):]
+
+
+def _to_loop(loop: asyncio.AbstractEventLoop, fn, item) -> None:
+    """Hand ``item`` to ``fn`` on ``loop`` (called on the engine thread); raises once the loop is closed,
+    which cancels the request (nobody is left to read it)."""
+    loop.call_soon_threadsafe(fn, item)
+
+
+def _quietly(fn, *args) -> None:
+    try:
+        fn(*args)
+    except RuntimeError:  # the loop is closed: the reader is gone
+        pass
+
+
+def _holdback(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` not yet safe to send: a partial UTF-8 character, or a prefix of a stop string."""
+    n = len(text) - len(text.rstrip("\ufffd"))
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                n = max(n, k)
+                break
+    return n
+
+
+class CompletionService:
+    """The server's logic without HTTP: parses OpenAI requests, runs them on an :class:`AsyncEngine`.
+
+    Args:
+        engine: an :class:`Engine` (wrapped in an :class:`AsyncEngine` owned by the service) or an :class:`AsyncEngine`.
+        tokenizer: the target's tokenizer (chat template for ``/v1/chat/completions``).
+        model_name: the id ``/v1/models`` lists; a request naming another model gets a 404.
+        default_max_tokens: ``max_tokens`` when a request gives none (capped at what still fits the KV slot).
+        eos_token_id: ids that end a completion (default: the tokenizer's and the target's generation config's).
+    """
+
+    def __init__(self, engine, tokenizer, model_name: str = "adaflash", default_max_tokens: int = 256,
+                 eos_token_id=None):
+        self.engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
+        self.tokenizer, self.model_name, self.default_max_tokens = tokenizer, model_name, default_max_tokens
+        if eos_token_id is None:
+            ids = set()
+            gen_cfg = getattr(getattr(self.engine.engine, "target", None), "generation_config", None)
+            for e in (getattr(tokenizer, "eos_token_id", None), getattr(gen_cfg, "eos_token_id", None)):
+                ids.update([e] if _is_int(e) else (e or []))
+            eos_token_id = tuple(sorted(ids)) or None
+        self.eos_token_id = eos_token_id
+        self._tok_lock = threading.Lock()  # HF fast tokenizers are not guaranteed thread-safe
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ tokenizer
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        with self._tok_lock:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, ids) -> str:
+        with self._tok_lock:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def close(self, cancel: bool = True) -> None:
+        self.engine.close(cancel=cancel)
+
+    # ------------------------------------------------------------------ endpoints
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "adaflash-hf", "max_model_len": self.engine.max_len}]}
+
+    def failure(self) -> str | None:
+        """Why the engine can no longer serve (its thread died, or a round failed as a whole), else None."""
+        if self.engine.error is not None:
+            return f"engine thread failed: {type(self.engine.error).__name__}: {self.engine.error}"
+        core = getattr(self.engine, "engine", None)  # the Engine: a failed round marks it unhealthy
+        if core is not None and not getattr(core, "healthy", True):
+            return f"engine round failed: {core.last_error}"
+        return None
+
+    def health(self) -> tuple[int, dict]:
+        failure = self.failure()
+        if failure is not None:
+            return 503, {"status": "error", "error": failure}
+        if self.engine.closed:
+            return 503, {"status": "closed"}
+        return 200, {"status": "ok", "model": self.model_name, "pending": self.engine.num_pending}
+
+    def parse(self, body, kind: str) -> _Parsed:
+        """Validate an OpenAI request body (``kind``: ``"completion"`` or ``"chat"``); raises :class:`APIError`."""
+        if not isinstance(body, dict):
+            raise _bad("the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None:
+            if not isinstance(model, str):
+                raise _bad("`model` must be a string", "model")
+            if model != self.model_name:
+                raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                               "model", code="model_not_found")
+        for key, allowed in _UNSUPPORTED.items():
+            if key in body and body[key] not in allowed:
+                raise _bad(f"`{key}` is not supported by this server (allowed: {', '.join(map(json.dumps, allowed))})", key)
+        r = _Parsed()
+        r.kind = kind
+        r.prompt_ids = self._prompt_ids(body, kind)
+        r.max_tokens = self._max_tokens(body, kind, len(r.prompt_ids))
+        r.params = self._sampling(body)
+        r.stops = self._stops(body.get("stop"))
+        stream = body.get("stream", False)
+        if stream is not None and not isinstance(stream, bool):
+            raise _bad("`stream` must be true or false", "stream")
+        r.stream = bool(stream)
+        opts = body.get("stream_options")
+        if opts is not None and not isinstance(opts, dict):
+            raise _bad("`stream_options` must be an object", "stream_options")
+        r.include_usage = bool((opts or {}).get("include_usage", False))
+        return r
+
+    def _prompt_ids(self, body: dict, kind: str) -> list[int]:
+        if kind == "chat":
+            if "messages" not in body:
+                raise _bad("missing required field `messages`", "messages")
+            messages = body["messages"]
+            if not isinstance(messages, list) or not messages:
+                raise _bad("`messages` must be a non-empty list of {\"role\", \"content\"} objects", "messages")
+            clean = []
+            for i, m in enumerate(messages):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                    raise _bad(f"`messages[{i}]` must be an object with a string `role`", "messages")
+                if m["role"] not in _CHAT_ROLES:
+                    raise _bad(f"`messages[{i}].role` {m['role']!r} is not one of {', '.join(_CHAT_ROLES)}", "messages")
+                if "content" not in m:
+                    raise _bad(f"`messages[{i}]` has no `content`", "messages")
+                content = m["content"]
+                if content is None and m["role"] != "assistant":  # OpenAI allows null only for an assistant turn
+                    raise _bad(f"`messages[{i}].content` is null; only an assistant message may have null content", "messages")
+                if isinstance(content, list):  # content parts: text only
+                    parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+                    if len(parts) != len(content) or not all(isinstance(t, str) for t in parts):
+                        raise _bad(f"`messages[{i}].content`: only text parts are supported", "messages")
+                    content = "".join(parts)
+                if content is None:
+                    content = ""
+                if not isinstance(content, str):
+                    raise _bad(f"`messages[{i}].content` must be a string or a list of text parts", "messages")
+                clean.append({"role": m["role"], "content": content})
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise _bad("this model's tokenizer has no chat template; use /v1/completions with a text prompt", "messages")
+            try:
+                with self._tok_lock:
+                    text = self.tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # noqa: BLE001 - a template refusing the conversation (roles, order, ...)
+                raise _bad(f"the chat template rejected `messages`: {type(e).__name__}: {e}", "messages") from None
+            ids = self.encode(text, add_special_tokens=False)
+        else:
+            if "prompt" not in body:
+                raise _bad("missing required field `prompt`", "prompt")
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # a batch of one
+            if isinstance(prompt, str):
+                ids = self.encode(prompt) if prompt else []
+            elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+                ids = list(prompt)
+            else:
+                raise _bad("`prompt` must be a string or a list of token ids (one prompt per request)", "prompt")
+        if not ids:
+            raise _bad("the prompt is empty (zero tokens)", "messages" if kind == "chat" else "prompt")
+        return ids
+
+    def _max_tokens(self, body: dict, kind: str, prompt_len: int) -> int:
+        key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
+        value = body.get(key)
+        room = self.engine.max_len - prompt_len
+        if value is None:
+            if room < 1:
+                raise _bad(f"the prompt is {prompt_len} tokens; this server fits at most {self.engine.max_len - 1} prompt "
+                           f"tokens (max_len {self.engine.max_len} per request, prompt + completion)", "prompt")
+            return min(self.default_max_tokens, room)
+        if not _is_int(value) or value < 1:
+            raise _bad(f"`{key}` must be a positive integer, got {json.dumps(value)}", key)
+        return value  # prompt + max_tokens > max_len: the engine rejects it with the numbers (a 400)
+
+    def _sampling(self, body: dict) -> SamplingParams:
+        temperature = body.get("temperature")
+        temperature = 1.0 if temperature is None else temperature
+        if not _is_number(temperature) or temperature < 0:
+            raise _bad(f"`temperature` must be a number >= 0, got {json.dumps(temperature)}", "temperature")
+        top_p = body.get("top_p")
+        if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
+            raise _bad(f"`top_p` must be a number in (0, 1], got {json.dumps(top_p)}", "top_p")
+        top_k = body.get("top_k")
+        if top_k is not None and (not _is_int(top_k) or top_k < -1):
+            raise _bad(f"`top_k` must be an integer >= 1 (0 or -1: off), got {json.dumps(top_k)}", "top_k")
+        seed = body.get("seed")
+        if seed is not None and not _is_int(seed):
+            raise _bad(f"`seed` must be an integer, got {json.dumps(seed)}", "seed")
+        return SamplingParams(temperature=float(temperature), top_k=top_k if top_k and top_k > 0 else None,
+                              top_p=None if top_p is None or top_p == 1 else float(top_p), seed=seed,
+                              eos_token_id=self.eos_token_id)
+
+    @staticmethod
+    def _stops(stop) -> list[str]:
+        if stop is None:
+            return []
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise _bad("`stop` must be a non-empty string or a list of non-empty strings", "stop")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise _bad(f"`stop` holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
+        return stops
+
+    # ------------------------------------------------------------------ responses
+    def start(self, req: _Parsed) -> _Generation:
+        """Submit a parsed request inside a running event loop; ``await gen.admitted()`` (a 400 if the engine
+        can never fit it), then ``await gen.text()`` or ``async for piece in gen.deltas()``."""
+        return _Generation(self, req)
+
+    def usage(self, req: _Parsed, gen: _Generation) -> dict:
+        n = len(req.prompt_ids)
+        return {"prompt_tokens": n, "completion_tokens": gen.completion_tokens, "total_tokens": n + gen.completion_tokens}
+
+    def response(self, req: _Parsed, gen: _Generation, text: str, rid: str) -> dict:
+        base = {"id": rid, "created": int(time.time()), "model": self.model_name}
+        if req.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": gen.finish_reason}
+            return {**base, "object": "chat.completion", "choices": [choice], "usage": self.usage(req, gen)}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": gen.finish_reason}
+        return {**base, "object": "text_completion", "choices": [choice], "usage": self.usage(req, gen)}
+
+    def chunk(self, req: _Parsed, rid: str, text: str | None = None, finish: str | None = None,
+              role: bool = False, usage: dict | None = None) -> dict:
+        obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+        out = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
+        if usage is not None:
+            return {**out, "choices": [], "usage": usage}
+        if req.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {**out, "choices": [choice]}

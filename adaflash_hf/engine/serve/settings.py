@@ -1,0 +1,52 @@
+"""The HTTP server's limits and timeouts, in one place (the ``adaflash serve`` flags set them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["EXIT_ENGINE_FAILED", "ServeSettings"]
+
+# The process exit status after an engine failure (a supervisor restarts the server); 2 is a usage error.
+EXIT_ENGINE_FAILED = 3
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """How much the server takes on, and how long it waits.
+
+    Args:
+        max_concurrent_requests: completion requests in flight (queued in the engine or generating);
+            one more gets a 429 with ``Retry-After`` instead of waiting. ``/health`` and ``/v1/models``
+            are never limited.
+        max_body_bytes: the largest request body (a 413 above it).
+        body_timeout_s: the longest wait for the next piece of a request body (a 408 after it).
+        timeout_keep_alive_s: how long an idle keep-alive connection stays open.
+        backlog: the listen backlog (connections the kernel queues before ``accept``).
+        disconnect_poll_s: how often a non-streaming request checks whether its client is still there.
+        exit_after_failure_s: after an engine failure, answer ``/health`` with 503 for this long, then stop
+            serving with :data:`EXIT_ENGINE_FAILED` (``None``: keep answering 503, never stop).
+
+    Example::
+
+        make_server(engine, tok, port=0, settings=ServeSettings(max_concurrent_requests=64))
+    """
+
+    max_concurrent_requests: int = 256
+    max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float = 30.0
+    timeout_keep_alive_s: float = 5.0
+    backlog: int = 2048
+    disconnect_poll_s: float = 0.1
+    exit_after_failure_s: float | None = None
+
+    def __post_init__(self):
+        for name in ("max_concurrent_requests", "max_body_bytes", "backlog"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("body_timeout_s", "timeout_keep_alive_s", "disconnect_poll_s", "exit_after_failure_s"):
+            v = getattr(self, name)
+            if v is None and name == "exit_after_failure_s":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
