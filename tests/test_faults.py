@@ -169,6 +169,39 @@ def test_non_finite_distribution_fails_only_its_request(pair, refs, monkeypatch,
     _still_serves(engine, refs)
 
 
+def test_non_finite_logits_in_queued_greedy_steps_fail_only_their_request(pair, refs, monkeypatch):
+    """Plain greedy decoding queues ``decode_steps`` steps before one device read (the CUDA-graph path, run
+    eagerly here): a row whose logits turn NaN at a middle step fails its request with the non-finite
+    error, instead of emitting argmax tokens silently; the other rows and later requests are exact."""
+    from adaflash_hf.engine import graphs as graphs_mod
+
+    prompts, expected = refs
+    real, calls = graphs_mod.DecodeGraphs._forward_once, {"n": 0}
+
+    def poisoned(self, Tb, qb, Rb=None, keep=True):
+        logits, hidden = real(self, Tb, qb, Rb, keep=keep)
+        calls["n"] += 1
+        if calls["n"] == 3 and Tb >= 2:  # the third decode forward, second row
+            logits[1] = float("nan")
+        return logits, hidden
+
+    monkeypatch.setattr(graphs_mod.DecodeGraphs, "_forward_once", poisoned)
+    engine = Engine(pair[0], None, max_slots=SLOTS, max_len=40, token_budget=48, decode_steps=4, cuda_graphs=True)
+    handles = [engine.submit(p, 10) for p in prompts[:3]]
+    engine.run_until_idle()
+    results = [h.result() for h in handles]
+    assert [r.finish_reason for r in results].count("error") == 1
+    for r, exp in zip(results, expected):
+        if r.finish_reason == "error":
+            assert r.error == NON_FINITE and r.token_ids == exp[: len(r.token_ids)]  # nothing wrong emitted
+        else:
+            assert r.token_ids == exp
+    assert engine.num_steps > 0 and calls["n"] >= 3
+    monkeypatch.undo()
+    _assert_clean(engine)
+    _still_serves(engine, refs)
+
+
 # ---------------------------------------------------------------- the round fails
 class FailingEngine(Engine):
     """The batched target forward raises once, on its ``fail_on``-th call (as a CUDA OOM would)."""

@@ -464,6 +464,9 @@ class Engine(RequestLifecycle):
         for i, r in enumerate(running):
             self.cache.advance(r.slot, steps)  # a request that ends inside frees its slot (length reset) on commit
             for s in range(steps):
+                if rows[s][i] < 0:  # non-finite logits at this step: this request fails, the others go on
+                    self._fail(r, NON_FINITE)
+                    break
                 self._commit(r, [rows[s][i]], verify_len=1)
                 if r.output is not None:
                     break

@@ -91,6 +91,12 @@ def pick_bucket(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+
+def _flag_non_finite(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens`` with ``-1`` in every row whose logits are not all finite: greedy decoding reads the flag
+    in the same device read as the tokens, so a NaN row fails its request instead of emitting argmax 0."""
+    return torch.where(torch.isfinite(logits).all(dim=-1), tokens, torch.full_like(tokens, -1))
+
 class GraphRunner:
     """What every static-shape runner shares: lazily captured CUDA graphs per bucket (one memory pool),
     replay counts, the attention backend fallback (triton -> flex -> SDPA). Subclasses own the static inputs / outputs and define
@@ -287,8 +293,8 @@ class DecodeGraphs(GraphRunner):
         tokens, positions = self.inputs[0, :Tb], self.inputs[1, :Tb]
         logits, _ = self._forward_once(Tb, qb, Rb, keep=False)
         nxt = logits.argmax(dim=-1)
-        self.step_tokens[:, :Tb].index_copy_(0, self.step_index, nxt[None])
-        tokens.copy_(nxt)
+        self.step_tokens[:, :Tb].index_copy_(0, self.step_index, _flag_non_finite(logits, nxt)[None])
+        tokens.copy_(nxt)  # a valid id even for a flagged row: the next step must not index the embedding with -1
         positions.add_(1)
         self.attention.start.add_(1)  # INACTIVE rows stay far below every key position
         self.step_index.add_(1)
@@ -349,7 +355,7 @@ class DecodeGraphs(GraphRunner):
     def run_greedy(self, tokens, layout: PackedLayout, steps: int) -> torch.Tensor:
         """``steps`` greedy plain-decoding steps of every request in ``layout`` (one token each), queued
         without a host synchronisation: ``[steps, T]`` next tokens on the device (a view of a static buffer,
-        valid until the next replay). Step ``s`` feeds back step ``s - 1``'s argmax; each step writes its
+        valid until the next replay); ``-1`` where that step's logits were not finite. Step ``s`` feeds back step ``s - 1``'s argmax; each step writes its
         input token's K/V.
         Cache lengths are not changed (the caller advances them by what it keeps). Equal to ``steps``
         calls of :meth:`run` with the argmax fed back (``tests/test_engine_graphs.py``)."""
@@ -362,7 +368,8 @@ class DecodeGraphs(GraphRunner):
         bucket = self.prepare(tokens, layout)
         if steps == 1:  # the plain decode bucket: no graph of its own
             self.replay(bucket)
-            return self.logits[: layout.num_tokens].argmax(dim=-1)[None]
+            logits = self.logits[: layout.num_tokens]
+            return _flag_non_finite(logits, logits.argmax(dim=-1))[None]
         # One graph per step, replayed back to back: a replay is launched while the previous one runs, so
         # only the first launch is exposed (one graph of all the steps took ~1 ms to launch per replay).
         self.step_index.zero_()
