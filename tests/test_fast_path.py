@@ -90,6 +90,18 @@ def test_engine_route_equals_the_eager_loop_and_plain_greedy(family, batch, poli
     assert torch.equal(_gen(target, drafter, ids, mask, False, length_policy=policy), plain)
 
 
+def test_the_rows_of_one_call_decode_together(eager_loop_forbidden):
+    """A batch is one workload: every row is admitted at once and they share rounds (a budget of one
+    prompt's prefill admitted them one by one: 40 engine steps here instead of 14)."""
+    target = make_target("qwen3", seed=5)
+    drafter = make_drafter(target, block_size=4)
+    ids, mask, _ = ragged_prompts(6, [60, 58, 60, 56, 60, 59], seed=5)
+    out, stats = _gen(target, drafter, ids, mask, True, length_policy="fixed", return_stats=True)
+    (cached,) = fast_path._ENGINES.values()
+    assert cached.engine.num_steps <= 1.5 * stats.rounds / 6 + 2
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=14, pad_token_id=PAD_ID))
+
+
 def test_engine_route_stops_and_returns_what_generate_does(eager_loop_forbidden):
     """EOS, a stop string, a streamer and return_dict_in_generate on the engine route == the eager loop."""
     target = make_target("qwen3", seed=3)

@@ -43,6 +43,7 @@ __all__ = ["FAST_PATH_CHOICES", "MAX_ENGINES", "clear_engines", "engine_decoding
 
 FAST_PATH_CHOICES = ("auto", True, False)
 MAX_ENGINES = 2  # engines kept alive (each holds its KV caches and graphs)
+MAX_BUDGET = 16384  # tokens per forward at most: a larger batch of long prompts prefills over several rounds
 _ENGINES: "OrderedDict[tuple, _Cached]" = OrderedDict()
 _LOCK = threading.Lock()
 
@@ -120,6 +121,13 @@ def takes_engine(fast_path, model, drafter, generation_config, logits_processor,
     return True
 
 
+def _token_budget(prompt_lens: list[int], block: int) -> int:
+    """Tokens one engine forward may take: every row's prompt and a block per row, up to ``MAX_BUDGET``.
+    A generate call is one batch: a budget of one prompt would admit its rows one prefill at a time
+    (each prefill fills the forward, and the admission EMA then holds the others back for rounds)."""
+    return min(sum(prompt_lens) + len(prompt_lens) * block, max(MAX_BUDGET, max(prompt_lens) + block))
+
+
 def _engine_for(model, drafter, mode: str, rows: int, max_len: int, budget: int, length_rate, length_min) -> _Cached:
     """The cached engine for these models and mode if it fits the call, else a new one (replacing it)."""
     from ..engine import Engine
@@ -164,7 +172,7 @@ def warmup(target, drafter, batch_size: int = 1, prompt_len: int = 512, max_new_
     if not drafter.is_bound_to(target):
         drafter.bind_target(target)
     cached = _engine_for(target, drafter, mode, batch_size, prompt_len + max_new_tokens + block,
-                         max(prompt_len, batch_size * block), length_rate, length_min)
+                         _token_budget([prompt_len] * batch_size, block), length_rate, length_min)
     with cached.lock, torch.inference_mode(False), torch.no_grad():
         cached.engine.warmup(concurrency=min(batch_size, cached.engine.max_slots), prompt_lens=[prompt_len])
     return time.perf_counter() - t0
@@ -205,7 +213,7 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
     mode = policy.value  # the engine's length_policy
     block = drafter.config.block_size
     cached = _engine_for(model, drafter, mode, len(prompts), max(map(len, prompts)) + max_new + block,
-                         max(max(map(len, prompts)), len(prompts) * block), length_rate, length_min)
+                         _token_budget(list(map(len, prompts)), block), length_rate, length_min)
     engine = cached.engine
     stats = GenerationStats(block_size=block, policy=policy.value)
     output = _Output.for_config(generation_config, logits_processor, stopping_criteria, streamer)
