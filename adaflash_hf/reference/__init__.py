@@ -1,7 +1,8 @@
 """The project's embedded reference pair: a small Qwen3 target and its AdaFlash drafter.
 
-Both were trained on this project's own data (no hub is reachable where they were made); the
-commands that reproduce them are in `adaflash_hf/reference/README.md`.
+Both were trained on this project's own data (no hub is reachable where they were made): the target
+with `examples/reference_pair/gpu_run.sh`, the drafter (5 layers, all four domains) with
+`bash examples/reference_pair/gpu_drafters.sh four`; commands, data and figures in BENCHMARKS.md section 1.
 """
 
 import os
