@@ -11,14 +11,12 @@ Self-contained (torch + transformers + safetensors) so it travels with the model
 import json
 import os
 import re
-import shutil
-import uuid
-from collections.abc import Callable
 
 import torch
 from safetensors import safe_open
 from transformers.utils import cached_file
 
+from .atomic_save import chmod_tree
 from .configuration_adaflash import AdaFlashConfig, default_target_layer_ids
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
@@ -484,56 +482,6 @@ def _load_renamed(cls, config, files, rename, kwargs, extra=None):
     return model.eval()
 
 
-def _chmod_tree(root: str) -> None:
-    """Folders 0755, files 0644: an engine running as another user must read the export."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        os.chmod(dirpath, 0o755)
-        for name in filenames:
-            os.chmod(os.path.join(dirpath, name), 0o644)
-
-
-def move_into_place(tmp, dest) -> None:
-    """Move every entry of folder `tmp` into folder `dest` with `os.replace`, `config.json` last; weight
-    shards of an earlier save that the new one does not have are removed just before the config moves,
-    so `dest` never pairs a config with weights of another save."""
-    names = sorted(os.listdir(tmp))
-    names.sort(key=lambda n: n == "config.json")
-    stale = [n for n in os.listdir(dest) if n.startswith("model") and ".safetensors" in n and n not in names
-             and os.path.isfile(os.path.join(dest, n))]  # fmt: skip
-    for name in names:
-        if name == "config.json":
-            for n in stale:
-                os.remove(os.path.join(dest, n))
-        target = os.path.join(dest, name)
-        if os.path.isdir(target) and not os.path.isdir(os.path.join(tmp, name)):
-            shutil.rmtree(target)
-        os.replace(os.path.join(tmp, name), target)
-
-
-def save_atomically(save: Callable[[str], object], path) -> None:
-    """Run `save(folder)` into a fresh folder beside `path`, then publish it: renamed into place when
-    `path` is missing or empty, else moved in file by file ([`move_into_place`]). On any error (a full
-    disk) the temporary folder is removed: nothing new appears at `path` and an earlier save there is
-    untouched, so a config never ends up without its weights."""
-    path = os.path.abspath(path)
-    if os.path.isfile(path):
-        raise NotADirectoryError(f"{path} is a file: save into a folder")
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".tmp-save-{os.getpid()}-{uuid.uuid4().hex}")
-    os.mkdir(tmp)  # not mkdtemp: the published folder gets the permissions a plain save gives it
-    try:
-        save(tmp)
-        if os.path.isdir(path) and os.listdir(path):
-            move_into_place(tmp, path)
-        else:
-            if os.path.isdir(path):
-                os.rmdir(path)
-            os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def write_dflash_checkpoint(model, path: str, dtype="bfloat16", remote_code_dir: str | None = None, head_layout: str = "subfolder") -> None:
     """Write `model` in the z-lab DFlash layout into `path`: what vLLM and SGLang load, nothing else.
 
@@ -604,7 +552,7 @@ def write_dflash_checkpoint(model, path: str, dtype="bfloat16", remote_code_dir:
             config["auto_map"] = {"AutoModel": "modeling_adaflash.AdaFlashDrafter"}
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
-        _chmod_tree(tmp)
+        chmod_tree(tmp)
         if os.path.exists(path):
             os.rmdir(path)
         os.replace(tmp, path)
@@ -622,10 +570,8 @@ __all__ = [
     "embedding_fingerprint_mismatch",
     "is_dflash_layout",
     "load_drafter_state_dict",
-    "move_into_place",
     "read_length_head",
     "read_safetensors_shapes",
-    "save_atomically",
     "to_dflash_keys",
     "to_native_keys",
     "write_dflash_checkpoint",

@@ -24,7 +24,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
-from .checkpoint_layouts import embedding_fingerprint_mismatch, load_drafter_state_dict, save_atomically
+from .atomic_save import save_atomically
+from .checkpoint_layouts import embedding_fingerprint_mismatch, load_drafter_state_dict
 from .configuration_adaflash import AdaFlashConfig, default_target_layer_ids
 
 

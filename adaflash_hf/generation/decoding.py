@@ -226,6 +226,13 @@ def adaflash_decoding(
         return engine_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                length_policy=length_policy, length_rate=length_rate, length_min=length_min,
                                return_stats=return_stats, round_sink=round_sink, **model_kwargs)
+    return _draft_verify_loop(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                              length_policy, length_rate, length_min, return_stats, round_sink, model_kwargs)
+
+
+def _draft_verify_loop(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                       length_policy, length_rate, length_min, return_stats, round_sink, model_kwargs):
+    """The eager rounds of :func:`adaflash_decoding` (transformers' modules, a `DynamicCache`)."""
     # An online adapter attached to the drafter (`OnlineAdapter.attach()`) receives every round.
     on_round, on_request = round_callbacks(round_sink, drafter)
     generator = AdaFlashCandidateGenerator.for_target(
