@@ -30,11 +30,16 @@ def test_every_example_is_covered():
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(EXPECTED)
 
 
+# flags beside --smoke: the engine check on a tiny pair (the reference pair runs through the engine in
+# tests/test_fresh_checkout.py, `bench --reference` with engine_fixed)
+EXTRA_FLAGS = {"engine_gpu_check.py": ["--tiny"]}
+
+
 @pytest.mark.parametrize("script", sorted(EXPECTED))
 def test_example_smoke(script, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), "--smoke"],
+        [sys.executable, str(EXAMPLES / script), "--smoke", *EXTRA_FLAGS.get(script, [])],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"

@@ -6,7 +6,7 @@ folder and ``HF_HUB_OFFLINE=1`` / ``HF_DATASETS_OFFLINE=1`` keep the Hub out. Fr
 current interpreter and ``PYTHONPATH`` set to the copy, each command must exit 0:
 
 * ``adaflash demo`` (as ``python -m adaflash_hf.cli demo``);
-* ``adaflash bench --reference`` with its defaults (under ``--reference``: 4 prompts, 64 tokens, plain,
+* ``adaflash bench --reference`` with its defaults (under ``--reference``: 3 prompts, 48 tokens, plain,
   prompt_lookup, fixed, adaptive, engine_fixed; named dataset ``gsm8k`` -> Hub unavailable -> the
   built-in sample), every method's output checked identical to plain;
 * ``adaflash train --reference --max-steps 5`` (training prompts from the built-in sample,

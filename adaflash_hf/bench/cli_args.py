@@ -69,10 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-# What a flag left out means. `--reference` is a first look that runs in about a minute on a laptop CPU:
+# What a flag left out means. `--reference` is a first look that runs in well under a minute on a laptop CPU:
 # fewer prompts and tokens, and the methods a newcomer compares (plain, prompt lookup, ours, the engine).
 DEFAULTS = {"num_prompts": 8, "max_new_tokens": 128, "methods": list(DEFAULT_METHODS)}
-REFERENCE_DEFAULTS = {"num_prompts": 4, "max_new_tokens": 64,
+REFERENCE_DEFAULTS = {"num_prompts": 3, "max_new_tokens": 48,
                       "methods": ["plain", "prompt_lookup", "fixed", "adaptive", "engine_fixed"]}  # fmt: skip
 
 
