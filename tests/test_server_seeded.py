@@ -33,6 +33,9 @@ def test_position_keyed_samples_are_exact_and_keyed():
     assert torch.equal(rows.sum(dim=-1), torch.ones(6000))  # one-hot
     tv = 0.5 * (rows.mean(dim=0) - p).abs().sum().item()
     assert tv < 0.03, tv
+    sharp = p**2 / (p**2).sum()  # negative control: samples of another distribution fail the same bound
+    wrong = position_keyed_samples(sharp.expand(6000, 5).clone(), seed=3, start=0)
+    assert 0.5 * (wrong.mean(dim=0) - p).abs().sum().item() > 0.03
     again = position_keyed_samples(p.expand(10, 5).clone(), seed=3, start=100)
     assert torch.equal(again, rows[100:110])  # a row depends on (seed, position) only, not on the call's cut
     other = position_keyed_samples(p.expand(10, 5).clone(), seed=4, start=100)

@@ -26,6 +26,7 @@ DESCRIPTION = (
     "       -d '{\"prompt\": \"Hello\", \"max_tokens\": 16, \"temperature\": 0}'"
 )
 
+
 def add_arguments(p) -> None:
     add_model_args(p)
     g = p.add_argument_group("server")
