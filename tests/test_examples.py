@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_runner import Job, run_scripts
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -35,14 +36,22 @@ def test_every_example_is_covered():
 EXTRA_FLAGS = {"engine_gpu_check.py": ["--tiny"]}
 
 
-@pytest.mark.parametrize("script", sorted(EXPECTED))
-def test_example_smoke(script, tmp_path):
+@pytest.fixture(scope="module")
+def smokes(request, tmp_path_factory):
+    """Every selected script's `--smoke` run, each in its own process and working directory, forked from
+    one interpreter that imported torch, transformers and adaflash_hf once (tests/script_runner.py)."""
+    selected = sorted({item.callspec.params["script"] for item in request.session.items
+                       if item.module is request.module and item.originalname == "test_example_smoke"})
+    root = tmp_path_factory.mktemp("smokes")
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), "--smoke", *EXTRA_FLAGS.get(script, [])],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"
+    jobs = [Job(script, [EXAMPLES / script, "--smoke", *EXTRA_FLAGS.get(script, [])], cwd=root / script) for script in selected]
+    return run_scripts(jobs, env, workdir=root / "logs")
+
+
+@pytest.mark.parametrize("script", sorted(EXPECTED))
+def test_example_smoke(script, smokes):
+    proc = smokes[script]
+    assert proc.returncode == 0, f"{script} failed (timed out: {proc.timed_out}):\n{proc.stdout}\n{proc.stderr}"
     for words in EXPECTED[script]:
         assert words in proc.stdout, f"{script}: {words!r} missing from:\n{proc.stdout}"
     assert "Traceback" not in proc.stderr

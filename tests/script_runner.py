@@ -1,0 +1,120 @@
+"""Run several scripts (or `-m` modules) as `python SCRIPT ARGS...` would, paying one interpreter start.
+
+A fresh interpreter that imports torch, transformers and adaflash_hf costs several seconds on the CI's
+two cores, more than many of the smoke runs themselves. `run_scripts` starts ONE interpreter, imports
+the `preload` modules once, then forks a child per job: each child has its own process (no state
+leaks from one job to the next), working directory, `sys.argv`, `sys.path[0]` (the script's folder,
+or the working directory for a module), stdout and stderr files, and exits like `python` does
+(normal interpreter shutdown: atexit handlers, non-daemon threads joined; an uncaught exception
+prints its traceback and exits 1). Each job still runs its own imports in fresh globals.
+
+    results = run_scripts([Job("quick", ["examples/quickstart.py", "--smoke"], cwd=tmp)], env=env)
+    assert results["quick"].returncode == 0 and "identical: True" in results["quick"].stdout
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PRELOAD = ("torch", "transformers", "adaflash_hf")
+
+# The interpreter's side: argv[1] is a JSON spec {"preload": [...], "jobs": [...], "results": path}.
+_RUNNER = r'''
+import json, os, runpy, signal, sys, time, traceback
+
+spec = json.load(open(sys.argv[1]))
+for name in spec["preload"]:
+    __import__(name)
+results = {}
+
+
+def run_job(job):
+    os.chdir(job["cwd"])
+    for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.argv = list(job["argv"])
+    try:
+        if job["module"]:
+            sys.path[0] = job["cwd"]
+            runpy.run_module(job["module"], run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(job["argv"][0]))
+            runpy.run_path(job["argv"][0], run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        raise SystemExit(1)
+
+
+for job in spec["jobs"]:
+    sys.stdout.flush(); sys.stderr.flush()
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the job: leaves through SystemExit, so the interpreter shuts down as `python` would
+        run_job(job)
+        raise SystemExit(0)
+    timed_out = False
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() - start > job["timeout"]:
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            timed_out = True
+            break
+        time.sleep(0.05)
+    results[job["name"]] = {"returncode": os.waitstatus_to_exitcode(status), "timed_out": timed_out,
+                            "seconds": time.monotonic() - start}
+    json.dump(results, open(spec["results"], "w"))
+'''
+
+
+@dataclass
+class Job:
+    """One `python ARGV...` (or `python -m MODULE ARGV[1:]...` when `module` is set) run in `cwd`."""
+
+    name: str
+    argv: list[str]
+    cwd: Path
+    module: str | None = None
+    timeout: float = 120.0
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    seconds: float = field(default=0.0)
+
+
+def run_scripts(jobs: list[Job], env: dict, preload=PRELOAD, workdir: Path | None = None) -> dict[str, Result]:
+    """Run `jobs` one after another in forks of one interpreter started with `env`; results by job name."""
+    workdir = Path(workdir or jobs[0].cwd)
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = {"preload": list(preload), "results": str(workdir / "runner_results.json"), "jobs": []}
+    for job in jobs:
+        Path(job.cwd).mkdir(parents=True, exist_ok=True)
+        spec["jobs"].append({"name": job.name, "argv": [str(a) for a in job.argv], "cwd": str(job.cwd),
+                             "module": job.module, "timeout": job.timeout,
+                             "stdout": str(workdir / f"{job.name}.stdout"), "stderr": str(workdir / f"{job.name}.stderr")})
+    (workdir / "runner_spec.json").write_text(json.dumps(spec))
+    total = 60 + sum(job.timeout for job in jobs)
+    proc = subprocess.run([sys.executable, "-c", _RUNNER, str(workdir / "runner_spec.json")], env=env,
+                          capture_output=True, text=True, timeout=total)
+    assert proc.returncode == 0, f"the script runner failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    done = json.loads(Path(spec["results"]).read_text())
+    return {
+        j["name"]: Result(stdout=Path(j["stdout"]).read_text(errors="replace"), stderr=Path(j["stderr"]).read_text(errors="replace"),
+                          **done[j["name"]])
+        for j in spec["jobs"]
+    }
