@@ -26,7 +26,13 @@ PRELOAD = ("torch", "transformers", "adaflash_hf")
 _RUNNER = r'''
 import json, os, runpy, signal, sys, time, traceback
 
+
+def path0(job):  # what `python SCRIPT` / `python -m MODULE` puts first on sys.path
+    return job["cwd"] if job["module"] else os.path.dirname(os.path.abspath(job["argv"][0]))
+
+
 spec = json.load(open(sys.argv[1]))
+sys.path[0] = path0(spec["jobs"][0])  # preload from where the first job imports (not this runner's cwd)
 for name in spec["preload"]:
     __import__(name)
 results = {}
@@ -39,12 +45,11 @@ def run_job(job):
         os.dup2(f, fd)
         os.close(f)
     sys.argv = list(job["argv"])
+    sys.path[0] = path0(job)
     try:
         if job["module"]:
-            sys.path[0] = job["cwd"]
             runpy.run_module(job["module"], run_name="__main__", alter_sys=True)
         else:
-            sys.path[0] = os.path.dirname(os.path.abspath(job["argv"][0]))
             runpy.run_path(job["argv"][0], run_name="__main__")
     except SystemExit:
         raise
@@ -109,7 +114,7 @@ def run_scripts(jobs: list[Job], env: dict, preload=PRELOAD, workdir: Path | Non
                              "stdout": str(workdir / f"{job.name}.stdout"), "stderr": str(workdir / f"{job.name}.stderr")})
     (workdir / "runner_spec.json").write_text(json.dumps(spec))
     total = 60 + sum(job.timeout for job in jobs)
-    proc = subprocess.run([sys.executable, "-c", _RUNNER, str(workdir / "runner_spec.json")], env=env,
+    proc = subprocess.run([sys.executable, "-c", _RUNNER, str(workdir / "runner_spec.json")], env=env, cwd=jobs[0].cwd,
                           capture_output=True, text=True, timeout=total)
     assert proc.returncode == 0, f"the script runner failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     done = json.loads(Path(spec["results"]).read_text())

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_runner import Job, run_scripts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,28 +51,44 @@ def checkout(tmp_path_factory):
     return dest, env
 
 
-def _run(checkout, *args, timeout=120):
+# The three commands, each as `python -m adaflash_hf.cli ...` in the copy, forked from one interpreter that
+# imported torch / transformers / the copy's adaflash_hf once (tests/script_runner.py).
+COMMANDS = {
+    "demo": (["demo"], 120),
+    "bench": (["bench", "--reference"], 300),
+    "train": (["train", "--reference", "--max-steps", "5", "--out", "tmp"], 120),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(checkout):
     dest, env = checkout
-    p = subprocess.run([sys.executable, *args], cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, f"{' '.join(args)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    jobs = [Job(name, ["-m", *argv], cwd=dest, module="adaflash_hf.cli", timeout=timeout)
+            for name, (argv, timeout) in COMMANDS.items()]
+    return run_scripts(jobs, env, workdir=dest.parent / "runner")
+
+
+def _run(runs, name):
+    p = runs[name]
+    assert p.returncode == 0, f"{' '.join(COMMANDS[name][0])} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p.stdout + p.stderr
 
 
-def test_demo(checkout):
-    out = _run(checkout, "-m", "adaflash_hf.cli", "demo")
+def test_demo(runs):
+    out = _run(runs, "demo")
     assert "identical: True" in out
 
 
-def test_bench_reference(checkout):
-    out = _run(checkout, "-m", "adaflash_hf.cli", "bench", "--reference", timeout=300)
+def test_bench_reference(runs):
+    out = _run(runs, "bench")
     assert "built-in math sample" in out
     for method in ("plain", "prompt_lookup", "fixed", "adaptive", "engine_fixed"):
         assert f"] {method}: " in out and "MISMATCH" not in out
 
 
-def test_train_reference(checkout):
+def test_train_reference(checkout, runs):
     dest, _ = checkout
-    out = _run(checkout, "-m", "adaflash_hf.cli", "train", "--reference", "--max-steps", "5", "--out", "tmp")
+    out = _run(runs, "train")
     assert "built-in sample" in out and "trained 5 steps" in out
     assert f"target {dest / 'adaflash_hf'}" in out  # the copy's package ran (its reference target), not /work/main's
     assert (dest / "tmp" / "config.json").is_file() and (dest / "tmp" / "train_summary.json").is_file()
