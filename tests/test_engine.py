@@ -373,7 +373,8 @@ def test_sampling_follows_target_distribution(monkeypatch):
     emp = _sample_token2(target, drafter, prompt, n)
     tv = 0.5 * (emp - exact).abs().sum().item()
     assert tv < 0.06, tv
-    # Negative control: accepting every draft gives the drafter's distribution, which is far off.
+    # Negative control: accepting every draft gives the drafter's distribution, which is far off (its
+    # support misses the target's here), so a few hundred samples already land far above the bound.
     from adaflash_hf.spec.acceptance import AcceptResult
 
     def accept_all(draft_tokens, draft_probs, target_probs, draft_len=None, generator=None):
@@ -382,7 +383,7 @@ def test_sampling_follows_target_distribution(monkeypatch):
         return AcceptResult(num_accepted=torch.full((draft_tokens.shape[0],), k), next_tokens=nxt)
 
     monkeypatch.setattr(verify_mod, "speculative_accept", accept_all)
-    bad = _sample_token2(target, drafter, prompt, n)
+    bad = _sample_token2(target, drafter, prompt, 200)
     assert 0.5 * (bad - exact).abs().sum().item() > 0.2
 
 

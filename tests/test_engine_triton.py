@@ -200,7 +200,7 @@ def test_engine_with_triton_kernels_is_lossless(mode, monkeypatch):
     every = dict.fromkeys(("qkv", "o", "gate_up", "down", "lm_head"), "triton")
     monkeypatch.setattr(FusedTarget, "build", classmethod(lambda cls, model, compile=None: (
         cls(model, False, row_kernels=every, block_kernels=every, store_kernel="triton"), "")))
-    target = _hd16_target()
+    target = _hd16_target(layers=2)  # two layers: every kernel still runs; each interpreted launch is costly
     drafter = make_drafter(target, block_size=4)
     prompts = engine_prompts([3, 9, 5], seed=7)
     eng = Engine(target, **layout_args(drafter, mode), max_slots=2, max_len=32, cuda_graphs=True)
