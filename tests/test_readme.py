@@ -18,7 +18,7 @@ SWAPS = {
     '"z-lab/Qwen3-8B-DFlash-b16"': repr(os.path.join(REFERENCE_DIR, "drafter")),
     '"cuda"': '"cpu"',
     "max_new_tokens=256": "max_new_tokens=16",
-    "max_steps=100": "max_steps=2",
+    "max_steps=100": "max_steps=1",
     "per_device_train_batch_size=8": "per_device_train_batch_size=2",
     "num_layers=5": "num_layers=1",
     '"/models/my-drafter-dflash"': '"out/my-drafter-dflash"',  # into the test's working directory, not /models
