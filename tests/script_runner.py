@@ -6,7 +6,9 @@ the `preload` modules once, then forks a child per job: each child has its own p
 leaks from one job to the next), working directory, `sys.argv`, `sys.path[0]` (the script's folder,
 or the working directory for a module), stdout and stderr files, and exits like `python` does
 (normal interpreter shutdown: atexit handlers, non-daemon threads joined; an uncaught exception
-prints its traceback and exits 1). Each job still runs its own imports in fresh globals.
+prints its traceback and exits 1). Each job still runs its own imports in fresh globals. Jobs of one
+call should import the library from the same place (the preload comes from the first job's path).
+`parallel` jobs run at a time (the CI has two cores, and the pytest process only waits meanwhile).
 
     results = run_scripts([Job("quick", ["examples/quickstart.py", "--smoke"], cwd=tmp)], env=env)
     assert results["quick"].returncode == 0 and "identical: True" in results["quick"].stdout
@@ -58,27 +60,38 @@ def run_job(job):
         raise SystemExit(1)
 
 
-for job in spec["jobs"]:
+def start(job):
     sys.stdout.flush(); sys.stderr.flush()
-    start = time.monotonic()
     pid = os.fork()
     if pid == 0:  # the job: leaves through SystemExit, so the interpreter shuts down as `python` would
         run_job(job)
         raise SystemExit(0)
-    timed_out = False
-    while True:
+    return pid, time.monotonic()
+
+
+def finish(job, status, started, timed_out=False):
+    results[job["name"]] = {"returncode": os.waitstatus_to_exitcode(status), "timed_out": timed_out,
+                            "seconds": time.monotonic() - started}
+    json.dump(results, open(spec["results"], "w"))
+
+
+waiting, running = list(spec["jobs"]), {}  # running: pid -> (job, start time)
+while waiting or running:
+    while waiting and len(running) < spec["parallel"]:
+        job = waiting.pop(0)
+        pid, started = start(job)
+        running[pid] = (job, started)
+    for pid, (job, started) in list(running.items()):
         done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() - start > job["timeout"]:
+        if not done and time.monotonic() - started > job["timeout"]:
             os.kill(pid, signal.SIGKILL)
             _, status = os.waitpid(pid, 0)
-            timed_out = True
-            break
-        time.sleep(0.05)
-    results[job["name"]] = {"returncode": os.waitstatus_to_exitcode(status), "timed_out": timed_out,
-                            "seconds": time.monotonic() - start}
-    json.dump(results, open(spec["results"], "w"))
+            finish(job, status, started, timed_out=True)
+            del running[pid]
+        elif done:
+            finish(job, status, started)
+            del running[pid]
+    time.sleep(0.05)
 '''
 
 
@@ -102,11 +115,11 @@ class Result:
     seconds: float = field(default=0.0)
 
 
-def run_scripts(jobs: list[Job], env: dict, preload=PRELOAD, workdir: Path | None = None) -> dict[str, Result]:
-    """Run `jobs` one after another in forks of one interpreter started with `env`; results by job name."""
+def run_scripts(jobs: list[Job], env: dict, preload=PRELOAD, workdir: Path | None = None, parallel: int = 1) -> dict[str, Result]:
+    """Run `jobs` in forks of one interpreter started with `env`, `parallel` at a time; results by job name."""
     workdir = Path(workdir or jobs[0].cwd)
     workdir.mkdir(parents=True, exist_ok=True)
-    spec = {"preload": list(preload), "results": str(workdir / "runner_results.json"), "jobs": []}
+    spec = {"preload": list(preload), "parallel": parallel, "results": str(workdir / "runner_results.json"), "jobs": []}
     for job in jobs:
         Path(job.cwd).mkdir(parents=True, exist_ok=True)
         spec["jobs"].append({"name": job.name, "argv": [str(a) for a in job.argv], "cwd": str(job.cwd),

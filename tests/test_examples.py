@@ -34,6 +34,7 @@ def test_every_example_is_covered():
 # flags beside --smoke: the engine check on a tiny pair (the reference pair runs through the engine in
 # tests/test_fresh_checkout.py, `bench --reference` with engine_fixed)
 EXTRA_FLAGS = {"engine_gpu_check.py": ["--tiny"]}
+LONGEST = ("engine_gpu_check.py", "fast_generate_gpu.py", "train_with_trainer.py")
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,9 @@ def smokes(request, tmp_path_factory):
                        if item.module is request.module and item.originalname == "test_example_smoke"})
     root = tmp_path_factory.mktemp("smokes")
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    selected.sort(key=lambda script: script not in LONGEST)  # two run at a time: the longest start first
     jobs = [Job(script, [EXAMPLES / script, "--smoke", *EXTRA_FLAGS.get(script, [])], cwd=root / script) for script in selected]
-    return run_scripts(jobs, env, workdir=root / "logs")
+    return run_scripts(jobs, env, workdir=root / "logs", parallel=2)  # the CI has two cores; pytest waits meanwhile
 
 
 @pytest.mark.parametrize("script", sorted(EXPECTED))
