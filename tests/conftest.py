@@ -82,44 +82,64 @@ except ImportError:
     pass
 else:
     raise SystemExit("adaflash_hf should not be importable here")
-path, out = sys.argv[1], sys.argv[2]
-config = AutoConfig.from_pretrained(path, trust_remote_code=True)
-model = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
-assert type(model).__name__ == "AdaFlashDrafter", type(model)
-assert not type(model).__module__.startswith("adaflash_hf"), type(model).__module__
-assert "adaflash_hf" not in {m.split(".")[0] for m in sys.modules if sys.modules[m] is not None}
-torch.manual_seed(0)
-cfg = model.config
-ctx = torch.randn(1, 5, len(cfg.target_layer_ids) * cfg.hidden_size)
-noise = torch.randn(1, cfg.block_size, cfg.hidden_size)
-with torch.no_grad():
-    hidden = model(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state
-state = {k: v.contiguous() for k, v in model.state_dict().items()}
-state["__hidden__"] = hidden
-save_file(state, out)
-print(type(config).__module__, type(model).__module__, type(model).__name__, cfg.use_length_head)
+for path, out in zip(sys.argv[1::2], sys.argv[2::2]):
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    model = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
+    assert type(model).__name__ == "AdaFlashDrafter", type(model)
+    assert not type(model).__module__.startswith("adaflash_hf"), type(model).__module__
+    assert "adaflash_hf" not in {m.split(".")[0] for m in sys.modules if sys.modules[m] is not None}
+    torch.manual_seed(0)
+    cfg = model.config
+    ctx = torch.randn(1, 5, len(cfg.target_layer_ids) * cfg.hidden_size)
+    noise = torch.randn(1, cfg.block_size, cfg.hidden_size)
+    with torch.no_grad():
+        hidden = model(noise_embeds=noise, context_hidden_states=ctx).last_hidden_state
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state["__hidden__"] = hidden
+    save_file(state, out)
+    print(out, type(config).__module__, type(model).__module__, type(model).__name__, cfg.use_length_head)
 """
 
 
-def load_with_remote_code(folder, tmp_path) -> tuple[str, dict]:
-    """Load a copy of `folder` with `AutoModel.from_pretrained(trust_remote_code=True)` in a fresh,
-    offline interpreter run from `tmp_path`, where adaflash_hf cannot be imported. Returns its stdout and
-    its tensors: the state dict plus `__hidden__`, the block states of a call with
-    `torch.manual_seed(0)`, context `randn(1, 5, K*H)`, noise `randn(1, block_size, H)`."""
+def load_with_remote_code(folders: dict, tmp_path) -> dict[str, tuple[str, dict]]:
+    """Load a copy of each folder of `folders` (name -> folder) with `AutoModel.from_pretrained(trust_remote_code=True)`
+    in ONE fresh, offline interpreter run from `tmp_path`, where adaflash_hf cannot be imported. Returns, by
+    name, its line of stdout and its tensors: the state dict plus `__hidden__`, the block states of a call
+    with `torch.manual_seed(0)`, context `randn(1, 5, K*H)`, noise `randn(1, block_size, H)`."""
     import shutil
     import subprocess
     import sys
 
     from safetensors.torch import load_file
 
-    copy, out = tmp_path / "remote_copy", tmp_path / "remote.safetensors"
-    shutil.copytree(folder, copy)
+    argv, outs = [], {}
+    for name, folder in folders.items():
+        copy, outs[name] = tmp_path / f"remote_copy_{name}", tmp_path / f"remote_{name}.safetensors"
+        shutil.copytree(folder, copy)
+        argv += [str(copy), str(outs[name])]
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", PYTHONPATH="", OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-c", REMOTE_CODE_SCRIPT, str(copy), str(out)], cwd=tmp_path, env=env,
+    result = subprocess.run([sys.executable, "-c", REMOTE_CODE_SCRIPT, *argv], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "transformers_modules" in result.stdout
-    return result.stdout, load_file(str(out))
+    lines = {line.split(" ", 1)[0]: line for line in result.stdout.splitlines()}
+    loads = {name: (lines[str(out)], load_file(str(out))) for name, out in outs.items()}
+    assert all("transformers_modules" in line for line, _ in loads.values())
+    return loads
+
+
+@pytest.fixture(scope="session")
+def remote_code_loads(tmp_path_factory):
+    """`distinct_pair()`'s drafter saved by `save_pretrained` ("saved") and exported by
+    `export_dflash(dtype=None, remote_code=True)` ("exported"), both loaded by `load_with_remote_code`
+    in one fresh interpreter (one interpreter start instead of two): `drafter`, `folders`, `loads`."""
+    from adaflash_hf import export_dflash
+
+    root = tmp_path_factory.mktemp("remote_code")
+    _, drafter = distinct_pair()
+    folders = {"saved": root / "saved", "exported": root / "exported"}
+    drafter.save_pretrained(folders["saved"])
+    export_dflash(drafter, str(folders["exported"]), dtype=None, remote_code=True)
+    return {"drafter": drafter, "folders": folders, "loads": load_with_remote_code(folders, root)}
 
 
 def build_drafter(target, num_layers: int = 2, block_size: int = 8, seed: int = 0, mask_token_id=None, **kw):

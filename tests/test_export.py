@@ -21,7 +21,7 @@ import stat
 
 import pytest
 import torch
-from conftest import TINY, build_drafter, distinct_pair, load_with_remote_code, build_tiny_target, drafter_inputs, spec_dflash_keys, spec_head_keys
+from conftest import TINY, build_drafter, distinct_pair, build_tiny_target, drafter_inputs, spec_dflash_keys, spec_head_keys
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -156,17 +156,15 @@ def test_export_dtype_argument(tmp_path):
     assert {t.dtype for t in load_file(str(tmp_path / "fp16" / "length_head" / "model.safetensors")).values()} == {torch.float16}
 
 
-def test_remote_code_export_loads_with_automodel(tmp_path):
+def test_remote_code_export_loads_with_automodel(remote_code_loads):
     """`remote_code=True`: the z-lab README's `AutoModel.from_pretrained(..., trust_remote_code=True)` path
     builds our drafter (not a plain Qwen3Model), the head included; the engines' files are unchanged."""
-    _, drafter = distinct_pair()
-    out = tmp_path / "remote"
-    export_dflash(drafter, str(out), dtype=None, remote_code=True)
+    drafter, out = remote_code_loads["drafter"], remote_code_loads["folders"]["exported"]  # export_dflash(dtype=None, remote_code=True)
     raw = json.loads((out / "config.json").read_text())
     assert raw["auto_map"] == {"AutoModel": "modeling_adaflash.AdaFlashDrafter"}  # AutoConfig stays Qwen3Config
     assert {"modeling_adaflash.py", "configuration_adaflash.py", "checkpoint_layouts.py"} <= set(os.listdir(out))
     assert set(exported(out)) == set(spec_dflash_keys(2))
-    stdout, remote = load_with_remote_code(out, tmp_path)
+    stdout, remote = remote_code_loads["loads"]["exported"]
     assert "AdaFlashDrafter True" in stdout
     torch.manual_seed(0)
     ctx = torch.randn(1, 5, len(drafter.config.target_layer_ids) * H)

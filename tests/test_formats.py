@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import TINY, build_drafter, distinct_pair, load_with_remote_code, build_tiny_target, drafter_inputs, spec_dflash_keys, spec_head_keys, spec_shapes
+from conftest import TINY, build_drafter, distinct_pair, build_tiny_target, drafter_inputs, spec_dflash_keys, spec_head_keys, spec_shapes
 from safetensors.torch import load_file, save_file
 
 import adaflash_hf
@@ -72,11 +72,10 @@ def test_auto_classes_after_import(tmp_path):
     assert model.config._attn_implementation == "eager"
 
 
-def test_trust_remote_code_without_library(tmp_path):
-    target, drafter = distinct_pair()
-    saved = tmp_path / "saved"
-    drafter.save_pretrained(saved)
-    _, remote = load_with_remote_code(saved, tmp_path)
+def test_trust_remote_code_without_library(remote_code_loads):
+    """A `save_pretrained` folder loads with `trust_remote_code=True` where adaflash_hf is not installed."""
+    drafter = remote_code_loads["drafter"]
+    remote = dict(remote_code_loads["loads"]["saved"][1])
     hidden = remote.pop("__hidden__")
     local = drafter.state_dict()
     assert set(remote) == set(local)
