@@ -290,3 +290,45 @@ from pathlib import Path as _Path
 
 FIXTURE_DATA = _Path(__file__).resolve().parent / "fixtures" / "data"
 _os.environ.setdefault("ADAFLASH_DATA", str(FIXTURE_DATA))
+
+
+_BACKGROUND_ROOTS: list = []  # temporary folders of the background runs, removed when the session ends
+
+
+# Subprocess-heavy runs (the example smokes, then the fresh checkout's commands) start in the background as
+# soon as the selected tests are known: on the CI's two cores they run beside this process's in-process
+# tests, one job at a time, instead of after them. The fixtures of tests/test_examples.py and
+# tests/test_fresh_checkout.py wait for them (or start them themselves when this did not).
+def pytest_collection_finish(session):
+    import tempfile
+
+    from script_runner import BACKGROUND, start_scripts
+
+    if session.config.option.collectonly:
+        return
+    smokes = [item for item in session.items if getattr(item, "originalname", "") == "test_example_smoke"]
+    if smokes:
+        root = _Path(tempfile.mkdtemp(prefix="adaflash_smokes_"))
+        _BACKGROUND_ROOTS.append(root)
+        jobs, env = smokes[0].module.smoke_jobs({item.callspec.params["script"] for item in smokes}, root)
+        BACKGROUND["examples"] = start_scripts(jobs, env, workdir=root / "logs", parallel=1)
+    fresh = [item for item in session.items if item.module.__name__.endswith("test_fresh_checkout")]
+    if fresh and fresh[0].module.can_checkout():  # the copy's commands, once the smokes are done
+        root = _Path(tempfile.mkdtemp(prefix="adaflash_fresh_"))
+        _BACKGROUND_ROOTS.append(root)
+        module = fresh[0].module
+        dest, env = module.make_checkout(root)
+        BACKGROUND["fresh_checkout"] = start_scripts(module.fresh_jobs(dest), env, workdir=root / "runner", parallel=1,
+                                                     after=BACKGROUND.get("examples"), context={"checkout": (dest, env)})
+
+
+def pytest_sessionfinish(session):
+    import shutil
+
+    from script_runner import BACKGROUND
+
+    for running in BACKGROUND.values():
+        running.stop()
+    BACKGROUND.clear()
+    for root in _BACKGROUND_ROOTS:
+        shutil.rmtree(root, ignore_errors=True)

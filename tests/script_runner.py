@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PRELOAD = ("torch", "transformers", "adaflash_hf")
+BACKGROUND: dict = {}  # runs started when collection finished (conftest.py), by name; their fixtures wait on them
 
 # The interpreter's side: argv[1] is a JSON spec {"preload": [...], "jobs": [...], "results": path}.
 _RUNNER = r'''
@@ -34,6 +35,10 @@ def path0(job):  # what `python SCRIPT` / `python -m MODULE` puts first on sys.p
 
 
 spec = json.load(open(sys.argv[1]))
+while spec["after_pid"] and os.path.exists(f"/proc/{spec['after_pid']}/stat"):  # the run before this one
+    if open(f"/proc/{spec['after_pid']}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+        break  # exited, not yet reaped by pytest
+    time.sleep(0.2)
 sys.path[0] = path0(spec["jobs"][0])  # preload from where the first job imports (not this runner's cwd)
 for name in spec["preload"]:
     __import__(name)
@@ -41,6 +46,7 @@ results = {}
 
 
 def run_job(job):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the runner's handler is not the job's
     os.chdir(job["cwd"])
     for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -76,7 +82,19 @@ def finish(job, status, started, timed_out=False):
 
 
 waiting, running = list(spec["jobs"]), {}  # running: pid -> (job, start time)
+parent = os.getppid()
+
+
+def stop_all(*_):  # asked to stop, or orphaned (the test session ended): end the running jobs too
+    for pid in running:
+        os.kill(pid, signal.SIGKILL)
+    os._exit(1)
+
+
+signal.signal(signal.SIGTERM, stop_all)
 while waiting or running:
+    if os.getppid() != parent:
+        stop_all()
     while waiting and len(running) < spec["parallel"]:
         job = waiting.pop(0)
         pid, started = start(job)
@@ -115,24 +133,51 @@ class Result:
     seconds: float = field(default=0.0)
 
 
-def run_scripts(jobs: list[Job], env: dict, preload=PRELOAD, workdir: Path | None = None, parallel: int = 1) -> dict[str, Result]:
-    """Run `jobs` in forks of one interpreter started with `env`, `parallel` at a time; results by job name."""
+class Running:
+    """A started runner: `wait()` returns the results by job name; `stop()` ends it and its jobs."""
+
+    def __init__(self, proc: subprocess.Popen, spec: dict, timeout: float, context: dict | None = None):
+        self.proc, self.spec, self.timeout = proc, spec, timeout
+        self.context = context or {}  # what the caller needs beside the results (e.g. the folder it ran in)
+
+    def wait(self) -> dict[str, Result]:
+        try:
+            out, err = self.proc.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        assert self.proc.returncode == 0, f"the script runner failed:\n{out[-3000:]}\n{err[-3000:]}"
+        done = json.loads(Path(self.spec["results"]).read_text())
+        return {
+            j["name"]: Result(stdout=Path(j["stdout"]).read_text(errors="replace"),
+                              stderr=Path(j["stderr"]).read_text(errors="replace"), **done[j["name"]])
+            for j in self.spec["jobs"]
+        }
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # the runner kills its running jobs (SIGTERM handler) and exits
+            self.proc.wait(30)
+
+
+def start_scripts(jobs: list[Job], env: dict, preload=PRELOAD, workdir: Path | None = None, parallel: int = 1,
+                  after: Running | None = None, context: dict | None = None) -> Running:
+    """Start `jobs` in forks of one interpreter started with `env`, `parallel` at a time, once the run `after`
+    (if any) has ended; returns at once."""
     workdir = Path(workdir or jobs[0].cwd)
     workdir.mkdir(parents=True, exist_ok=True)
-    spec = {"preload": list(preload), "parallel": parallel, "results": str(workdir / "runner_results.json"), "jobs": []}
+    spec = {"preload": list(preload), "parallel": parallel, "after_pid": after.proc.pid if after else None, "results": str(workdir / "runner_results.json"), "jobs": []}
     for job in jobs:
         Path(job.cwd).mkdir(parents=True, exist_ok=True)
         spec["jobs"].append({"name": job.name, "argv": [str(a) for a in job.argv], "cwd": str(job.cwd),
                              "module": job.module, "timeout": job.timeout,
                              "stdout": str(workdir / f"{job.name}.stdout"), "stderr": str(workdir / f"{job.name}.stderr")})
     (workdir / "runner_spec.json").write_text(json.dumps(spec))
-    total = 60 + sum(job.timeout for job in jobs)
-    proc = subprocess.run([sys.executable, "-c", _RUNNER, str(workdir / "runner_spec.json")], env=env, cwd=jobs[0].cwd,
-                          capture_output=True, text=True, timeout=total)
-    assert proc.returncode == 0, f"the script runner failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    done = json.loads(Path(spec["results"]).read_text())
-    return {
-        j["name"]: Result(stdout=Path(j["stdout"]).read_text(errors="replace"), stderr=Path(j["stderr"]).read_text(errors="replace"),
-                          **done[j["name"]])
-        for j in spec["jobs"]
-    }
+    proc = subprocess.Popen([sys.executable, "-c", _RUNNER, str(workdir / "runner_spec.json")], env=env, cwd=jobs[0].cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return Running(proc, spec, timeout=60 + sum(job.timeout for job in jobs) + (after.timeout if after else 0), context=context)
+
+
+def run_scripts(jobs: list[Job], env: dict, preload=PRELOAD, workdir: Path | None = None, parallel: int = 1) -> dict[str, Result]:
+    """`start_scripts(...).wait()`: run `jobs` and return their results by job name."""
+    return start_scripts(jobs, env, preload, workdir, parallel).wait()

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from script_runner import Job, run_scripts
+from script_runner import BACKGROUND, Job, start_scripts
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -37,17 +37,26 @@ EXTRA_FLAGS = {"engine_gpu_check.py": ["--tiny"]}
 LONGEST = ("engine_gpu_check.py", "fast_generate_gpu.py", "train_with_trainer.py")
 
 
+def smoke_jobs(scripts, root: Path) -> tuple[list[Job], dict]:
+    """The `--smoke` runs of `scripts`, each in its own working directory under `root`, the longest first."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    scripts = sorted(scripts, key=lambda script: (script not in LONGEST, script))
+    return [Job(script, [EXAMPLES / script, "--smoke", *EXTRA_FLAGS.get(script, [])], cwd=root / script) for script in scripts], env
+
+
 @pytest.fixture(scope="module")
 def smokes(request, tmp_path_factory):
-    """Every selected script's `--smoke` run, each in its own process and working directory, forked from
-    one interpreter that imported torch, transformers and adaflash_hf once (tests/script_runner.py)."""
-    selected = sorted({item.callspec.params["script"] for item in request.session.items
-                       if item.module is request.module and item.originalname == "test_example_smoke"})
-    root = tmp_path_factory.mktemp("smokes")
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    selected.sort(key=lambda script: script not in LONGEST)  # two run at a time: the longest start first
-    jobs = [Job(script, [EXAMPLES / script, "--smoke", *EXTRA_FLAGS.get(script, [])], cwd=root / script) for script in selected]
-    return run_scripts(jobs, env, workdir=root / "logs", parallel=2)  # the CI has two cores; pytest waits meanwhile
+    """Every selected script's `--smoke` run, each in its own process and working directory, forked from one
+    interpreter that imported torch, transformers and adaflash_hf once (tests/script_runner.py). conftest.py
+    started them in the background when collection finished; started here when it did not."""
+    running = BACKGROUND.get("examples")
+    if running is None:
+        scripts = {item.callspec.params["script"] for item in request.session.items
+                   if item.module is request.module and item.originalname == "test_example_smoke"}
+        root = tmp_path_factory.mktemp("smokes")
+        jobs, env = smoke_jobs(scripts, root)
+        running = start_scripts(jobs, env, workdir=root / "logs", parallel=2)  # two cores; pytest waits meanwhile
+    return running.wait()
 
 
 @pytest.mark.parametrize("script", sorted(EXPECTED))

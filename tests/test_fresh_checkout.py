@@ -24,17 +24,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from script_runner import Job, run_scripts
+from script_runner import BACKGROUND, Job, start_scripts
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def checkout(tmp_path_factory):
-    if shutil.which("git") is None or not (ROOT / ".git").exists():
-        pytest.skip("needs a git checkout (git ls-files)")
+def make_checkout(base: Path) -> tuple[Path, dict]:
+    """Copy the tracked files into `base / "adaflash-hf"`; returns the copy and the environment its commands run in."""
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    base = tmp_path_factory.mktemp("fresh")
     dest = base / "adaflash-hf"
     for rel in filter(None, files.decode().split("\0")):
         src = ROOT / rel
@@ -50,21 +47,44 @@ def checkout(tmp_path_factory):
     return dest, env
 
 
+def can_checkout() -> bool:
+    return shutil.which("git") is not None and (ROOT / ".git").exists()
+
+
 # The three commands, each as `python -m adaflash_hf.cli ...` in the copy, forked from one interpreter that
 # imported torch / transformers / the copy's adaflash_hf once (tests/script_runner.py).
-COMMANDS = {  # the longest first: two run at a time
+COMMANDS = {  # the longest first: two run at a time when started here
     "bench": (["bench", "--reference"], 300),
     "demo": (["demo"], 120),
     "train": (["train", "--reference", "--max-steps", "5", "--out", "tmp"], 120),
 }
 
 
+def fresh_jobs(dest: Path) -> list[Job]:
+    return [Job(name, ["-m", *argv], cwd=dest, module="adaflash_hf.cli", timeout=timeout) for name, (argv, timeout) in COMMANDS.items()]
+
+
 @pytest.fixture(scope="module")
-def runs(checkout):
-    dest, env = checkout
-    jobs = [Job(name, ["-m", *argv], cwd=dest, module="adaflash_hf.cli", timeout=timeout)
-            for name, (argv, timeout) in COMMANDS.items()]
-    return run_scripts(jobs, env, workdir=dest.parent / "runner", parallel=2)  # two cores; pytest waits meanwhile
+def started(tmp_path_factory):
+    """The commands' run: started by conftest.py in the background when collection finished, else here."""
+    if not can_checkout():
+        pytest.skip("needs a git checkout (git ls-files)")
+    running = BACKGROUND.get("fresh_checkout")
+    if running is None:
+        dest, env = make_checkout(tmp_path_factory.mktemp("fresh"))
+        running = start_scripts(fresh_jobs(dest), env, workdir=dest.parent / "runner", parallel=2,  # two cores; pytest waits
+                                context={"checkout": (dest, env)})
+    return running
+
+
+@pytest.fixture(scope="module")
+def checkout(started):
+    return started.context["checkout"]
+
+
+@pytest.fixture(scope="module")
+def runs(started):
+    return started.wait()
 
 
 def _run(runs, name):
