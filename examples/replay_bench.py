@@ -108,18 +108,28 @@ def record_traces(device, domains, n, max_new, smoke):
 
 
 def timed(eng, prompts, max_new, device, reps):
-    """``reps`` timed runs of ``prompts`` (median tok/s; graph capture inside a run is subtracted)."""
-    rates, outs = [], None
+    """``reps`` timed runs of ``prompts``: median end-to-end tok/s, and median decode tok/s (the tokens after
+    each request's first over the time after prefill: a run of ``max_new_tokens=1``, timed alone right
+    before, is subtracted). Graph capture inside a run is subtracted from both."""
     dg = getattr(eng, "draft_graphs", None)
-    for _ in range(reps):
+
+    def run(n):
         cap0 = eng.graphs.capture_seconds + (dg.capture_seconds if dg is not None else 0.0)
         egc.sync(device)
         t = time.perf_counter()
-        outs = eng.generate(prompts, max_new_tokens=max_new)
+        outs = eng.generate(prompts, max_new_tokens=n)
         egc.sync(device)
         cap = eng.graphs.capture_seconds + (dg.capture_seconds if dg is not None else 0.0) - cap0
-        rates.append(sum(len(o.token_ids) for o in outs) / max(time.perf_counter() - t - cap, 1e-9))
-    return statistics.median(rates), rates, outs
+        return outs, max(time.perf_counter() - t - cap, 1e-9)
+
+    rates, decode, outs = [], [], None
+    for _ in range(reps):
+        _, pre = run(1)
+        outs, total = run(max_new)
+        tokens = sum(len(o.token_ids) for o in outs)
+        rates.append(tokens / total)
+        decode.append((tokens - len(outs)) / max(total - pre, 1e-9))
+    return statistics.median(rates), rates, statistics.median(decode), outs
 
 
 def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile):
@@ -128,11 +138,11 @@ def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile):
     if warm:
         eng.generate(prompts, max_new_tokens=max_new)
     steps0, fwd0 = eng.num_steps, len(eng.forward_tokens)
-    rate, rates, outs = timed(eng, prompts, max_new, device, reps)
+    rate, rates, decode, outs = timed(eng, prompts, max_new, device, reps)
     acc = [a for o in outs for a in o.accepted]
     vl = [v for o in outs for v in o.verify_lengths]
     fwd = eng.forward_tokens[fwd0:]
-    row = {"tok_per_s": rate, "tok_per_s_runs": rates, "tau": mean_tokens_per_round(acc) if acc else 1.0,
+    row = {"tok_per_s": decode, "end_to_end_tok_per_s": rate, "end_to_end_runs": rates, "tau": mean_tokens_per_round(acc) if acc else 1.0,
            "mean_verify_len": sum(vl) / max(1, len(vl)), "steps_per_run": (eng.num_steps - steps0) / reps,
            "mean_forward_tokens": sum(fwd) / max(1, len(fwd)),
            "identical": sum(o.token_ids == refs[tuple(p)] for o, p in zip(outs, prompts)), "requests": len(prompts)}
@@ -155,7 +165,7 @@ def markdown(res: dict) -> str:
     for name, tr in res.get("traces", {}).items():
         out += [f"## trace `{name}`: {tr['description']} (trace tau {tr['tau']:.2f})", "",
                 "| concurrency | off tok/s | fixed tok/s (x off) | packed tok/s (x off, x fixed) | tau fixed / packed "
-                "| packed verify len | identical | trace followed |", "|---|---|---|---|---|---|---|---|"]
+                "| packed verify len | identical | trace followed | end-to-end tok/s |", "|---|---|---|---|---|---|---|---|---|"]
         for c in m["concurrency"]:
             f = next((r for r in res["rows"] if r.get("trace") == name and r["mode"] == "fixed" and r["concurrency"] == c), {})
             p = next((r for r in res["rows"] if r.get("trace") == name and r["mode"] == "packed" and r["concurrency"] == c), {})
@@ -166,7 +176,8 @@ def markdown(res: dict) -> str:
             out.append(f"| {c} | {num(ot)} | {num(ft)} ({ratio(ft, ot)}) | {num(pt)} ({ratio(pt, ot)}, {ratio(pt, ft)}) | "
                        f"{f.get('tau', 0):.2f} / {p.get('tau', 0):.2f} | {p.get('mean_verify_len', 0):.2f} | "
                        f"{o.get('identical', '-')}/{f.get('identical', '-')}/{p.get('identical', '-')} of {c} | "
-                       f"{f.get('trace_followed', '-')}, {p.get('trace_followed', '-')} |")
+                       f"{f.get('trace_followed', '-')}, {p.get('trace_followed', '-')} | "
+                       + " / ".join(f"{r['end_to_end_tok_per_s']:.0f}" if "end_to_end_tok_per_s" in r else "-" for r in (o, f, p)) + " |")
         out.append("")
     prof = [r for r in res["rows"] if "phases" in r]
     if prof:
@@ -189,7 +200,7 @@ def main(argv=None) -> int:
     ap.add_argument("--domains", default="gsm8k,sharegpt", help="sets whose reference-pair rounds are recorded")
     ap.add_argument("--record-prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=1, help="timed runs per row after the warm-up (median)")
     ap.add_argument("--profile-at", default="1,128", help="concurrencies that also get a profiled run")
     ap.add_argument("--budget-s", type=float, default=450.0, help="rows that would start after this are skipped")
