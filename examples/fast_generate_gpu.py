@@ -251,7 +251,7 @@ def profile(res, target, drafter, device, args):
     ms per step graph-replayed, and the device kernels of the same step run eagerly."""
     from engine_gpu_check import kernel_profile, phase_breakdown
 
-    from adaflash_hf.engine import Engine, layout_args
+    from adaflash_hf.engine import Engine, FusedTarget, layout_args
     from adaflash_hf.engine.drafter import DraftGraphs, make_drafter_cache
 
     prompt = prompt_ids(target.config.vocab_size, 1, args.prompt_len, device, seed=3)[0].tolist()
@@ -265,9 +265,11 @@ def profile(res, target, drafter, device, args):
     free_memory()
     cfg = drafter.config
     feats = torch.randn(1, len(cfg.target_layer_ids) * cfg.hidden_size, dtype=torch.bfloat16, device=device)
-    for graphs in ((True, False) if device == "cuda" else (False,)):
+    fused, _ = FusedTarget.build(target)
+    cases = [(True, True), (True, False), (False, True)] if device == "cuda" else [(False, True), (False, False)]
+    for graphs, fuse in cases:  # (CUDA graphs, the drafter on the target's fused kernels)
         cache = make_drafter_cache(drafter, 1, args.prompt_len + 64, spare_slots=1)
-        dg = DraftGraphs(drafter, cache, max_rows=1, max_ctx=64, use_graphs=graphs)
+        dg = DraftGraphs(drafter, cache, max_rows=1, max_ctx=64, use_graphs=graphs, fused=fused if fuse else None)
         slot = cache.alloc()
         cache.advance(slot, args.prompt_len)
 
@@ -279,7 +281,7 @@ def profile(res, target, drafter, device, args):
         for _ in range(3):
             step()
         _, secs = timed(lambda: [step() for _ in range(50)], device)
-        key = "drafter_step_graphs" if graphs else "drafter_step_eager"
+        key = f"drafter_step_{'graphs' if graphs else 'eager'}_{'fused' if dg.fused is not None else 'modules'}"
         res[key] = {"ms": 1e3 * secs / 50, **({} if graphs else {"kernels": kernel_profile(step, device, top=16)})}
         log(f"profile: {key} {res[key]}")
         del dg, cache
