@@ -115,6 +115,10 @@ def test_json_has_every_field_for_each_method(full_run):
                     continue
                 assert r["error"] is None
                 assert r["new_tokens"] == 3 * MAX_NEW or r["new_tokens"] > 0
+                if m == "prompt_lookup_exact":  # computed from plain's rows: round figures, no timings
+                    assert r["tokens_per_s"] is None and r["wall_time_s"] is None and r["identical"] is None
+                    assert r["tau"] >= 1 and r["rounds"] > 0 and r["new_tokens"] == cells[("plain", ds, c)]["new_tokens"]
+                    continue
                 assert r["tokens_per_s"] > 0 and r["wall_time_s"] > 0
                 assert r["ttft_s"] > 0 and r["tpot_s"] > 0
                 assert r["peak_memory_bytes"] is None and r["floor_share"] is None
@@ -128,9 +132,15 @@ def test_json_has_every_field_for_each_method(full_run):
                     assert set(hist) == {"1", "2", "3", "4"} and sum(hist.values()) == r["rounds"]
                     assert r["draft_time_s"] > 0 and r["verify_time_s"] > 0
     assert cells[("plain", "alpha", 1)]["speedup"]["plain"] == pytest.approx(1.0)
-    for m in ("dflash_native", "hf_assisted", "prompt_lookup"):  # tau estimated from target verify forwards
+    for m in ("dflash_native", "hf_assisted"):  # tau estimated from target verify forwards
         est = cells[(m, "alpha", 1)]
         assert not est["skipped"] and est["tau_estimated"] and est["tau"] >= 1 and est["rounds"] > 0
+    for ds in ("alpha", "beta"):  # prompt lookup's recorded rounds, and the same rounds computed from plain's rows
+        real, computed = cells[("prompt_lookup", ds, 1)], cells[("prompt_lookup_exact", ds, 1)]
+        assert not real["tau_estimated"] and real["rounds"] > 0 and sum(real["tau_histogram"].values()) == real["rounds"]
+        for key in ("rounds", "tau", "mean_verify_length", "tau_histogram", "position_acceptance"):
+            assert computed[key] == real[key], (ds, key)
+        assert any("cross-checked" in n for n in computed["notes"])
     for ds in ("alpha", "beta"):  # the serving engine, per length policy, with its per-round stats
         for c in (1, 2):
             off, fixed, adaptive = (cells[(f"engine_{m}", ds, c)] for m in ("off", "fixed", "adaptive"))
