@@ -305,15 +305,17 @@ def test_lossy_method_flagged_and_cli_fails(setup, tmp_path, monkeypatch, capsys
 def test_reference_computed_when_plain_not_requested_and_sampling_not_compared(setup, tmp_path, monkeypatch):
     monkeypatch.setitem(METHODS, "lossy", Method("lossy", _lossy))
     res = run_bench(
-        _config(setup, tmp_path, methods=["lossy", "fixed"], concurrency=[2], datasets=setup["datasets"][1:],
+        _config(setup, tmp_path, methods=["lossy", "fixed", "prompt_lookup_exact"], concurrency=[2], datasets=setup["datasets"][1:],
                 num_prompts=2, plots=False, warmup=0)
     )  # fmt: skip
     assert [f["method"] for f in res.failures] == ["lossy"] and res.cell("fixed", "beta", 2).identical is True
+    assert res.cell("prompt_lookup_exact", "beta", 2).rounds > 0  # computed from the untimed plain reference
     res = run_bench(
-        _config(setup, tmp_path, methods=["plain", "fixed"], concurrency=[2], datasets=setup["datasets"][1:],
+        _config(setup, tmp_path, methods=["plain", "fixed", "prompt_lookup_exact"], concurrency=[2], datasets=setup["datasets"][1:],
                 num_prompts=2, temperature=0.8, plots=False, warmup=0)
     )  # fmt: skip
     assert res.ok and res.cell("fixed", "beta", 2).identical is None and res.cell("fixed", "beta", 2).tau >= 1
+    assert "only under greedy" in res.cell("prompt_lookup_exact", "beta", 2).skip_reason
 
 
 def test_cli_mounts_as_subcommand():

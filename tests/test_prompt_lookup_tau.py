@@ -114,3 +114,23 @@ def test_negative_control_a_wrong_variant_disagrees(runs, wrong):
         computed = prompt_lookup_rounds(ids, plain, max_new, eos_ids, wrong)
         differs.append((computed.accepted, computed.verify_lengths) != (real.accepted, real.verify_lengths))
     assert any(differs)
+
+
+@pytest.mark.parametrize("real_tau,real_identical,failed", [(1.5, True, False), (1.6, True, True), (1.6, False, False)])
+def test_bench_cross_check_flags_a_computed_cell_that_disagrees(real_tau, real_identical, failed):
+    """Beside a real prompt_lookup cell that decoded plain's outputs, prompt_lookup_exact must agree."""
+    from adaflash_hf.bench import BenchCell, BenchResult
+    from adaflash_hf.bench.runner import cross_check
+
+    def cell(method, tau, identical):
+        return BenchCell(method=method, dataset="d", concurrency=1, tau=tau, rounds=4, mean_verify_length=3.0,
+                         tau_histogram={"1": 2, "2": 2}, identical=identical)  # fmt: skip
+
+    computed, real = cell("prompt_lookup_exact", 1.5, None), cell("prompt_lookup", real_tau, real_identical)
+    result = BenchResult(config={}, environment={}, hardware={})
+    cross_check([computed, real], result)
+    assert bool(result.failures) is failed
+    if failed:
+        assert "tau" in result.failures[0]["message"] and result.failures[0]["method"] == "prompt_lookup_exact"
+    else:
+        assert any("cross-checked" in n for n in computed.notes) is real_identical

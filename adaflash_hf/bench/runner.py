@@ -108,7 +108,7 @@ class _Run:
                 compare(cell, rows, reference, self.result, self.ctx.target, prompts)
             log(config, _progress(cell))
         _fill_speedups(group)
-        _cross_check(group, self.result)
+        cross_check(group, self.result)
         return group
 
     def computed(self, method, cell: BenchCell, prompts, reference) -> None:
@@ -232,7 +232,8 @@ def compare(cell, rows, reference, result, target=None, prompts=None):
 CROSS_CHECKS = {"prompt_lookup_exact": "prompt_lookup"}
 
 
-def _cross_check(group: list[BenchCell], result: BenchResult) -> None:
+def cross_check(group: list[BenchCell], result: BenchResult) -> None:
+    """Compare each computed cell of one (dataset, concurrency) with its real method's; a difference is a failure."""
     cells = {c.method: c for c in group}
     for computed, real in CROSS_CHECKS.items():
         a, b = cells.get(computed), cells.get(real)
