@@ -304,11 +304,13 @@ def test_lossy_method_flagged_and_cli_fails(setup, tmp_path, monkeypatch, capsys
 
 def test_reference_computed_when_plain_not_requested_and_sampling_not_compared(setup, tmp_path, monkeypatch):
     monkeypatch.setitem(METHODS, "lossy", Method("lossy", _lossy))
+    monkeypatch.setitem(METHODS, "broken", Method("broken", None, from_plain=lambda *a: 1 / 0))  # a computed method that raises
     res = run_bench(
-        _config(setup, tmp_path, methods=["lossy", "fixed", "prompt_lookup_exact"], concurrency=[2], datasets=setup["datasets"][1:],
-                num_prompts=2, plots=False, warmup=0)
+        _config(setup, tmp_path, methods=["lossy", "broken", "fixed", "prompt_lookup_exact"], concurrency=[2],
+                datasets=setup["datasets"][1:], num_prompts=2, plots=False, warmup=0)
     )  # fmt: skip
-    assert [f["method"] for f in res.failures] == ["lossy"] and res.cell("fixed", "beta", 2).identical is True
+    assert [f["method"] for f in res.failures] == ["lossy", "broken"] and res.cell("fixed", "beta", 2).identical is True
+    assert "ZeroDivisionError" in res.cell("broken", "beta", 2).error
     assert res.cell("prompt_lookup_exact", "beta", 2).rounds > 0  # computed from the untimed plain reference
     res = run_bench(
         _config(setup, tmp_path, methods=["plain", "fixed", "prompt_lookup_exact"], concurrency=[2], datasets=setup["datasets"][1:],

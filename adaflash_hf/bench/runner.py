@@ -120,7 +120,11 @@ class _Run:
             cell.skipped, cell.skip_reason = True, reason
             log(self.config, f"[{cell.dataset} c={cell.concurrency}] {method.name}: skipped ({reason})")
             return
-        stats = method.from_plain(self.ctx, prompts, reference, self.config.max_new_tokens, self.eos_ids)
+        try:
+            stats = method.from_plain(self.ctx, prompts, reference, self.config.max_new_tokens, self.eos_ids)
+        except Exception as exc:  # reported like a method that raised; the other cells go on
+            self.error(method, cell, exc)
+            return
         fill_computed(cell, reference, stats)
         cell.notes.append(
             f"computed from plain's greedy outputs (concurrency {cell.concurrency}), not decoded or timed: exact for "
@@ -140,14 +144,18 @@ class _Run:
             return measure(method, self.ctx, cell, layouts, self.config, self.eos_ids, self.warm_pool, self.warmed, self.pad_id,
                            self.ctx.device, self.on_cuda, self.result.hardware, online=self.result.online)  # fmt: skip
         except Exception as exc:  # a crash is a failure of the run, reported, not hidden
-            cell.error = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc()
-            self.result.failures.append(dict(kind="error", method=method.name, dataset=cell.dataset,
-                                             concurrency=cell.concurrency, prompt_index=None, message=cell.error))
-            loud(f"{method.name} on {cell.dataset} (concurrency {cell.concurrency}) raised {cell.error}")
+            self.error(method, cell, exc)
             if self.on_cuda:
                 torch.cuda.empty_cache()
             return None
+
+    def error(self, method, cell: BenchCell, exc: Exception) -> None:
+        """Record a cell whose method raised: the cell's error, a failure of the run, printed loudly."""
+        cell.error = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+        self.result.failures.append(dict(kind="error", method=method.name, dataset=cell.dataset,
+                                         concurrency=cell.concurrency, prompt_index=None, message=cell.error))
+        loud(f"{method.name} on {cell.dataset} (concurrency {cell.concurrency}) raised {cell.error}")
 
 
 def run_bench(config: BenchConfig) -> BenchResult:
