@@ -8,9 +8,13 @@ the target's greedy continuation, so every round (candidates, accepted count) fo
 greedy output, with no model: :func:`prompt_lookup_rounds`. It is exact wherever the plain output is
 the greedy continuation that batch-1 prompt lookup sees, and not a timing: it says nothing of speed.
 
-It mirrors transformers 5.23: ``generation/candidate_generator.py``,
-``PromptLookupCandidateGenerator.get_candidates`` (the candidates) and ``generation/utils.py``,
-``GenerationMixin._assisted_decoding`` (verification, the bonus token, the max-length and EOS crops).
+It mirrors transformers 5.23 (line numbers of that release): ``generation/candidate_generator.py``,
+``PromptLookupCandidateGenerator.get_candidates`` (lines 1057-1150: the candidates), and
+``generation/utils.py``, ``GenerationMixin._assisted_decoding`` (lines 3919-4226: verification, the
+bonus token, the max-length and EOS crops, the stopping criteria); the knobs come from
+``_get_candidate_generator`` (utils.py:1318-1325). A change there fails ``tests/test_prompt_lookup_tau.py``,
+which compares with the real run.
+
 Logits processors that forbid candidate tokens (``no_repeat_ngram_size``, ``bad_words_ids``, ...) are
 not modelled: the bench skips the computation when the target's generation config sets one.
 
@@ -73,19 +77,19 @@ class _FirstOccurrence:
 
 def _candidates(seq: list[int], cur: int, max_length: int, index: _FirstOccurrence, settings, eos_ids) -> list[int]:
     """``get_candidates`` on ``seq[:cur]`` (candidate_generator.py, PromptLookupCandidateGenerator)."""
-    if max_length == cur + 1:  # "Don't generate more than `max_length - 1` candidates"
+    if max_length == cur + 1:  # candidate_generator.py:1071 "if self.max_length == input_length + 1"
         return []
-    # Largest n-gram first; down to 1 ("for ngram_size in range(min(max_matching_ngram_size, input_length - 1), 0, -1)").
+    # Largest n-gram first, down to 1 (candidate_generator.py:1076).
     for n in range(min(settings.max_ngram, cur - 1), 0, -1):
-        # Matches are tried left to right and the first with a non-empty window wins; only the suffix
+        # Matches are tried left to right (:1092) and the first with a non-empty window wins; only the suffix
         # itself (start_idx == input_length) has an empty one, so the leftmost match decides.
         idx = index.first[n][tuple(seq[cur - n : cur])]
         start = idx + n
-        end = min(start + settings.num_tokens, cur, max_length)  # "end_idx = min(end_idx, input_length, self.max_length)"
+        end = min(start + settings.num_tokens, cur, max_length)  # candidate_generator.py:1095
         if start < end:
             chosen = seq[start:end]
-            # "remove remaining candidate ids if an eos token is found": cut before the first EOS, and
-            # stop searching even when that leaves nothing (match_found is already True).
+            # candidate_generator.py:1132-1138: cut before the first EOS, and stop searching even when
+            # that leaves nothing (match_found is already True; :1143 then returns no candidates).
             cut = next((j for j, t in enumerate(chosen) if t in eos_ids), len(chosen))
             return chosen[:cut]
     return []
@@ -117,15 +121,15 @@ def prompt_lookup_rounds(
     while k < total:  # the loop runs until the max-length or EOS stopping criterion fires
         index.extend_to(p + k)
         cand = _candidates(seq, p + k, max_length, index, settings, eos_ids)
-        # utils.py: n_matches is the run of candidates equal to the target's greedy tokens; valid_tokens
-        # = selected_tokens[:, : n_matches + 1] (+1: the target's own token), then cropped to the
-        # max-length budget and to the first EOS. Both crops fall exactly at the end of `continuation`,
-        # so greedy tokens past it never matter.
+        # utils.py:4132-4134: n_matches is the run of candidates equal to the target's greedy tokens and
+        # valid_tokens = selected_tokens[:, : n_matches + 1] (+1: the target's own token); :4139-4148 crop
+        # them to the max-length budget and to the first EOS. Both crops fall exactly at the end of
+        # `continuation`, so greedy tokens past it never matter.
         matched = 0
         while matched < min(len(cand), total - k) and cand[matched] == continuation[k + matched]:
             matched += 1
         committed = min(matched + 1, total - k)
-        rounds.accepted.append(committed - 1)  # "n_matches = valid_tokens.shape[1] - 1"
+        rounds.accepted.append(committed - 1)  # utils.py:4151 "n_matches = valid_tokens.shape[1] - 1"
         rounds.verify_lengths.append(len(cand) + 1)
         k += committed
     return rounds
