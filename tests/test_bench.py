@@ -313,8 +313,8 @@ def test_reference_computed_when_plain_not_requested_and_sampling_not_compared(s
     assert "ZeroDivisionError" in res.cell("broken", "beta", 2).error
     assert res.cell("prompt_lookup_exact", "beta", 2).rounds > 0  # computed from the untimed plain reference
     res = run_bench(
-        _config(setup, tmp_path, methods=["plain", "fixed", "prompt_lookup_exact"], concurrency=[2], datasets=setup["datasets"][1:],
-                num_prompts=2, temperature=0.8, plots=False, warmup=0)
+        _config(setup, tmp_path, methods=["plain", "fixed", "prompt_lookup_exact"], concurrency=[2],
+                datasets=setup["datasets"][1:], num_prompts=2, temperature=0.8, plots=False, warmup=0)
     )  # fmt: skip
     assert res.ok and res.cell("fixed", "beta", 2).identical is None and res.cell("fixed", "beta", 2).tau >= 1
     assert "only under greedy" in res.cell("prompt_lookup_exact", "beta", 2).skip_reason

@@ -13,7 +13,8 @@ from adaflash_hf.generation.prompts import encode_prompt
 # token is an EOS id, so candidates get cut at it); "add" ends with an EOS before max_new_tokens.
 PROMPTS = [
     ("cat", "Repeat this exactly three times: the cat sat on the mat. the cat sat on the mat.", 40),
-    ("add", [{"role": "user", "content": "Write a python function def add(a, b): return a + b and call add(1, 2) and add(3, 4)."}], 40),
+    ("add", [{"role": "user", "content": "Write a python function def add(a, b): return a + b and call add(1, 2) "
+                                         "and add(3, 4)."}], 40),
     ("king", "Once upon a time there was a king. Once upon a time there was a queen. Once upon a time", 40),
     ("sum", [{"role": "user", "content": "What is 12 + 12 + 12 + 12?"}], 24),
 ]  # fmt: skip

@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")
     g.add_argument("--attn-implementation", default="sdpa")
     g.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed before each method and concurrency")
-    g.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="candidate tokens per round of prompt_lookup and prompt_lookup_exact")
+    g.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
+                   help="candidate tokens per round of prompt_lookup and prompt_lookup_exact")
     g.add_argument("--length-rate", type=float, default=None,
                    help="adaptive methods: rate of k_hat = floor(a*B*rate) (default: the drafter config's)")
     g.add_argument("--halving-batch", type=int, default=None,

@@ -7,7 +7,8 @@ from typing import Any
 
 BASELINES = ("plain", "plain_static")
 DEFAULT_METHODS = (
-    "plain", "plain_static", "hf_assisted", "prompt_lookup", "prompt_lookup_exact", "dflash_native", "fixed", "adaptive", "expected_gain", "osd", "adaflash",
+    "plain", "plain_static", "hf_assisted", "prompt_lookup", "prompt_lookup_exact", "dflash_native",
+    "fixed", "adaptive", "expected_gain", "osd", "adaflash",
     "engine_off", "engine_fixed", "engine_adaptive",
 )  # fmt: skip
 

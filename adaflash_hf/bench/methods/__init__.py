@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from .base import BenchContext, Method, MethodOutput, needs_length_head
 from .engine import engine
-from .hf import needs_plain_greedy, prompt_lookup_from_plain, run_dflash_native, run_hf_assisted, run_plain, run_plain_static, run_prompt_lookup
+from .hf import (
+    needs_plain_greedy, prompt_lookup_from_plain, run_dflash_native, run_hf_assisted, run_plain, run_plain_static, run_prompt_lookup,
+)  # fmt: skip
 from .ours import adaflash_policy, ours
 
 __all__ = ["METHODS", "BenchContext", "Method", "MethodOutput", "adaflash_policy"]

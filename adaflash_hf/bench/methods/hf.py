@@ -94,7 +94,9 @@ def run_prompt_lookup(ctx, input_ids, attention_mask, streamer):
     from ..prompt_lookup_tau import as_generation_stats
 
     settings = prompt_lookup_settings(ctx)
-    out, rounds = recorded_prompt_lookup(ctx.target, input_ids, attention_mask, settings.num_tokens, streamer, **ctx.generate_kwargs)
+    out, rounds = recorded_prompt_lookup(
+        ctx.target, input_ids, attention_mask, settings.num_tokens, streamer, **ctx.generate_kwargs
+    )
     return MethodOutput(out, stats=as_generation_stats([rounds], settings))
 
 
