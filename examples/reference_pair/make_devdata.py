@@ -17,6 +17,8 @@ from pathlib import Path
 
 # The benchmark sets that are not a domain's eval source (the bench reads them by name).
 BENCH_ONLY = ("math500/test.jsonl", "mathqa/test_1000.jsonl")
+# The sets of the tau tables (BENCHMARKS.md), counted after an --eval-only pack.
+BENCH_SETS = ("gsm8k", "mathqa", "math500", "codealpaca", "sharegpt", "prose")
 
 
 def data_files(eval_only: bool = False) -> list[str]:
@@ -43,6 +45,10 @@ def main(argv=None) -> int:
         for rel in files:
             tar.add(src / rel, arcname=f"data/{rel}")
     print(f"packed {len(files)} files into {out / 'data.tar.gz'}")
+    if a.eval_only:  # what `adaflash bench --datasets ...` can draw from this carry (prose: its held-out chunks only)
+        from adaflash_hf.training.data import eval_prompts
+
+        print("eval prompts: " + ", ".join(f"{d} {len(eval_prompts(d, data_dir=src))}" for d in BENCH_SETS))
     if a.target_corpus:
         return subprocess.call([sys.executable, "-m", "adaflash_hf.training.pretokenize", "--out", a.out])
     return 0
