@@ -61,6 +61,13 @@ def _record_value(key):
     return lambda r, u: r.get("updates", [])[u - 1].get(key) if 1 <= u <= len(r.get("updates", [])) else None
 
 
+def _gain(rows: list[dict]) -> dict | None:
+    """Held-out tau after the last update minus before the first, over the runs that reached the
+    group's last update (so every value spans the same updates)."""
+    last = max(len(r["curve"]) for r in rows)
+    return spread([r["curve"][-1]["tau"] - r["curve"][0]["tau"] for r in rows if len(r["curve"]) == last > 1])
+
+
 def summarise(rows: list[dict]) -> dict:
     """Per (dataset, policy, variant), over seeds; then OPD - OSD per update paired by seed."""
     groups: dict[tuple, list[dict]] = {}
@@ -73,7 +80,7 @@ def summarise(rows: list[dict]) -> dict:
             "complete": sum(bool(r.get("complete")) for r in rs),
             "identical": all(c.get("identical") for r in rs for c in r["curve"]),
             "tau": _per_update(rs, _curve_value("tau")),
-            "gain": spread([r["curve"][-1]["tau"] - r["curve"][0]["tau"] for r in rs if len(r["curve"]) > 1]),
+            "gain": _gain(rs),
             "mean_verify_length": _per_update(rs, _curve_value("mean_verify_length")),
             "head_mae_heldout": _per_update(rs, _curve_value("head_mae")),
             "head_mae_served_before": _per_update(rs, _record_value("head_mae_before")),
@@ -99,42 +106,45 @@ def _paired(groups: dict) -> list[dict]:
     return out
 
 
-def _fmt(s: dict | None, digits: int = 3) -> str:
+def _fmt(s: dict | None, digits: int = 3, of: int = 0) -> str:
+    """``mean ± sd [min, max]``, with ``(n=k)`` where fewer than ``of`` seeds gave a value."""
     if s is None:
         return "-"
     text = f"{s['mean']:.{digits}f}"
     if s["n"] > 1:
         text += f" ± {s['sd']:.{digits}f} [{s['min']:.{digits}f}, {s['max']:.{digits}f}]"
-    return text
+    return text + (f" (n={s['n']})" if s["n"] < of else "")
 
 
-def _series(values: list, digits: int = 3) -> str:
-    return "<br>".join(f"{u}: {_fmt(v, digits)}" for u, v in enumerate(values) if v is not None) or "-"
+def _series(values: list, digits: int = 3, of: int = 0) -> str:
+    return "<br>".join(f"{u}: {_fmt(v, digits, of)}" for u, v in enumerate(values) if v is not None) or "-"
 
 
 def markdown(summary: dict) -> str:
     """The tables of ``summary`` (mean ± sample sd [min, max] over seeds; update 0 is before any)."""
     lines = [
-        "Held-out tau and the length head's mean absolute error per update: mean ± sample sd [min, max] over seeds.",
+        "Held-out tau and the length head's mean absolute error per update: mean ± sample sd [min, max] over seeds",
+        "((n=k): only k seeds reached that update before the time limit).",
         "Head MAE held-out: on the measured held-out rounds. Served before / after update u: on the stream's rounds",
         "served with the weights before / after update u, none of them trained on yet (the adapter's records).",
         "",
-        "| domain | policy | method | seeds (complete) | held-out tau after update u | tau gain, first to last | mean verify length | head MAE held-out | head MAE served before / after update u | seconds | identical |",
+        "| domain | policy | method | seeds (complete) | held-out tau after update u | tau gain, update 0 to the last | mean verify length | head MAE held-out | head MAE served before / after update u | seconds | identical |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for g in summary["groups"]:
-        served = "<br>".join(f"{u}: {_fmt(b)} / {_fmt(a)}" for u, (b, a) in enumerate(zip(g["head_mae_served_before"], g["head_mae_served_after"]))
+        n = len(g["seeds"])
+        served = "<br>".join(f"{u}: {_fmt(b, of=n)} / {_fmt(a, of=n)}" for u, (b, a) in enumerate(zip(g["head_mae_served_before"], g["head_mae_served_after"]))
                              if u > 0 and (b is not None or a is not None)) or "-"
         lines.append(
             f"| {g['dataset']} | {g['policy']} | {g['variant']} | {','.join(map(str, g['seeds']))} ({g['complete']}) | "
-            f"{_series(g['tau'])} | {_fmt(g['gain'])} | {_series(g['mean_verify_length'], 2)} | {_series(g['head_mae_heldout'])} | "
+            f"{_series(g['tau'], of=n)} | {_fmt(g['gain'], of=n)} | {_series(g['mean_verify_length'], 2, n)} | {_series(g['head_mae_heldout'], of=n)} | "
             f"{served} | {_fmt(g['seconds'], 1)} | {'yes' if g['identical'] else '**NO**'} |"
         )
     if summary["opd_minus_osd"]:
         lines += ["", "OPD minus OSD, held-out tau per update, paired by seed:", "",
                   "| domain | policy | method | seeds | tau difference after update u |", "|---|---|---|---|---|"]
         for p in summary["opd_minus_osd"]:
-            lines.append(f"| {p['dataset']} | {p['policy']} | {p['variant']} | {','.join(map(str, p['seeds']))} | {_series(p['diff'])} |")
+            lines.append(f"| {p['dataset']} | {p['policy']} | {p['variant']} | {','.join(map(str, p['seeds']))} | {_series(p['diff'], of=len(p['seeds']))} |")
     return "\n".join(lines) + "\n"
 
 
