@@ -824,6 +824,9 @@ def test_online_experiment_curve_on_the_reference_pair(tmp_path):
     assert (tmp_path / "a" / "online_tau.png").is_file()
     one_by_one = run(tmp_path / "b", "--methods", "opd", "--updates", "0", "--measure-batch", "1")
     assert one_by_one["methods"]["opd"]["curve"][0]["tau"] == pytest.approx(r["methods"]["opd"]["curve"][0]["tau"])
+    both = run(tmp_path / "c", "--methods", "osd", "--updates", "0", "--measure-batch", "3", "--policy", "adaptive", "--measure-fixed")
+    (start,) = both["methods"]["osd"]["curve"]  # the adaptive measurement, and the fixed one beside it
+    assert start["fixed_tau"] == pytest.approx(r["methods"]["osd"]["curve"][0]["tau"]) and start["mean_verify_length"] < 16
 
 
 def test_engine_requests_feed_an_attached_adapter(pair):

@@ -73,7 +73,7 @@ def stream_order(prompts: list, seed: int) -> list:
     return out
 
 
-def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=("opd", "osd"), updates=6, samples_per_update=128, epochs=2, max_new_tokens=128, seed=0, policy="fixed", lr=3e-4, head_lr=2e-4, label_mode="verified", sample_unit="request", stream_batch=16, measure_batch=16, checkpoint=None, alpha=0.8, clip=0.01, clip_mode="token") -> dict:
+def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=("opd", "osd"), updates=6, samples_per_update=128, epochs=2, max_new_tokens=128, seed=0, policy="fixed", lr=3e-4, head_lr=2e-4, label_mode="verified", sample_unit="request", stream_batch=16, measure_batch=16, checkpoint=None, alpha=0.8, clip=0.01, clip_mode="token", measure_fixed=False) -> dict:
     """Tau on `held_out` after each online update, for each method (see the module docstring).
 
     `policy` is the verify-length policy used both to serve the stream and to measure: `fixed`
@@ -82,6 +82,8 @@ def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=
     batches of `stream_batch` prompts (batched speculative decoding; every row is a request).
     `checkpoint(result)`, when given, is called after every measurement (partial results survive
     a timeout). `alpha`, `clip`, `clip_mode`: the OPD loss settings (``adaflash_hf.losses.opd_loss``).
+    `measure_fixed`: under another policy, also measure with `fixed` (``fixed_tau``: the drafter's own
+    quality beside what the policy served).
     """
     device = next(target.parameters()).device
     stream_ids = [encode_prompt(tokenizer, p.get("messages", p.get("text"))) for p in stream]
@@ -89,11 +91,19 @@ def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=
     held_ids = [encode_prompt(tokenizer, p.get("messages", p.get("text"))) for p in held_out]
     held = [left_pad(held_ids[i : i + measure_batch], pad, device) for i in range(0, len(held_ids), measure_batch)]
     references = [target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad) for ids, mask in held]
+
+    def measure(d) -> dict:
+        m = _measure(target, d, held, max_new_tokens, references, policy, pad)
+        if measure_fixed and policy != "fixed":
+            f = _measure(target, d, held, max_new_tokens, references, "fixed", pad)
+            m.update(fixed_tau=f["tau"], identical=m["identical"] and f["identical"])
+        return m
+
     result = {"methods": {}, "seed": seed, "samples_per_update": samples_per_update, "epochs": epochs, "max_new_tokens": max_new_tokens, "policy": policy, "lr": lr, "head_lr": head_lr, "label_mode": label_mode, "sample_unit": sample_unit, "stream_batch": stream_batch, "measure_batch": measure_batch, "alpha": alpha, "clip": clip, "clip_mode": clip_mode}
     for method in methods:
         torch.manual_seed(seed)
         d = copy_drafter(drafter, target)
-        curve = [{"update": 0, **_measure(target, d, held, max_new_tokens, references, policy, pad), "served_prompts": 0}]
+        curve = [{"update": 0, **measure(d), "served_prompts": 0}]
         result["methods"][method] = {"curve": curve, "complete": False}
         adapter = OnlineAdapter(d, target, method=method, samples_per_update=samples_per_update, epochs=epochs, lr=lr, head_lr=head_lr, label_mode=label_mode, sample_unit=sample_unit, seed=seed, alpha=alpha, clip=clip, clip_mode=clip_mode)
         served, start = 0, time.perf_counter()
@@ -107,7 +117,7 @@ def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=
             adapter.detach()
             if adapter.stats["updates"] < update:
                 break
-            m = _measure(target, d, held, max_new_tokens, references, policy, pad)
+            m = measure(d)
             curve.append({"update": update, **m, "served_prompts": served, "loss": adapter.stats["last_loss"]})
             result["methods"][method]["updates"] = adapter.stats["history"]
             print(f"[online] {method} update {update}: held-out tau {m['tau']:.3f} head MAE {m['head_mae']} identical={m['identical']} (served {served})", flush=True)
@@ -163,6 +173,7 @@ def main(argv=None) -> int:
     p.add_argument("--clip", type=float, default=0.01, help="OPD: per-entry clip of the reverse-KL terms (paper: 0.01)")
     p.add_argument("--clip-mode", default="token", choices=("entry", "token"),
                    help="OPD: clip per token (released code; the adapter's default) or per vocabulary entry (paper)")
+    p.add_argument("--measure-fixed", action="store_true", help="also measure held-out tau with the fixed policy (fixed_tau)")
     p.add_argument("--seed", type=int, default=0, help="seeds the adapter and the stream's order (0: file order)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
@@ -179,7 +190,7 @@ def main(argv=None) -> int:
         write_text_atomic(os.path.join(a.out, "online.json"), json.dumps(result, indent=2))  # a killed run leaves its last checkpoint whole
 
     stream = stream_order(prompts[a.held_out :], a.seed)
-    result = run_online_experiment(target, drafter, tok, stream, prompts[: a.held_out], seed=a.seed, methods=tuple(a.methods.split(",")), updates=a.updates, samples_per_update=a.samples_per_update, epochs=a.epochs, max_new_tokens=a.max_new_tokens, policy=a.policy, lr=a.lr, head_lr=a.head_lr, label_mode=a.label_mode, sample_unit=a.sample_unit, stream_batch=a.stream_batch, measure_batch=a.measure_batch, checkpoint=save, alpha=a.alpha, clip=a.clip, clip_mode=a.clip_mode)
+    result = run_online_experiment(target, drafter, tok, stream, prompts[: a.held_out], seed=a.seed, methods=tuple(a.methods.split(",")), updates=a.updates, samples_per_update=a.samples_per_update, epochs=a.epochs, max_new_tokens=a.max_new_tokens, policy=a.policy, lr=a.lr, head_lr=a.head_lr, label_mode=a.label_mode, sample_unit=a.sample_unit, stream_batch=a.stream_batch, measure_batch=a.measure_batch, checkpoint=save, alpha=a.alpha, clip=a.clip, clip_mode=a.clip_mode, measure_fixed=a.measure_fixed)
     save(result)
     plot_curves(result, os.path.join(a.out, "online_tau.png"))
     return 0 if all(c["identical"] for r in result["methods"].values() for c in r["curve"]) else 1

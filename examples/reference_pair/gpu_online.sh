@@ -4,8 +4,9 @@
 #      6 loader workers; DRAFT_MINUTES, default 2.5, of training) and sets its length rate (LENGTH_RATE, v5's 2);
 #      beside it, a short run of the shipped pair fills the Triton cache for the processes of step 2;
 #   2. runs `adaflash_hf.online.experiment` on gsm8k and codealpaca (domains that drafter never saw) for
-#      OPD with the per-token clip, OPD with the per-entry clip and OSD, one process per (domain, method,
-#      seed), all side by side on the one GPU (WAVE at once), each stopped before the call's end
+#      OPD with the per-token clip, OPD with the per-entry clip and OSD under the adaptive policy (POLICY; the
+#      held-out tau also with the fixed policy), one process per (domain, method, seed; seed 0 serves the
+#      stream in file order), all side by side on the one GPU (WAVE at once), each stopped before the call's end
 #      (BUDGET_S) with its last measurement saved;
 #   3. summarises them (summarise_online.py) and ships the drafter back.
 # Inputs carried beside the checkout: .whl/ (transformers wheel) and PACK (default .devdata/data.tar.xz, written
@@ -74,7 +75,7 @@ for ds in ${DATASETS:-gsm8k codealpaca}; do
       log="$OUT/online/$name.log"; limit=$((DEADLINE - SECONDS)); (( limit < 10 )) && limit=10  # timeout 0 would mean none
       ( OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 timeout -k 5 $limit \
           $PY -m adaflash_hf.online.experiment --target $T --drafter $DRAFTER --dataset $ds --methods $method \
-          --clip-mode $clip --policy $POLICY --seed $seed --updates ${ONLINE_UPDATES:-4} --held-out ${ONLINE_HELD_OUT:-64} \
+          --clip-mode $clip --policy $POLICY --measure-fixed --seed $seed --updates ${ONLINE_UPDATES:-4} --held-out ${ONLINE_HELD_OUT:-64} \
           --measure-batch $BATCH --stream ${ONLINE_STREAM:-700} --samples-per-update ${ONLINE_SPU:-128} --stream-batch $BATCH \
           --max-new-tokens $TOKENS --device $DEVICE --out "$OUT/online/$name" > "$log" 2>&1
         echo "exit $? after $SECONDS s" >> "$log" ) &

@@ -5,7 +5,7 @@
 Reads every ``RUNS_DIR/**/online.json`` (one per process of `gpu_online.sh`: a domain, a method
 with its OPD clip mode, a seed) and writes ``summary.json`` and ``summary.md`` into ``--out``: per
 domain and method, over seeds, the held-out tau after each update (mean ± sample standard
-deviation, and the range), the length head's mean absolute error on the held-out rounds at each
+deviation, and the range; beside it with the fixed policy where measured), the length head's mean absolute error on the held-out rounds at each
 measurement and on the served rounds before / after each update (the adapter's records), whether
 every output was identical to plain greedy, and the seconds; then OPD minus OSD per update, paired
 by seed (same stream order and held-out prompts).
@@ -80,6 +80,7 @@ def summarise(rows: list[dict]) -> dict:
             "complete": sum(bool(r.get("complete")) for r in rs),
             "identical": all(c.get("identical") for r in rs for c in r["curve"]),
             "tau": _per_update(rs, _curve_value("tau")),
+            "fixed_tau": _per_update(rs, _curve_value("fixed_tau")),
             "gain": _gain(rs),
             "mean_verify_length": _per_update(rs, _curve_value("mean_verify_length")),
             "head_mae_heldout": _per_update(rs, _curve_value("head_mae")),
@@ -128,8 +129,8 @@ def markdown(summary: dict) -> str:
         "Head MAE held-out: on the measured held-out rounds. Served before / after update u: on the stream's rounds",
         "served with the weights before / after update u, none of them trained on yet (the adapter's records).",
         "",
-        "| domain | policy | method | seeds (complete) | held-out tau after update u | tau gain, update 0 to the last | mean verify length | head MAE held-out | head MAE served before / after update u | seconds | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| domain | policy | method | seeds (complete) | held-out tau after update u | tau gain, update 0 to the last | held-out tau, fixed policy | mean verify length | head MAE held-out | head MAE served before / after update u | seconds | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for g in summary["groups"]:
         n = len(g["seeds"])
@@ -137,7 +138,7 @@ def markdown(summary: dict) -> str:
                              if u > 0 and (b is not None or a is not None)) or "-"
         lines.append(
             f"| {g['dataset']} | {g['policy']} | {g['variant']} | {','.join(map(str, g['seeds']))} ({g['complete']}) | "
-            f"{_series(g['tau'], of=n)} | {_fmt(g['gain'], of=n)} | {_series(g['mean_verify_length'], 2, n)} | {_series(g['head_mae_heldout'], of=n)} | "
+            f"{_series(g['tau'], of=n)} | {_fmt(g['gain'], of=n)} | {_series(g['fixed_tau'], of=n)} | {_series(g['mean_verify_length'], 2, n)} | {_series(g['head_mae_heldout'], of=n)} | "
             f"{served} | {_fmt(g['seconds'], 1)} | {'yes' if g['identical'] else '**NO**'} |"
         )
     if summary["opd_minus_osd"]:
