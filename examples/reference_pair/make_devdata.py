@@ -87,13 +87,17 @@ def online_pack(src: Path, prose_fraction: float) -> dict[str, bytes]:
 
 def write_online_pack(src: Path, out: Path, prose_fraction: float) -> Path:
     """`online_pack` as ``out/data.tar.xz`` (written to a temporary name, then renamed)."""
+    files = online_pack(src, prose_fraction)
     path, tmp = out / "data.tar.xz", out / "data.tar.xz.tmp"
-    with tarfile.open(tmp, "w:xz", preset=9) as tar:
-        for rel, data in online_pack(src, prose_fraction).items():
-            info = tarfile.TarInfo(f"data/{rel}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    tmp.replace(path)
+    try:
+        with tarfile.open(tmp, "w:xz", preset=9) as tar:
+            for rel, data in files.items():
+                info = tarfile.TarInfo(f"data/{rel}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -112,6 +116,11 @@ def main(argv=None) -> int:
             ap.error("--online packs its own selection: leave out --eval-only and --target-corpus")
         if not 0 < a.prose_fraction <= 1:
             ap.error(f"--prose-fraction must be in (0, 1], got {a.prose_fraction}")
+        from adaflash_hf.training.data import TRAIN_SOURCES
+
+        missing = [r for r in (*TRAIN_SOURCES["chat"], *TRAIN_SOURCES["prose"], *ONLINE_EVAL) if not (src / r).is_file()]
+        if missing:
+            ap.error(f"{src} lacks {', '.join(missing)} (--data: the shared data folder)")
         out.mkdir(parents=True, exist_ok=True)
         path = write_online_pack(src, out, a.prose_fraction)
         print(f"packed {path} ({path.stat().st_size / 1e6:.2f} MB)")
