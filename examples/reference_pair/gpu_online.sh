@@ -49,7 +49,7 @@ if [[ -z ${DRAFTER:-} ]]; then
     --device $DEVICE --no-progress > $W/chatprose.log 2>&1 &
   TRAIN=$!
   timeout 240 $PY -m adaflash_hf.online.experiment --target $T --drafter adaflash_hf/reference/drafter --dataset gsm8k \
-    --methods osd --updates 0 --held-out $BATCH --measure-batch $BATCH --stream 0 --max-new-tokens $TOKENS --policy $POLICY \
+    --methods osd --updates 0 --held-out $BATCH --measure-batch $BATCH --stream 0 --max-new-tokens $TOKENS --policy $POLICY --measure-fixed \
     --device $DEVICE --out $W/warmup > $W/warmup.log 2>&1
   stamp "warm-up done (rc $?)"
   wait $TRAIN; rc=$?
