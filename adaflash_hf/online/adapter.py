@@ -237,9 +237,9 @@ class OnlineAdapter:
             self._tau_sum += int(verified.num_accepted) + 1
             self._tau_n += 1
             self.rounds_seen += 1
-            B = self.drafter.config.block_size
-            if verified.predicted_ratio is not None and (verified.num_accepted < verified.verify_len - 1 or verified.verify_len == B):
-                self._head_err[0] += abs(verified.predicted_ratio - (verified.num_accepted + 1) / B)
+            err = verified.head_error(self.drafter.config.block_size)
+            if err is not None:
+                self._head_err[0] += err
                 self._head_err[1] += 1
         if self.config.sample_unit == "request" and self.config.method == "opd":
             self._keep_served(verified)
