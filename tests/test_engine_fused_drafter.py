@@ -81,3 +81,24 @@ def test_replaced_drafter_weights_are_refused_not_silently_used():
     layer.q_proj.weight = torch.nn.Parameter(layer.q_proj.weight.detach().clone())
     with pytest.raises(RuntimeError, match="drafter's weights were replaced"):
         eng.submit(engine_prompts([4], seed=1)[0], max_new_tokens=4)
+
+
+def test_weights_copied_in_place_reach_the_fused_drafter():
+    """The online adapter swaps versions with ``copy_`` into the serving drafter's tensors: the fused weights
+    (whose views the parameters are) must carry the new version into the next draft."""
+    target, drafter = _pair("qwen3", 2, False)
+    other = make_drafter(target, block_size=8, num_layers=2, seed=5, use_length_head=True)
+    caches = [make_drafter_cache(d, 2, 32, spare_slots=1, len_multiple=BLOCK) for d in (drafter, other)]
+    runners = [DraftGraphs(drafter, caches[0], 2, 32, fused=FusedTarget(target, compile=False)),
+               DraftGraphs(other, caches[1], 2, 32)]
+    ctx = [torch.randn(3, len(drafter.config.target_layer_ids) * drafter.config.hidden_size, generator=torch.Generator().manual_seed(1))]
+    for c in caches:
+        c.alloc(0)
+    before = runners[0].run([0], ctx, [7]).logits.clone()
+    with torch.no_grad():
+        new = other.state_dict()
+        for name, t in drafter.state_dict().items():
+            t.copy_(new[name])
+    caches[0].rollback(0, 0)
+    after, ref = (r.run([0], ctx, [7]).logits for r in runners)
+    assert torch.equal(after, ref) and not torch.equal(before, ref)
