@@ -43,7 +43,7 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteria
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_gpu_check import free_memory, log, qwen3_8b_shape, sync, tiny_pair  # noqa: E402
+from gpu_common import free_memory, log, qwen3_8b_shape, sync, tiny_pair  # noqa: E402
 
 PUBLISHED_TAU = 6.4
 
@@ -129,7 +129,7 @@ def start_up(res, target, drafter, device, args):
 
 
 # ----------------------------------------------------------------------------- identity
-def _first_diff(a: torch.Tensor, b: torch.Tensor):
+def first_diff(a: torch.Tensor, b: torch.Tensor):
     if a.shape == b.shape and torch.equal(a, b):
         return None
     n = min(a.shape[-1], b.shape[-1])
@@ -143,8 +143,8 @@ def identity_of(target, drafter, ids, mask, max_new):
     plain = target.generate(ids, **kw)
     fast, notes = record_warnings(lambda: target.generate(ids, assistant_model=drafter, fast_path=True, **kw))
     eager = target.generate(ids, assistant_model=drafter, fast_path=False, **kw)
-    return {"fast_vs_plain_first_diff": _first_diff(fast, plain), "fast_vs_eager_first_diff": _first_diff(fast, eager),
-            "eager_vs_plain_first_diff": _first_diff(eager, plain), "identical": bool(torch.equal(fast, plain) and torch.equal(fast, eager)),
+    return {"fast_vs_plain_first_diff": first_diff(fast, plain), "fast_vs_eager_first_diff": first_diff(fast, eager),
+            "eager_vs_plain_first_diff": first_diff(eager, plain), "identical": bool(torch.equal(fast, plain) and torch.equal(fast, eager)),
             "warnings": notes}
 
 
@@ -249,7 +249,7 @@ def profile(res, target, drafter, device, args):
     """Where a batch-1 ``fixed`` round goes: the engine's phases (device synced at phase boundaries) and one
     drafter step alone (body over a 1-token context + full-width head, as a round after prefill runs it):
     ms per step graph-replayed, and the device kernels of the same step run eagerly."""
-    from engine_gpu_check import kernel_profile, phase_breakdown
+    from gpu_common import kernel_profile, phase_breakdown
 
     from adaflash_hf.engine import Engine, FusedTarget, layout_args
     from adaflash_hf.engine.drafter import DraftGraphs, make_drafter_cache

@@ -48,12 +48,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import engine_gpu_check as egc  # noqa: E402  (the 8B builder, prompt loading, timing helpers)
+import gpu_common as common  # noqa: E402  (the 8B builder, prompt loading, timing helpers)
 
 from adaflash_hf.bench.replay import DraftReplay, RecordedTrace, paper_dflash_trace  # noqa: E402
 from adaflash_hf.spec.rounds import mean_tokens_per_round  # noqa: E402
 
-log = egc.log
+log = common.log
 BLOCK = 16
 EMBED_SCALE = 5e4  # embedding elements ~1000 against a residual update of ~15 RMS over 36 random layers
 
@@ -94,7 +94,7 @@ def record_traces(device, domains, n, max_new, smoke):
     dtype = torch.float32 if smoke else torch.bfloat16
     for dom in domains:
         t = time.perf_counter()
-        target, drafter, prompts, eos, source = egc.reference_pair(device, dtype, dom, n)
+        target, drafter, prompts, eos, source = common.reference_pair(device, dtype, dom, n)
         longest = max(len(p) for p in prompts)
         rec = RecordedTrace.record(target, drafter, prompts, max_new, name=f"reference pair, {dom}", eos_token_id=eos,
                                    max_slots=len(prompts), token_budget=max(4096, longest + len(prompts) * BLOCK))
@@ -103,7 +103,7 @@ def record_traces(device, domains, n, max_new, smoke):
         log(f"trace {dom} ({source}): {len(acc)} whole-block rounds, tau {rec.tau:.2f}, "
             f"mean head ratio {statistics.mean(r.ratio for r in rec.rounds):.3f} ({time.perf_counter() - t:.1f}s)")
         del target, drafter
-        egc.free_memory()
+        common.free_memory()
     return out
 
 
@@ -115,10 +115,10 @@ def timed(eng, prompts, max_new, device, reps):
 
     def run(n):
         cap0 = eng.graphs.capture_seconds + (dg.capture_seconds if dg is not None else 0.0)
-        egc.sync(device)
+        common.sync(device)
         t = time.perf_counter()
         outs = eng.generate(prompts, max_new_tokens=n)
-        egc.sync(device)
+        common.sync(device)
         cap = eng.graphs.capture_seconds + (dg.capture_seconds if dg is not None else 0.0) - cap0
         return outs, max(time.perf_counter() - t - cap, 1e-9)
 
@@ -150,7 +150,7 @@ def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile):
         ok, total = replay.followed(outs)
         row["trace_followed"] = f"{ok}/{total}"
     if profile:
-        row["phases"] = egc.phase_breakdown(eng, lambda: eng.generate(prompts, max_new_tokens=max_new))
+        row["phases"] = common.phase_breakdown(eng, lambda: eng.generate(prompts, max_new_tokens=max_new))
     return row
 
 
@@ -183,7 +183,7 @@ def markdown(res: dict) -> str:
     if prof:
         out += ["## Per step (profiled run, device synced per phase)", "", "| trace | mode | concurrency | phases |",
                 "|---|---|---|---|"]
-        out += [f"| {r.get('trace', '-')} | {r['mode']} | {r['concurrency']} | {egc.fmt_phases(r['phases'])} |" for r in prof]
+        out += [f"| {r.get('trace', '-')} | {r['mode']} | {r['concurrency']} | {common.fmt_phases(r['phases'])} |" for r in prof]
         out.append("")
     if res.get("checks"):
         out += ["## Checks", "", "```", json.dumps(res["checks"], indent=1, default=str), "```", ""]
@@ -215,14 +215,14 @@ def main(argv=None) -> int:
     profile_at = {int(c) for c in args.profile_at.split(",") if c}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    deadline = egc.T0 + args.budget_s
+    deadline = common.T0 + args.budget_s
     res = {"meta": {"label": "ACCEPTANCE REPLAY (not a model's result)", "device": device,
                     "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "", "torch": torch.__version__,
                     "smoke": smoke, "concurrency": conc, "prompt_len": plen, "max_new_tokens": max_new,
                     "reps": args.reps, "block_size": BLOCK}, "traces": {}, "rows": [], "checks": {}}
 
     def save():
-        res["meta"]["total_s"] = time.perf_counter() - egc.T0
+        res["meta"]["total_s"] = time.perf_counter() - common.T0
         for name, text in (("replay_bench.json", json.dumps(res, indent=1, default=str)), ("replay_bench.md", markdown(res))):
             tmp = out_dir / (name + ".tmp")
             tmp.write_text(text)
@@ -258,12 +258,12 @@ def main(argv=None) -> int:
     from adaflash_hf.engine import Engine, layout_args
 
     t = time.perf_counter()
-    target = egc.qwen3_8b_shape(device, smoke)
+    target = common.qwen3_8b_shape(device, smoke)
     perm = decisive_argmax(target)
     drafter = build_drafter(target, device, smoke)
     res["meta"]["drafter"] = (f"{drafter.config.num_hidden_layers} layers, hidden {drafter.config.hidden_size}, block "
                               f"{BLOCK}, target layers {list(drafter.config.target_layer_ids)}, length head")
-    egc.sync(device)
+    common.sync(device)
     log(f"built the 8B-shaped target + drafter in {time.perf_counter() - t:.1f}s ({res['meta']['drafter']})")
     vocab = target.get_input_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     refs = {tuple(p): o.token_ids for p, o in zip(prompts, off.generate(prompts, max_new_tokens=max_new))}
     walk = sum(o[i + 1] == int(perm[o[i]]) for o in refs.values() for i in range(len(o) - 1))
     res["checks"]["argmax_is_the_permutation"] = f"{walk}/{sum(len(o) - 1 for o in refs.values())}"
-    hf = egc._greedy_refs(target, prompts[:1], min(16, max_new))[0]
+    hf = common.greedy_refs(target, prompts[:1], min(16, max_new))[0]
     res["checks"]["off_equals_hf_generate"] = hf == refs[tuple(prompts[0])][: len(hf)]
     log(f"references: {len(refs)} prompts in {time.perf_counter() - t:.1f}s; greedy = perm walk "
         f"{res['checks']['argmax_is_the_permutation']}; off == HF generate: {res['checks']['off_equals_hf_generate']}")
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
                 r.update(fn())
                 log(f"{mode:6s} {trace_name or '-':9s} c={c:4d} {r['tok_per_s']:9.1f} tok/s  tau {r['tau']:.2f}  verify "
                     f"{r['mean_verify_len']:.2f}  identical {r['identical']}/{r['requests']}  "
-                    f"followed {r.get('trace_followed', '-')}" + (f"  | {egc.fmt_phases(r['phases'])}" if "phases" in r else ""))
+                    f"followed {r.get('trace_followed', '-')}" + (f"  | {common.fmt_phases(r['phases'])}" if "phases" in r else ""))
             except Exception:  # noqa: BLE001 - record and go on
                 r["error"] = traceback.format_exc()
                 log(f"{mode} {trace_name} c={c} FAILED\n{r['error']}")
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
     for c in conc:
         row("off", c, None, lambda c=c: run_row(off, None, prompts[:c], refs, max_new, device, args.reps, True, c in profile_at))
     del off
-    egc.free_memory()
+    common.free_memory()
     replays = {m: DraftReplay(refs, None) for m in ("fixed", "packed")}  # one each: request ids are per engine
     engines = {m: Engine(target, **layout_args(drafter, m), draft_replay=replays[m], **kw) for m in replays}
     warmed = set()
