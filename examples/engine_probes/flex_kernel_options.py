@@ -3,7 +3,7 @@
 the 16-token forward's top kernels. Run on the H200 from the repository root:
 ``python3 examples/engine_probes/flex_kernel_options.py``; the run of 2026-11-29 is
 ``docs/logs/engine_probes/flex_kernel_options.txt``."""
-import sys, time, traceback
+import sys, traceback
 sys.path.insert(0, "examples")  # gpu_common: the 8B-shaped model and timers
 import torch
 import gpu_common as E
