@@ -10,7 +10,7 @@ sensitivity to batch size. This script measures it.
 
 Sections (each timed, each skippable; results rewritten after every section):
 
-  b8     Qwen3-8B shape, random bf16 weights on the GPU (``engine_gpu_check.qwen3_8b_shape``) and a
+  b8     Qwen3-8B shape, random bf16 weights on the GPU (``gpu_common.qwen3_8b_shape``) and a
          5-layer random bf16 drafter, ``--n`` random prompts: engine ``off`` vs engine with a drafter
          (``--modes``, default ``fixed``) over all prompts; HF ``generate`` plain (batch 1) vs
          ``generate(assistant_model=drafter)`` over the first ``--hf-n8b``.
@@ -52,7 +52,7 @@ import torch
 # sample, without minutes of Hub retries first (export HF_HUB_OFFLINE=0 to allow the Hub).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_gpu_check import _first_diff, free_memory, log, qwen3_8b_shape  # noqa: E402
+from gpu_common import first_diff, free_memory, log, qwen3_8b_shape  # noqa: E402
 
 T0 = time.perf_counter()
 NEAR_TIE_ULPS = 4  # a top-2 margin below this many bf16 ulps counts as a near-tie
@@ -206,7 +206,7 @@ def compare(target, prompts, outs: list, refs: list, label: str, with_margins: b
         # HF generate stops at EOS even with eos_token_id=None (it falls back to the model's); the
         # engine decodes max_new tokens: compare both up to the first EOS, the same stop rule.
         o, r = _until_eos(o, eos), _until_eos(r, eos)
-        j = _first_diff(o, r)
+        j = first_diff(o, r)
         if j is not None and (j < len(o) or j < len(r)):
             row = {"prompt": i, "first_diff": j}
             if with_margins:

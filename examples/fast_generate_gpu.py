@@ -15,7 +15,8 @@ after it is skipped) and its error, if any, is recorded and the next one still r
             published tau 6.4 (1000 * 6.4 / ms per round) for: plain eager ``generate``, static-cache compiled
             ``generate``, transformers' native DFlash, our ``generate`` through the engine (batch 1 and 8) and
             through the eager loop (batch 1), ``speculative_generate`` batch 32, and the engine ``off`` /
-            ``fixed`` / ``packed`` at concurrency 1. A round's time is (run - prefill-only run) / rounds.
+            ``fixed`` / ``packed`` at concurrency 1. A round's time is (run - prefill-only run) / rounds;
+  profile   the engine's ``fixed`` round by phase, and one drafter step alone (graphs; eager, with its kernels).
 
 Writes ``fast_generate_gpu.json`` and ``fast_generate_gpu.md`` into ``--out`` (default ``$OUT``).
 
@@ -42,7 +43,7 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteria
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_gpu_check import free_memory, log, qwen3_8b_shape, sync, tiny_pair  # noqa: E402
+from gpu_common import free_memory, log, qwen3_8b_shape, sync, tiny_pair  # noqa: E402
 
 PUBLISHED_TAU = 6.4
 
@@ -128,7 +129,7 @@ def start_up(res, target, drafter, device, args):
 
 
 # ----------------------------------------------------------------------------- identity
-def _first_diff(a: torch.Tensor, b: torch.Tensor):
+def first_diff(a: torch.Tensor, b: torch.Tensor):
     if a.shape == b.shape and torch.equal(a, b):
         return None
     n = min(a.shape[-1], b.shape[-1])
@@ -142,8 +143,8 @@ def identity_of(target, drafter, ids, mask, max_new):
     plain = target.generate(ids, **kw)
     fast, notes = record_warnings(lambda: target.generate(ids, assistant_model=drafter, fast_path=True, **kw))
     eager = target.generate(ids, assistant_model=drafter, fast_path=False, **kw)
-    return {"fast_vs_plain_first_diff": _first_diff(fast, plain), "fast_vs_eager_first_diff": _first_diff(fast, eager),
-            "eager_vs_plain_first_diff": _first_diff(eager, plain), "identical": bool(torch.equal(fast, plain) and torch.equal(fast, eager)),
+    return {"fast_vs_plain_first_diff": first_diff(fast, plain), "fast_vs_eager_first_diff": first_diff(fast, eager),
+            "eager_vs_plain_first_diff": first_diff(eager, plain), "identical": bool(torch.equal(fast, plain) and torch.equal(fast, eager)),
             "warnings": notes}
 
 
@@ -244,6 +245,49 @@ def methods(res, target, drafter, device, args, deadline):
         res["b8_over_b1_round"] = res["ours_generate_b8"]["ms_per_round"] / ours["ms_per_round"]
 
 
+def profile(res, target, drafter, device, args):
+    """Where a batch-1 ``fixed`` round goes: the engine's phases (device synced at phase boundaries) and one
+    drafter step alone (body over a 1-token context + full-width head, as a round after prefill runs it):
+    ms per step graph-replayed, and the device kernels of the same step run eagerly."""
+    from gpu_common import kernel_profile, phase_breakdown
+
+    from adaflash_hf.engine import Engine, FusedTarget, layout_args
+    from adaflash_hf.engine.drafter import DraftGraphs, make_drafter_cache
+
+    prompt = prompt_ids(target.config.vocab_size, 1, args.prompt_len, device, seed=3)[0].tolist()
+    eng = Engine(target, **layout_args(drafter, "fixed"), max_slots=1, max_len=len(prompt) + args.max_new + 32,
+                 token_budget=max(64, len(prompt)))
+    eng.warmup(concurrency=1, prompt_lens=[len(prompt)])
+    eng.generate([prompt], max_new_tokens=args.max_new)
+    res["engine_fixed_phases"] = phase_breakdown(eng, lambda: eng.generate([prompt], max_new_tokens=args.max_new))
+    log(f"profile: engine fixed c1 phases {res['engine_fixed_phases']}")
+    del eng
+    free_memory()
+    cfg = drafter.config
+    feats = torch.randn(1, len(cfg.target_layer_ids) * cfg.hidden_size, dtype=torch.bfloat16, device=device)
+    fused, _ = FusedTarget.build(target)
+    cases = [(True, True), (True, False), (False, True)] if device == "cuda" else [(False, True), (False, False)]
+    for graphs, fuse in cases:  # (CUDA graphs, the drafter on the target's fused kernels)
+        cache = make_drafter_cache(drafter, 1, args.prompt_len + 64, spare_slots=1)
+        dg = DraftGraphs(drafter, cache, max_rows=1, max_ctx=64, use_graphs=graphs, fused=fused if fuse else None)
+        slot = cache.alloc()
+        cache.advance(slot, args.prompt_len)
+
+        def step():
+            dg.run_body([slot], [feats], [5])
+            dg.run_head(1, cfg.block_size - 1)
+            cache.rollback(slot, args.prompt_len)
+
+        for _ in range(3):
+            step()
+        _, secs = timed(lambda: [step() for _ in range(50)], device)
+        key = f"drafter_step_{'graphs' if graphs else 'eager'}_{'fused' if dg.fused is not None else 'modules'}"
+        res[key] = {"ms": 1e3 * secs / 50, **({} if graphs else {"kernels": kernel_profile(step, device, top=16)})}
+        log(f"profile: {key} {res[key]}")
+        del dg, cache
+        free_memory()
+
+
 class _StopAt(StoppingCriteria):
     """Stop once a row holds ``length`` tokens (prompt included)."""
 
@@ -292,7 +336,7 @@ def main(argv=None):
     ap.add_argument("--max-new", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip what would start after this many seconds")
     ap.add_argument("--child-timeout", type=float, default=150.0)
-    ap.add_argument("--skip", default="", help="comma-separated sections (start, identity, methods) or method names")
+    ap.add_argument("--skip", default="", help="comma-separated sections (start, identity, methods, profile) or method names")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.prompt_len = args.prompt_len or (16 if args.smoke else 512)
@@ -319,7 +363,7 @@ def main(argv=None):
     sync(device)
     res["build_models_s"] = time.perf_counter() - t
     log(f"models built in {res['build_models_s']:.1f}s")
-    for name, fn in (("start", start_up), ("identity", identity), ("methods", methods)):
+    for name, fn in (("start", start_up), ("identity", identity), ("methods", methods), ("profile", profile)):
         res[name] = {}
         if name in args.skip or time.perf_counter() > deadline:
             res[name] = {"skipped": "--skip" if name in args.skip else "time budget"}

@@ -48,12 +48,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import engine_gpu_check as egc  # noqa: E402  (the 8B builder, prompt loading, timing helpers)
+import gpu_common as common  # noqa: E402  (the 8B builder, prompt loading, timing helpers)
 
 from adaflash_hf.bench.replay import DraftReplay, RecordedTrace, paper_dflash_trace  # noqa: E402
 from adaflash_hf.spec.rounds import mean_tokens_per_round  # noqa: E402
 
-log = egc.log
+log = common.log
 BLOCK = 16
 EMBED_SCALE = 5e4  # embedding elements ~1000 against a residual update of ~15 RMS over 36 random layers
 
@@ -94,7 +94,7 @@ def record_traces(device, domains, n, max_new, smoke):
     dtype = torch.float32 if smoke else torch.bfloat16
     for dom in domains:
         t = time.perf_counter()
-        target, drafter, prompts, eos, source = egc.reference_pair(device, dtype, dom, n)
+        target, drafter, prompts, eos, source = common.reference_pair(device, dtype, dom, n)
         longest = max(len(p) for p in prompts)
         rec = RecordedTrace.record(target, drafter, prompts, max_new, name=f"reference pair, {dom}", eos_token_id=eos,
                                    max_slots=len(prompts), token_budget=max(4096, longest + len(prompts) * BLOCK))
@@ -103,23 +103,33 @@ def record_traces(device, domains, n, max_new, smoke):
         log(f"trace {dom} ({source}): {len(acc)} whole-block rounds, tau {rec.tau:.2f}, "
             f"mean head ratio {statistics.mean(r.ratio for r in rec.rounds):.3f} ({time.perf_counter() - t:.1f}s)")
         del target, drafter
-        egc.free_memory()
+        common.free_memory()
     return out
 
 
 def timed(eng, prompts, max_new, device, reps):
-    """``reps`` timed runs of ``prompts`` (median tok/s; graph capture inside a run is subtracted)."""
-    rates, outs = [], None
+    """``reps`` timed runs of ``prompts``: median end-to-end tok/s, and median decode tok/s (the tokens after
+    each request's first over the time after prefill: a run of ``max_new_tokens=1``, timed alone right
+    before, is subtracted). Graph capture inside a run is subtracted from both."""
     dg = getattr(eng, "draft_graphs", None)
-    for _ in range(reps):
+
+    def run(n):
         cap0 = eng.graphs.capture_seconds + (dg.capture_seconds if dg is not None else 0.0)
-        egc.sync(device)
+        common.sync(device)
         t = time.perf_counter()
-        outs = eng.generate(prompts, max_new_tokens=max_new)
-        egc.sync(device)
+        outs = eng.generate(prompts, max_new_tokens=n)
+        common.sync(device)
         cap = eng.graphs.capture_seconds + (dg.capture_seconds if dg is not None else 0.0) - cap0
-        rates.append(sum(len(o.token_ids) for o in outs) / max(time.perf_counter() - t - cap, 1e-9))
-    return statistics.median(rates), rates, outs
+        return outs, max(time.perf_counter() - t - cap, 1e-9)
+
+    rates, decode, outs = [], [], None
+    for _ in range(reps):
+        _, pre = run(1)
+        outs, total = run(max_new)
+        tokens = sum(len(o.token_ids) for o in outs)
+        rates.append(tokens / total)
+        decode.append((tokens - len(outs)) / max(total - pre, 1e-9))
+    return statistics.median(rates), rates, statistics.median(decode), outs
 
 
 def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile):
@@ -128,11 +138,11 @@ def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile):
     if warm:
         eng.generate(prompts, max_new_tokens=max_new)
     steps0, fwd0 = eng.num_steps, len(eng.forward_tokens)
-    rate, rates, outs = timed(eng, prompts, max_new, device, reps)
+    rate, rates, decode, outs = timed(eng, prompts, max_new, device, reps)
     acc = [a for o in outs for a in o.accepted]
     vl = [v for o in outs for v in o.verify_lengths]
     fwd = eng.forward_tokens[fwd0:]
-    row = {"tok_per_s": rate, "tok_per_s_runs": rates, "tau": mean_tokens_per_round(acc) if acc else 1.0,
+    row = {"tok_per_s": decode, "end_to_end_tok_per_s": rate, "end_to_end_runs": rates, "tau": mean_tokens_per_round(acc) if acc else 1.0,
            "mean_verify_len": sum(vl) / max(1, len(vl)), "steps_per_run": (eng.num_steps - steps0) / reps,
            "mean_forward_tokens": sum(fwd) / max(1, len(fwd)),
            "identical": sum(o.token_ids == refs[tuple(p)] for o, p in zip(outs, prompts)), "requests": len(prompts)}
@@ -140,7 +150,7 @@ def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile):
         ok, total = replay.followed(outs)
         row["trace_followed"] = f"{ok}/{total}"
     if profile:
-        row["phases"] = egc.phase_breakdown(eng, lambda: eng.generate(prompts, max_new_tokens=max_new))
+        row["phases"] = common.phase_breakdown(eng, lambda: eng.generate(prompts, max_new_tokens=max_new))
     return row
 
 
@@ -155,7 +165,7 @@ def markdown(res: dict) -> str:
     for name, tr in res.get("traces", {}).items():
         out += [f"## trace `{name}`: {tr['description']} (trace tau {tr['tau']:.2f})", "",
                 "| concurrency | off tok/s | fixed tok/s (x off) | packed tok/s (x off, x fixed) | tau fixed / packed "
-                "| packed verify len | identical | trace followed |", "|---|---|---|---|---|---|---|---|"]
+                "| packed verify len | identical | trace followed | end-to-end tok/s |", "|---|---|---|---|---|---|---|---|---|"]
         for c in m["concurrency"]:
             f = next((r for r in res["rows"] if r.get("trace") == name and r["mode"] == "fixed" and r["concurrency"] == c), {})
             p = next((r for r in res["rows"] if r.get("trace") == name and r["mode"] == "packed" and r["concurrency"] == c), {})
@@ -166,13 +176,14 @@ def markdown(res: dict) -> str:
             out.append(f"| {c} | {num(ot)} | {num(ft)} ({ratio(ft, ot)}) | {num(pt)} ({ratio(pt, ot)}, {ratio(pt, ft)}) | "
                        f"{f.get('tau', 0):.2f} / {p.get('tau', 0):.2f} | {p.get('mean_verify_len', 0):.2f} | "
                        f"{o.get('identical', '-')}/{f.get('identical', '-')}/{p.get('identical', '-')} of {c} | "
-                       f"{f.get('trace_followed', '-')}, {p.get('trace_followed', '-')} |")
+                       f"{f.get('trace_followed', '-')}, {p.get('trace_followed', '-')} | "
+                       + " / ".join(f"{r['end_to_end_tok_per_s']:.0f}" if "end_to_end_tok_per_s" in r else "-" for r in (o, f, p)) + " |")
         out.append("")
     prof = [r for r in res["rows"] if "phases" in r]
     if prof:
         out += ["## Per step (profiled run, device synced per phase)", "", "| trace | mode | concurrency | phases |",
                 "|---|---|---|---|"]
-        out += [f"| {r.get('trace', '-')} | {r['mode']} | {r['concurrency']} | {egc.fmt_phases(r['phases'])} |" for r in prof]
+        out += [f"| {r.get('trace', '-')} | {r['mode']} | {r['concurrency']} | {common.fmt_phases(r['phases'])} |" for r in prof]
         out.append("")
     if res.get("checks"):
         out += ["## Checks", "", "```", json.dumps(res["checks"], indent=1, default=str), "```", ""]
@@ -189,7 +200,7 @@ def main(argv=None) -> int:
     ap.add_argument("--domains", default="gsm8k,sharegpt", help="sets whose reference-pair rounds are recorded")
     ap.add_argument("--record-prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=1, help="timed runs per row after the warm-up (median)")
     ap.add_argument("--profile-at", default="1,128", help="concurrencies that also get a profiled run")
     ap.add_argument("--budget-s", type=float, default=450.0, help="rows that would start after this are skipped")
@@ -204,14 +215,14 @@ def main(argv=None) -> int:
     profile_at = {int(c) for c in args.profile_at.split(",") if c}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    deadline = egc.T0 + args.budget_s
+    deadline = common.T0 + args.budget_s
     res = {"meta": {"label": "ACCEPTANCE REPLAY (not a model's result)", "device": device,
                     "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "", "torch": torch.__version__,
                     "smoke": smoke, "concurrency": conc, "prompt_len": plen, "max_new_tokens": max_new,
                     "reps": args.reps, "block_size": BLOCK}, "traces": {}, "rows": [], "checks": {}}
 
     def save():
-        res["meta"]["total_s"] = time.perf_counter() - egc.T0
+        res["meta"]["total_s"] = time.perf_counter() - common.T0
         for name, text in (("replay_bench.json", json.dumps(res, indent=1, default=str)), ("replay_bench.md", markdown(res))):
             tmp = out_dir / (name + ".tmp")
             tmp.write_text(text)
@@ -247,12 +258,12 @@ def main(argv=None) -> int:
     from adaflash_hf.engine import Engine, layout_args
 
     t = time.perf_counter()
-    target = egc.qwen3_8b_shape(device, smoke)
+    target = common.qwen3_8b_shape(device, smoke)
     perm = decisive_argmax(target)
     drafter = build_drafter(target, device, smoke)
     res["meta"]["drafter"] = (f"{drafter.config.num_hidden_layers} layers, hidden {drafter.config.hidden_size}, block "
                               f"{BLOCK}, target layers {list(drafter.config.target_layer_ids)}, length head")
-    egc.sync(device)
+    common.sync(device)
     log(f"built the 8B-shaped target + drafter in {time.perf_counter() - t:.1f}s ({res['meta']['drafter']})")
     vocab = target.get_input_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
@@ -264,7 +275,7 @@ def main(argv=None) -> int:
     refs = {tuple(p): o.token_ids for p, o in zip(prompts, off.generate(prompts, max_new_tokens=max_new))}
     walk = sum(o[i + 1] == int(perm[o[i]]) for o in refs.values() for i in range(len(o) - 1))
     res["checks"]["argmax_is_the_permutation"] = f"{walk}/{sum(len(o) - 1 for o in refs.values())}"
-    hf = egc._greedy_refs(target, prompts[:1], min(16, max_new))[0]
+    hf = common.greedy_refs(target, prompts[:1], min(16, max_new))[0]
     res["checks"]["off_equals_hf_generate"] = hf == refs[tuple(prompts[0])][: len(hf)]
     log(f"references: {len(refs)} prompts in {time.perf_counter() - t:.1f}s; greedy = perm walk "
         f"{res['checks']['argmax_is_the_permutation']}; off == HF generate: {res['checks']['off_equals_hf_generate']}")
@@ -280,7 +291,7 @@ def main(argv=None) -> int:
                 r.update(fn())
                 log(f"{mode:6s} {trace_name or '-':9s} c={c:4d} {r['tok_per_s']:9.1f} tok/s  tau {r['tau']:.2f}  verify "
                     f"{r['mean_verify_len']:.2f}  identical {r['identical']}/{r['requests']}  "
-                    f"followed {r.get('trace_followed', '-')}" + (f"  | {egc.fmt_phases(r['phases'])}" if "phases" in r else ""))
+                    f"followed {r.get('trace_followed', '-')}" + (f"  | {common.fmt_phases(r['phases'])}" if "phases" in r else ""))
             except Exception:  # noqa: BLE001 - record and go on
                 r["error"] = traceback.format_exc()
                 log(f"{mode} {trace_name} c={c} FAILED\n{r['error']}")
@@ -291,7 +302,7 @@ def main(argv=None) -> int:
     for c in conc:
         row("off", c, None, lambda c=c: run_row(off, None, prompts[:c], refs, max_new, device, args.reps, True, c in profile_at))
     del off
-    egc.free_memory()
+    common.free_memory()
     replays = {m: DraftReplay(refs, None) for m in ("fixed", "packed")}  # one each: request ids are per engine
     engines = {m: Engine(target, **layout_args(drafter, m), draft_replay=replays[m], **kw) for m in replays}
     warmed = set()

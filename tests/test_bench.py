@@ -115,6 +115,10 @@ def test_json_has_every_field_for_each_method(full_run):
                     continue
                 assert r["error"] is None
                 assert r["new_tokens"] == 3 * MAX_NEW or r["new_tokens"] > 0
+                if m == "prompt_lookup_exact":  # computed from plain's rows: round figures, no timings
+                    assert r["tokens_per_s"] is None and r["wall_time_s"] is None and r["identical"] is None
+                    assert r["tau"] >= 1 and r["rounds"] > 0 and r["new_tokens"] == cells[("plain", ds, c)]["new_tokens"]
+                    continue
                 assert r["tokens_per_s"] > 0 and r["wall_time_s"] > 0
                 assert r["ttft_s"] > 0 and r["tpot_s"] > 0
                 assert r["peak_memory_bytes"] is None and r["floor_share"] is None
@@ -128,9 +132,15 @@ def test_json_has_every_field_for_each_method(full_run):
                     assert set(hist) == {"1", "2", "3", "4"} and sum(hist.values()) == r["rounds"]
                     assert r["draft_time_s"] > 0 and r["verify_time_s"] > 0
     assert cells[("plain", "alpha", 1)]["speedup"]["plain"] == pytest.approx(1.0)
-    for m in ("dflash_native", "hf_assisted", "prompt_lookup"):  # tau estimated from target verify forwards
+    for m in ("dflash_native", "hf_assisted"):  # tau estimated from target verify forwards
         est = cells[(m, "alpha", 1)]
         assert not est["skipped"] and est["tau_estimated"] and est["tau"] >= 1 and est["rounds"] > 0
+    for ds in ("alpha", "beta"):  # prompt lookup's recorded rounds, and the same rounds computed from plain's rows
+        real, computed = cells[("prompt_lookup", ds, 1)], cells[("prompt_lookup_exact", ds, 1)]
+        assert not real["tau_estimated"] and real["rounds"] > 0 and sum(real["tau_histogram"].values()) == real["rounds"]
+        for key in ("rounds", "tau", "mean_verify_length", "tau_histogram", "position_acceptance"):
+            assert computed[key] == real[key], (ds, key)
+        assert any("cross-checked" in n for n in computed["notes"])
     for ds in ("alpha", "beta"):  # the serving engine, per length policy, with its per-round stats
         for c in (1, 2):
             off, fixed, adaptive = (cells[(f"engine_{m}", ds, c)] for m in ("off", "fixed", "adaptive"))
@@ -294,16 +304,20 @@ def test_lossy_method_flagged_and_cli_fails(setup, tmp_path, monkeypatch, capsys
 
 def test_reference_computed_when_plain_not_requested_and_sampling_not_compared(setup, tmp_path, monkeypatch):
     monkeypatch.setitem(METHODS, "lossy", Method("lossy", _lossy))
+    monkeypatch.setitem(METHODS, "broken", Method("broken", None, from_plain=lambda *a: 1 / 0))  # a computed method that raises
     res = run_bench(
-        _config(setup, tmp_path, methods=["lossy", "fixed"], concurrency=[2], datasets=setup["datasets"][1:],
-                num_prompts=2, plots=False, warmup=0)
+        _config(setup, tmp_path, methods=["lossy", "broken", "fixed", "prompt_lookup_exact"], concurrency=[2],
+                datasets=setup["datasets"][1:], num_prompts=2, plots=False, warmup=0)
     )  # fmt: skip
-    assert [f["method"] for f in res.failures] == ["lossy"] and res.cell("fixed", "beta", 2).identical is True
+    assert [f["method"] for f in res.failures] == ["lossy", "broken"] and res.cell("fixed", "beta", 2).identical is True
+    assert "ZeroDivisionError" in res.cell("broken", "beta", 2).error
+    assert res.cell("prompt_lookup_exact", "beta", 2).rounds > 0  # computed from the untimed plain reference
     res = run_bench(
-        _config(setup, tmp_path, methods=["plain", "fixed"], concurrency=[2], datasets=setup["datasets"][1:],
-                num_prompts=2, temperature=0.8, plots=False, warmup=0)
+        _config(setup, tmp_path, methods=["plain", "fixed", "prompt_lookup_exact"], concurrency=[2],
+                datasets=setup["datasets"][1:], num_prompts=2, temperature=0.8, plots=False, warmup=0)
     )  # fmt: skip
     assert res.ok and res.cell("fixed", "beta", 2).identical is None and res.cell("fixed", "beta", 2).tau >= 1
+    assert "only under greedy" in res.cell("prompt_lookup_exact", "beta", 2).skip_reason
 
 
 def test_cli_mounts_as_subcommand():

@@ -16,6 +16,7 @@ import torch
 
 from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, layout_args, make_target_cache, target_forward
 from adaflash_hf.engine.kernels import fused as F
+from adaflash_hf.engine.kernels import stock_layers
 
 from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids
 
@@ -244,18 +245,19 @@ def test_static_fused_forward_stores_like_the_modules(family, dtype, extra):
 
 
 def test_transformers_output_capturing_hooks_are_recognised_and_only_they():
-    """Tripwire for the one transformers internal :func:`F.foreign_hooks` reads: the code of the hook
+    """Tripwire for the one transformers internal :func:`stock_layers.foreign_hooks` reads: the code of the hook
     ``transformers.utils.output_capturing`` installs the first time hidden states are requested."""
-    assert F._RECORDING_HOOK is not None, "transformers' output-capturing hook moved: update fused._output_capturing_code"
+    assert stock_layers._RECORDING_HOOK is not None, (
+        "transformers' output-capturing hook moved: update stock_layers._output_capturing_code")
     target = make_target("qwen3")
     target.generate(torch.tensor([[3, 4, 5]]), do_sample=False, max_new_tokens=2, output_hidden_states=True,
                     return_dict_in_generate=True)
     hooked = [m for m in target.modules() if m._forward_hooks]
     assert hooked, "transformers no longer leaves forward hooks after output_hidden_states=True"
-    assert all(F.foreign_hooks(m) == [] for m in hooked)
+    assert all(stock_layers.foreign_hooks(m) == [] for m in hooked)
     layer = target.model.layers[0]
     handle = layer.register_forward_hook(lambda m, i, o: o)
-    assert F.foreign_hooks(layer) == ["test_transformers_output_capturing_hooks_are_recognised_and_only_they.<locals>.<lambda>"]
+    assert stock_layers.foreign_hooks(layer) == ["test_transformers_output_capturing_hooks_are_recognised_and_only_they.<locals>.<lambda>"]
     handle.remove()
 
 

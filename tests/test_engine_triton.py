@@ -210,6 +210,7 @@ def test_engine_with_triton_kernels_is_lossless(mode, monkeypatch):
     assert eng.fused.store_kernel == "triton" and set(eng.fused.row_kernels.values()) == {"triton"}
     if mode == "packed":
         assert eng.draft_graphs.attention.backend == "triton" and eng.draft_graphs.attention.causal is False
+        assert eng.draft_graphs.fused is eng.fused  # the drafter's layers on the same Triton kernels
 
 
 @pytest.mark.parametrize("family,dtype", [("qwen3", torch.float32), ("llama", torch.float32), ("qwen3", torch.float16)])

@@ -818,9 +818,15 @@ def test_online_experiment_curve_on_the_reference_pair(tmp_path):
         curve = r["methods"][m]["curve"]
         assert [c["update"] for c in curve] == [0, 1] and all(c["identical"] for c in curve)
         assert r["methods"][m]["complete"] and curve[1]["served_prompts"] == 2 and curve[1]["loss"] > 0
+        assert all(c["head_mae"] is not None and c["head_rounds"] > 0 and 1 <= c["mean_verify_length"] <= 16 for c in curve)
+        (record,) = r["methods"][m]["updates"]  # the adapter's record of its one update
+        assert record["update"] == 1 and record["head_mae_before"] is not None
     assert (tmp_path / "a" / "online_tau.png").is_file()
     one_by_one = run(tmp_path / "b", "--methods", "opd", "--updates", "0", "--measure-batch", "1")
     assert one_by_one["methods"]["opd"]["curve"][0]["tau"] == pytest.approx(r["methods"]["opd"]["curve"][0]["tau"])
+    both = run(tmp_path / "c", "--methods", "osd", "--updates", "0", "--measure-batch", "3", "--policy", "adaptive", "--measure-fixed")
+    (start,) = both["methods"]["osd"]["curve"]  # the adaptive measurement, and the fixed one beside it
+    assert start["fixed_tau"] == pytest.approx(r["methods"]["osd"]["curve"][0]["tau"]) and start["mean_verify_length"] < 16
 
 
 def test_engine_requests_feed_an_attached_adapter(pair):
@@ -876,3 +882,30 @@ def test_request_updates_use_the_configured_opd_clip(pair, monkeypatch, kwargs, 
     finally:
         adapter.close()
     assert seen and set(seen) == {expected}
+
+
+@pytest.mark.parametrize(
+    "verify_len, accepted, ratio, expected",
+    [
+        (4, 1, 0.5, 0.25),  # a draft rejected inside the verified part: |0.5 - 2/8|
+        (4, 3, 0.5, None),  # every verified draft accepted but the block cut (4 of 8): acceptance unknown
+        (8, 7, 0.5, 0.5),  # the whole block verified and accepted: |0.5 - 8/8|
+        (4, 1, None, None),  # no length head
+    ],
+)
+def test_head_error_counts_only_rounds_with_known_acceptance(verify_len, accepted, ratio, expected):
+    """`VerifiedRound.head_error`: |ratio - (accepted + 1) / B| where the real acceptance is known."""
+    k = verify_len - 1
+    r = VerifiedRound.from_block(0, torch.tensor([1]), 2, torch.arange(k), torch.zeros(k, 8), torch.zeros(k + 1, 8),
+                                 draft_len=k, num_accepted=accepted, ratio=ratio)
+    assert r.head_error(block_size=8) == (None if expected is None else pytest.approx(expected))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_stream_order_is_file_order_at_seed_0_and_a_seeded_permutation_otherwise(seed):
+    from adaflash_hf.online.experiment import stream_order
+
+    prompts = list(range(50))
+    order = stream_order(prompts, seed)
+    assert sorted(order) == prompts and order == stream_order(prompts, seed) and prompts == list(range(50))
+    assert (order == prompts) == (seed == 0)

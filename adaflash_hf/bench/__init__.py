@@ -9,6 +9,12 @@ each concurrency (prompts decoded together in one left-padded batch) times every
 - ``hf_assisted``: HF assisted generation with ``--assistant`` (batch 1 only);
 - ``prompt_lookup``: HF prompt-lookup decoding (``prompt_lookup_num_tokens``, an n-gram copy of the
   prompt and the text so far; no drafter, no training; batch 1 only), the baseline a user already has;
+- ``prompt_lookup_exact``: prompt lookup's rounds *computed* from plain's greedy outputs of the same
+  prompts (`.prompt_lookup_tau`), at any concurrency, in no model time: under greedy decoding its
+  candidates and acceptance are a function of the prompt and the greedy continuation, so its tau,
+  rounds and verify lengths are exact (every target forward is a round, the prefill's included);
+  no speed figure (``not timed (computed)``). Greedy runs only. Beside ``prompt_lookup`` at
+  concurrency 1 the two are cross-checked: any difference in rounds is a failure;
 - ``dflash_native``: transformers' own DFlash path, ``speculation_type="dflash"`` (batch 1 only);
 - ``fixed``, ``adaptive``, ``expected_gain``: our speculative loop with that length policy;
 - ``osd``, ``adaflash``: our loop serving the dataset's prompts in order while an
@@ -39,6 +45,7 @@ CLI: ``adaflash bench --reference --datasets gsm8k,mathqa --num-prompts 32 --out
 
 Layout: `.config` (BenchConfig, method names), `.methods` (one module per method family),
 `.runner` (the grid, plain first, correctness), `.measure` (one cell), `.timing`, `.prompts`,
+`.prompt_lookup_tau` (prompt lookup's rounds from a greedy output),
 `.environment` (versions, bandwidth floor), `.results`, `.report` (bench.md / bench.json), `.plots`,
 `.cli_args` (the flags). Model / device loading is `adaflash_hf.loading`, shared with the CLI.
 """

@@ -40,14 +40,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--concurrency", type=_ints, default=[1], help="comma list of batch sizes, e.g. 1,4,16")
     g.add_argument(
         "--methods", type=_csv, default=None,
-        help=f"comma list from: {', '.join(DEFAULT_METHODS)} ({_default_help('methods')})",
+        help=f"comma list from: {', '.join(DEFAULT_METHODS)} ({_default_help('methods')}). prompt_lookup_exact is "
+        "computed, not timed: prompt lookup's tau from plain's greedy outputs (exact under greedy, any concurrency)",
     )
     g = parser.add_argument_group("runtime")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")
     g.add_argument("--attn-implementation", default="sdpa")
     g.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed before each method and concurrency")
-    g.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="candidate tokens per round of prompt_lookup")
+    g.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
+                   help="candidate tokens per round of prompt_lookup and prompt_lookup_exact")
     g.add_argument("--length-rate", type=float, default=None,
                    help="adaptive methods: rate of k_hat = floor(a*B*rate) (default: the drafter config's)")
     g.add_argument("--halving-batch", type=int, default=None,

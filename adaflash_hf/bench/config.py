@@ -7,7 +7,8 @@ from typing import Any
 
 BASELINES = ("plain", "plain_static")
 DEFAULT_METHODS = (
-    "plain", "plain_static", "hf_assisted", "prompt_lookup", "dflash_native", "fixed", "adaptive", "expected_gain", "osd", "adaflash",
+    "plain", "plain_static", "hf_assisted", "prompt_lookup", "prompt_lookup_exact", "dflash_native",
+    "fixed", "adaptive", "expected_gain", "osd", "adaflash",
     "engine_off", "engine_fixed", "engine_adaptive",
 )  # fmt: skip
 
@@ -22,7 +23,8 @@ class BenchConfig:
     ``concurrency``: batch sizes; N prompts are decoded together in one left-padded batch.
     ``temperature`` 0 means greedy, and only greedy runs are compared token for token.
     ``warmup``: prompts decoded untimed before each (method, concurrency) is first timed.
-    ``prompt_lookup_num_tokens``: candidate tokens per round of the ``prompt_lookup`` baseline.
+    ``prompt_lookup_num_tokens``: candidate tokens per round of the ``prompt_lookup`` baseline (and of
+    ``prompt_lookup_exact``, its rounds computed from plain's greedy outputs, untimed).
     ``length_rate``: the length head's ``k_hat = clamp(floor(a * B * rate), 1, B)`` rate for every adaptive
     method (``None``: the drafter config's); ``halving_batch``: the engine methods scale that rate down with
     the batch (half at this many requests; ``None``, the default: fixed rate, load left to admission).

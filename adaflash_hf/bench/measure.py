@@ -104,6 +104,15 @@ def measure(method, ctx, cell, layouts, config, eos_ids, warm_pool, warmed, pad_
     return t.rows
 
 
+def fill_computed(cell, rows, stats) -> None:
+    """Fill a computed (untimed) cell from its rows and `GenerationStats`: round figures, no timings."""
+    t = _Timings()
+    t.rows, t.merged = rows, stats
+    cell.new_tokens = sum(len(r) for r in rows)
+    _fill_rounds(cell, t)
+    cell.draft_time_s = cell.verify_time_s = None
+
+
 def _fill(cell, t: _Timings, method, ctx, hardware, cuda_device) -> None:
     cell.new_tokens = sum(len(r) for r in t.rows)
     cell.wall_time_s = sum(t.walls)
@@ -111,6 +120,16 @@ def _fill(cell, t: _Timings, method, ctx, hardware, cuda_device) -> None:
     cell.ttft_s = sum(t.ttfts) / len(t.ttfts) if t.ttfts else None
     cell.tpot_s = sum(t.tpots) / len(t.tpots) if t.tpots else None
     cell.peak_memory_bytes = torch.cuda.max_memory_allocated(cuda_device) if cuda_device is not None else None
+    _fill_rounds(cell, t)
+    if method.name == "adaptive" and ctx.drafter is not None and not getattr(ctx.drafter.config, "length_head_trained", True):
+        cell.notes.append("length head not trained (config.length_head_trained is False)")
+    if hardware["floor_ms_per_token"] is not None and cell.concurrency == 1 and cell.tokens_per_s:
+        cell.floor_ms_per_token = hardware["floor_ms_per_token"]
+        cell.floor_share = cell.tokens_per_s / hardware["floor_tokens_per_s"]
+
+
+def _fill_rounds(cell, t: _Timings) -> None:
+    """tau, rounds, verify lengths and acceptance: from per-round stats, else estimated from forwards."""
     merged = t.merged
     if merged is not None:
         cell.rounds = merged.rounds
@@ -125,11 +144,6 @@ def _fill(cell, t: _Timings, method, ctx, hardware, cuda_device) -> None:
         cell.tau = (cell.new_tokens - len(t.rows)) / t.rounds_est
         cell.tau_estimated = True
         cell.notes.append("tau estimated as (new tokens - 1 per prompt) / target verify forwards; no per-round stats")
-    if method.name == "adaptive" and ctx.drafter is not None and not getattr(ctx.drafter.config, "length_head_trained", True):
-        cell.notes.append("length head not trained (config.length_head_trained is False)")
-    if hardware["floor_ms_per_token"] is not None and cell.concurrency == 1 and cell.tokens_per_s:
-        cell.floor_ms_per_token = hardware["floor_ms_per_token"]
-        cell.floor_share = cell.tokens_per_s / hardware["floor_tokens_per_s"]
 
 
 def online_report(method, cell, adapter, config, waited, online) -> None:

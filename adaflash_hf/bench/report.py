@@ -47,11 +47,24 @@ def _main_table(result: BenchResult) -> list[str]:
         sp = c.speedup.get("plain")
         tau = "-" if c.tau is None else (f"~{c.tau:.2f}" if c.tau_estimated else f"{c.tau:.2f}")
         ident = {True: "yes", False: f"**NO** ({len(c.mismatched_prompts)} prompts)", None: "n/a"}[c.identical]
+        speed = "not timed (computed)" if _computed(c) else fmt(c.tokens_per_s, ".1f")
         lines.append(
-            f"| {c.dataset} | {c.concurrency} | {c.method} | {fmt(c.tokens_per_s, '.1f')} | "
+            f"| {c.dataset} | {c.concurrency} | {c.method} | {speed} | "
             f"{'-' if sp is None else f'{sp:.2f}x'} | {tau} | {fmt(c.mean_verify_length)} | {ident} |"
         )
+    if any(_computed(c) and not c.skipped for c in result.cells):
+        lines += ["", "Computed rows (not timed): prompt_lookup_exact is transformers' prompt-lookup decoding "
+                  "(prompt_lookup_num_tokens, batch 1) replayed on plain's greedy outputs, exact under greedy decoding; "
+                  "its tau counts every target forward as a round, the prefill's included."]  # fmt: skip
     return lines
+
+
+def _computed(c) -> bool:
+    """A cell of a `Method.from_plain` method: figures computed from plain's outputs, no timing."""
+    from .methods import METHODS
+
+    method = METHODS.get(c.method)
+    return method is not None and method.from_plain is not None
 
 
 def _details(result: BenchResult) -> list[str]:

@@ -13,7 +13,7 @@ from ..generation.prompts import encode_prompt, left_pad
 from ..loading import load_models, resolve_device_dtype
 from .config import BASELINES, BenchConfig
 from .environment import environment, hardware
-from .measure import measure
+from .measure import fill_computed, measure
 from .methods import METHODS, BenchContext
 from .prompts import load_prompts
 from .results import BenchCell, BenchResult
@@ -91,6 +91,9 @@ class _Run:
         for name in methods:
             cell = BenchCell(method=name, dataset=label, concurrency=conc, num_prompts=len(prompts), num_batches=len(batches))
             group.append(cell)
+            if METHODS[name].from_plain is not None:
+                self.computed(METHODS[name], cell, prompts, reference)
+                continue
             rows = self.cell(METHODS[name], cell, layouts)
             if rows is None:
                 continue
@@ -105,7 +108,30 @@ class _Run:
                 compare(cell, rows, reference, self.result, self.ctx.target, prompts)
             log(config, _progress(cell))
         _fill_speedups(group)
+        cross_check(group, self.result)
         return group
+
+    def computed(self, method, cell: BenchCell, prompts, reference) -> None:
+        """A `Method.from_plain` cell: its figures from plain's greedy rows of the same prompts, untimed."""
+        reason = method.skip_reason(self.ctx, cell.concurrency)
+        if reason is None and reference is None:
+            reason = "no plain reference (plain failed): nothing to compute from"
+        if reason is not None:
+            cell.skipped, cell.skip_reason = True, reason
+            log(self.config, f"[{cell.dataset} c={cell.concurrency}] {method.name}: skipped ({reason})")
+            return
+        try:
+            stats = method.from_plain(self.ctx, prompts, reference, self.config.max_new_tokens, self.eos_ids)
+        except Exception as exc:  # reported like a method that raised; the other cells go on
+            self.error(method, cell, exc)
+            return
+        fill_computed(cell, reference, stats)
+        cell.notes.append(
+            f"computed from plain's greedy outputs (concurrency {cell.concurrency}), not decoded or timed: exact for "
+            "batch-1 greedy prompt lookup wherever those outputs are its greedy continuation; every target forward is "
+            "a round, the prefill's included"
+        )
+        log(self.config, _progress(cell))
 
     def cell(self, method, cell: BenchCell, layouts) -> list[list[int]] | None:
         """Measure one cell; its generated rows, or None when it was skipped or raised."""
@@ -118,14 +144,18 @@ class _Run:
             return measure(method, self.ctx, cell, layouts, self.config, self.eos_ids, self.warm_pool, self.warmed, self.pad_id,
                            self.ctx.device, self.on_cuda, self.result.hardware, online=self.result.online)  # fmt: skip
         except Exception as exc:  # a crash is a failure of the run, reported, not hidden
-            cell.error = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc()
-            self.result.failures.append(dict(kind="error", method=method.name, dataset=cell.dataset,
-                                             concurrency=cell.concurrency, prompt_index=None, message=cell.error))
-            loud(f"{method.name} on {cell.dataset} (concurrency {cell.concurrency}) raised {cell.error}")
+            self.error(method, cell, exc)
             if self.on_cuda:
                 torch.cuda.empty_cache()
             return None
+
+    def error(self, method, cell: BenchCell, exc: Exception) -> None:
+        """Record a cell whose method raised: the cell's error, a failure of the run, printed loudly."""
+        cell.error = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+        self.result.failures.append(dict(kind="error", method=method.name, dataset=cell.dataset,
+                                         concurrency=cell.concurrency, prompt_index=None, message=cell.error))
+        loud(f"{method.name} on {cell.dataset} (concurrency {cell.concurrency}) raised {cell.error}")
 
 
 def run_bench(config: BenchConfig) -> BenchResult:
@@ -203,6 +233,30 @@ def compare(cell, rows, reference, result, target=None, prompts=None):
         )
     cell.identical = not bad
     cell.mismatched_prompts = bad
+
+
+# A computed method and the real one it stands for: when the real one decoded plain's outputs exactly,
+# its rounds are the same function of those outputs, so every round figure must agree.
+CROSS_CHECKS = {"prompt_lookup_exact": "prompt_lookup"}
+
+
+def cross_check(group: list[BenchCell], result: BenchResult) -> None:
+    """Compare each computed cell of one (dataset, concurrency) with its real method's; a difference is a failure."""
+    cells = {c.method: c for c in group}
+    for computed, real in CROSS_CHECKS.items():
+        a, b = cells.get(computed), cells.get(real)
+        if a is None or b is None or a.tau is None or b.tau is None or b.identical is not True:
+            continue
+        fields = ("rounds", "tau", "mean_verify_length", "tau_histogram")
+        diff = [f for f in fields if getattr(a, f) != getattr(b, f)]
+        if diff:
+            msg = f"{computed} differs from the real {real} run in {', '.join(diff)}"
+            a.notes.append(msg)
+            result.failures.append(dict(kind="error", method=computed, dataset=a.dataset, concurrency=a.concurrency,
+                                        prompt_index=None, message=msg))  # fmt: skip
+            loud(f"{msg} on {a.dataset} (concurrency {a.concurrency})")
+        else:
+            a.notes.append(f"cross-checked: rounds, tau and verify lengths equal the real {real} run's")
 
 
 def _fill_speedups(group: list[BenchCell]) -> None:

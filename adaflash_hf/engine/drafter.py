@@ -29,9 +29,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.attention import INACTIVE, SlotAttention, default_backend
+import torch.nn.functional as F
+
 from .graphs import GraphRunner, copy_to_device, pick_bucket, q_buckets, token_buckets
+from .kernels.attention import INACTIVE, SlotAttention, default_backend
+from .kernels.fused import FusedTarget, SlotStore, fuse_layer_weights
+from .kernels.stock_layers import unsupported_drafter_layers
 from .kv_cache import SlotKVCache
+from .target import fused_layers
 
 __all__ = ["DraftGraphs", "DraftOutput", "SlotCacheView", "append_context", "draft_blocks", "make_drafter_cache"]
 
@@ -193,10 +198,14 @@ class DraftGraphs(GraphRunner):
         max_ctx: most new context tokens per draft (the engine's token budget: one target forward's tokens).
         use_graphs / attention: as :class:`~.graphs.DecodeGraphs`.
         feat_dtype: dtype of the target features (default: the drafter's).
+        fused: the target's :class:`~.kernels.fused.FusedTarget`: the drafter's layers then run on the same fused
+            projections, elementwise kernels and kernel choices (:func:`~.target.fused_layers`, as the target's
+            layers do), the draft logits on the target's LM-head kernel; ``None``, or a drafter whose layers are not
+            the stock AdaFlash math (:attr:`fusion_note` says why): through the drafter's modules.
     """
 
     def __init__(self, drafter, cache: SlotKVCache, max_rows: int, max_ctx: int, use_graphs: bool | None = None,
-                 attention: str | None = None, feat_dtype: torch.dtype | None = None):
+                 attention: str | None = None, feat_dtype: torch.dtype | None = None, fused: FusedTarget | None = None):
         device = cache.k.device
         use_graphs = self._init_graphs(cache, use_graphs)
         cfg = drafter.config
@@ -222,6 +231,21 @@ class DraftGraphs(GraphRunner):
         self.ratio = torch.zeros(R, dtype=torch.float32, device=device) if drafter.length_head is not None else None
         self.padded_tokens = 0
         self._rows = 0  # R_b of the last body run (the head reads its block states)
+        self.fused, self.fusion_note = None, "no fused target" if fused is None else ""
+        if fused is not None:
+            self.fusion_note = unsupported_drafter_layers(drafter, fused.model) or ""
+            if not self.fusion_note:
+                self.fused, self.weights = fused, fuse_layer_weights(drafter.layers)
+                self.mask_ids = torch.full((R, self.B - 1), cfg.mask_token_id, dtype=torch.long, device=device)
+                self.q_out = cache.k.new_zeros(self.slot_rows, cfg.num_attention_heads, self.B, cfg.head_dim)
+                self.layer_ids = torch.arange(cfg.num_hidden_layers, device=device)
+
+    def check_current(self) -> None:
+        """Raise a clear ``RuntimeError`` if the drafter's projections no longer live in the fused weights."""
+        if self.fused is not None and self.drafter.layers[0].self_attn.q_proj.weight.data_ptr() != self.weights[0].qkv.data_ptr():
+            raise RuntimeError("the drafter's weights were replaced after the engine was built (its projections no longer "
+                               "live in the fused weights, e.g. after drafter.to(...)); build a new Engine, or update "
+                               "weights in place (load_state_dict, copy_)")
 
     def bucket(self, num_ctx: int, num_rows: int) -> tuple[str, int, int]:
         return "body", pick_bucket(self.ctx_buckets, num_ctx), (pick_bucket(self.row_buckets, num_rows) if num_rows else 0)
@@ -275,16 +299,55 @@ class DraftGraphs(GraphRunner):
 
     def _body(self, Cb: int, Rb: int) -> None:
         d = self.drafter
-        _store_context(d, self.cache, self.feats[:Cb], self.inputs[1, :Cb], self.inputs[0, :Cb])
+        if self.fused is not None:
+            self._store_context_fused(self.feats[:Cb], self.inputs[1, :Cb], self.inputs[0, :Cb])
+        else:
+            _store_context(d, self.cache, self.feats[:Cb], self.inputs[1, :Cb], self.inputs[0, :Cb])
         if not Rb:
             return
         bslot, bstart, bonus = self.inputs[2, :Rb], self.inputs[3, :Rb], self.inputs[4, :Rb]
         bpos = bstart[:, None] + self.block_cols[None]  # [Rb, B]
-        out = d.draft_block(bonus, position_ids=bpos, attention_mask=self.attention.mask(self.B),
-                            past_key_values=_BlockKV(self.cache, bslot, bpos), attention_fn=self._slot_attention(bslot))
+        if self.fused is not None:
+            out = self._block_fused(bslot, bpos, bonus)
+        else:
+            out = d.draft_block(bonus, position_ids=bpos, attention_mask=self.attention.mask(self.B),
+                                past_key_values=_BlockKV(self.cache, bslot, bpos), attention_fn=self._slot_attention(bslot))
         self.out[:Rb].copy_(out)
         if self.ratio is not None:
             self.ratio[:Rb].copy_(d.predict_accept_ratio(out).float())
+
+    def _store_context_fused(self, feats: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> None:
+        """:func:`_store_context` on the fused weights: ``fc`` + norm, then per layer one projection of the context
+        to K and V (the k / v rows of the fused q/k/v weight), k-norm + RoPE, the cache writes."""
+        d, f, cache = self.drafter, self.fused, self.cache
+        ctx = f.rms_norm(F.linear(feats.to(d.dtype), d.fc.weight, d.fc.bias), d.hidden_norm.weight, d.hidden_norm.variance_epsilon)
+        cos, sin = d.rotary_emb(ctx[None], pos[None])
+        for li, (layer, w) in enumerate(zip(d.layers, self.weights)):
+            attn, (nq, nk, nv) = layer.self_attn, w.splits
+            kv = F.linear(ctx, w.qkv[nq:], None if w.qkv_bias is None else w.qkv_bias[nq:])
+            k, v = (t.view(t.shape[0], -1, attn.head_dim) for t in kv.split([nk, nv], dim=-1))
+            k = f.norm_rope(k, attn.k_norm.weight, attn.k_norm.variance_epsilon, cos[0], sin[0])
+            cache.k[li][slots, :, pos] = k.to(cache.k.dtype)
+            cache.v[li][slots, :, pos] = v.to(cache.v.dtype)
+
+    def _block_fused(self, bslot: torch.Tensor, bpos: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+        """The block forward on the target's fused kernels (:func:`~.target.fused_layers`): block K/V and queries
+        stored by the fused RoPE kernel at the rows' slots, attention per slot over the cache. ``[R, B, H]``."""
+        d, cache, R = self.drafter, self.cache, bslot.shape[0]
+        ids = torch.cat([bonus[:, None], self.mask_ids[:R]], dim=1)
+        h = d.embed(ids).to(d.dtype).flatten(0, 1)  # [R * B, H]
+        pos, slots = bpos.flatten(), bslot[:, None].expand(R, self.B).flatten()
+        rows = self.block_cols[None].expand(R, self.B).flatten()
+        cos, sin = d.rotary_emb(h[None], pos[None])
+        mask = self.attention.mask(self.B)
+
+        def attend(li, q_out, k, v, scaling):
+            return self.attention(q_out, cache.k[li], cache.v[li], mask, scaling)
+
+        attend.slot_store = lambda li: SlotStore(cache.k, cache.v, self.layer_ids[li : li + 1], slots, pos, self.q_out,
+                                                 slots, rows)
+        _, out, _ = fused_layers(self.fused, d.layers, self.weights, h, cos[0], sin[0], attend, d.norm)
+        return out.view(R, self.B, -1)
 
     def _slot_attention(self, bslot: torch.Tensor):
         """The drafter layers' attention kernel here: the block's queries placed at their slot rows,
@@ -298,7 +361,11 @@ class DraftGraphs(GraphRunner):
         return attend
 
     def _head(self, Rb: int, Kb: int) -> None:
-        logits = self.drafter.compute_logits(self.out[:Rb, 1 : 1 + Kb])  # [Rb, Kb, V]
+        states = self.out[:Rb, 1 : 1 + Kb]
+        if self.fused is not None:  # the target's LM head on its tuned kernel (draft logits use the target's head)
+            logits = self.fused.lm_head(states.reshape(Rb * Kb, -1)).view(Rb, Kb, -1)
+        else:
+            logits = self.drafter.compute_logits(states)  # [Rb, Kb, V]
         self.logits[:Rb, :Kb].copy_(logits)
         self.tokens[:Rb, :Kb].copy_(torch.nan_to_num(logits).argmax(dim=-1))
         self.finite[:Rb].copy_(torch.isfinite(logits).all(dim=-1).all(dim=-1))

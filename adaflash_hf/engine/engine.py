@@ -103,7 +103,7 @@ class Engine(RequestLifecycle):
             (flex_attention without Triton) (default: on when the target is on CUDA). ``True`` on CPU runs the same static, padded
             bucket forwards eagerly with SDPA (what the CPU tests check); ``False`` is the eager
             reference path.
-        fused_kernels: run the target's layers with fused projections and elementwise kernels
+        fused_kernels: run the target's layers (and the drafter's, on the CUDA-graph path) with fused projections and elementwise kernels
             (:class:`~.kernels.fused.FusedTarget`: q/k/v and gate/up weights become views of one tensor per
             layer; elementwise math compiled on CUDA). Kept off automatically, with the reason in
             :attr:`fusion_note` and a warning, for layers that are not the stock Qwen3 / Llama math (e.g.
@@ -170,7 +170,10 @@ class Engine(RequestLifecycle):
             self.dcache = make_drafter_cache(drafter, max_slots, max_len, spare_slots=1, len_multiple=BLOCK)
             self.draft_graphs = DraftGraphs(drafter, self.dcache, max_rows=max_slots, max_ctx=token_budget,
                                             use_graphs=self.device.type == "cuda",
-                                            feat_dtype=next(target.parameters()).dtype)
+                                            feat_dtype=next(target.parameters()).dtype, fused=self.fused)
+            if self.fused is not None and self.draft_graphs.fused is None:  # the target fuses, the drafter cannot
+                warnings.warn(f"Engine: the drafter's layers run through its modules: {self.draft_graphs.fusion_note}",
+                              RuntimeWarning, stacklevel=2)
         elif self.drafter is not None:
             self.dcache = make_drafter_cache(drafter, max_slots, max_len)
         self.length_rate = length_rate if length_rate is not None else (getattr(cfg, "length_rate", 1.0) if cfg else 1.0)
@@ -200,6 +203,8 @@ class Engine(RequestLifecycle):
         """Queue a request; raises :class:`RequestRejected` if it can never fit."""
         if self.fused is not None:
             self.fused.check_current()
+        if self.draft_graphs is not None:
+            self.draft_graphs.check_current()
         prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
         params = sampling if sampling is not None else SamplingParams(**sampling_kwargs)
         check_request(prompt, max_new_tokens, self.max_len, self.token_budget,

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from .kernels.fused import FusedTarget
 from .kv_cache import SlotKVCache
 
-__all__ = ["PackedLayout", "check_target_supported", "decoder_forward", "make_target_cache", "packed_attention",
-           "target_forward"]
+__all__ = ["PackedLayout", "check_target_supported", "decoder_forward", "fused_layers", "make_target_cache",
+           "packed_attention", "target_forward"]
 
 SUPPORTED = ("qwen3", "llama")
 
@@ -176,39 +176,51 @@ def decoder_forward(model, tokens: torch.Tensor, positions: torch.Tensor, attend
                 captured[li] = h
         out = base.norm(h)
     else:
-        cos, sin = cos[0], sin[0]
-        store = getattr(attend, "slot_store", None)
-        x, delta = fused.rms_norm(h, base.layers[0].input_layernorm.weight, base.layers[0].input_layernorm.variance_epsilon), None
-        for li, (layer, w) in enumerate(zip(base.layers, fused.layers)):
-            attn = layer.self_attn
-            if delta is not None:  # the previous layer's MLP residual, added with this layer's input norm
-                norm = layer.input_layernorm
-                h, x = fused.add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
-                if li - 1 in wanted:
-                    captured[li - 1] = h
-            q, k, v = (t.view(t.shape[0], -1, attn.head_dim) for t in fused.qkv(x, w).split(w.splits, dim=-1))
-            qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            norms = (qn.weight if qn is not None else None, kn.weight if kn is not None else None,
-                     qn.variance_epsilon if qn is not None else 0.0)
-            if store is not None:  # attention output stays in the slot layout; o_proj gathers each token's row
-                s = store(li)
-                out = attend(li, fused.qk_norm_rope_store(q, k, v, *norms, cos, sin, *s), None, None, attn.scaling)
-                o = fused.o_proj_slots(out, s.q_slots, s.q_rows, attn)
-            else:
-                q, k = fused.qk_norm_rope(q, k, *norms, cos, sin)
-                o = fused.o_proj(attend(li, q, k, v, attn.scaling).flatten(1), attn)
-            norm = layer.post_attention_layernorm
-            h, x = fused.add_rms_norm(h, o, norm.weight, norm.variance_epsilon)
-            delta = fused.mlp(x, w, layer.mlp)
-        h, out = fused.add_rms_norm(h, delta, base.norm.weight, base.norm.variance_epsilon)
-        if len(base.layers) - 1 in wanted:
-            captured[len(base.layers) - 1] = h
+        h, out, captured = fused_layers(fused, base.layers, fused.layers, h, cos[0], sin[0], attend, base.norm, wanted)
     if len(base.layers) - 1 in captured:  # HF's last hidden_states entry is after the final norm
         captured[len(base.layers) - 1] = out
     hidden = torch.cat([captured[i] for i in hidden_layers], dim=-1) if hidden_layers else None
     if logits_index is not None:
         out = out[logits_index]
     return (model.lm_head(out) if fused is None else fused.lm_head(out)), hidden
+
+
+def fused_layers(fused: FusedTarget, layers, weights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 attend: AttendFn, final_norm, wanted=frozenset()) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """Qwen3-style decoder ``layers`` over ``h [T, H]`` with ``fused``'s kernels: the target's layers, and the
+    drafter's block (its layers have the same modules; its context K/V are in the cache ``attend`` reads).
+
+    ``weights``: the layers' :func:`~.kernels.fused.fuse_layer_weights`; ``cos, sin [T, d]``; ``final_norm``: the
+    RMSNorm after the last layer. Returns ``(h, final_norm(h), {layer: its output for each layer in wanted})``.
+    """
+    store = getattr(attend, "slot_store", None)
+    captured: dict[int, torch.Tensor] = {}
+    x, delta = fused.rms_norm(h, layers[0].input_layernorm.weight, layers[0].input_layernorm.variance_epsilon), None
+    for li, (layer, w) in enumerate(zip(layers, weights)):
+        attn = layer.self_attn
+        if delta is not None:  # the previous layer's MLP residual, added with this layer's input norm
+            norm = layer.input_layernorm
+            h, x = fused.add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
+            if li - 1 in wanted:
+                captured[li - 1] = h
+        q, k, v = (t.view(t.shape[0], -1, attn.head_dim) for t in fused.qkv(x, w).split(w.splits, dim=-1))
+        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        norms = (qn.weight if qn is not None else None, kn.weight if kn is not None else None,
+                 qn.variance_epsilon if qn is not None else 0.0)
+        if store is not None:  # attention output stays in the slot layout; o_proj gathers each token's row
+            s = store(li)
+            out = attend(li, fused.qk_norm_rope_store(q, k, v, *norms, cos, sin, *s), None, None, attn.scaling)
+            o = fused.o_proj_slots(out, s.q_slots, s.q_rows, attn)
+        else:
+            q, k = fused.qk_norm_rope(q, k, *norms, cos, sin)
+            o = fused.o_proj(attend(li, q, k, v, attn.scaling).flatten(1), attn)
+        norm = layer.post_attention_layernorm
+        h, x = fused.add_rms_norm(h, o, norm.weight, norm.variance_epsilon)
+        delta = fused.mlp(x, w, layer.mlp)
+    h, out = fused.add_rms_norm(h, delta, final_norm.weight, final_norm.variance_epsilon)
+    if len(layers) - 1 in wanted:
+        captured[len(layers) - 1] = h
+    return h, out, captured
 
 
 @torch.no_grad()

@@ -84,7 +84,7 @@ def _sampling(logits_processor) -> tuple[dict, str | None]:
 
 def fast_path_refusal(model, drafter, generation_config, logits_processor, model_kwargs, length_policy=None) -> str | None:
     """Why this generate call cannot run through the engine (``None``: it can)."""
-    from ..engine.kernels.fused import unsupported_layers
+    from ..engine.kernels.stock_layers import unsupported_layers
     from ..engine.target import check_target_supported
 
     cfg = generation_config

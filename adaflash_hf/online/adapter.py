@@ -51,7 +51,7 @@ from .buffer import ReplayBuffer, RequestSample, Sample
 from .config import LABEL_MODES, METHODS, SAMPLE_UNITS, OnlineConfig
 from .hub import redact
 from .lock import RoundLock
-from .publish import VersionPublisher
+from .publish import VersionPublisher, card_context
 from .worker import NonFiniteLossError, ShadowTrainer, copy_drafter
 
 _MAX_OPEN_ROWS = 4096  # requests in flight whose served rounds are kept
@@ -237,9 +237,9 @@ class OnlineAdapter:
             self._tau_sum += int(verified.num_accepted) + 1
             self._tau_n += 1
             self.rounds_seen += 1
-            B = self.drafter.config.block_size
-            if verified.predicted_ratio is not None and (verified.num_accepted < verified.verify_len - 1 or verified.verify_len == B):
-                self._head_err[0] += abs(verified.predicted_ratio - (verified.num_accepted + 1) / B)
+            err = verified.head_error(self.drafter.config.block_size)
+            if err is not None:
+                self._head_err[0] += err
                 self._head_err[1] += 1
         if self.config.sample_unit == "request" and self.config.method == "opd":
             self._keep_served(verified)
@@ -528,29 +528,10 @@ class OnlineAdapter:
 
     # ------------------------------------------------------------------ publishing
     def _card_context(self) -> dict:
-        c = self.config
         with self._stats_lock:
             history = [asdict(h) for h in self.history]
             domains = dict(self.domains_seen)
-        latest = history[-1] if history else {}
-        return {
-            "repo_id": c.hub_repo or "adaflash-drafter",
-            "title": (c.hub_repo or "AdaFlash drafter") + " (online)",
-            "target_name": self.target_name,
-            "method": c.method.upper(),
-            "latest_version": latest.get("version"),
-            "latest_tau_before": latest.get("tau_before"),
-            "block_size": self.worker.block_size,
-            "samples_per_update": f"{c.samples_per_update} " + ("finished requests" if c.sample_unit == "request" else "verified rounds"),
-            "epochs": c.epochs,
-            "domains": domains,
-            "history": history,
-            "method_description": _METHOD_DESCRIPTIONS[c.method],
-            "hyperparameters": (
-                f"alpha {c.alpha}, clip {c.clip} ({c.clip_mode}), temperature {c.temperature}, "
-                f"AdamW lr {c.lr} / head {c.head_lr}, batch {c.batch_size}, grad clip {c.grad_clip}"
-            ),
-        }
+        return card_context(self.config, history, domains, self.target_name, self.worker.block_size)
 
     def _publish(self, record: UpdateRecord) -> None:
         if self.publisher is None:
@@ -595,17 +576,6 @@ class OnlineAdapter:
                                                                          logits_dtype=None) for r in samples]  # fmt: skip
         with self.round_lock:
             return self.worker.evaluate(self.drafter, samples)
-
-
-_METHOD_DESCRIPTIONS = {
-    "opd": (
-        "On-policy distillation (AdaFlash): `l = alpha * CE(q, argmax p) + (1 - alpha) * sum_y min(q log(q/p), delta)` "
-        "over the verified draft positions of live traffic (q: drafter, p: target, from the verify forward); the "
-        "length head is trained by MSE against `(accepted + 1) / B` on detached drafter features."
-    ),
-    "osd": "Online speculative distillation baseline: forward KL `T^2 * KL(p || q)` over the verified draft positions.",
-    "off": "No adaptation (statistics only).",
-}
 
 
 def _model_name(model: nn.Module) -> str:

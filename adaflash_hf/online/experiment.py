@@ -3,7 +3,9 @@
 For each method (`opd`, `osd`, `off`) a fresh copy of the drafter serves a stream of prompts from a
 domain it was not trained on, with an [`OnlineAdapter`] attached. After every update the adapter is
 paused and greedy tau is measured on a fixed held-out prompt set of the same domain, whose outputs
-are also compared with plain greedy decoding (lossless check). Result: tau per update per method.
+are also compared with plain greedy decoding (lossless check). Result: tau per update per method,
+the length head's mean absolute error on the held-out rounds at each measurement, and the adapter's
+per-update records (head error on served rounds before / after each swap).
 
     python -m adaflash_hf.online.experiment --target T --drafter D --dataset gsm8k --updates 6 --out runs/online
 """
@@ -11,6 +13,7 @@ are also compared with plain greedy decoding (lossless check). Result: tau per u
 import argparse
 import json
 import os
+import random
 import time
 
 import torch
@@ -18,22 +21,59 @@ import torch
 from ..generation.prompts import encode_prompt, left_pad
 from ..modeling import AdaFlashDrafter
 from .adapter import OnlineAdapter, copy_drafter
+from .versions import write_text_atomic
 
 
-def _measure(target, drafter, batches, max_new_tokens, references, policy, pad):
-    """Greedy tau over the held-out `batches` (adapter paused) and whether every output equals the
-    plain greedy `references` of the same batches. A row's rounds do not depend on the other rows
-    (each verifies its own block), so batching changes the speed of the measurement, not tau."""
-    accepted = rounds = 0
+class _HeadError:
+    """Round sink of one measurement: the length head's mean absolute error over the rounds whose
+    real acceptance is known (`VerifiedRound.head_error`); None without a head."""
+
+    def __init__(self, block_size: int):
+        self.block_size, self.total, self.count = block_size, 0.0, 0
+
+    def on_round(self, verified) -> None:
+        err = verified.head_error(self.block_size)
+        if err is not None:
+            self.total, self.count = self.total + err, self.count + 1
+
+    @property
+    def mae(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
+def _measure(target, drafter, batches, max_new_tokens, references, policy, pad) -> dict:
+    """Greedy tau over the held-out `batches` (adapter paused), whether every output equals the
+    plain greedy `references` of the same batches, the mean verify length and the length head's
+    error on these rounds. A row's rounds do not depend on the other rows (each verifies its own
+    block), so batching changes the speed of the measurement, not tau."""
+    accepted = rounds = verified = 0
     identical = True
+    head = _HeadError(drafter.config.block_size)
     for (ids, mask), ref in zip(batches, references):
-        out, stats = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False, return_stats=True, length_policy=policy, pad_token_id=pad)
-        accepted, rounds = accepted + sum(stats.accepted), rounds + stats.rounds
+        out, stats = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False, return_stats=True, length_policy=policy, pad_token_id=pad, round_sink=head)
+        accepted, rounds, verified = accepted + sum(stats.accepted), rounds + stats.rounds, verified + sum(stats.verify_lengths)
         identical &= torch.equal(out, ref)
-    return (accepted + rounds) / max(rounds, 1), identical
+    n = max(rounds, 1)
+    return {"tau": (accepted + rounds) / n, "identical": identical, "mean_verify_length": verified / n, "head_mae": head.mae, "head_rounds": head.count}
 
 
-def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=("opd", "osd"), updates=6, samples_per_update=128, epochs=2, max_new_tokens=128, seed=0, policy="fixed", lr=3e-4, head_lr=2e-4, label_mode="verified", sample_unit="request", stream_batch=16, measure_batch=16, checkpoint=None, alpha=0.8, clip=0.01, clip_mode="token") -> dict:
+def stream_order(prompts: list, seed: int) -> list:
+    """The stream's prompts in the order a run with ``seed`` serves them: file order for seed 0,
+    a ``random.Random(seed)`` permutation otherwise (repeats of a run differ in what each update sees).
+
+    Example:
+        >>> stream_order([1, 2, 3], 0)
+        [1, 2, 3]
+        >>> sorted(stream_order([1, 2, 3], 5))
+        [1, 2, 3]
+    """
+    out = list(prompts)
+    if seed:
+        random.Random(seed).shuffle(out)
+    return out
+
+
+def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=("opd", "osd"), updates=6, samples_per_update=128, epochs=2, max_new_tokens=128, seed=0, policy="fixed", lr=3e-4, head_lr=2e-4, label_mode="verified", sample_unit="request", stream_batch=16, measure_batch=16, checkpoint=None, alpha=0.8, clip=0.01, clip_mode="token", measure_fixed=False) -> dict:
     """Tau on `held_out` after each online update, for each method (see the module docstring).
 
     `policy` is the verify-length policy used both to serve the stream and to measure: `fixed`
@@ -42,6 +82,8 @@ def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=
     batches of `stream_batch` prompts (batched speculative decoding; every row is a request).
     `checkpoint(result)`, when given, is called after every measurement (partial results survive
     a timeout). `alpha`, `clip`, `clip_mode`: the OPD loss settings (``adaflash_hf.losses.opd_loss``).
+    `measure_fixed`: under another policy, also measure with `fixed` (``fixed_tau``: the drafter's own
+    quality beside what the policy served).
     """
     device = next(target.parameters()).device
     stream_ids = [encode_prompt(tokenizer, p.get("messages", p.get("text"))) for p in stream]
@@ -49,12 +91,19 @@ def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=
     held_ids = [encode_prompt(tokenizer, p.get("messages", p.get("text"))) for p in held_out]
     held = [left_pad(held_ids[i : i + measure_batch], pad, device) for i in range(0, len(held_ids), measure_batch)]
     references = [target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad) for ids, mask in held]
-    result = {"methods": {}, "samples_per_update": samples_per_update, "epochs": epochs, "max_new_tokens": max_new_tokens, "policy": policy, "lr": lr, "head_lr": head_lr, "label_mode": label_mode, "sample_unit": sample_unit, "stream_batch": stream_batch, "measure_batch": measure_batch, "alpha": alpha, "clip": clip, "clip_mode": clip_mode}
+
+    def measure(d) -> dict:
+        m = _measure(target, d, held, max_new_tokens, references, policy, pad)
+        if measure_fixed and policy != "fixed":
+            f = _measure(target, d, held, max_new_tokens, references, "fixed", pad)
+            m.update(fixed_tau=f["tau"], identical=m["identical"] and f["identical"])
+        return m
+
+    result = {"methods": {}, "seed": seed, "samples_per_update": samples_per_update, "epochs": epochs, "max_new_tokens": max_new_tokens, "policy": policy, "lr": lr, "head_lr": head_lr, "label_mode": label_mode, "sample_unit": sample_unit, "stream_batch": stream_batch, "measure_batch": measure_batch, "alpha": alpha, "clip": clip, "clip_mode": clip_mode}
     for method in methods:
         torch.manual_seed(seed)
         d = copy_drafter(drafter, target)
-        tau, same = _measure(target, d, held, max_new_tokens, references, policy, pad)
-        curve = [{"update": 0, "tau": tau, "identical": same, "served_prompts": 0}]
+        curve = [{"update": 0, **measure(d), "served_prompts": 0}]
         result["methods"][method] = {"curve": curve, "complete": False}
         adapter = OnlineAdapter(d, target, method=method, samples_per_update=samples_per_update, epochs=epochs, lr=lr, head_lr=head_lr, label_mode=label_mode, sample_unit=sample_unit, seed=seed, alpha=alpha, clip=clip, clip_mode=clip_mode)
         served, start = 0, time.perf_counter()
@@ -68,13 +117,14 @@ def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=
             adapter.detach()
             if adapter.stats["updates"] < update:
                 break
-            tau, same = _measure(target, d, held, max_new_tokens, references, policy, pad)
-            curve.append({"update": update, "tau": tau, "identical": same, "served_prompts": served, "loss": adapter.stats["last_loss"]})
-            print(f"[online] {method} update {update}: held-out tau {tau:.3f} identical={same} (served {served})", flush=True)
+            m = measure(d)
+            curve.append({"update": update, **m, "served_prompts": served, "loss": adapter.stats["last_loss"]})
+            result["methods"][method]["updates"] = adapter.stats["history"]
+            print(f"[online] {method} update {update}: held-out tau {m['tau']:.3f} head MAE {m['head_mae']} identical={m['identical']} (served {served})", flush=True)
             if checkpoint is not None:
                 checkpoint(result)
         adapter.close()
-        result["methods"][method] = {"curve": curve, "failures": adapter.stats["failures"], "seconds": time.perf_counter() - start, "complete": True}
+        result["methods"][method] = {"curve": curve, "updates": adapter.stats["history"], "failures": adapter.stats["failures"], "seconds": time.perf_counter() - start, "complete": True}
     return result
 
 
@@ -123,6 +173,8 @@ def main(argv=None) -> int:
     p.add_argument("--clip", type=float, default=0.01, help="OPD: per-entry clip of the reverse-KL terms (paper: 0.01)")
     p.add_argument("--clip-mode", default="token", choices=("entry", "token"),
                    help="OPD: clip per token (released code; the adapter's default) or per vocabulary entry (paper)")
+    p.add_argument("--measure-fixed", action="store_true", help="also measure held-out tau with the fixed policy (fixed_tau)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the adapter and the stream's order (0: file order)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
@@ -135,10 +187,10 @@ def main(argv=None) -> int:
 
     def save(result):
         result.update(dataset=a.dataset, command=command)
-        with open(os.path.join(a.out, "online.json"), "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        write_text_atomic(os.path.join(a.out, "online.json"), json.dumps(result, indent=2))  # a killed run leaves its last checkpoint whole
 
-    result = run_online_experiment(target, drafter, tok, prompts[a.held_out :], prompts[: a.held_out], methods=tuple(a.methods.split(",")), updates=a.updates, samples_per_update=a.samples_per_update, epochs=a.epochs, max_new_tokens=a.max_new_tokens, policy=a.policy, lr=a.lr, head_lr=a.head_lr, label_mode=a.label_mode, sample_unit=a.sample_unit, stream_batch=a.stream_batch, measure_batch=a.measure_batch, checkpoint=save, alpha=a.alpha, clip=a.clip, clip_mode=a.clip_mode)
+    stream = stream_order(prompts[a.held_out :], a.seed)
+    result = run_online_experiment(target, drafter, tok, stream, prompts[: a.held_out], seed=a.seed, methods=tuple(a.methods.split(",")), updates=a.updates, samples_per_update=a.samples_per_update, epochs=a.epochs, max_new_tokens=a.max_new_tokens, policy=a.policy, lr=a.lr, head_lr=a.head_lr, label_mode=a.label_mode, sample_unit=a.sample_unit, stream_batch=a.stream_batch, measure_batch=a.measure_batch, checkpoint=save, alpha=a.alpha, clip=a.clip, clip_mode=a.clip_mode, measure_fixed=a.measure_fixed)
     save(result)
     plot_curves(result, os.path.join(a.out, "online_tau.png"))
     return 0 if all(c["identical"] for r in result["methods"].values() for c in r["curve"]) else 1

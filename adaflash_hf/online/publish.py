@@ -22,7 +22,7 @@ from pathlib import Path
 from .hub import HubPublisher, redact, render_card
 from .versions import VersionStore
 
-__all__ = ["VersionPublisher", "save_version"]
+__all__ = ["VersionPublisher", "card_context", "save_version"]
 
 logger = logging.getLogger("adaflash_hf.online")
 
@@ -110,3 +110,39 @@ class VersionPublisher:
     def close(self, timeout: float | None = 10.0) -> bool:
         """Stop the Hub pushes, waiting up to ``timeout`` for the one in flight (:meth:`HubPublisher.close`)."""
         return self.hub.close(timeout) if self.hub is not None else True
+
+
+def card_context(config, history: list[dict], domains: dict, target_name: str, block_size: int) -> dict:
+    """What an online version's model card says (``hub_cards``' online template): the adapter's settings
+    (an :class:`~.config.OnlineConfig`), its update ``history`` and the ``domains`` it has served."""
+    c = config
+    latest = history[-1] if history else {}
+    return {
+        "repo_id": c.hub_repo or "adaflash-drafter",
+        "title": (c.hub_repo or "AdaFlash drafter") + " (online)",
+        "target_name": target_name,
+        "method": c.method.upper(),
+        "latest_version": latest.get("version"),
+        "latest_tau_before": latest.get("tau_before"),
+        "block_size": block_size,
+        "samples_per_update": f"{c.samples_per_update} " + ("finished requests" if c.sample_unit == "request" else "verified rounds"),
+        "epochs": c.epochs,
+        "domains": domains,
+        "history": history,
+        "method_description": _METHOD_DESCRIPTIONS[c.method],
+        "hyperparameters": (
+            f"alpha {c.alpha}, clip {c.clip} ({c.clip_mode}), temperature {c.temperature}, "
+            f"AdamW lr {c.lr} / head {c.head_lr}, batch {c.batch_size}, grad clip {c.grad_clip}"
+        ),
+    }
+
+
+_METHOD_DESCRIPTIONS = {
+    "opd": (
+        "On-policy distillation (AdaFlash): `l = alpha * CE(q, argmax p) + (1 - alpha) * sum_y min(q log(q/p), delta)` "
+        "over the verified draft positions of live traffic (q: drafter, p: target, from the verify forward); the "
+        "length head is trained by MSE against `(accepted + 1) / B` on detached drafter features."
+    ),
+    "osd": "Online speculative distillation baseline: forward KL `T^2 * KL(p || q)` over the verified draft positions.",
+    "off": "No adaptation (statistics only).",
+}

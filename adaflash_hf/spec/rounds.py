@@ -103,6 +103,22 @@ class VerifiedRound:
             predicted_ratio=float(ratio) if ratio is not None else None,
         )
 
+    def head_error(self, block_size: int) -> float | None:
+        """The length head's absolute error ``|predicted_ratio - (num_accepted + 1) / block_size|``,
+        or None where the round has no prediction or its real acceptance is unknown (the verify
+        length cut the block and every verified draft was accepted).
+
+        Example:
+            >>> r = VerifiedRound.from_block(0, torch.tensor([1]), 2, torch.tensor([3, 4]), torch.zeros(2, 8),
+            ...                              torch.zeros(3, 8), draft_len=2, num_accepted=1, ratio=0.25)
+            >>> r.head_error(block_size=4)
+            0.25
+        """
+        known = self.num_accepted < self.verify_len - 1 or self.verify_len == block_size
+        if self.predicted_ratio is None or not known:
+            return None
+        return abs(self.predicted_ratio - (self.num_accepted + 1) / block_size)
+
 
 @dataclass
 class FinishedRequest:

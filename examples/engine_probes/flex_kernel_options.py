@@ -3,10 +3,10 @@
 the 16-token forward's top kernels. Run on the H200 from the repository root:
 ``python3 examples/engine_probes/flex_kernel_options.py``; the run of 2026-11-29 is
 ``docs/logs/engine_probes/flex_kernel_options.txt``."""
-import sys, time, traceback
-sys.path.insert(0, "examples")  # engine_gpu_check: the 8B-shaped model and timers
+import sys, traceback
+sys.path.insert(0, "examples")  # gpu_common: the 8B-shaped model and timers
 import torch
-import engine_gpu_check as E
+import gpu_common as E
 from adaflash_hf.engine import DecodeGraphs, FusedTarget, PackedLayout, make_target_cache
 from adaflash_hf.engine.kernels import attention as A
 from adaflash_hf.engine.kernels.attention import BLOCK

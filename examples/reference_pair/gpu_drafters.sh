@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Train the reference drafters on one H200, one device call (<= 10 min) per mode:
 #   bash examples/reference_pair/gpu_drafters.sh four       # the shipped four-domain drafter + the AR assistant
-#   bash examples/reference_pair/gpu_drafters.sh chatprose  # the chat + prose-only drafter of the online runs
+#   bash examples/reference_pair/gpu_drafters.sh chatprose  # the chat + prose-only drafter of the online runs (the v5
+#     settings: batch 128, lr 8e-4, 6 loader workers; gpu_online.sh trains the same recipe before its runs)
 # `four` regenerates the target's answers over all four domains once, trains one drafter on them
 # (LAYERS / TARGET_LAYERS / BATCH / WORKERS / LR / DRAFT_MINUTES) and, beside it, the small autoregressive assistant of
 # the `hf_assisted` baseline on the same answers. One drafter per call: three drafters at batch 64 beside
@@ -26,8 +27,8 @@ LIMIT=$(python3 -c "print(int($MIN * 60 + 75))")
 
 if [[ $MODE == chatprose ]]; then
   timeout $((LIMIT + 90)) $TD --out $W/chatprose --domains chat,prose --num-prompts 12000 --sampled-answers 2 \
-    --sampled-domains chat --num-layers 5 --target-layer-ids 1,2,3,4,5 --batch-size 64 --minutes $MIN \
-    --eval-per-domain 8 > $W/chatprose.log 2>&1
+    --sampled-domains chat --num-layers 5 --target-layer-ids 1,2,3,4,5 --batch-size ${BATCH:-128} \
+    --num-workers ${WORKERS:-6} --lr ${LR:-8e-4} --minutes $MIN --eval-per-domain 8 > $W/chatprose.log 2>&1
   MODELS="$W/chatprose"
 else
   timeout 200 $TD --out $W/regen --domains math,code,chat,prose --num-prompts ${REGEN_PROMPTS:-36000} --sampled-answers 1 \

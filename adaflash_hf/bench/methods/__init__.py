@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from .base import BenchContext, Method, MethodOutput, needs_length_head
 from .engine import engine
-from .hf import run_dflash_native, run_hf_assisted, run_plain, run_plain_static, run_prompt_lookup
+from .hf import (
+    needs_plain_greedy, prompt_lookup_from_plain, run_dflash_native, run_hf_assisted, run_plain, run_plain_static, run_prompt_lookup,
+)  # fmt: skip
 from .ours import adaflash_policy, ours
 
 __all__ = ["METHODS", "BenchContext", "Method", "MethodOutput", "adaflash_policy"]
@@ -16,6 +18,10 @@ METHODS: dict[str, Method] = {
     "hf_assisted": Method("hf_assisted", run_hf_assisted, "HF assisted generation", needs_assistant=True, batch1_only=True),
     "prompt_lookup": Method(
         "prompt_lookup", run_prompt_lookup, "HF prompt-lookup decoding (no drafter)", batch1_only=True
+    ),
+    "prompt_lookup_exact": Method(
+        "prompt_lookup_exact", None, "HF prompt-lookup decoding's rounds computed from plain's greedy outputs (not timed)",
+        skip=needs_plain_greedy, from_plain=prompt_lookup_from_plain,
     ),
     "dflash_native": Method(
         "dflash_native", run_dflash_native, "transformers' native DFlash path", needs_drafter=True, batch1_only=True

@@ -42,16 +42,19 @@ class Method:
     (or just the sequences tensor, or ``(sequences, stats)``). ``skip(ctx, concurrency)`` returns a
     reason when the method cannot run in that configuration, else None. ``online``: an
     ``OnlineAdapter`` method (``"osd"``, ``"opd"``): each cell then runs on a fresh copy of the
-    drafter with an adapter attached, fed by every round the cell serves."""
+    drafter with an adapter attached, fed by every round the cell serves. ``from_plain``: a method
+    computed, not run: ``from_plain(ctx, prompts, plain_rows, max_new_tokens, eos_ids)`` returns the
+    `GenerationStats` it would have had, from plain's greedy rows of the same prompts (``run`` is None)."""
 
     name: str
-    run: Callable
+    run: Callable | None
     description: str = ""
     needs_drafter: bool = False
     needs_assistant: bool = False
     batch1_only: bool = False
     skip: Callable | None = None
     online: str | None = None
+    from_plain: Callable | None = None
 
     def skip_reason(self, ctx: BenchContext, concurrency: int) -> str | None:
         if self.needs_drafter and ctx.drafter is None:

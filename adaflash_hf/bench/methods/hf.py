@@ -34,10 +34,94 @@ def run_hf_assisted(ctx, input_ids, attention_mask, streamer):
     return _counting_target_forwards(ctx, input_ids, attention_mask, streamer, assistant_model=ctx.assistant)
 
 
+def prompt_lookup_settings(ctx):
+    """The knobs `generate` gives prompt lookup: ours, and the target's ``max_matching_ngram_size``
+    (transformers' `_get_candidate_generator` reads it the same way: unset means 2)."""
+    from ..prompt_lookup_tau import PromptLookupSettings
+
+    max_ngram = getattr(ctx.target.generation_config, "max_matching_ngram_size", None) or 2
+    return PromptLookupSettings(num_tokens=ctx.prompt_lookup_num_tokens, max_ngram=max_ngram)
+
+
+class _RoundRecorder:
+    """A streamer in front of the bench's: `_assisted_decoding` puts the prompt, then once per round
+    the tokens that round committed, so each later put's size is one round's accepted count + 1."""
+
+    def __init__(self, inner):
+        self.inner, self.sizes = inner, []
+
+    def put(self, value):
+        self.sizes.append(int(value.numel()))
+        if self.inner is not None:
+            self.inner.put(value)
+
+    def end(self):
+        if self.inner is not None:
+            self.inner.end()
+
+
+def recorded_prompt_lookup(target, input_ids, attention_mask, num_tokens, streamer=None, **generate_kwargs):
+    """Batch-1 ``target.generate(..., prompt_lookup_num_tokens=num_tokens)`` and the rounds it ran:
+    ``(sequences, PromptLookupRounds)``, accepted counts from what each round streamed, verify lengths
+    from the length of each target forward's input (the first one's holds the prompt too).
+
+    Example:
+        >>> out, rounds = recorded_prompt_lookup(target, ids, None, 10, max_new_tokens=64)  # doctest: +SKIP
+        >>> rounds.tau, rounds.verify_lengths[:3]  # doctest: +SKIP
+    """
+    from ..prompt_lookup_tau import PromptLookupRounds
+
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"prompt lookup decodes one sequence at a time, got a batch of {input_ids.shape[0]}")
+    lengths = []
+    handle = target.register_forward_hook(lambda m, args, kwargs, out: lengths.append(kwargs["input_ids"].shape[1]),
+                                          with_kwargs=True)  # fmt: skip
+    recorder = _RoundRecorder(streamer)
+    try:
+        out = target.generate(input_ids, attention_mask=attention_mask, streamer=recorder,
+                              prompt_lookup_num_tokens=num_tokens, **generate_kwargs)  # fmt: skip
+    finally:
+        handle.remove()
+    if lengths:
+        lengths[0] += 1 - input_ids.shape[1]  # the prefill forward: the prompt, then its candidates
+    rounds = PromptLookupRounds(accepted=[n - 1 for n in recorder.sizes[1:]], verify_lengths=lengths)
+    if len(rounds.accepted) != len(lengths):
+        raise RuntimeError(f"prompt lookup streamed {len(rounds.accepted)} rounds but ran {len(lengths)} target forwards")
+    return out, rounds
+
+
 def run_prompt_lookup(ctx, input_ids, attention_mask, streamer):
-    return _counting_target_forwards(
-        ctx, input_ids, attention_mask, streamer, prompt_lookup_num_tokens=ctx.prompt_lookup_num_tokens
+    from ..prompt_lookup_tau import as_generation_stats
+
+    settings = prompt_lookup_settings(ctx)
+    out, rounds = recorded_prompt_lookup(
+        ctx.target, input_ids, attention_mask, settings.num_tokens, streamer, **ctx.generate_kwargs
     )
+    return MethodOutput(out, stats=as_generation_stats([rounds], settings))
+
+
+# Generation-config fields whose logits processors can forbid a candidate token: prompt lookup then
+# drops it (`get_candidates`), which the computation from plain outputs does not model.
+_FORBIDDING = ("no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "sequence_bias")
+
+
+def needs_plain_greedy(ctx, concurrency):
+    """`Method.skip` of ``prompt_lookup_exact``: greedy only, and no candidate-forbidding processor."""
+    if ctx.generate_kwargs.get("do_sample"):
+        return "sampling run: prompt lookup's rounds follow from plain outputs only under greedy decoding"
+    set_ = [f for f in _FORBIDDING if getattr(ctx.target.generation_config, f, None)]
+    if set_:
+        return f"the target's generation config sets {', '.join(set_)}: forbidden candidates are not modelled"
+    return None
+
+
+def prompt_lookup_from_plain(ctx, prompts, rows, max_new_tokens, eos_ids):
+    """``prompt_lookup_exact``: prompt lookup's rounds on every prompt, computed from plain's greedy `rows`."""
+    from ..prompt_lookup_tau import as_generation_stats, prompt_lookup_rounds
+
+    settings = prompt_lookup_settings(ctx)
+    rounds = [prompt_lookup_rounds(p, r, max_new_tokens, eos_ids, settings) for p, r in zip(prompts, rows)]
+    return as_generation_stats(rounds, settings)
 
 
 def run_dflash_native(ctx, input_ids, attention_mask, streamer):

@@ -29,14 +29,13 @@ microseconds, which is why the engine's 8B-shape decode ran at 34% of the bandwi
 
 :meth:`FusedTarget.build` returns ``None`` with a reason (the engine then keeps the modules' path)
 when a layer is not the stock Qwen3 / Llama math: adapters such as PEFT LoRA on a projection,
-module hooks (other than transformers' own output-capturing ones, :func:`foreign_hooks`), another
+module hooks (other than transformers' own output-capturing ones, :func:`.stock_layers.foreign_hooks`), another
 norm, MLP or RoPE. Weights are read by address, like the CUDA graphs do: update them in place (``load_state_dict``, ``copy_``), not by assigning new parameters.
 """
 
 from __future__ import annotations
 
 import copy
-import types
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -45,14 +44,14 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama import modeling_llama
-from transformers.models.qwen3 import modeling_qwen3
+
+from .stock_layers import unsupported_layers
 
 _MAX_ROWS = 16  # skinny_linear.MAX_ROWS (that module needs Triton, imported only when used)
 _TUNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its tuning (FusedTarget.build)
 
-__all__ = ["FusedTarget", "SlotStore", "add_rms_norm", "foreign_hooks", "qk_norm_rope", "qk_norm_rope_store", "rms_norm",
-           "unsupported_layers"]
+__all__ = ["FusedTarget", "LayerWeights", "SlotStore", "add_rms_norm", "fuse_layer_weights", "norm_rope", "qk_norm_rope",
+           "qk_norm_rope_store", "rms_norm"]
 
 
 # ------------------------------------------------------------------ elementwise math (the HF modules' ops)
@@ -82,11 +81,18 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
     Returns ``q [heads, T, d]`` and ``k [T, kv_heads, d]`` (the layouts attention and the cache take)."""
     nq = q.shape[1]
     x = torch.cat([q, k], dim=1)
-    if q_weight is not None:
-        x = rms_norm(x, torch.cat([q_weight.expand(nq, -1), k_weight.expand(k.shape[1], -1)]), eps)
-    cos, sin = cos[:, None], sin[:, None]
-    x = (x * cos) + (_rotate_half(x) * sin)
+    weight = None if q_weight is None else torch.cat([q_weight.expand(nq, -1), k_weight.expand(k.shape[1], -1)])
+    x = norm_rope(x, weight, eps, cos, sin)
     return x[:, :nq].transpose(0, 1), x[:, nq:]
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Per-head RMSNorm (``weight [d]`` or ``[heads, d]``; skipped when ``None``) and RoPE of ``x [T, heads, d]``
+    (``cos, sin [T, d]``): the keys alone, e.g. the drafter's context keys."""
+    if weight is not None:
+        x = rms_norm(x, weight, eps)
+    cos, sin = cos[:, None], sin[:, None]
+    return (x * cos) + (_rotate_half(x) * sin)
 
 
 class SlotStore(NamedTuple):
@@ -194,81 +200,28 @@ def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | N
     return weight, fused(biases)
 
 
-def _same_code(fn, ref) -> bool:
-    a, b = getattr(fn, "__code__", None), ref.__code__
-    return a is not None and a.co_code == b.co_code and a.co_names == b.co_names and a.co_consts == b.co_consts
-
-
-_RMSNORMS = (modeling_qwen3.Qwen3RMSNorm.forward, modeling_llama.LlamaRMSNorm.forward)
-_MLPS = (modeling_qwen3.Qwen3MLP.forward, modeling_llama.LlamaMLP.forward)
-_ROPES = (modeling_qwen3.apply_rotary_pos_emb, modeling_llama.apply_rotary_pos_emb)
-
-
-def _output_capturing_code():
-    """The code object of the forward hook transformers installs to collect ``hidden_states`` /
-    ``attentions`` (``transformers.utils.output_capturing``: a closure made per module, so it is
-    recognised by its code; ``None`` if this transformers has no such function: every hook then counts)."""
-    from transformers.utils import output_capturing
-
-    for name in ("install_output_capuring_hook", "install_output_capturing_hook"):  # 5.23 spells it without the t
-        install = getattr(output_capturing, name, None)
-        if install is not None:
-            for const in install.__code__.co_consts:
-                if isinstance(const, types.CodeType) and const.co_name == "output_capturing_hook":
-                    return const
-    return None
-
-
-_RECORDING_HOOK = _output_capturing_code()
-
-
-def foreign_hooks(module: nn.Module) -> list[str]:
-    """Names of ``module``'s forward (pre-)hooks that may change what its forward computes.
-
-    transformers' own output-capturing hooks (installed on a model the first time hidden states or
-    attentions are requested, and left there) only append to a collector that is active during an HF
-    forward; they never change an output, and the engine's layer loop never activates the collector,
-    so they do not count. The one place adaflash-hf recognises them (``tests/test_engine_fused.py``
-    fails loudly if transformers changes them)."""
-    hooks = list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values())
-    return [getattr(h, "__qualname__", type(h).__name__) for h in hooks
-            if _RECORDING_HOOK is None or getattr(h, "__code__", None) is not _RECORDING_HOOK]
-
-
-def unsupported_layers(model) -> str | None:
-    """Why ``model``'s layers are not the stock math :class:`FusedTarget` reproduces (``None``: they are)."""
-    family = model.config.get_text_config(decoder=True).model_type
-    rope = {"qwen3": modeling_qwen3, "llama": modeling_llama}.get(family)
-    if rope is None:
-        return f"model_type {family!r}"
-    if not any(_same_code(getattr(rope.apply_rotary_pos_emb, "__wrapped__", rope.apply_rotary_pos_emb), r) for r in _ROPES):
-        return "apply_rotary_pos_emb is not the stock function"
-    base = model.model
-    for li, layer in enumerate(base.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
-        for m in linears + norms + [attn, mlp, layer]:
-            foreign = foreign_hooks(m)
-            if foreign:
-                return f"layer {li}: {type(m).__name__} has forward hooks ({', '.join(foreign)})"
-        for m in linears:
-            if type(m) is not nn.Linear or type(m.weight) is not nn.Parameter:
-                return f"layer {li}: {type(m).__name__} is not a plain nn.Linear (an adapter or a quantised layer)"
-        if not all(any(_same_code(type(n).forward, r) for r in _RMSNORMS) for n in norms + [base.norm]):
-            return f"layer {li}: a norm is not the stock RMSNorm"
-        if not any(_same_code(type(mlp).forward, r) for r in _MLPS):
-            return f"layer {li}: {type(mlp).__name__} is not the stock gated MLP"
-    return None
-
-
 @dataclass(frozen=True)
-class _Layer:
+class LayerWeights:
+    """One decoder layer's fused projections (the modules' parameters are views of these)."""
+
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     gate_up: torch.Tensor
     gate_up_bias: torch.Tensor | None
     splits: tuple[int, int, int]  # q, k, v output features
+
+
+def fuse_layer_weights(layers) -> list[LayerWeights]:
+    """Fuse each Qwen3-style layer's ``q/k/v_proj`` and ``gate/up_proj`` (a target's, or a drafter's: the
+    same attribute names); an earlier fusion of the same layers is reused."""
+    out = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, qkv_bias = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up, gate_up_bias = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+        out.append(LayerWeights(qkv, qkv_bias, gate_up, gate_up_bias,
+                                (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)))
+    return out
 
 
 class FusedTarget:
@@ -301,16 +254,10 @@ class FusedTarget:
             if why is not None:
                 raise ValueError(f"store_kernel='triton': {why}")
         self.model, self.compiled = model, compile
-        self.layers = []
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv, qkv_bias = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
-            gate_up, gate_up_bias = _fuse_rows([mlp.gate_proj, mlp.up_proj])
-            splits = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
-            self.layers.append(_Layer(qkv, qkv_bias, gate_up, gate_up_bias, splits))
+        self.layers = fuse_layer_weights(model.model.layers)
         act = model.model.layers[0].mlp.act_fn
         fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qk_norm_rope": qk_norm_rope,
-               "qk_norm_rope_store": qk_norm_rope_store, "act_mul": _act_mul(act)}
+               "qk_norm_rope_store": qk_norm_rope_store, "act_mul": _act_mul(act), "norm_rope": norm_rope}
         rows = self._row_eager = {"qkv": _linear, "o": _gather_linear, "gate_up": _linear, "down": _linear, "lm_head": _linear}
         if compile:
             # One kernel per function; the first call per shape class compiles (a few seconds), shapes then
@@ -320,8 +267,9 @@ class FusedTarget:
             # for one row runs only with coordinate descent tuning on). One compiled function per projection.
             opts = {"emulate_precision_casts": True, "coordinate_descent_tuning": True}
             rows = {k: torch.compile(f, fullgraph=True, dynamic=False, options=opts) for k, f in rows.items()}
-        self.rms_norm, self.add_rms_norm, self.qk_norm_rope, self.qk_norm_rope_store, self.act_mul = (
-            fns["rms_norm"], fns["add_rms_norm"], fns["qk_norm_rope"], fns["qk_norm_rope_store"], fns["act_mul"])
+        self.rms_norm, self.add_rms_norm, self.qk_norm_rope, self.qk_norm_rope_store, self.act_mul, self.norm_rope = (
+            fns["rms_norm"], fns["add_rms_norm"], fns["qk_norm_rope"], fns["qk_norm_rope_store"], fns["act_mul"],
+            fns["norm_rope"])
         self.store_kernel = store_kernel or self._default_store_kernel()
         self._store_torch = self.qk_norm_rope_store
         self.store_note = ""
@@ -383,6 +331,8 @@ class FusedTarget:
         kernel chosen for its row count."""
         rows = x.shape[0] if gather is None else gather[0].shape[0]
         kind = self.row_kernels[role] if rows == 1 else self.block_kernels[role] if rows <= _MAX_ROWS else "cublas"
+        if kind != "cublas" and weight.shape != self._weight(role)[0].shape:  # a drafter's projection of another
+            kind = "cublas"  # shape: the measured choice (and the Triton tile) are the target's
         if kind == "triton":
             from .skinny_linear import skinny_linear
 
@@ -390,7 +340,7 @@ class FusedTarget:
         fn = self._row_fns[role] if kind == "gemv" else self._row_eager[role]
         return fn(x, *gather, weight, bias) if gather is not None else fn(x, weight, bias)
 
-    def qkv(self, x: torch.Tensor, w: _Layer) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         return self._project("qkv", x, w.qkv, w.qkv_bias)
 
     def o_proj(self, o: torch.Tensor, attn) -> torch.Tensor:
@@ -401,7 +351,7 @@ class FusedTarget:
         """``o_proj`` of the static decode path's attention output (slot layout, see :class:`SlotStore`)."""
         return self._project("o", out, attn.o_proj.weight, attn.o_proj.bias, gather=(q_slots, q_rows))
 
-    def mlp(self, x: torch.Tensor, w: _Layer, mlp) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, w: LayerWeights, mlp) -> torch.Tensor:
         """``down_proj(act(gate) * up)`` of the fused gate/up projection."""
         h = self.act_mul(self._project("gate_up", x, w.gate_up, w.gate_up_bias))
         down = mlp.down_proj

@@ -1,0 +1,188 @@
+"""Helpers the GPU scripts share (engine_gpu_check, fast_generate_gpu, replay_bench, bf16_identity and the
+probes): logging and device sync, timing and profiling, the models they build (a tiny random pair, the embedded
+reference pair with real prompts, the Qwen3-8B shape with random bf16 weights) and greedy references."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+
+T0 = time.perf_counter()
+FALLBACK_QUESTIONS = [  # used only if the shared gsm8k data is not reachable
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
+    "Betty is saving money for a new wallet which costs $100. Betty has only half of the money she needs. How much more money does she need if her grandparents give her $30?",
+    "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a year?",
+    "Mark has a garden with flowers. He planted plants of three different colors in it. Ten of them are yellow. How many flowers are there?",
+    "Albert is wondering how much pizza he can eat in one day. He buys 2 large pizzas and 2 small pizzas. How many pieces does he eat?",
+    "Ken created a care package to send to his brother, who was away at boarding school. What was the final weight?",
+    "Alexis is applying for a new job and bought a new set of business clothes to wear to the interview. How much did she pay for the shoes?",
+]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, device, iters: int, warmup: int = 1) -> float:
+    """Median milliseconds of ``fn()``: CUDA events on the GPU, wall clock on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def phase_breakdown(eng, fn) -> dict:
+    """Run ``fn()`` with ``eng.profile`` on: ms per step in each phase (device synced at phase boundaries,
+    so the sum is a little above the unprofiled step time), device reads and drafts skipped per step."""
+    eng.phase_seconds.clear()
+    eng.profiled_steps = 0
+    syncs0, skipped0, forwards0 = eng.host_syncs, eng.skipped_drafts, eng.num_steps
+    eng.profile = True
+    try:
+        fn()
+    finally:
+        eng.profile = False
+    steps = max(1, eng.num_steps - forwards0)  # target decode steps: an ``off`` replay may run several
+    out = {f"{k}_ms": 1e3 * v / steps for k, v in sorted(eng.phase_seconds.items())}
+    out.update(steps=steps, step_ms=sum(out.values()), reads_per_step=(eng.host_syncs - syncs0) / steps,
+               drafts_skipped_per_step=(eng.skipped_drafts - skipped0) / steps)
+    return out
+
+
+def fmt_phases(ph: dict) -> str:
+    keys = [k for k in ("draft_ms", "target_ms", "accept_ms", "host_ms") if k in ph]
+    return " + ".join(f"{k[:-3]} {ph[k]:.2f}" for k in keys) + f" = {ph.get('step_ms', 0):.2f} ms/step"
+
+
+def fmt_kernels(kp: dict, top: int = 8) -> str:
+    """One log line of :func:`kernel_profile`: count, kernel time, the ``top`` kernels by time."""
+    return (f"{kp['kernels']} kernels, {kp['kernel_ms']:.2f} ms of kernel time; "
+            + "; ".join(f"{k['name'][:50]} {k['us'] / 1e3:.2f}ms x{k['count']}" for k in kp["top"][:top]))
+
+
+def kernel_profile(fn, device, top: int = 12) -> dict:
+    """Device kernels of one ``fn()`` (torch.profiler): how many, their summed time, and the ``top`` names
+    by time. Run on the eager forward: in a CUDA graph the kernels are the same, the launch gaps gone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if torch.device(device).type != "cuda":
+        return {}
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t > 0:
+            rows.append((t, e.count, e.key))
+    rows.sort(reverse=True)
+    return {"kernels": sum(c for _, c, _ in rows), "kernel_ms": sum(t for t, _, _ in rows) / 1e3,
+            "top": [{"us": round(t, 1), "count": c, "name": k[:120]} for t, c, k in rows[:top]]}
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- models and prompts
+def tiny_pair(device, dtype, hidden: int, head_dim: int, vocab: int = 512, block_size: int = 8):
+    """A tiny random Qwen3 + AdaFlash drafter (head_dim >= 16: flex_attention's Triton kernels need it)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from adaflash_hf import AdaFlashDrafter
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=3,
+                      num_attention_heads=hidden // head_dim, num_key_value_heads=max(1, hidden // head_dim // 2),
+                      head_dim=head_dim, max_position_embeddings=2048, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=None, attn_implementation="sdpa")
+    target = Qwen3ForCausalLM(cfg).eval()
+    target.generation_config.pad_token_id = target.generation_config.eos_token_id = None
+    drafter = AdaFlashDrafter.from_target(target, num_layers=1, block_size=block_size, mask_token_id=vocab - 1).eval()
+    target.to(device=device, dtype=dtype)
+    drafter.to(device=device, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab - 2, (int(n),), generator=g).tolist() for n in torch.randint(4, 60, (256,), generator=g)]
+    return target, drafter.bind_target(target), prompts, None
+
+
+def reference_pair(device, dtype, dataset: str, n: int):
+    from adaflash_hf import load_reference_pair
+    from adaflash_hf.bench.prompts import load_prompts
+    from adaflash_hf.generation.prompts import encode_prompt
+
+    target, drafter, tok = load_reference_pair(device=device, dtype=dtype)
+    try:
+        _, messages = load_prompts(dataset, n, None)
+        source = dataset
+    except Exception as exc:  # noqa: BLE001 - the data folder may not travel with the checkout
+        log(f"prompts: {dataset} not loadable ({type(exc).__name__}: {exc}); using built-in questions")
+        messages = [[{"role": "user", "content": FALLBACK_QUESTIONS[i % len(FALLBACK_QUESTIONS)]}] for i in range(n)]
+        source = "built-in gsm8k-style questions"
+    return target.eval(), drafter.eval(), [encode_prompt(tok, m) for m in messages], tok.eos_token_id, source
+
+
+def qwen3_8b_shape(device, smoke: bool):
+    """Qwen3-8B-shaped target with random bf16 weights, built directly on the device (16 GB)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if smoke:
+        dims = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, vocab_size=1024)
+    else:
+        dims = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    cfg = Qwen3Config(**dims, max_position_embeddings=40960, tie_word_embeddings=False, bos_token_id=None,
+                      eos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(old)
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
+    return model
+
+
+def greedy_refs(target, prompts, max_new):
+    """HF ``generate``'s greedy continuation of each prompt (no EOS stop)."""
+    device = next(target.parameters()).device
+    refs = []
+    for p in prompts:
+        out = target.generate(torch.tensor([p], device=device), do_sample=False, max_new_tokens=max_new,
+                              eos_token_id=None, pad_token_id=0)
+        refs.append(out[0, len(p):].tolist())
+    return refs
+
+
+def first_diff(a, b):
+    """The first index where token lists ``a`` and ``b`` differ (a length difference counts), or ``None``."""
+    return next((j for j, (x, y) in enumerate(zip(a + [-1], b + [-2])) if x != y), None)
