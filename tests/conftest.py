@@ -304,15 +304,15 @@ def pytest_collection_finish(session):
 
     from script_runner import BACKGROUND, start_scripts
 
-    if session.config.option.collectonly:
-        return
+    if session.config.option.collectonly or hasattr(session.config, "workerinput"):
+        return  # nothing to run; or an xdist worker, which may not run these tests: their fixtures start them
     smokes = [item for item in session.items if getattr(item, "originalname", "") == "test_example_smoke"]
     if smokes:
         root = _Path(tempfile.mkdtemp(prefix="adaflash_smokes_"))
         _BACKGROUND_ROOTS.append(root)
         jobs, env = smokes[0].module.smoke_jobs({item.callspec.params["script"] for item in smokes}, root)
         BACKGROUND["examples"] = start_scripts(jobs, env, workdir=root / "logs", parallel=1)
-    fresh = [item for item in session.items if item.module.__name__.endswith("test_fresh_checkout")]
+    fresh = [item for item in session.items if getattr(getattr(item, "module", None), "__name__", "").endswith("test_fresh_checkout")]
     if fresh and fresh[0].module.can_checkout():  # the copy's commands, once the smokes are done
         root = _Path(tempfile.mkdtemp(prefix="adaflash_fresh_"))
         _BACKGROUND_ROOTS.append(root)
