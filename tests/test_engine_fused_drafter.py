@@ -72,13 +72,18 @@ def test_drafter_fusion_refused_with_the_reason():
     other = make_drafter(target, block_size=8, num_layers=1, head_dim=4)  # the target's head_dim is 8
     assert "head_dim" in DraftGraphs(other, make_drafter_cache(other, 2, 32, spare_slots=1), 2, 32,
                                      fused=FusedTarget(target, compile=False)).fusion_note
+    changed = make_drafter(target, block_size=8, num_layers=1)
+    changed.norm.__class__ = type("ScaledNorm", (type(changed.norm),), {"forward": lambda self, x: 2 * x})
+    assert "not the stock RMSNorm" in DraftGraphs(changed, make_drafter_cache(changed, 2, 32, spare_slots=1), 2, 32,
+                                                  fused=FusedTarget(target, compile=False)).fusion_note
 
 
-def test_replaced_drafter_weights_are_refused_not_silently_used():
+@pytest.mark.parametrize("layer,module", [(0, "self_attn.q_proj"), (1, "mlp.gate_proj")])
+def test_replaced_drafter_weights_are_refused_not_silently_used(layer, module):
     target, drafter = _pair("qwen3", 2, False)
     eng = Engine(target, **layout_args(drafter, "fixed"), max_slots=2, max_len=64, cuda_graphs=True)
-    layer = drafter.layers[0].self_attn
-    layer.q_proj.weight = torch.nn.Parameter(layer.q_proj.weight.detach().clone())
+    linear = drafter.layers[layer].get_submodule(module)
+    linear.weight = torch.nn.Parameter(linear.weight.detach().clone())
     with pytest.raises(RuntimeError, match="drafter's weights were replaced"):
         eng.submit(engine_prompts([4], seed=1)[0], max_new_tokens=4)
 

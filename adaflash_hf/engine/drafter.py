@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 import torch.nn.functional as F
 
 from .graphs import GraphRunner, copy_to_device, pick_bucket, q_buckets, token_buckets
@@ -242,7 +241,9 @@ class DraftGraphs(GraphRunner):
 
     def check_current(self) -> None:
         """Raise a clear ``RuntimeError`` if the drafter's projections no longer live in the fused weights."""
-        if self.fused is not None and self.drafter.layers[0].self_attn.q_proj.weight.data_ptr() != self.weights[0].qkv.data_ptr():
+        if self.fused is not None and any(layer.self_attn.q_proj.weight.data_ptr() != w.qkv.data_ptr()
+                                          or layer.mlp.gate_proj.weight.data_ptr() != w.gate_up.data_ptr()
+                                          for layer, w in zip(self.drafter.layers, self.weights)):
             raise RuntimeError("the drafter's weights were replaced after the engine was built (its projections no longer "
                                "live in the fused weights, e.g. after drafter.to(...)); build a new Engine, or update "
                                "weights in place (load_state_dict, copy_)")

@@ -110,7 +110,8 @@ def unsupported_drafter_layers(drafter, target) -> str | None:
     for m in (drafter, drafter.fc, drafter.hidden_norm, drafter.norm):
         if foreign_hooks(m):
             return f"{type(m).__name__} has forward hooks ({', '.join(foreign_hooks(m))})"
-    if type(drafter.fc) is not nn.Linear or not any(_same_code(type(n).forward, r) for n in (drafter.hidden_norm, drafter.norm) for r in _RMSNORMS):
+    if type(drafter.fc) is not nn.Linear or not all(any(_same_code(type(n).forward, r) for r in _RMSNORMS)
+                                                     for n in (drafter.hidden_norm, drafter.norm)):
         return "fc is not a plain nn.Linear or a norm is not the stock RMSNorm"
     if type(drafter.layers[0].mlp.act_fn) is not type(target.model.layers[0].mlp.act_fn):
         return "the drafter's MLP activation differs from the target's (the fused activation is the target's)"
