@@ -9,11 +9,11 @@
 #      stream in file order), all side by side on the one GPU (WAVE at once), each stopped before the call's end
 #      (BUDGET_S) with its last measurement saved;
 #   3. summarises them (summarise_online.py) and ships the drafter back.
-# Inputs carried beside the checkout: .whl/ (transformers wheel) and PACK (default .devdata/data.tar.xz, written
+# Inputs carried beside the checkout: WHEELS (default .whl/: the transformers wheel) and PACK (default .devdata/data.tar.xz, written
 # by `python examples/reference_pair/make_devdata.py --data ../shared/data --out .devdata --online`).
-# Outputs in $OUT: summary.md / summary.json, online/<domain>_<method>_s<seed>/online.json (+ .log),
-# gpu_usage.csv (memory and utilisation every 5 s), timings.txt, chatprose_drafter.tar.?? (14 MB parts:
-# cat chatprose_drafter.tar.* | tar x), logs.tar (training and warm-up logs).
+# Outputs in $OUT (few files: the device returns at most 8): summary.md / summary.json, runs.tar (online/<domain>_
+# <method>_s<seed>/online.json and .log, gpu_usage.csv: memory and utilisation every 5 s, gpu_apps.csv, timings.txt),
+# chatprose_drafter.tar.?? (14 MB parts: cat chatprose_drafter.tar.* | tar x), logs.tar (training and warm-up logs).
 # CPU smoke test: INSTALL=0 PY=python DEVICE=cpu DRAFTER=adaflash_hf/reference/drafter DATASETS=gsm8k SEEDS=0
 #   ONLINE_UPDATES=1 ONLINE_HELD_OUT=4 ONLINE_STREAM=8 ONLINE_SPU=4 ONLINE_BATCH=4 ONLINE_TOKENS=16 bash <this>
 set -uo pipefail
@@ -22,7 +22,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false ADAFLASH_DATA="$W/pack/da
 PY=${PY:-python3}; DEVICE=${DEVICE:-cuda}; BUDGET_S=${BUDGET_S:-540}
 stamp() { echo "$SECONDS s: $*" | tee -a "$OUT/timings.txt"; }
 if [[ ${INSTALL:-1} == 1 ]]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.whl}/*.whl || exit 1
   export PYTHONPATH=/tmp/site
   $PY -m pip install -q --no-build-isolation --no-deps -e . || exit 1
 fi
@@ -93,4 +93,6 @@ stamp "online runs done: $(grep -h '^exit' "$OUT"/online/*.log | cut -d' ' -f2 |
 $PY examples/reference_pair/summarise_online.py "$OUT/online" --out "$OUT" | tail -n 40
 LOGS=$(cd $W && ls *.log */train_log.jsonl */train_summary.json 2> /dev/null); [[ -n $LOGS ]] && tar cf "$OUT/logs.tar" -C $W $LOGS
 stamp "done"
+[[ $GPU == 1 ]] && kill $SAMPLER 2> /dev/null
+(cd "$OUT" && tar cf runs.tar online $(ls gpu_usage.csv gpu_apps.csv timings.txt 2> /dev/null) && rm -rf online gpu_usage.csv gpu_apps.csv)
 ls -la "$OUT"
