@@ -94,11 +94,27 @@ def child_main(args) -> None:
     target, drafter = build(device, args.smoke)
     ids = prompt_ids(target.config.vocab_size, 1, args.prompt_len, device)
     sync(device)
-    _, ttft = timed(lambda: target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=1,
-                                            length_policy="fixed", fast_path=True), device)
-    warm = __import__("adaflash_hf.generation.fast_path", fromlist=["warmup"]).warmup(
-        target, drafter, 1, args.prompt_len, args.max_new, length_policy="fixed")
-    print("CHILD_RESULT " + json.dumps({"ttft_s": ttft, "warmup_s": warm}), flush=True)
+    first = lambda: target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=1,  # noqa: E731
+                                    length_policy="fixed", fast_path=True)
+    prof = None
+    if args.cprofile:  # where a second process's start goes (slower under the profiler: not the timed figure)
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+    _, ttft = timed(first, device)
+    out = {"ttft_s": ttft, "cprofile": bool(prof)}
+    if prof is not None:
+        prof.disable()
+        text = __import__("io").StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(r"adaflash_hf|_dynamo/eval_frame|_inductor/(codecache|compile_fx)|triton/runtime", 45)
+        out["cprofile_top"] = text.getvalue().splitlines()[-60:]
+    else:
+        from torch._dynamo.utils import compile_times
+        out["compile_times"] = compile_times(repr="str", aggregate=True)[-4000:]
+        out["warmup_s"] = __import__("adaflash_hf.generation.fast_path", fromlist=["warmup"]).warmup(
+            target, drafter, 1, args.prompt_len, args.max_new, length_policy="fixed")
+    print("CHILD_RESULT " + json.dumps(out), flush=True)
 
 
 def start_up(res, target, drafter, device, args):
@@ -126,6 +142,11 @@ def start_up(res, target, drafter, device, args):
     res["second_process"] = {**json.loads(line[len("CHILD_RESULT "):]), "wall_s": time.perf_counter() - t}
     log(f"start: second process: first token {res['second_process']['ttft_s']:.1f}s after loading the models, "
         f"warmup {res['second_process']['warmup_s']:.1f}s")
+    if args.cprofile_child:  # a third process, under cProfile: where the start goes
+        run = subprocess.run(cmd + ["--cprofile"], capture_output=True, text=True, timeout=args.child_timeout, env=dict(os.environ))
+        line = next((x for x in run.stdout.splitlines() if x.startswith("CHILD_RESULT ")), None)
+        res["third_process_cprofile"] = json.loads(line[len("CHILD_RESULT "):]) if line else {"error": run.stderr[-3000:]}
+        log("start: third process under cProfile:\n" + "\n".join(res["third_process_cprofile"].get("cprofile_top", [])))
 
 
 # ----------------------------------------------------------------------------- identity
@@ -322,6 +343,8 @@ def markdown(res) -> str:
     lines += ["", f"ours b1 / engine fixed round: {m.get('ours_b1_over_engine_fixed')}; b8 / b1 round: {m.get('b8_over_b1_round')}", ""]
     s = res.get("start", {})
     lines += ["## start-up", "", f"first process: {s.get('first_process')}", "", f"second process: {s.get('second_process')}", ""]
+    if s.get("third_process_cprofile"):
+        lines += ["third process, under cProfile (cumulative seconds):", "", "```", *s["third_process_cprofile"].get("cprofile_top", []), "```", ""]
     lines += ["## identity", ""] + [f"- {k}: {v}" for k, v in res.get("identity", {}).items()]
     errors = [k for k, v in res.items() if isinstance(v, dict) and "error" in v]
     return "\n".join(lines + ["", f"section errors: {errors}"]) + "\n"
@@ -338,6 +361,8 @@ def main(argv=None):
     ap.add_argument("--child-timeout", type=float, default=150.0)
     ap.add_argument("--skip", default="", help="comma-separated sections (start, identity, methods, profile) or method names")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--cprofile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--cprofile-child", action="store_true", help="a third process, under cProfile, shows where the start goes")
     args = ap.parse_args(argv)
     args.prompt_len = args.prompt_len or (16 if args.smoke else 512)
     args.max_new = args.max_new or (8 if args.smoke else 128)

@@ -132,9 +132,9 @@ def timed(eng, prompts, max_new, device, reps):
     return statistics.median(rates), rates, statistics.median(decode), outs
 
 
-def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile):
+def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile, kernels=False):
     """One (mode, trace, concurrency) row: warm-up if asked, timed runs, identity and trace checks,
-    optionally the profiled per-step phases."""
+    optionally the profiled per-step phases and the device kernels of a 32-token run (per engine step)."""
     if warm:
         eng.generate(prompts, max_new_tokens=max_new)
     steps0, fwd0 = eng.num_steps, len(eng.forward_tokens)
@@ -151,6 +151,12 @@ def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile):
         row["trace_followed"] = f"{ok}/{total}"
     if profile:
         row["phases"] = common.phase_breakdown(eng, lambda: eng.generate(prompts, max_new_tokens=max_new))
+    if kernels:
+        steps0 = eng.num_steps
+        kp = common.kernel_profile(lambda: eng.generate(prompts, max_new_tokens=32), device, top=30)
+        steps = max(1, (eng.num_steps - steps0) // 2)  # kernel_profile runs fn twice (warm, then profiled)
+        if kp:  # CUDA only
+            row["kernels"] = {**kp, "steps": steps, "kernel_ms_per_step": kp["kernel_ms"] / steps}
     return row
 
 
@@ -185,6 +191,13 @@ def markdown(res: dict) -> str:
                 "|---|---|---|---|"]
         out += [f"| {r.get('trace', '-')} | {r['mode']} | {r['concurrency']} | {common.fmt_phases(r['phases'])} |" for r in prof]
         out.append("")
+    for r in (r for r in res["rows"] if r.get("kernels")):
+        k = r["kernels"]
+        out += [f"## Device kernels, {r['mode']} at concurrency {r['concurrency']} (torch.profiler, a 32-token run: "
+                f"{k['steps']} steps, {k['kernel_ms_per_step']:.2f} ms of kernel time per step)", "",
+                "| ms per step | calls per step | kernel |", "|---|---|---|"]
+        out += [f"| {t['us'] / 1e3 / k['steps']:.3f} | {t['count'] / k['steps']:.1f} | `{t['name'][:90]}` |" for t in k["top"]]
+        out.append("")
     if res.get("checks"):
         out += ["## Checks", "", "```", json.dumps(res["checks"], indent=1, default=str), "```", ""]
     return "\n".join(out)
@@ -203,6 +216,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=1, help="timed runs per row after the warm-up (median)")
     ap.add_argument("--profile-at", default="1,128", help="concurrencies that also get a profiled run")
+    ap.add_argument("--kernels-at", default="", help="concurrencies whose off and paper-trace rows also get a device-kernel profile")
     ap.add_argument("--budget-s", type=float, default=450.0, help="rows that would start after this are skipped")
     args = ap.parse_args(argv)
     smoke = args.smoke
@@ -213,6 +227,7 @@ def main(argv=None) -> int:
     domains = ["gsm8k"] if smoke else [d for d in args.domains.split(",") if d]
     traces_wanted = ["paper", "paper_ref", "gsm8k"] if smoke else [t for t in args.traces.split(",") if t]
     profile_at = {int(c) for c in args.profile_at.split(",") if c}
+    kernels_at = {int(c) for c in args.kernels_at.split(",") if c}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     deadline = common.T0 + args.budget_s
@@ -300,7 +315,8 @@ def main(argv=None) -> int:
 
     # 3. off per concurrency, then fixed and packed per trace and concurrency.
     for c in conc:
-        row("off", c, None, lambda c=c: run_row(off, None, prompts[:c], refs, max_new, device, args.reps, True, c in profile_at))
+        row("off", c, None, lambda c=c: run_row(off, None, prompts[:c], refs, max_new, device, args.reps, True, c in profile_at,
+                                                          c in kernels_at))
     del off
     common.free_memory()
     replays = {m: DraftReplay(refs, None) for m in ("fixed", "packed")}  # one each: request ids are per engine
@@ -315,7 +331,7 @@ def main(argv=None) -> int:
                 warmed.add((mode, c))
                 row(mode, c, name, lambda eng=eng, mode=mode, c=c, warm=warm: run_row(
                     eng, replays[mode], prompts[:c], refs, max_new, device, args.reps, warm,
-                    c in profile_at and name == "paper"))
+                    c in profile_at and name == "paper", c in kernels_at and name == "paper"))
     bad = [r for r in res["rows"] if "identical" in r and r["identical"] != r["requests"]]
     res["checks"]["rows_not_identical"] = len(bad)
     save()
