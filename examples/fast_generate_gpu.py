@@ -296,7 +296,7 @@ def profile(res, target, drafter, device, args):
 
         def step():
             dg.run_body([slot], [feats], [5])
-            dg.run_head(1, cfg.block_size - 1)
+            dg.run_head([cfg.block_size - 1])
             cache.rollback(slot, args.prompt_len)
 
         for _ in range(3):

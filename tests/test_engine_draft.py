@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from adaflash_hf.engine import Engine, draft_blocks, layout_args, make_drafter_cache
 from adaflash_hf.engine.kernels.attention import BLOCK
 from adaflash_hf.engine.drafter import DraftGraphs, append_context
+from adaflash_hf.engine.graphs import pick_bucket
 
 from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids
 
@@ -58,10 +59,17 @@ def test_batched_draft_equals_eager_draft(pair, lens1, lens2, slots, max_rows):
         with torch.no_grad():
             ref_logits = drafter.compute_logits(hidden[:, 1:]).float()
             ref_ratio = drafter.predict_accept_ratio(hidden).float()
-        out = runner.run(slots, ctx, bonus.tolist())
-        torch.testing.assert_close(out.logits.float(), ref_logits, atol=1e-5, rtol=1e-5)
+        out = runner.run(slots, ctx, bonus.tolist())  # every block's B - 1 draft positions, packed in request order
+        assert out.offsets == [i * (B - 1) for i in range(len(slots) + 1)]
+        torch.testing.assert_close(out.logits.float().view(ref_logits.shape), ref_logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out.ratio, ref_ratio, atol=1e-5, rtol=1e-5)
-        assert torch.equal(out.tokens, ref_logits.argmax(-1)) and bool(out.finite.all())
+        assert torch.equal(out.tokens.view(len(slots), B - 1), ref_logits.argmax(-1)) and bool(out.finite.all())
+        counts = [(3 * i) % B for i in range(len(slots))]  # ragged (a zero among them): the packed head, same rows
+        if sum(counts):
+            part = runner.run_head(counts)
+            want = torch.cat([ref_logits[i, :c] for i, c in enumerate(counts)])
+            torch.testing.assert_close(part.logits.float(), want, atol=1e-5, rtol=1e-5)
+            assert torch.equal(part.tokens, want.argmax(-1)) and part.offsets[-1] == sum(counts)
     assert [st_cache.length(s) for s in slots] == [ref_cache.length(s) for s in slots] == [a + b for a, b in zip(lens1, lens2)]
     for s in slots:  # the stored context (not the block past it) is the same
         n = st_cache.length(s)
@@ -70,7 +78,7 @@ def test_batched_draft_equals_eager_draft(pair, lens1, lens2, slots, max_rows):
             torch.testing.assert_close(st_cache.read(layer, s, n)[1], ref_cache.read(layer, s, n)[1], atol=1e-5, rtol=1e-5)
     rows = 1 << (len(slots) - 1).bit_length()  # the request-count bucket (powers of two)
     assert {k[2] for k in runner.replays if k[0] == "body"} == {rows}
-    assert {k[1:] for k in runner.replays if k[0] == "head"} == {(rows, drafter.config.block_size - 1)}
+    assert ("head", pick_bucket(runner.pos_buckets, len(slots) * (B - 1))) in runner.replays
 
 
 def test_batched_draft_padding_never_leaks(pair):
@@ -111,7 +119,7 @@ def test_context_only_update_then_draft_equals_drafting_every_round(pair, static
         [cache.alloc() for _ in range(3)]
         runner = DraftGraphs(drafter, cache, max_rows=4, max_ctx=16)
         assert runner.run(slots, ctx1, None) is None  # context only: bucket (C_b, 0)
-        got = runner.run(slots, ctx2, bonus.tolist()).logits.float()
+        got = runner.run(slots, ctx2, bonus.tolist()).logits.float().view(ref.shape)  # full blocks, packed
         assert ("body", 12, 0) in runner.replays  # 4 + 1 + 6 = 11 context tokens -> bucket 12, no block rows
     else:
         cache = make_drafter_cache(drafter, 4, 32)
@@ -165,20 +173,36 @@ def test_packed_drafts_nothing_when_every_k_hat_is_one(rate, halving, requests, 
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_draft_width_follows_the_longest_verify(graphs):
-    """The LM head runs for the longest draft only: k_hat = floor(a * B * rate) = 3 -> 2 draft positions."""
+@pytest.mark.parametrize("mode", ["packed", "rectangular"])
+def test_lm_head_runs_on_the_verified_positions_only(graphs, mode, monkeypatch):
+    """k_hat = floor(a * B * rate) = 3: the drafter's LM head runs on each request's own 2 draft positions (fewer
+    when a request has fewer tokens left), packed, never the full block (7); the rectangular layout, which
+    verifies the longest draft everywhere, runs it on that width for every request."""
+    import adaflash_hf.engine.drafter as drafter_mod
+    import adaflash_hf.engine.engine as engine_mod
+
+    calls = []
+
+    def recording(counts, block_size, real=drafter_mod.head_index):
+        calls.append(list(counts))
+        return real(counts, block_size)
+
+    monkeypatch.setattr(drafter_mod, "head_index", recording)
+    monkeypatch.setattr(engine_mod, "head_index", recording)
     target = make_target("llama")
     drafter = make_drafter(target, block_size=8)
     force_length_head(drafter, ratio_high=True)
     engine = Engine(target, drafter, length_policy="adaptive", max_slots=2, max_len=32, token_budget=32, length_rate=0.375,
-                    cuda_graphs=graphs)
+                    cuda_graphs=graphs, rectangular=mode == "rectangular")
     prompts = engine_prompts([5, 6], seed=3)
-    outs = engine.generate(prompts, max_new_tokens=7)
-    assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 7) for p in prompts]
-    assert max(v for o in outs for v in o.verify_lengths) == 3
-    if graphs:
-        # width 2, then 1 when a request has two tokens left (never the full block: 7)
-        assert {k[2] for k in engine.draft_graphs.replays if k[0] == "head"} == {1, 2}
+    outs = [h.result() for h in [engine.submit(p, n) for p, n in zip(prompts, [7, 4])]]
+    assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, n) for p, n in zip(prompts, [7, 4])]
+    assert calls and max(max(c) for c in calls) == 2
+    if mode == "packed":
+        assert any(c[0] != c[-1] for c in calls if len(c) == 2)  # the request near its end drafts fewer
+        assert sum(map(sum, calls)) == sum(v - 1 for o in outs for v in o.verify_lengths)
+    else:
+        assert all(len(set(c)) == 1 for c in calls)
 
 
 def test_sink_attached_never_skips_the_drafter_layers(pair):
@@ -315,5 +339,5 @@ def test_compiled_flex_drafter_equals_eager_draft():
         ctx, bonus = _feats(drafter, lens, g), torch.tensor([3, 4, 5])
         with torch.no_grad():
             expect = drafter.compute_logits(draft_blocks(drafter, ref, slots, bonus, ctx)[:, 1:]).float()
-        torch.testing.assert_close(runner.run(slots, ctx, bonus.tolist()).logits.float(), expect, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(runner.run(slots, ctx, bonus.tolist()).logits.float().view(expect.shape), expect, atol=1e-4, rtol=1e-4)
     assert runner.attention.backend == "flex" and runner.attention_note == ""

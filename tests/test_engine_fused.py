@@ -163,6 +163,25 @@ def test_elementwise_functions_trace_whole_for_compilation(name):
         assert torch.equal(a, b)
 
 
+def test_compiled_functions_may_recompile_for_every_bucket(monkeypatch):
+    """A compiled fused function sees a new shape per token / slot-row / query bucket (an engine reaches a few
+    dozen): past Dynamo's default limit of 8 a ``fullgraph`` function fails (the control); a compiled
+    FusedTarget raises the limit so it compiles on."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+
+    def run_shapes(n):
+        torch._dynamo.reset()
+        fn = torch.compile(F._linear, backend="eager", fullgraph=True, dynamic=False)
+        for rows in range(1, n + 1):
+            fn(torch.ones(rows, 4), torch.ones(3, 4), None)
+
+    with pytest.raises(Exception, match="fullgraph"):  # FailOnRecompileLimitHit
+        run_shapes(12)
+    F.FusedTarget(make_target("qwen3"), compile=True)
+    run_shapes(12)
+    assert torch._dynamo.config.recompile_limit >= 128
+
+
 def test_replaced_weights_are_refused_before_any_work():
     """model.to(...) after building the engine re-allocates every parameter: the fused weights would be
     stale, so the next request is refused with a message that says what happened."""

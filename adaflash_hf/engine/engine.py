@@ -50,7 +50,7 @@ from ..spec.rounds import RoundSink, VerifiedRound
 from ..spec.verify import SampledRows, accept_block
 from .admission import AdmissionController, fit_token_budget
 from .kernels.attention import BLOCK
-from .drafter import DraftGraphs, append_context, draft_blocks, make_drafter_cache
+from .drafter import DraftGraphs, append_context, draft_blocks, head_index, make_drafter_cache
 from .kernels.fused import FusedTarget
 from .graphs import DecodeGraphs, to_device
 from .lifecycle import NON_FINITE, RequestLifecycle
@@ -64,17 +64,25 @@ __all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepIn
 @dataclass
 class _Drafts:
     """One round's drafts: ``tokens [n, B-1]``, ``draft_len [n]`` and the verify lengths ``q_lens`` (host);
-    raw draft ``logits`` and length-head ``ratio`` (device, ``None`` when nothing was drafted); the
-    processed draft distributions ``q_probs[i]`` of sampled requests (``None`` for greedy ones) and their
-    device flags ``q_bad[i]`` (the distribution was not finite: the request fails after the round)."""
+    raw draft ``logits`` of the drafted positions, packed (request ``i``'s are rows ``logit_offsets[i] ..
+    logit_offsets[i + 1] - 1``: :meth:`row_logits`), and length-head ``ratio`` (device, ``None`` when nothing
+    was drafted); the processed draft distributions ``q_probs[i]`` of sampled requests (``None`` for greedy
+    ones) and their device flags ``q_bad[i]`` (the distribution was not finite: the request fails after the round)."""
 
     tokens: torch.Tensor
     draft_len: torch.Tensor
     q_lens: list[int]
     logits: torch.Tensor | None
+    logit_offsets: list[int] | None
     ratio: torch.Tensor | None
     q_probs: list
     q_bad: list
+
+    def row_logits(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        """Request ``i``'s draft logits ``[>= draft_len[i], V]`` (``like.new_zeros(0, V)`` when nothing was drafted)."""
+        if self.logits is None:
+            return like.new_zeros(0, like.shape[-1])
+        return self.logits[self.logit_offsets[i] : self.logit_offsets[i + 1]]
 
 
 class Engine(RequestLifecycle):
@@ -365,9 +373,9 @@ class Engine(RequestLifecycle):
         n = len(running)
         draft = torch.zeros(n, max(self.block_size - 1, 0), dtype=torch.long)
         draft_len = torch.zeros(n, dtype=torch.long)
-        draft_logits, ratio, q_probs, q_bad = None, None, [None] * n, [None] * n
+        draft_logits, offsets, ratio, q_probs, q_bad = None, None, None, [None] * n, [None] * n
         if n and self.drafter is not None:
-            draft, draft_logits, ratio, draft_len = self._propose(running)
+            draft, draft_logits, offsets, ratio, draft_len = self._propose(running)
         if self.profile:
             self._tick("draft")
         draft_len = fit_token_budget(draft_len, self.token_budget, rectangular=self.layout == "rectangular")
@@ -376,12 +384,14 @@ class Engine(RequestLifecycle):
             q_lens = [max(dl_host) + 1] * n
         else:
             q_lens = [d + 1 for d in dl_host]
+        drafts = _Drafts(draft, draft_len, q_lens, draft_logits, offsets, ratio, q_probs, q_bad)
         for i, r in enumerate(running):
             if not r.params.greedy and dl_host[i] > 0:
-                q, q_bad[i] = checked_probs(r.sampling_rows(processed_probs(draft_logits[i, : q_lens[i] - 1], r.params)))
+                rows = drafts.row_logits(i, draft_logits)[: q_lens[i] - 1]
+                q, q_bad[i] = checked_probs(r.sampling_rows(processed_probs(rows, r.params)))
                 q_probs[i] = q
                 draft[i, : q_lens[i] - 1] = torch.multinomial(q, 1, generator=r.generator).squeeze(1)
-        return _Drafts(draft, draft_len, q_lens, draft_logits, ratio, q_probs, q_bad)
+        return drafts
 
     def _admit(self, running, verify_tokens: int) -> list[Request]:
         """Queued requests that fit next to ``running`` this round (slots allocated, state ``running``)."""
@@ -527,13 +537,14 @@ class Engine(RequestLifecycle):
 
     def _propose(self, running):
         """One drafter forward for all running requests: drafts ``[n, B-1]`` and draft lengths ``[n]`` (host),
-        raw draft logits ``[n, K, V]`` (``K`` >= the longest draft) and ratios (device; ``None`` when the
-        round drafts nothing).
+        raw draft logits of the drafted positions packed ``[P, V]`` with each request's offsets (``offsets[i] ..
+        offsets[i + 1]``), and ratios (device; logits and offsets ``None`` when the round drafts nothing).
 
         The drafter body runs first (the length head needs it), the verify lengths are read back, and the
-        LM head then runs for the positions some request will verify only: none when every ``k_hat`` is 1
-        (or one token is left everywhere). When the rate alone caps every ``k_hat`` at 1, the body is
-        skipped too and the drafter only stores the new context (:meth:`_skip_drafting`)."""
+        LM head then runs for the positions each request will verify only (packed: every request's own count,
+        the longest one in the rectangular layout, which verifies that many everywhere): none when every
+        ``k_hat`` is 1 (or one token is left everywhere). When the rate alone caps every ``k_hat`` at 1, the
+        body is skipped too and the drafter only stores the new context (:meth:`_skip_drafting`)."""
         d = self.drafter
         B = self.block_size
         n = len(running)
@@ -565,28 +576,31 @@ class Engine(RequestLifecycle):
             width = int(draft_len.max()) if n else 0
             if width == 0:  # nothing to verify: no draft logits (the LM head is most of a drafter step)
                 self.skipped_drafts += 1
-                return torch.zeros(n, B - 1, dtype=torch.long), None, ratio, draft_len
+                return torch.zeros(n, B - 1, dtype=torch.long), None, None, ratio, draft_len
+            counts = [width] * n if self.layout == "rectangular" else draft_len.tolist()
             if self.draft_graphs is not None:
-                out = self.draft_graphs.run_head(n, width)
-                tokens, logits, finite = out.tokens, out.logits, out.finite
+                out = self.draft_graphs.run_head(counts)
+                tokens, logits, finite, offsets = out.tokens, out.logits, out.finite, out.offsets
             else:
-                logits = d.compute_logits(hidden[:, 1 : 1 + width]).float()
-                finite = torch.isfinite(logits).all(dim=-1).all(dim=-1)
+                idx = head_index(counts, B).to(self.device)
+                logits = d.compute_logits(hidden.reshape(n * B, -1)[idx]).float()
+                finite = torch.isfinite(logits).all(dim=-1)
                 tokens = torch.nan_to_num(logits).argmax(dim=-1)
-        host = torch.cat([finite[:, None].long(), tokens], dim=1).cpu()  # read 2: the drafts
+                offsets = [0, *itertools.accumulate(counts)]
+        host = torch.cat([finite.long(), tokens]).cpu()  # read 2: the drafts
         self.host_syncs += 1
+        P, c = tokens.shape[0], torch.tensor(counts)
+        rows = torch.repeat_interleave(torch.arange(n), c)
         draft = torch.zeros(n, B - 1, dtype=torch.long)
-        draft[:, :width] = host[:, 1:]
-        draft_len = torch.where(host[:, 0].bool(), draft_len, torch.zeros_like(draft_len))
+        draft[rows, torch.arange(P) - torch.repeat_interleave(torch.tensor(offsets[:-1]), c)] = host[P:]
+        not_finite = torch.zeros(n, dtype=torch.long).index_add_(0, rows, 1 - host[:P])
+        draft_len = torch.where(not_finite == 0, draft_len, torch.zeros_like(draft_len))
         if self.draft_replay is not None:
             self.draft_replay.drafts(running, draft, B)
-        return draft, logits, ratio, draft_len
+        return draft, logits, offsets, ratio, draft_len
 
     def _emit_round(self, r: Request, drafts: _Drafts, vlogits: torch.Tensor, i: int, draft_len: int, accepted: int) -> None:
-        draft_logits = drafts.logits
-        if draft_logits is None:  # a round that skipped drafting: nothing was drafted
-            draft_logits = vlogits.new_zeros(len(drafts.q_lens), 0, vlogits.shape[-1])
         ratio = drafts.ratio[i] if drafts.ratio is not None else None
         # copies: the drafter's static draft-logits buffer is reused next round
         self.on_round(VerifiedRound.from_block(r.id, torch.tensor(r.prompt + r.tokens[:-1]), r.bonus, drafts.tokens[i],
-                                               draft_logits[i], vlogits[i], draft_len, accepted, ratio))
+                                               drafts.row_logits(i, vlogits), vlogits[i], draft_len, accepted, ratio))

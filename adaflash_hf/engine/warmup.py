@@ -4,7 +4,7 @@ An engine captures a CUDA graph the first time a round needs a new bucket (token
 request, slot rows; for the drafter: context tokens, rows, draft width) and compiles its fused
 functions on their first shapes. Left to the first requests, that puts seconds of captures into their
 first tokens. :func:`workload_buckets` lists every bucket a workload of up to ``concurrency`` running
-requests can reach (each request verifying 1 .. block size tokens, slots ``0 .. concurrency - 1``,
+requests can reach (each request verifying 1 .. block size tokens, the drafted positions packed, slots ``0 .. concurrency - 1``,
 prompts of the given lengths, those admitted in one round of one length); :func:`warmup` runs one short request per prompt length (the eager
 prefill's compiles) and captures the rest.
 """
@@ -47,8 +47,8 @@ def _draft_buckets(engine, concurrency: int, prompt_lens: Sequence[int]) -> set[
             for C in range(lo, min(hi, d.ctx_buckets[-1]) + 1):
                 Cb = pick_bucket(d.ctx_buckets, C)
                 out |= {("body", Cb, Rb), ("body", Cb, 0)}
-        out |= {("head", Rb, Kb) for Kb in d.width_buckets}
-    return out
+    most = pick_bucket(d.pos_buckets, concurrency * (B - 1))  # drafted positions, packed: 1 .. B - 1 per request
+    return out | {("head", Pb) for Pb in d.pos_buckets if Pb <= most}
 
 
 def workload_buckets(engine, concurrency: int = 1, prompt_lens: Sequence[int] = ()) -> dict[str, set[tuple]]:

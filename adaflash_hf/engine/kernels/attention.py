@@ -50,10 +50,9 @@ def _flex():
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        # flex is specialised per shape (slot rows x q bucket x heads x dtype); one engine already
-        # needs ~5 q buckets, so dynamo's default recompile limit (8) would silently fall back to
-        # the unfused eager kernel once a second model or engine shape is in the same process.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
+        from .fused import allow_shape_recompiles
+
+        allow_shape_recompiles()  # flex is specialised per shape (slot rows x q bucket x heads x dtype)
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
 

@@ -55,6 +55,13 @@ __all__ = ["FusedTarget", "LayerWeights", "SlotStore", "add_rms_norm", "fuse_lay
 
 
 # ------------------------------------------------------------------ elementwise math (the HF modules' ops)
+def allow_shape_recompiles(limit: int = 128) -> None:
+    """Raise Dynamo's recompile limit (default 8) to at least ``limit``: the compiled functions here and compiled
+    flex attention are specialised per shape (token, slot-row and query buckets: one engine reaches a few dozen),
+    and past the limit a ``fullgraph=True`` function fails instead of compiling again."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``Qwen3RMSNorm`` / ``LlamaRMSNorm``: statistics in float32, scale in the input dtype."""
     dtype = x.dtype
@@ -260,6 +267,7 @@ class FusedTarget:
                "qk_norm_rope_store": qk_norm_rope_store, "act_mul": _act_mul(act), "norm_rope": norm_rope}
         rows = self._row_eager = {"qkv": _linear, "o": _gather_linear, "gate_up": _linear, "down": _linear, "lm_head": _linear}
         if compile:
+            allow_shape_recompiles()
             # One kernel per function; the first call per shape class compiles (a few seconds), shapes then
             # become dynamic on their own (one more compile), so every token bucket reuses the kernels.
             fns = {k: torch.compile(f, fullgraph=True, options={"emulate_precision_casts": True}) for k, f in fns.items()}
