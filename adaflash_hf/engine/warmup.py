@@ -15,7 +15,7 @@ import copy
 import time
 from typing import Sequence
 
-from .graphs import pick_bucket, q_buckets
+from .graphs import pick_bucket
 
 __all__ = ["warmup", "workload_buckets"]
 
