@@ -82,9 +82,10 @@ def fmt_kernels(kp: dict, top: int = 8) -> str:
             + "; ".join(f"{k['name'][:50]} {k['us'] / 1e3:.2f}ms x{k['count']}" for k in kp["top"][:top]))
 
 
-def kernel_profile(fn, device, top: int = 12) -> dict:
-    """Device kernels of one ``fn()`` (torch.profiler): how many, their summed time, and the ``top`` names
-    by time. Run on the eager forward: in a CUDA graph the kernels are the same, the launch gaps gone."""
+def kernel_profile(fn, device, top: int = 12, keep_all: bool = False) -> dict:
+    """Device kernels of one ``fn()`` (torch.profiler), after one unprofiled ``fn()``: how many, their summed
+    time, the ``top`` names by time (``keep_all``: every name, under ``"all"``). Kernels replayed from CUDA
+    graphs are recorded as well; run eagerly, the kernels are the same with the launch gaps."""
     from torch.profiler import ProfilerActivity, profile
 
     if torch.device(device).type != "cuda":
@@ -101,7 +102,8 @@ def kernel_profile(fn, device, top: int = 12) -> dict:
             rows.append((t, e.count, e.key))
     rows.sort(reverse=True)
     return {"kernels": sum(c for _, c, _ in rows), "kernel_ms": sum(t for t, _, _ in rows) / 1e3,
-            "top": [{"us": round(t, 1), "count": c, "name": k[:120]} for t, c, k in rows[:top]]}
+            "top": [{"us": round(t, 1), "count": c, "name": k[:120]} for t, c, k in rows[:top]],
+            **({"all": [{"us": t, "count": c, "name": k} for t, c, k in rows]} if keep_all else {})}
 
 
 def free_memory() -> None:

@@ -152,12 +152,39 @@ def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile, ke
     if profile:
         row["phases"] = common.phase_breakdown(eng, lambda: eng.generate(prompts, max_new_tokens=max_new))
     if kernels:
-        steps0 = eng.num_steps
-        kp = common.kernel_profile(lambda: eng.generate(prompts, max_new_tokens=32), device, top=30)
-        steps = max(1, (eng.num_steps - steps0) // 2)  # kernel_profile runs fn twice (warm, then profiled)
-        if kp:  # CUDA only
-            row["kernels"] = {**kp, "steps": steps, "kernel_ms_per_step": kp["kernel_ms"] / steps}
+        row["kernels"] = decode_kernels(eng, prompts, max_new, device)
     return row
+
+
+KERNEL_GROUPS = (("gemm (cuBLAS)", ("nvjet", "gemm", "cutlass", "splitKreduce")), ("attention", ("_split_kernel", "_merge_kernel")),
+                 ("few-row projections (Triton)", ("_block_kernel", "_row_kernel")), ("rope + K/V store", ("_rope_store",)),
+                 ("fused elementwise (Inductor)", ("triton_",)), ("gather / index", ("index",)), ("cat / copy", ("Cat", "copy")))
+
+
+def decode_kernels(eng, prompts, max_new, device, steps: int = 6) -> dict:
+    """Device kernels per target forward in the middle of a run (torch.profiler over ``steps`` engine steps once
+    every prompt is prefilled), summed by kind (:data:`KERNEL_GROUPS`) and the top names. ``{}`` off CUDA."""
+    infos = []
+    eng.step_hook = infos.append
+    try:
+        handles = [eng.submit(p, max_new) for p in prompts]
+        while not infos or infos[-1].num_prefill:  # up to the first round without a prefill
+            eng.step()
+        fwd0 = eng.num_steps
+        kp = common.kernel_profile(lambda: [eng.step() for _ in range(steps)], device, top=40, keep_all=True)
+        forwards = max(1, (eng.num_steps - fwd0) // 2)  # kernel_profile runs fn twice: warm, then profiled
+        while not all(h.done for h in handles):
+            eng.step()
+    finally:
+        eng.step_hook = None
+    if not kp:
+        return {}
+    groups = dict.fromkeys([g for g, _ in KERNEL_GROUPS] + ["other"], 0.0)
+    for k in kp.pop("all"):
+        g = next((g for g, keys in KERNEL_GROUPS if any(x in k["name"] for x in keys)), "other")
+        groups[g] += k["us"] / 1e3 / forwards
+    return {**kp, "forwards": forwards, "kernel_ms_per_forward": kp["kernel_ms"] / forwards,
+            "groups_ms_per_forward": {g: round(v, 3) for g, v in groups.items()}}
 
 
 def markdown(res: dict) -> str:
@@ -193,10 +220,11 @@ def markdown(res: dict) -> str:
         out.append("")
     for r in (r for r in res["rows"] if r.get("kernels")):
         k = r["kernels"]
-        out += [f"## Device kernels, {r['mode']} at concurrency {r['concurrency']} (torch.profiler, a 32-token run: "
-                f"{k['steps']} steps, {k['kernel_ms_per_step']:.2f} ms of kernel time per step)", "",
-                "| ms per step | calls per step | kernel |", "|---|---|---|"]
-        out += [f"| {t['us'] / 1e3 / k['steps']:.3f} | {t['count'] / k['steps']:.1f} | `{t['name'][:90]}` |" for t in k["top"]]
+        out += [f"## Device kernels, {r['mode']} at concurrency {r['concurrency']} (torch.profiler, {k['forwards']} target "
+                f"forwards mid-run, no prefill: {k['kernel_ms_per_forward']:.2f} ms of kernel time per forward)", "",
+                "By kind, ms per forward: " + ", ".join(f"{g} {v:.2f}" for g, v in k["groups_ms_per_forward"].items()), "",
+                "| ms per forward | calls per forward | kernel |", "|---|---|---|"]
+        out += [f"| {t['us'] / 1e3 / k['forwards']:.3f} | {t['count'] / k['forwards']:.1f} | `{t['name'][:90]}` |" for t in k["top"]]
         out.append("")
     if res.get("checks"):
         out += ["## Checks", "", "```", json.dumps(res["checks"], indent=1, default=str), "```", ""]
@@ -216,7 +244,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=1, help="timed runs per row after the warm-up (median)")
     ap.add_argument("--profile-at", default="1,128", help="concurrencies that also get a profiled run")
-    ap.add_argument("--kernels-at", default="", help="concurrencies whose off and paper-trace rows also get a device-kernel profile")
+    ap.add_argument("--kernels-at", default="", help="concurrencies whose off and paper-trace rows also get a device-kernel "
+                    "profile (mid-run target forwards, by kind)")
     ap.add_argument("--budget-s", type=float, default=450.0, help="rows that would start after this are skipped")
     args = ap.parse_args(argv)
     smoke = args.smoke
