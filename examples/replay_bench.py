@@ -132,6 +132,31 @@ def timed(eng, prompts, max_new, device, reps):
     return statistics.median(rates), rates, statistics.median(decode), outs
 
 
+def full_batch_rate(eng, prompts, max_new, device) -> tuple[float, int]:
+    """Decode tok/s while all ``len(prompts)`` requests run: from the second round after the last prefill to the
+    round in which the first request finishes (a closed batch's tail, where a few unlucky requests run on at a
+    small batch, is left out: that is the throughput at this concurrency). Returns ``(tok/s or None, rounds)``."""
+    infos, dg = [], getattr(eng, "draft_graphs", None)
+    captures = lambda: eng.graphs.capture_seconds + (dg.capture_seconds if dg is not None else 0.0)  # noqa: E731
+    eng.step_hook = infos.append
+    try:
+        handles = [eng.submit(p, max_new) for p in prompts]
+        while not infos or infos[-1].num_prefill:
+            eng.step()
+        common.sync(device)
+        t, tok, cap, rounds = time.perf_counter(), sum(len(h.token_ids) for h in handles), captures(), 0
+        while not any(h.done for h in handles):
+            eng.step()
+            rounds += 1
+        common.sync(device)
+        rate = (sum(len(h.token_ids) for h in handles) - tok) / max(time.perf_counter() - t - (captures() - cap), 1e-9)
+        while not all(h.done for h in handles):
+            eng.step()
+    finally:
+        eng.step_hook = None
+    return (rate if rounds else None), rounds  # None: the first request finished in the first round after prefill
+
+
 def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile, kernels=False):
     """One (mode, trace, concurrency) row: warm-up if asked, timed runs, identity and trace checks,
     optionally the profiled per-step phases and the device kernels of a 32-token run (per engine step)."""
@@ -146,6 +171,7 @@ def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile, ke
            "mean_verify_len": sum(vl) / max(1, len(vl)), "steps_per_run": (eng.num_steps - steps0) / reps,
            "mean_forward_tokens": sum(fwd) / max(1, len(fwd)),
            "identical": sum(o.token_ids == refs[tuple(p)] for o, p in zip(outs, prompts)), "requests": len(prompts)}
+    row["full_batch_tok_per_s"], row["full_batch_rounds"] = full_batch_rate(eng, prompts, max_new, device)
     if replay is not None:
         ok, total = replay.followed(outs)
         row["trace_followed"] = f"{ok}/{total}"
@@ -211,6 +237,18 @@ def markdown(res: dict) -> str:
                        f"{o.get('identical', '-')}/{f.get('identical', '-')}/{p.get('identical', '-')} of {c} | "
                        f"{f.get('trace_followed', '-')}, {p.get('trace_followed', '-')} | "
                        + " / ".join(f"{r['end_to_end_tok_per_s']:.0f}" if "end_to_end_tok_per_s" in r else "-" for r in (o, f, p)) + " |")
+        out.append("")
+        out += [f"Full batch (trace `{name}`): decode tok/s while every request of the concurrency runs (the closed "
+                "batch's tail left out)", "", "| concurrency | off | fixed (x off) | packed (x off, x fixed) | rounds off / fixed / packed |",
+                "|---|---|---|---|---|"]
+        for c in m["concurrency"]:
+            rows = [off.get(c, {})] + [next((r for r in res["rows"] if r.get("trace") == name and r["mode"] == mode
+                                             and r["concurrency"] == c), {}) for mode in ("fixed", "packed")]
+            o, f, p = (r.get("full_batch_tok_per_s") for r in rows)
+            ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
+            num = lambda v: f"{v:.0f}" if v else "-"  # noqa: E731
+            out.append(f"| {c} | {num(o)} | {num(f)} ({ratio(f, o)}) | {num(p)} ({ratio(p, o)}, {ratio(p, f)}) | "
+                       + " / ".join(str(r.get("full_batch_rounds", "-")) for r in rows) + " |")
         out.append("")
     prof = [r for r in res["rows"] if "phases" in r]
     if prof:
@@ -333,7 +371,8 @@ def main(argv=None) -> int:
         else:
             try:
                 r.update(fn())
-                log(f"{mode:6s} {trace_name or '-':9s} c={c:4d} {r['tok_per_s']:9.1f} tok/s  tau {r['tau']:.2f}  verify "
+                log(f"{mode:6s} {trace_name or '-':9s} c={c:4d} {r['tok_per_s']:9.1f} tok/s (full batch "
+                    f"{r['full_batch_tok_per_s'] or 0:.1f})  tau {r['tau']:.2f}  verify "
                     f"{r['mean_verify_len']:.2f}  identical {r['identical']}/{r['requests']}  "
                     f"followed {r.get('trace_followed', '-')}" + (f"  | {common.fmt_phases(r['phases'])}" if "phases" in r else ""))
             except Exception:  # noqa: BLE001 - record and go on

@@ -174,15 +174,19 @@ class DraftReplay:
         self.references, self.trace, self.seed = references, trace, seed
         self.planned: dict[tuple[int, int], TraceRound] = {}
         self._rngs: dict[int, random.Random] = {}
+        self._refs: dict[int, list[int]] = {}  # per request id: its prompt's reference (hashing a prompt per round costs)
 
     def _round(self, r, block_size: int) -> TraceRound:
         key = (r.id, len(r.accepted))
-        if key not in self.planned:
+        plan = self.planned.get(key)
+        if plan is None:
             if not r.params.greedy:
                 raise ValueError("acceptance replay runs greedy requests only")
-            rng = self._rngs.setdefault(r.id, random.Random(self.seed * 1_000_003 + r.id))
-            self.planned[key] = self.trace.draw(rng, block_size)
-        return self.planned[key]
+            rng = self._rngs.get(r.id)
+            if rng is None:
+                rng = self._rngs[r.id] = random.Random(self.seed * 1_000_003 + r.id)
+            plan = self.planned[key] = self.trace.draw(rng, block_size)
+        return plan
 
     def ratios(self, running, ratio: torch.Tensor, block_size: int) -> torch.Tensor:
         """The trace's head ratio of this round for each running request (on ``ratio``'s device)."""
@@ -192,17 +196,22 @@ class DraftReplay:
     def drafts(self, running, tokens: torch.Tensor, block_size: int) -> None:
         """Overwrite ``tokens [n, B-1]`` (host) in place: the request's greedy continuation for the round's
         accepted count, then a token other than the continuation's."""
-        for i, r in enumerate(running):
-            ref = self.references.get(tuple(r.prompt))
+        # The harness's own host work, charged to every round it replays: one list pass and one copy, no
+        # per-request tensor ops.
+        rows = tokens.tolist()
+        for row, r in zip(rows, running):
+            ref = self._refs.get(r.id)
             if ref is None:
-                raise KeyError(f"no reference continuation for request {r.id}'s prompt")
+                ref = self._refs[r.id] = self.references.get(tuple(r.prompt))
+                if ref is None:
+                    raise KeyError(f"no reference continuation for request {r.id}'s prompt")
             cont = ref[len(r.tokens): len(r.tokens) + block_size - 1]
             good = min(self._round(r, block_size).accepted, len(cont))
-            if good:
-                tokens[i, :good] = torch.tensor(cont[:good])
+            row[:good] = cont[:good]
             if good < min(len(cont), block_size - 1):
                 t = cont[good]
-                tokens[i, good] = t - 1 if t > 0 else t + 1
+                row[good] = t - 1 if t > 0 else t + 1
+        tokens.copy_(torch.tensor(rows, dtype=tokens.dtype).view(tokens.shape))
 
     def followed(self, outputs) -> tuple[int, int]:
         """``(rounds that accepted what the trace planned, rounds checked)`` over ``outputs``: a round
