@@ -63,11 +63,10 @@ __all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepIn
 
 @dataclass
 class _Drafts:
-    """One round's drafts: ``tokens [n, B-1]``, ``draft_len [n]`` and the verify lengths ``q_lens`` (host);
-    raw draft ``logits`` of the drafted positions, packed (request ``i``'s are rows ``logit_offsets[i] ..
-    logit_offsets[i + 1] - 1``: :meth:`row_logits`), and length-head ``ratio`` (device, ``None`` when nothing
-    was drafted); the processed draft distributions ``q_probs[i]`` of sampled requests (``None`` for greedy
-    ones) and their device flags ``q_bad[i]`` (the distribution was not finite: the request fails after the round)."""
+    """One round's drafts: ``tokens [n, B-1]``, ``draft_len [n]``, verify lengths ``q_lens`` (host); the drafted
+    positions' raw ``logits``, packed (:meth:`row_logits`), and length-head ``ratio`` (device, ``None`` when nothing
+    was drafted); sampled requests' processed draft distributions ``q_probs[i]`` (``None`` for greedy ones) and
+    device flags ``q_bad[i]`` (not finite: the request fails after the round)."""
 
     tokens: torch.Tensor
     draft_len: torch.Tensor
@@ -536,15 +535,12 @@ class Engine(RequestLifecycle):
         return load_scaled_rate(self.length_rate, batch, self.halving_batch)
 
     def _propose(self, running):
-        """One drafter forward for all running requests: drafts ``[n, B-1]`` and draft lengths ``[n]`` (host),
-        raw draft logits of the drafted positions packed ``[P, V]`` with each request's offsets (``offsets[i] ..
-        offsets[i + 1]``), and ratios (device; logits and offsets ``None`` when the round drafts nothing).
-
-        The drafter body runs first (the length head needs it), the verify lengths are read back, and the
-        LM head then runs for the positions each request will verify only (packed: every request's own count,
-        the longest one in the rectangular layout, which verifies that many everywhere): none when every
-        ``k_hat`` is 1 (or one token is left everywhere). When the rate alone caps every ``k_hat`` at 1, the
-        body is skipped too and the drafter only stores the new context (:meth:`_skip_drafting`)."""
+        """One drafter forward for all running requests: drafts ``[n, B-1]``, draft lengths ``[n]`` (host), the
+        drafted positions' raw logits packed ``[P, V]`` with each request's ``offsets``, ratios (device; logits and
+        offsets ``None`` when nothing is drafted). The body runs first (the length head needs it), the verify
+        lengths are read back, then the LM head runs on the positions each request verifies (the longest draft's
+        width for all in the rectangular layout), and not at all when every ``k_hat`` is 1. When the rate alone caps
+        every ``k_hat`` at 1, the body is skipped too: context only (:meth:`_skip_drafting`)."""
         d = self.drafter
         B = self.block_size
         n = len(running)
