@@ -294,7 +294,7 @@ def main(argv=None) -> int:
     domains = ["gsm8k"] if smoke else [d for d in args.domains.split(",") if d]
     traces_wanted = ["paper", "paper_ref", "gsm8k"] if smoke else [t for t in args.traces.split(",") if t]
     profile_at = {int(c) for c in args.profile_at.split(",") if c}
-    kernels_at = {int(c) for c in args.kernels_at.split(",") if c}
+    kernels_at = {3} if smoke else {int(c) for c in args.kernels_at.split(",") if c}  # smoke: the path, no profiler on CPU
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     deadline = common.T0 + args.budget_s
