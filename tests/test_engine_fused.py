@@ -163,11 +163,10 @@ def test_elementwise_functions_trace_whole_for_compilation(name):
         assert torch.equal(a, b)
 
 
-def test_compiled_functions_may_recompile_for_every_bucket(monkeypatch):
+def test_compiled_functions_may_recompile_for_every_bucket():
     """A compiled fused function sees a new shape per token / slot-row / query bucket (an engine reaches a few
     dozen): past Dynamo's default limit of 8 a ``fullgraph`` function fails (the control); a compiled
     FusedTarget raises the limit so it compiles on."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
 
     def run_shapes(n):
         torch._dynamo.reset()
@@ -175,11 +174,13 @@ def test_compiled_functions_may_recompile_for_every_bucket(monkeypatch):
         for rows in range(1, n + 1):
             fn(torch.ones(rows, 4), torch.ones(3, 4), None)
 
-    with pytest.raises(Exception, match="fullgraph"):  # FailOnRecompileLimitHit
+    # config.patch, not monkeypatch: undoing a monkeypatch on Dynamo's config module can hide the key for good
+    with torch._dynamo.config.patch(recompile_limit=8):
+        with pytest.raises(Exception, match="fullgraph"):  # FailOnRecompileLimitHit
+            run_shapes(12)
+        F.FusedTarget(make_target("qwen3"), compile=True)
         run_shapes(12)
-    F.FusedTarget(make_target("qwen3"), compile=True)
-    run_shapes(12)
-    assert torch._dynamo.config.recompile_limit >= 128
+        assert torch._dynamo.config.recompile_limit >= 128
 
 
 def test_replaced_weights_are_refused_before_any_work():
