@@ -5,6 +5,9 @@ reference pair with real prompts, the Qwen3-8B shape with random bf16 weights) a
 from __future__ import annotations
 
 import gc
+import gzip
+import os
+import shutil
 import statistics
 import time
 
@@ -82,10 +85,11 @@ def fmt_kernels(kp: dict, top: int = 8) -> str:
             + "; ".join(f"{k['name'][:50]} {k['us'] / 1e3:.2f}ms x{k['count']}" for k in kp["top"][:top]))
 
 
-def kernel_profile(fn, device, top: int = 12, keep_all: bool = False) -> dict:
+def kernel_profile(fn, device, top: int = 12, keep_all: bool = False, trace: str | None = None) -> dict:
     """Device kernels of one ``fn()`` (torch.profiler), after one unprofiled ``fn()``: how many, their summed
-    time, the ``top`` names by time (``keep_all``: every name, under ``"all"``). Kernels replayed from CUDA
-    graphs are recorded as well; run eagerly, the kernels are the same with the launch gaps."""
+    time, the ``top`` names by time (``keep_all``: every name, under ``"all"``), and the profiled call's wall
+    time. ``trace``: also record the host side and write a gzipped Chrome trace there (where the device
+    waits for the host). Kernels replayed from CUDA graphs are recorded as well."""
     from torch.profiler import ProfilerActivity, profile
 
     if torch.device(device).type != "cuda":
@@ -93,15 +97,26 @@ def kernel_profile(fn, device, top: int = 12, keep_all: bool = False) -> dict:
     fn()
     sync(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
         fn()
         sync(device)
+        wall_ms = 1e3 * (time.perf_counter() - t)
+    if trace:  # a third call, host and device (host ops also carry their kernels' time: kept out of the sums)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as host_prof:
+            fn()
+            sync(device)
+        raw = trace.removesuffix(".gz")
+        host_prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(raw)
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         if t > 0:
             rows.append((t, e.count, e.key))
     rows.sort(reverse=True)
-    return {"kernels": sum(c for _, c, _ in rows), "kernel_ms": sum(t for t, _, _ in rows) / 1e3,
+    return {"kernels": sum(c for _, c, _ in rows), "kernel_ms": sum(t for t, _, _ in rows) / 1e3, "wall_ms": wall_ms,
             "top": [{"us": round(t, 1), "count": c, "name": k[:120]} for t, c, k in rows[:top]],
             **({"all": [{"us": t, "count": c, "name": k} for t, c, k in rows]} if keep_all else {})}
 

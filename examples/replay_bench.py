@@ -157,9 +157,10 @@ def full_batch_rate(eng, prompts, max_new, device) -> tuple[float, int]:
     return (rate if rounds else None), rounds  # None: the first request finished in the first round after prefill
 
 
-def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile, kernels=False):
+def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile, kernels=False, out_dir=None):
     """One (mode, trace, concurrency) row: warm-up if asked, timed runs, identity and trace checks,
-    optionally the profiled per-step phases and the device kernels of a 32-token run (per engine step)."""
+    optionally the profiled per-step phases and the device kernels of mid-run forwards (with a host + device
+    trace written into ``out_dir``)."""
     if warm:
         eng.generate(prompts, max_new_tokens=max_new)
     steps0, fwd0 = eng.num_steps, len(eng.forward_tokens)
@@ -178,7 +179,8 @@ def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile, ke
     if profile:
         row["phases"] = common.phase_breakdown(eng, lambda: eng.generate(prompts, max_new_tokens=max_new))
     if kernels:
-        row["kernels"] = decode_kernels(eng, prompts, max_new, device)
+        trace = os.path.join(out_dir, f"trace_{eng.layout}_c{len(prompts)}.json.gz") if out_dir else None
+        row["kernels"] = decode_kernels(eng, prompts, max_new, device, trace=trace)
     return row
 
 
@@ -187,9 +189,11 @@ KERNEL_GROUPS = (("gemm (cuBLAS)", ("nvjet", "gemm", "cutlass", "splitKreduce"))
                  ("fused elementwise (Inductor)", ("triton_",)), ("gather / index", ("index",)), ("cat / copy", ("Cat", "copy")))
 
 
-def decode_kernels(eng, prompts, max_new, device, steps: int = 6) -> dict:
+def decode_kernels(eng, prompts, max_new, device, steps: int = 6, trace: str | None = None) -> dict:
     """Device kernels per target forward in the middle of a run (torch.profiler over ``steps`` engine steps once
-    every prompt is prefilled), summed by kind (:data:`KERNEL_GROUPS`) and the top names. ``{}`` off CUDA."""
+    every prompt is prefilled), summed by kind (:data:`KERNEL_GROUPS`), the top names, and the profiled steps'
+    wall time (the device idles for the rest); ``trace``: a gzipped Chrome trace of host and device there.
+    ``{}`` off CUDA."""
     infos = []
     eng.step_hook = infos.append
     try:
@@ -197,8 +201,8 @@ def decode_kernels(eng, prompts, max_new, device, steps: int = 6) -> dict:
         while not infos or infos[-1].num_prefill:  # up to the first round without a prefill
             eng.step()
         fwd0 = eng.num_steps
-        kp = common.kernel_profile(lambda: [eng.step() for _ in range(steps)], device, top=40, keep_all=True)
-        forwards = max(1, (eng.num_steps - fwd0) // 2)  # kernel_profile runs fn twice: warm, then profiled
+        kp = common.kernel_profile(lambda: [eng.step() for _ in range(steps)], device, top=40, keep_all=True, trace=trace)
+        forwards = max(1, (eng.num_steps - fwd0) // (3 if trace else 2))  # kernel_profile's calls: warm, profiled[, traced]
         while not all(h.done for h in handles):
             eng.step()
     finally:
@@ -210,6 +214,7 @@ def decode_kernels(eng, prompts, max_new, device, steps: int = 6) -> dict:
         g = next((g for g, keys in KERNEL_GROUPS if any(x in k["name"] for x in keys)), "other")
         groups[g] += k["us"] / 1e3 / forwards
     return {**kp, "forwards": forwards, "kernel_ms_per_forward": kp["kernel_ms"] / forwards,
+            "wall_ms_per_forward": kp["wall_ms"] / forwards,
             "groups_ms_per_forward": {g: round(v, 3) for g, v in groups.items()}}
 
 
@@ -259,7 +264,8 @@ def markdown(res: dict) -> str:
     for r in (r for r in res["rows"] if r.get("kernels")):
         k = r["kernels"]
         out += [f"## Device kernels, {r['mode']} at concurrency {r['concurrency']} (torch.profiler, {k['forwards']} target "
-                f"forwards mid-run, no prefill: {k['kernel_ms_per_forward']:.2f} ms of kernel time per forward)", "",
+                f"forwards mid-run, no prefill: {k['kernel_ms_per_forward']:.2f} ms of kernel time per forward in "
+                f"{k['wall_ms_per_forward']:.2f} ms of wall time, profiler on)", "",
                 "By kind, ms per forward: " + ", ".join(f"{g} {v:.2f}" for g, v in k["groups_ms_per_forward"].items()), "",
                 "| ms per forward | calls per forward | kernel |", "|---|---|---|"]
         out += [f"| {t['us'] / 1e3 / k['forwards']:.3f} | {t['count'] / k['forwards']:.1f} | `{t['name'][:90]}` |" for t in k["top"]]
@@ -384,7 +390,7 @@ def main(argv=None) -> int:
     # 3. off per concurrency, then fixed and packed per trace and concurrency.
     for c in conc:
         row("off", c, None, lambda c=c: run_row(off, None, prompts[:c], refs, max_new, device, args.reps, True, c in profile_at,
-                                                          c in kernels_at))
+                                                          c in kernels_at, out_dir))
     del off
     common.free_memory()
     replays = {m: DraftReplay(refs, None) for m in ("fixed", "packed")}  # one each: request ids are per engine
@@ -399,7 +405,7 @@ def main(argv=None) -> int:
                 warmed.add((mode, c))
                 row(mode, c, name, lambda eng=eng, mode=mode, c=c, warm=warm: run_row(
                     eng, replays[mode], prompts[:c], refs, max_new, device, args.reps, warm,
-                    c in profile_at and name == "paper", c in kernels_at and name == "paper"))
+                    c in profile_at and name == "paper", c in kernels_at and name == "paper", out_dir))
     bad = [r for r in res["rows"] if "identical" in r and r["identical"] != r["requests"]]
     res["checks"]["rows_not_identical"] = len(bad)
     save()
