@@ -107,54 +107,37 @@ def record_traces(device, domains, n, max_new, smoke):
     return out
 
 
-def timed(eng, prompts, max_new, device, reps):
-    """``reps`` timed runs of ``prompts``: median end-to-end tok/s, and median decode tok/s (the tokens after
-    each request's first over the time after prefill: a run of ``max_new_tokens=1``, timed alone right
-    before, is subtracted). Graph capture inside a run is subtracted from both."""
+def timed_run(eng, prompts, max_new, device) -> dict:
+    """One timed run of ``prompts`` (all submitted at once), three rates from the same run (graph captures inside
+    it subtracted): ``e2e``, every token over the whole run; ``decode``, the tokens after prefill over the time
+    after it (from the first moment every request has its first token to the end: the closed batch's tail, where
+    the requests whose draws accepted least run on at a small batch, included); ``full``, the same up to the round
+    in which the first request finishes (every request of the concurrency running: the throughput at this
+    concurrency; ``None`` when that is the first round). Also ``rounds`` (of that window) and ``outputs``."""
     dg = getattr(eng, "draft_graphs", None)
-
-    def run(n):
-        cap0 = eng.graphs.capture_seconds + (dg.capture_seconds if dg is not None else 0.0)
-        common.sync(device)
-        t = time.perf_counter()
-        outs = eng.generate(prompts, max_new_tokens=n)
-        common.sync(device)
-        cap = eng.graphs.capture_seconds + (dg.capture_seconds if dg is not None else 0.0) - cap0
-        return outs, max(time.perf_counter() - t - cap, 1e-9)
-
-    rates, decode, outs = [], [], None
-    for _ in range(reps):
-        _, pre = run(1)
-        outs, total = run(max_new)
-        tokens = sum(len(o.token_ids) for o in outs)
-        rates.append(tokens / total)
-        decode.append((tokens - len(outs)) / max(total - pre, 1e-9))
-    return statistics.median(rates), rates, statistics.median(decode), outs
-
-
-def full_batch_rate(eng, prompts, max_new, device) -> tuple[float, int]:
-    """Decode tok/s while all ``len(prompts)`` requests run: from the second round after the last prefill to the
-    round in which the first request finishes (a closed batch's tail, where a few unlucky requests run on at a
-    small batch, is left out: that is the throughput at this concurrency). Returns ``(tok/s or None, rounds)``."""
-    infos, dg = [], getattr(eng, "draft_graphs", None)
     captures = lambda: eng.graphs.capture_seconds + (dg.capture_seconds if dg is not None else 0.0)  # noqa: E731
-    eng.step_hook = infos.append
-    try:
-        handles = [eng.submit(p, max_new) for p in prompts]
-        while not infos or infos[-1].num_prefill:
-            eng.step()
+
+    def mark():
         common.sync(device)
-        t, tok, cap, rounds = time.perf_counter(), sum(len(h.token_ids) for h in handles), captures(), 0
-        while not any(h.done for h in handles):
-            eng.step()
-            rounds += 1
-        common.sync(device)
-        rate = (sum(len(h.token_ids) for h in handles) - tok) / max(time.perf_counter() - t - (captures() - cap), 1e-9)
-        while not all(h.done for h in handles):
-            eng.step()
-    finally:
-        eng.step_hook = None
-    return (rate if rounds else None), rounds  # None: the first request finished in the first round after prefill
+        return time.perf_counter(), captures()
+
+    t0, c0 = mark()
+    handles = [eng.submit(p, max_new) for p in prompts]
+    while not all(h.token_ids for h in handles):  # prefill (a few rounds when the prompts exceed the token budget)
+        eng.step()
+    (t1, c1), tok1, rounds = mark(), sum(len(h.token_ids) for h in handles), 0
+    while not any(h.done for h in handles):
+        eng.step()
+        rounds += 1
+    (t2, c2), tok2 = mark(), sum(len(h.token_ids) for h in handles)
+    while not all(h.done for h in handles):
+        eng.step()
+    t3, c3 = mark()
+    outs = [h.result() for h in handles]
+    total = sum(len(o.token_ids) for o in outs)
+    span = lambda a, b, ca, cb: max(b - a - (cb - ca), 1e-9)  # noqa: E731
+    return {"e2e": total / span(t0, t3, c0, c3), "decode": (total - tok1) / span(t1, t3, c1, c3),
+            "full": (tok2 - tok1) / span(t1, t2, c1, c2) if rounds else None, "rounds": rounds, "outputs": outs}
 
 
 def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile, kernels=False, out_dir=None):
@@ -164,15 +147,20 @@ def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile, ke
     if warm:
         eng.generate(prompts, max_new_tokens=max_new)
     steps0, fwd0 = eng.num_steps, len(eng.forward_tokens)
-    rate, rates, decode, outs = timed(eng, prompts, max_new, device, reps)
+    runs = [timed_run(eng, prompts, max_new, device) for _ in range(reps)]
+    outs = runs[-1]["outputs"]
     acc = [a for o in outs for a in o.accepted]
     vl = [v for o in outs for v in o.verify_lengths]
     fwd = eng.forward_tokens[fwd0:]
-    row = {"tok_per_s": decode, "end_to_end_tok_per_s": rate, "end_to_end_runs": rates, "tau": mean_tokens_per_round(acc) if acc else 1.0,
+    full = [r["full"] for r in runs if r["full"] is not None]
+    row = {"tok_per_s": statistics.median(r["decode"] for r in runs), "decode_runs": [r["decode"] for r in runs],
+           "full_batch_tok_per_s": statistics.median(full) if full else None, "full_batch_runs": full,
+           "full_batch_rounds": runs[-1]["rounds"], "end_to_end_tok_per_s": statistics.median(r["e2e"] for r in runs),
+           "end_to_end_runs": [r["e2e"] for r in runs], "tau": mean_tokens_per_round(acc) if acc else 1.0,
            "mean_verify_len": sum(vl) / max(1, len(vl)), "steps_per_run": (eng.num_steps - steps0) / reps,
            "mean_forward_tokens": sum(fwd) / max(1, len(fwd)),
-           "identical": sum(o.token_ids == refs[tuple(p)] for o, p in zip(outs, prompts)), "requests": len(prompts)}
-    row["full_batch_tok_per_s"], row["full_batch_rounds"] = full_batch_rate(eng, prompts, max_new, device)
+           "identical": min(sum(o.token_ids == refs[tuple(p)] for o, p in zip(r["outputs"], prompts)) for r in runs),
+           "requests": len(prompts)}
     if replay is not None:
         ok, total = replay.followed(outs)
         row["trace_followed"] = f"{ok}/{total}"
@@ -224,7 +212,8 @@ def markdown(res: dict) -> str:
            f"{m.get('gpu') or m['device']}; {m['prompt_len']}-token prompts, {m['max_new_tokens']} new tokens per "
            f"request, one request per concurrency slot, all submitted at once; drafter: {m.get('drafter', '')}. "
            "Replay: the drafts follow the trace, the engine's forwards, kernels and verify lengths are real. "
-           "Not a model's result.", ""]
+           "Not a model's result. tok/s: decode, after every request has its first token, to the end of the run (the "
+           "closed batch's tail included); full batch: the same up to the first request's end (median of the runs).", ""]
     off = {r["concurrency"]: r for r in res["rows"] if r["mode"] == "off" and "tok_per_s" in r}
     for name, tr in res.get("traces", {}).items():
         out += [f"## trace `{name}`: {tr['description']} (trace tau {tr['tau']:.2f})", "",
