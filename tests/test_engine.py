@@ -43,7 +43,7 @@ class OracleEngine(Engine):
         self.refs, self.rng = refs, random.Random(seed)
 
     def _propose(self, running):
-        tokens, logits, offsets, ratio, draft_len = super()._propose(running)
+        tokens, finite, logits, offsets, ratio, draft_len = super()._propose(running)
         B = self.block_size
         for i, r in enumerate(running):
             ref = self.refs[tuple(r.prompt)]
@@ -53,7 +53,7 @@ class OracleEngine(Engine):
             tokens[i] = torch.tensor([t if j < good else (t + 1) % 126 for j, t in enumerate(cont)])
             if self.layout != "fixed":
                 draft_len[i] = min(self.rng.randint(0, B - 1), r.remaining - 1)
-        return tokens, logits, offsets, ratio, draft_len
+        return tokens, finite, logits, offsets, ratio, draft_len
 
 
 # ---------------------------------------------------------------- the slotted cache

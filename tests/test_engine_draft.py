@@ -234,11 +234,11 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("mode,reads", [("fixed", 2), ("packed", 3), ("off", 1)])
+@pytest.mark.parametrize("mode,reads", [("fixed", 1), ("packed", 2), ("off", 1)])
 def test_static_round_work_does_not_grow_with_requests(mode, reads):
     """A verify-only round on the static path dispatches the same number of (non-view) tensor ops for 2 and for
-    6 requests (no per-request kernels or reads) and reads the device ``reads`` times: verify lengths (packed),
-    drafts, acceptance."""
+    6 requests (no per-request kernels or reads) and reads the device ``reads`` times: verify lengths (packed)
+    and the acceptance (with the drafts: they reach the target's input on the device)."""
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=8)
     force_length_head(drafter, ratio_high=True)
@@ -341,3 +341,38 @@ def test_compiled_flex_drafter_equals_eager_draft():
             expect = drafter.compute_logits(draft_blocks(drafter, ref, slots, bonus, ctx)[:, 1:]).float()
         torch.testing.assert_close(runner.run(slots, ctx, bonus.tolist()).logits.float().view(expect.shape), expect, atol=1e-4, rtol=1e-4)
     assert runner.attention.backend == "flex" and runner.attention_note == ""
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_drafts_reach_the_target_on_the_device_and_non_finite_ones_verify_nothing(graphs):
+    """The drafts go into the target's input on the device (never read back before the acceptance): drafts equal to
+    the plain greedy continuation are all accepted. A request whose draft logits were not finite verifies its
+    bonus token only (accepted 0, verify length 1) while the others accept as usual; outputs equal plain greedy.
+    Control: the same engine with every draft finite accepts the full drafts of that request too."""
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=8)
+    prompts = engine_prompts([5, 7], seed=4)
+    refs = {tuple(p): plain_greedy_ids(target, p, 12) for p in prompts}
+
+    class Continuation(Engine):
+        nan_first = True
+
+        def _propose(self, running):
+            tokens, finite, logits, offsets, ratio, draft_len = super()._propose(running)
+            for i, r in enumerate(running):
+                cont = refs[tuple(r.prompt)][len(r.tokens): len(r.tokens) + self.block_size - 1]
+                tokens[i] = torch.tensor(cont + [0] * (self.block_size - 1 - len(cont)))
+            finite = torch.ones(len(running), dtype=torch.bool)
+            finite[0] = not self.nan_first  # the first submitted request runs first in every round
+            return tokens, finite, logits, offsets, ratio, draft_len
+
+    for nan_first in (True, False):
+        engine = Continuation(target, drafter, max_slots=2, max_len=32, token_budget=32, cuda_graphs=graphs)
+        engine.nan_first = nan_first
+        outs = engine.generate(prompts, max_new_tokens=12)
+        assert [o.token_ids for o in outs] == [refs[tuple(p)] for p in prompts]
+        assert all(a == v - 1 for a, v in zip(outs[1].accepted, outs[1].verify_lengths)) and max(outs[1].accepted) > 0
+        if nan_first:
+            assert set(outs[0].accepted) == {0} and set(outs[0].verify_lengths) == {1}
+        else:
+            assert all(a == v - 1 for a, v in zip(outs[0].accepted, outs[0].verify_lengths)) and max(outs[0].accepted) > 0

@@ -24,8 +24,9 @@ On CUDA the decode forward of step 3 (every verify round, every ``off`` step) is
 flex_attention without it; :class:`~.graphs.DecodeGraphs`); prefill of newly admitted requests stays an eager packed forward
 next to it. The drafter step of 1 is one static forward for all running requests too
 (:class:`~.drafter.DraftGraphs`, CUDA graphs per bucket). A round reads the device back at most
-three times: the verify lengths (length head), the drafts, then accepted counts + next tokens after
-the target. The drafter's LM head runs only for the draft positions some request verifies: not at
+twice: the verify lengths (length head; not in ``fixed``), then, after the target, accepted counts, next
+tokens and the drafts together: the drafts reach the target's input on the device
+(:mod:`.round_drafts`). The drafter's LM head runs only for the draft positions some request verifies: not at
 all when every ``k_hat`` is 1 or every request has one token left (the round is then plain
 decoding); when the rate alone caps every ``k_hat`` at 1 the drafter layers are skipped
 too and only the new context is stored. ``cuda_graphs=False`` keeps the all-eager reference path (SDPA, any shapes);
@@ -38,7 +39,6 @@ import itertools
 import time
 import warnings
 from collections import Counter, deque
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -51,6 +51,7 @@ from ..spec.verify import SampledRows, accept_block
 from .admission import AdmissionController, fit_token_budget
 from .kernels.attention import BLOCK
 from .drafter import DraftGraphs, append_context, draft_blocks, head_index, make_drafter_cache
+from .round_drafts import RoundDrafts, unpack_drafts
 from .kernels.fused import FusedTarget
 from .graphs import DecodeGraphs, to_device
 from .lifecycle import NON_FINITE, RequestLifecycle
@@ -59,29 +60,6 @@ from .sampling import SamplingParams, checked_probs, processed_probs
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
 
 __all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo"]
-
-
-@dataclass
-class _Drafts:
-    """One round's drafts: ``tokens [n, B-1]``, ``draft_len [n]``, verify lengths ``q_lens`` (host); the drafted
-    positions' raw ``logits``, packed (:meth:`row_logits`), and length-head ``ratio`` (device, ``None`` when nothing
-    was drafted); sampled requests' processed draft distributions ``q_probs[i]`` (``None`` for greedy ones) and
-    device flags ``q_bad[i]`` (not finite: the request fails after the round)."""
-
-    tokens: torch.Tensor
-    draft_len: torch.Tensor
-    q_lens: list[int]
-    logits: torch.Tensor | None
-    logit_offsets: list[int] | None
-    ratio: torch.Tensor | None
-    q_probs: list
-    q_bad: list
-
-    def row_logits(self, i: int, like: torch.Tensor) -> torch.Tensor:
-        """Request ``i``'s draft logits ``[>= draft_len[i], V]`` (``like.new_zeros(0, V)`` when nothing was drafted)."""
-        if self.logits is None:
-            return like.new_zeros(0, like.shape[-1])
-        return self.logits[self.logit_offsets[i] : self.logit_offsets[i + 1]]
 
 
 class Engine(RequestLifecycle):
@@ -198,7 +176,7 @@ class Engine(RequestLifecycle):
         self.num_steps = 0
         self.forward_tokens: list[int] = []  # tokens per target forward (benchmarks, tests)
         self.skipped_drafts = 0  # rounds whose drafter forward was skipped (nothing could be verified)
-        self.host_syncs = 0  # device -> host reads the round logic makes (2 per round with drafts)
+        self.host_syncs = 0  # device -> host reads the round logic makes (1 per fixed round, 2 with the length head)
         self.profile = profile
         self.phase_seconds: Counter = Counter()  # with profile=True: draft / target / accept / host
         self.profiled_steps = 0
@@ -300,30 +278,30 @@ class Engine(RequestLifecycle):
         if steps > 1:
             return self._decode_steps(running, steps)
 
-        # 1. Draft and choose verify lengths (one device read inside _propose); sampled requests draw drafts.
+        # 1. Draft and choose verify lengths (the adaptive policy reads them back); the drafts stay on the device.
         drafts = self._draft(running)
         # 2. Admission: the EMA fit, then the hard limits (free slot, budget left).
         admitted = self._admit(running, sum(drafts.q_lens))
         if not running and not admitted:
             return False  # unreachable while submit rejects what never fits; kept as a guard
 
-        # 3. The target: prefill segments, then verify segments (bonus + drafts), in one packed forward.
-        segs = [(r.slot, r.prompt) for r in admitted]
-        segs += [(r.slot, [r.bonus] + row[: q - 1]) for r, row, q in zip(running, drafts.tokens.tolist(), drafts.q_lens)]
+        # 3. The target: prefill segments, then verify segments (bonus + drafts, copied in on the device), one forward.
+        segs = [(r.slot, r.prompt) for r in admitted] + [(r.slot, [r.bonus] + [0] * (q - 1)) for r, q in zip(running, drafts.q_lens)]
         layout = PackedLayout.from_cache(self.cache, [s for s, _ in segs], [len(t) for _, t in segs])
         self._announce(layout.num_tokens, len(admitted), len(running))
-        verify_inputs = self._verify_inputs(drafts, len(admitted))  # queued before the forward
+        verify_inputs = drafts.verify_inputs([r.params.greedy for r in running], len(admitted), self.device)
         if self.profile:
             self._tick("host")
-        logits, hidden = self._target_forward(segs, layout, len(admitted))
+        logits, hidden = self._target_forward(segs, layout, len(admitted), verify_inputs)
         self.forward_tokens.append(layout.num_tokens)
         self.num_steps += 1
         if self.profile:
             self._tick("target")
 
-        # 4. Accept on the device (the shared verify step), then one read: first tokens, accepted, next tokens.
-        first, accepted, next_tokens, bad, vlogits = self._accept(logits, admitted, running, drafts, verify_inputs)
-        packed = torch.cat([first, accepted, next_tokens, bad.long()]).tolist()  # the round's one device read
+        # 4. Accept on the device (the shared verify step), then one read: first tokens, accepted, next tokens,
+        # fault flags, verified draft lengths, drafts.
+        first, accepted, next_tokens, bad, dl, vlogits = self._accept(logits, admitted, running, drafts, verify_inputs)
+        packed = torch.cat([first, accepted, next_tokens, bad.long(), dl, drafts.tokens.flatten()]).tolist()
         self.host_syncs += 1
         if self.profile:
             self._tick("accept")
@@ -339,13 +317,15 @@ class Engine(RequestLifecycle):
                                     self.max_slots - self.cache.num_free, self.max_slots, self.admission.n_hat))
         assert num_tokens <= self.token_budget
 
-    def _commit_round(self, admitted, running, drafts: _Drafts, packed: list[int], vlogits, hidden, offs) -> None:
+    def _commit_round(self, admitted, running, drafts: RoundDrafts, packed: list[int], vlogits, hidden, offs) -> None:
         """Advance the target cache over what was accepted, hand the new features to the drafter, emit
         each verified round, commit tokens; fail (alone) each request whose fault flag is set. ``packed``:
-        prefill first tokens, accepted counts, next tokens, fault flags (prefills, then verifies)."""
-        base, n = len(admitted), len(running)
+        prefill first tokens, accepted counts, next tokens, fault flags (prefills, then verifies), verified draft
+        lengths, drafts ``[n, B-1]``."""
+        base, n, w = len(admitted), len(running), drafts.tokens.shape[1]
         first, accepted, next_tokens = packed[:base], packed[base : base + n], packed[base + n : base + 2 * n]
-        bad = packed[base + 2 * n :]
+        bad, dl = packed[base + 2 * n : 2 * base + 3 * n], packed[2 * base + 3 * n : 2 * base + 4 * n]
+        rows = [packed[2 * base + 4 * n + i * w : 2 * base + 4 * n + (i + 1) * w] for i in range(n)]
         for j, r in enumerate(admitted):  # the prompt's features become the drafter's first context
             if bad[j]:
                 self._fail(r, NON_FINITE)
@@ -354,27 +334,27 @@ class Engine(RequestLifecycle):
             if hidden is not None:
                 r.pending_ctx = hidden[offs[j] : offs[j + 1]]
             self._commit(r, [first[j]])
-        rows, dl_host = drafts.tokens.tolist(), drafts.draft_len.tolist()
         for i, (r, a) in enumerate(zip(running, accepted)):
             if bad[base + i]:
                 self._fail(r, NON_FINITE)
                 continue
             if self.on_round is not None:
-                self._emit_round(r, drafts, vlogits, i, dl_host[i], a)
+                self._emit_round(r, drafts, rows[i], vlogits, i, dl[i], a)
             self.cache.advance(r.slot, a + 1)
             if hidden is not None:
                 r.pending_ctx = hidden[offs[base + i] : offs[base + i] + a + 1]
-            self._commit(r, rows[i][:a] + [next_tokens[i]], verify_len=dl_host[i] + 1)
+            self._commit(r, rows[i][:a] + [next_tokens[i]], verify_len=dl[i] + 1)
 
-    def _draft(self, running) -> _Drafts:
+    def _draft(self, running) -> RoundDrafts:
         """Drafts and verify lengths for ``running`` (trimmed to the token budget); sampled requests draw
         their drafts from the processed draft distribution."""
         n = len(running)
-        draft = torch.zeros(n, max(self.block_size - 1, 0), dtype=torch.long)
+        draft = torch.zeros(n, max(self.block_size - 1, 0), dtype=torch.long, device=self.device)
         draft_len = torch.zeros(n, dtype=torch.long)
-        draft_logits, offsets, ratio, q_probs, q_bad = None, None, None, [None] * n, [None] * n
+        finite = draft_logits = offsets = ratio = None
+        q_probs, q_bad = [None] * n, [None] * n
         if n and self.drafter is not None:
-            draft, draft_logits, offsets, ratio, draft_len = self._propose(running)
+            draft, finite, draft_logits, offsets, ratio, draft_len = self._propose(running)
         if self.profile:
             self._tick("draft")
         draft_len = fit_token_budget(draft_len, self.token_budget, rectangular=self.layout == "rectangular")
@@ -383,7 +363,7 @@ class Engine(RequestLifecycle):
             q_lens = [max(dl_host) + 1] * n
         else:
             q_lens = [d + 1 for d in dl_host]
-        drafts = _Drafts(draft, draft_len, q_lens, draft_logits, offsets, ratio, q_probs, q_bad)
+        drafts = RoundDrafts(draft, finite, draft_len, q_lens, draft_logits, offsets, ratio, q_probs, q_bad)
         for i, r in enumerate(running):
             if not r.params.greedy and dl_host[i] > 0:
                 rows = drafts.row_logits(i, draft_logits)[: q_lens[i] - 1]
@@ -411,24 +391,10 @@ class Engine(RequestLifecycle):
             left -= len(req.prompt)
         return admitted
 
-    def _verify_inputs(self, drafts: _Drafts, base: int):
-        """Acceptance inputs on the device in one host-to-device copy, no stream sync: the packed logits
-        row of each request's verify positions ``[n, kmax + 1]`` (past its own ``q_i``: its last one),
-        the drafts ``[n, kmax]`` and draft lengths ``[n]``. ``None`` when nothing is verified."""
-        n = len(drafts.q_lens)
-        if not n:
-            return None
-        kmax = max(drafts.q_lens) - 1
-        ql = torch.tensor(drafts.q_lens)
-        starts = base + torch.cumsum(ql, 0) - ql
-        vidx = starts[:, None] + torch.minimum(torch.arange(kmax + 1)[None, :], ql[:, None] - 1)
-        up = to_device(torch.cat([vidx.flatten(), drafts.tokens[:, :kmax].flatten(), drafts.draft_len]), self.device)
-        return up[: n * (kmax + 1)].view(n, kmax + 1), up[n * (kmax + 1) : n * (2 * kmax + 1)].view(n, kmax), up[n * (2 * kmax + 1) :]
-
-    def _accept(self, logits, admitted, running, drafts: _Drafts, verify_inputs):
+    def _accept(self, logits, admitted, running, drafts: RoundDrafts, verify_inputs):
         """Prefill first tokens, accepted counts, next tokens and per-request fault flags (prefills, then
         verifies: a logit or processed distribution that is not finite) on the device, and the verify logits
-        ``[n, kmax + 1, V]`` a round sink is given (else ``None``)."""
+        ``[n, kmax + 1, V]`` a round sink is given (else ``None``); also the draft lengths verified."""
         top = logits.argmax(dim=-1)  # [prefill + verify tokens]: greedy needs nothing else
         finite = torch.isfinite(logits).all(dim=-1)  # a NaN row fails its request, not the round
         na = len(admitted)
@@ -438,8 +404,8 @@ class Engine(RequestLifecycle):
                 p, bad_p = checked_probs(r.sampling_rows(processed_probs(logits[j : j + 1], r.params)))
                 first[j], bad[j] = torch.multinomial(p, 1, generator=r.generator)[0, 0], bad[j] | bad_p
         if not running:
-            return first, top.new_zeros(0), top.new_zeros(0), bad, None
-        vidx, draft_dev, dl_dev = verify_inputs
+            return first, top.new_zeros(0), top.new_zeros(0), bad, top.new_zeros(0), None
+        vidx, draft_dev, dl_dev, _ = verify_inputs
         vbad, sampled = ~finite[vidx].all(dim=-1), []
         for i, (r, dl) in enumerate(zip(running, drafts.draft_len.tolist())):
             if not r.params.greedy:
@@ -449,7 +415,7 @@ class Engine(RequestLifecycle):
                 sampled.append(SampledRows([i], q[None, :dl], p[None], None, r.generator))
         res = accept_block(draft_dev, dl_dev, top[vidx], sampled)
         vlogits = logits[vidx].float() if self.on_round is not None else None
-        return first, res.num_accepted, res.next_tokens, torch.cat([bad, vbad]), vlogits
+        return first, res.num_accepted, res.next_tokens, torch.cat([bad, vbad]), dl_dev, vlogits
 
     def _greedy_steps(self, running) -> int:
         """How many plain greedy decode steps to queue before the next device read (1: a normal round)."""
@@ -486,9 +452,10 @@ class Engine(RequestLifecycle):
                     break
         return True
 
-    def _target_forward(self, segs, layout: PackedLayout, num_prefill: int):
+    def _target_forward(self, segs, layout: PackedLayout, num_prefill: int, verify_inputs):
         """Logits of each prefill's last token, then of every verify token; hidden states of every
-        token, in ``layout``'s packed order. One eager packed forward, or (CUDA graphs on) an eager
+        token, in ``layout``'s packed order; the drafts are copied into the verify segments on the device
+        (``verify_inputs``' fill). One eager packed forward, or (CUDA graphs on) an eager
         prefill forward plus the graph-replayed decode forward (distinct slots: order is free).
         With graphs, a decode-only round returns views of the static buffers in the model dtype
         (read before the next replay: the drafter consumes the features at the start of the next round)."""
@@ -497,11 +464,15 @@ class Engine(RequestLifecycle):
         if self.graphs is None or num_prefill == len(segs):
             logits_index = [offs[j + 1] - 1 for j in range(num_prefill)] + list(range(dec_start, layout.num_tokens))
             tokens = torch.tensor([t for _, toks in segs for t in toks], dtype=torch.long, device=self.device)
+            if verify_inputs is not None:
+                dst, drafted = verify_inputs[3]
+                tokens.index_copy_(0, dst + dec_start, drafted)
             return target_forward(self.target, self.cache, tokens, layout.token_slots(self.device),
                                   layout.positions(self.device), layout, self.hidden_layers,
                                   torch.tensor(logits_index, device=self.device), self.fused)
         pre_layout, dec_layout = layout.split(num_prefill)
-        logits, hidden = self.graphs.run([t for _, toks in segs[num_prefill:] for t in toks], dec_layout, copy=False)
+        logits, hidden = self.graphs.run([t for _, toks in segs[num_prefill:] for t in toks], dec_layout, copy=False,
+                                         fill=verify_inputs[3] if verify_inputs is not None else None)
         if num_prefill:
             tokens = torch.tensor([t for _, toks in segs[:num_prefill] for t in toks], dtype=torch.long, device=self.device)
             last = torch.tensor([offs[j + 1] - 1 for j in range(num_prefill)], device=self.device)
@@ -535,9 +506,9 @@ class Engine(RequestLifecycle):
         return load_scaled_rate(self.length_rate, batch, self.halving_batch)
 
     def _propose(self, running):
-        """One drafter forward for all running requests: drafts ``[n, B-1]``, draft lengths ``[n]`` (host), the
-        drafted positions' raw logits packed ``[P, V]`` with each request's ``offsets``, ratios (device; logits and
-        offsets ``None`` when nothing is drafted). The body runs first (the length head needs it), the verify
+        """One drafter forward for all running requests: drafts ``[n, B-1]`` and ``finite [n]`` (device), the
+        drafted positions' raw logits packed ``[P, V]`` with each request's ``offsets``, ratios (device; finite,
+        logits and offsets ``None`` when nothing is drafted), draft lengths ``[n]`` (host). The body runs first (the length head needs it), the verify
         lengths are read back, then the LM head runs on the positions each request verifies (the longest draft's
         width for all in the rectangular layout), and not at all when every ``k_hat`` is 1. When the rate alone caps
         every ``k_hat`` at 1, the body is skipped too: context only (:meth:`_skip_drafting`)."""
@@ -572,7 +543,7 @@ class Engine(RequestLifecycle):
             width = int(draft_len.max()) if n else 0
             if width == 0:  # nothing to verify: no draft logits (the LM head is most of a drafter step)
                 self.skipped_drafts += 1
-                return torch.zeros(n, B - 1, dtype=torch.long), None, None, ratio, draft_len
+                return torch.zeros(n, B - 1, dtype=torch.long, device=self.device), None, None, None, ratio, draft_len
             counts = [width] * n if self.layout == "rectangular" else draft_len.tolist()
             if self.draft_graphs is not None:
                 out = self.draft_graphs.run_head(counts)
@@ -583,20 +554,16 @@ class Engine(RequestLifecycle):
                 finite = torch.isfinite(logits).all(dim=-1)
                 tokens = torch.nan_to_num(logits).argmax(dim=-1)
                 offsets = [0, *itertools.accumulate(counts)]
-        host = torch.cat([finite.long(), tokens]).cpu()  # read 2: the drafts
-        self.host_syncs += 1
-        P, c = tokens.shape[0], torch.tensor(counts)
-        rows = torch.repeat_interleave(torch.arange(n), c)
-        draft = torch.zeros(n, B - 1, dtype=torch.long)
-        draft[rows, torch.arange(P) - torch.repeat_interleave(torch.tensor(offsets[:-1]), c)] = host[P:]
-        not_finite = torch.zeros(n, dtype=torch.long).index_add_(0, rows, 1 - host[:P])
-        draft_len = torch.where(not_finite == 0, draft_len, torch.zeros_like(draft_len))
-        if self.draft_replay is not None:
-            self.draft_replay.drafts(running, draft, B)
-        return draft, logits, offsets, ratio, draft_len
+        draft, finite_rows = unpack_drafts(tokens, finite, counts, B - 1)  # on the device: nothing is read here
+        if self.draft_replay is not None:  # the harness's drafts, planned on the host from the references
+            host = torch.zeros(n, B - 1, dtype=torch.long)
+            self.draft_replay.drafts(running, host, B)
+            draft = to_device(host, self.device)
+        return draft, finite_rows, logits, offsets, ratio, draft_len
 
-    def _emit_round(self, r: Request, drafts: _Drafts, vlogits: torch.Tensor, i: int, draft_len: int, accepted: int) -> None:
+    def _emit_round(self, r: Request, drafts: RoundDrafts, row: list[int], vlogits: torch.Tensor, i: int, draft_len: int,
+                    accepted: int) -> None:
         ratio = drafts.ratio[i] if drafts.ratio is not None else None
         # copies: the drafter's static draft-logits buffer is reused next round
-        self.on_round(VerifiedRound.from_block(r.id, torch.tensor(r.prompt + r.tokens[:-1]), r.bonus, drafts.tokens[i],
+        self.on_round(VerifiedRound.from_block(r.id, torch.tensor(r.prompt + r.tokens[:-1]), r.bonus, torch.tensor(row),
                                                drafts.row_logits(i, vlogits), vlogits[i], draft_len, accepted, ratio))

@@ -338,12 +338,15 @@ class DecodeGraphs(GraphRunner):
         return logits, hidden
 
     @torch.no_grad()
-    def run(self, tokens, layout: PackedLayout, copy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, tokens, layout: PackedLayout, copy: bool = True, fill=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode forward over ``layout``: ``(logits [T, V] float32, hidden [T, K*H] or None)``, fresh
         tensors (the static buffers are overwritten by the next replay). Cache lengths are not changed.
         ``copy=False``: views of the static buffers in the model dtype (no ``[T, V]`` float32 copy;
-        valid until the next replay; the engine reads them before that)."""
+        valid until the next replay; the engine reads them before that). ``fill = (positions, token ids)``
+        (device tensors): tokens that overwrite those of ``tokens`` on the device (the drafts, never read back)."""
         bucket = self.prepare(tokens, layout)
+        if fill is not None:
+            self.inputs[0].index_copy_(0, fill[0], fill[1])
         self.replay(bucket)
         T = layout.num_tokens
         if not copy:

@@ -1,0 +1,86 @@
+"""One engine round's drafts, kept on the device from the drafter to the acceptance.
+
+The drafter's head returns the drafted positions packed (:meth:`.drafter.DraftGraphs.run_head`);
+:func:`unpack_drafts` lays them out as ``[n, B-1]`` on the device, and :meth:`RoundDrafts.verify_inputs` says
+where they go in the target's packed input and what the acceptance compares them with. Nothing here reads
+the device: the round's one read (acceptance results and the drafts together) comes after the target's verify
+forward, so the host never waits for the drafter's head before queuing the target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .graphs import to_device
+
+__all__ = ["RoundDrafts", "unpack_drafts"]
+
+
+def unpack_drafts(tokens: torch.Tensor, finite: torch.Tensor, counts: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens, finite [P]`` (request ``i``'s first ``counts[i]`` draft positions, packed in request order) ->
+    ``drafts [n, width]`` (zeros past each request's count) and ``finite [n]`` (every drafted position of the
+    request finite), both on ``tokens``' device, queued without a device read.
+
+    Example:
+        >>> d, ok = unpack_drafts(torch.tensor([5, 6, 7]), torch.tensor([True, True, False]), [2, 0, 1], 3)
+        >>> d.tolist(), ok.tolist()
+        ([[5, 6, 0], [0, 0, 0], [7, 0, 0]], [True, True, False])
+    """
+    n, device = len(counts), tokens.device
+    c = torch.tensor(counts)
+    rows = torch.repeat_interleave(torch.arange(n), c)
+    col = torch.arange(rows.shape[0]) - torch.repeat_interleave(torch.cumsum(c, 0) - c, c)
+    idx = to_device(torch.cat([rows * width + col, rows]), device)
+    drafts = torch.zeros(n * width, dtype=torch.long, device=device).index_copy_(0, idx[: rows.shape[0]], tokens)
+    not_finite = torch.zeros(n, device=device).index_add_(0, idx[rows.shape[0] :], (~finite).float())
+    return drafts.view(n, width), not_finite == 0
+
+
+@dataclass
+class RoundDrafts:
+    """One round's drafts: ``tokens [n, B-1]`` and ``finite [n]`` (the request's draft logits were finite; ``None``
+    when nothing was drafted) stay on the device until the round's one read; ``draft_len [n]``, verify lengths
+    ``q_lens`` (host); the drafted positions' raw ``logits``, packed (:meth:`row_logits`), and length-head ``ratio``
+    (device, ``None`` when nothing was drafted); sampled requests' processed draft distributions ``q_probs[i]``
+    (``None`` for greedy ones) and device flags ``q_bad[i]`` (not finite: the request fails after the round)."""
+
+    tokens: torch.Tensor
+    finite: torch.Tensor | None
+    draft_len: torch.Tensor
+    q_lens: list[int]
+    logits: torch.Tensor | None
+    logit_offsets: list[int] | None
+    ratio: torch.Tensor | None
+    q_probs: list
+    q_bad: list
+
+    def row_logits(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        """Request ``i``'s draft logits ``[>= draft_len[i], V]`` (``like.new_zeros(0, V)`` when nothing was drafted)."""
+        if self.logits is None:
+            return like.new_zeros(0, like.shape[-1])
+        return self.logits[self.logit_offsets[i] : self.logit_offsets[i + 1]]
+
+    def verify_inputs(self, greedy: list[bool], base: int, device):
+        """Acceptance inputs on the device in one host-to-device copy, no stream sync: the packed logits row of
+        each request's verify positions ``vidx [n, kmax + 1]`` (``base`` prefill rows come first; past its own
+        ``q_i``: its last one), its drafts ``[n, kmax]``, draft lengths ``[n]`` (0 for a ``greedy`` request whose
+        draft logits were not finite: it verifies its bonus token only, as if nothing was drafted), and where the
+        drafts go in the target's input, ``fill = (positions in the verify segments, draft tokens)``. ``None``
+        when nothing is verified."""
+        n = len(self.q_lens)
+        if not n:
+            return None
+        kmax, w = max(self.q_lens) - 1, self.tokens.shape[1]
+        ql = torch.tensor(self.q_lens)
+        starts = torch.cumsum(ql, 0) - ql
+        vidx = base + starts[:, None] + torch.minimum(torch.arange(kmax + 1)[None, :], ql[:, None] - 1)
+        rows = torch.repeat_interleave(torch.arange(n), ql - 1)
+        col = torch.arange(rows.shape[0]) - (torch.cumsum(ql - 1, 0) - (ql - 1))[rows]
+        up = to_device(torch.cat([vidx.flatten(), self.draft_len, torch.tensor(greedy, dtype=torch.long),
+                                  starts[rows] + 1 + col, rows * w + col]), device)
+        vidx, dl, is_greedy, dst, src = up.split([n * (kmax + 1), n, n, rows.shape[0], rows.shape[0]])
+        if self.finite is not None:
+            dl = torch.where(self.finite | (is_greedy == 0), dl, torch.zeros_like(dl))
+        return vidx.view(n, kmax + 1), self.tokens[:, :kmax], dl, (dst, self.tokens.view(-1)[src])
