@@ -376,3 +376,26 @@ def test_drafts_reach_the_target_on_the_device_and_non_finite_ones_verify_nothin
             assert set(outs[0].accepted) == {0} and set(outs[0].verify_lengths) == {1}
         else:
             assert all(a == v - 1 for a, v in zip(outs[0].accepted, outs[0].verify_lengths)) and max(outs[0].accepted) > 0
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_sampled_request_with_non_finite_draft_logits_is_served_not_failed(graphs):
+    """A sampled request whose draft logits are NaN (the drafter's fault, not the target's) proposes from a uniform
+    distribution instead (speculative sampling keeps the target's distribution for any proposal) and finishes
+    normally; the other request is untouched. Without that fallback its non-finite proposal fails it."""
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=8)
+
+    class NanFirst(Engine):
+        def _propose(self, running):
+            tokens, finite, logits, offsets, ratio, draft_len = super()._propose(running)
+            if logits is not None:
+                logits[offsets[0] : offsets[1]] = float("nan")
+                finite = finite.clone()
+                finite[0] = False
+            return tokens, finite, logits, offsets, ratio, draft_len
+
+    engine = NanFirst(target, drafter, max_slots=2, max_len=32, token_budget=32, cuda_graphs=graphs)
+    outs = engine.generate(engine_prompts([5, 7], seed=5), max_new_tokens=10, temperature=1.0, seed=3)
+    assert [o.finish_reason for o in outs] == ["length", "length"] and all(len(o.token_ids) == 10 for o in outs)
+    assert engine.healthy

@@ -368,6 +368,10 @@ class Engine(RequestLifecycle):
             if not r.params.greedy and dl_host[i] > 0:
                 rows = drafts.row_logits(i, draft_logits)[: q_lens[i] - 1]
                 q, q_bad[i] = checked_probs(r.sampling_rows(processed_probs(rows, r.params)))
+                if finite is not None:  # the drafter's logits were not finite: a uniform proposal instead, on the
+                    # device (speculative sampling keeps the target's distribution for any proposal)
+                    q = torch.where(finite[i], q, torch.full_like(q, 1.0 / q.shape[-1]))
+                    q_bad[i] = q_bad[i] & finite[i]
                 q_probs[i] = q
                 draft[i, : q_lens[i] - 1] = torch.multinomial(q, 1, generator=r.generator).squeeze(1)
         return drafts
@@ -508,10 +512,11 @@ class Engine(RequestLifecycle):
     def _propose(self, running):
         """One drafter forward for all running requests: drafts ``[n, B-1]`` and ``finite [n]`` (device), the
         drafted positions' raw logits packed ``[P, V]`` with each request's ``offsets``, ratios (device; finite,
-        logits and offsets ``None`` when nothing is drafted), draft lengths ``[n]`` (host). The body runs first (the length head needs it), the verify
-        lengths are read back, then the LM head runs on the positions each request verifies (the longest draft's
-        width for all in the rectangular layout), and not at all when every ``k_hat`` is 1. When the rate alone caps
-        every ``k_hat`` at 1, the body is skipped too: context only (:meth:`_skip_drafting`)."""
+        logits and offsets ``None`` when nothing is drafted), draft lengths ``[n]`` (host). The body runs first
+        (the length head needs it), the verify lengths are read back, then the LM head runs on the positions each
+        request verifies (the longest draft's width for all in the rectangular layout), and not at all when every
+        ``k_hat`` is 1. When the rate alone caps every ``k_hat`` at 1, the body is skipped too: context only
+        (:meth:`_skip_drafting`)."""
         d = self.drafter
         B = self.block_size
         n = len(running)

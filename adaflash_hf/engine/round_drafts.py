@@ -66,7 +66,8 @@ class RoundDrafts:
         """Acceptance inputs on the device in one host-to-device copy, no stream sync: the packed logits row of
         each request's verify positions ``vidx [n, kmax + 1]`` (``base`` prefill rows come first; past its own
         ``q_i``: its last one), its drafts ``[n, kmax]``, draft lengths ``[n]`` (0 for a ``greedy`` request whose
-        draft logits were not finite: it verifies its bonus token only, as if nothing was drafted), and where the
+        draft logits were not finite: it verifies its bonus token only, as if nothing was drafted; a sampled one
+        verifies drafts from a uniform proposal, see ``Engine._draft``), and where the
         drafts go in the target's input, ``fill = (positions in the verify segments, draft tokens)``. ``None``
         when nothing is verified."""
         n = len(self.q_lens)
