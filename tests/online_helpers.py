@@ -1,0 +1,76 @@
+"""Shared pieces of the online-adaptation tests (`test_online*.py`): a tiny seeded target (the `pair`
+fixture, imported by each module), real rounds and finished requests from `generate`, weight snapshots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from generation_helpers import PAD_ID, make_drafter, make_target, ragged_prompts
+
+from adaflash_hf.spec.rounds import FinishedRequest, VerifiedRound
+
+SENTINEL = "hf_SENTINELtokenDoNotLeak0123456789"
+BLOCK = 8
+
+
+class Collect:
+    def __init__(self):
+        self.rounds: list[VerifiedRound] = []
+
+    def on_round(self, verified):
+        self.rounds.append(verified)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    torch.manual_seed(0)
+    target = make_target(layers=3, seed=1)
+    target.requires_grad_(False)
+    return target
+
+
+def fresh_drafter(target, seed=0):
+    return make_drafter(target, block_size=BLOCK, num_layers=1, seed=seed)
+
+
+def prompts(seed=0, n=2, lengths=(5, 9)):
+    ids, mask, rows = ragged_prompts(n, list(lengths), seed)
+    return ids, mask, rows
+
+
+def real_rounds(target, drafter, n_tokens=24, seed=0):
+    sink = Collect()
+    ids, mask, _ = prompts(seed)
+    target.generate(ids, attention_mask=mask, assistant_model=drafter, round_sink=sink, do_sample=False,
+                    max_new_tokens=n_tokens, pad_token_id=PAD_ID)  # fmt: skip
+    return sink.rounds
+
+
+def snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def same(a, b, prefix=""):
+    return all(torch.equal(a[k], b[k]) for k in a if k.startswith(prefix))
+
+
+def greedy(target, ids, mask, **kw):
+    return target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=PAD_ID, **kw)
+
+
+class CollectRequests(Collect):
+    def __init__(self):
+        super().__init__()
+        self.requests: list[FinishedRequest] = []
+
+    def on_request(self, finished):
+        self.requests.append(finished)
+
+
+def real_requests(target, drafter, seeds=(0, 1), n_tokens=24):
+    sink = CollectRequests()
+    for seed in seeds:
+        ids, mask, _ = prompts(seed)
+        target.generate(ids, attention_mask=mask, assistant_model=drafter, round_sink=sink, do_sample=False,
+                        max_new_tokens=n_tokens, pad_token_id=PAD_ID)  # fmt: skip
+    return sink.requests
