@@ -140,8 +140,8 @@ class NaNPrefillEngine(Engine):
 
     poison = True
 
-    def _target_forward(self, segs, layout, num_prefill):
-        logits, hidden = super()._target_forward(segs, layout, num_prefill)
+    def _target_forward(self, segs, layout, num_prefill, verify_inputs):
+        logits, hidden = super()._target_forward(segs, layout, num_prefill, verify_inputs)
         if self.poison and num_prefill:
             logits, self.poison = logits.clone(), False
             logits[0] = float("nan")
@@ -208,11 +208,11 @@ class FailingEngine(Engine):
 
     fail_on, calls = 2, 0
 
-    def _target_forward(self, segs, layout, num_prefill):
+    def _target_forward(self, segs, layout, num_prefill, verify_inputs):
         self.calls += 1
         if self.calls == self.fail_on:
             raise RuntimeError("CUDA out of memory (injected)")
-        return super()._target_forward(segs, layout, num_prefill)
+        return super()._target_forward(segs, layout, num_prefill, verify_inputs)
 
 
 @pytest.mark.parametrize("mode", ["packed", "off"])
