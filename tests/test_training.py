@@ -446,6 +446,33 @@ def test_cli_smoke(tmp_path, chat_tokenizer):
     assert (tmp_path / "regen.jsonl").is_file()
 
 
+def test_init_from_continues_a_checkpoint_and_refuses_a_mismatch_before_regenerating(tmp_path, chat_tokenizer, monkeypatch):
+    """A run cut into several calls: ``--init-from`` starts from the checkpoint's weights (with lr 0 the saved
+    drafter is the checkpoint, bit for bit; the control, a fresh start, is not), and layer flags that disagree
+    with the checkpoint stop the run with one error naming them, before any regeneration."""
+    from adaflash_hf.training import train_drafter
+
+    tok = chat_tokenizer
+    target = tiny_target(vocab=320)
+    target.config.eos_token_id = tok.eos_token_id
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    common = ["--target", str(tmp_path / "target"), "--device", "cpu", "--domains", "chat", "--num-prompts", "2",
+              "--max-new-tokens", "8", "--gen-batch-size", "2", "--block-size", "4", "--batch-size", "2",
+              "--max-length", "48", "--eval-per-domain", "0", "--no-progress", "--regen-cache", str(tmp_path / "regen.jsonl")]
+    assert train_drafter.main(common + ["--out", str(tmp_path / "a"), "--steps", "2"]) == 0
+    for init, out in ((["--init-from", str(tmp_path / "a")], "b"), ([], "c")):
+        assert train_drafter.main(common + ["--out", str(tmp_path / out), "--steps", "1", "--lr", "0"] + init) == 0
+    a, b, c = (AdaFlashDrafter.from_pretrained(str(tmp_path / x)).state_dict() for x in "abc")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+    monkeypatch.setattr(train_drafter, "regenerate", lambda *a, **k: pytest.fail("regenerated before the check"))
+    (tmp_path / "regen.jsonl").unlink()
+    with pytest.raises(SystemExit, match=r"--num-layers 3 \(the checkpoint has 2\).*--block-size 8 \(the checkpoint has 4\)"):
+        train_drafter.main(common[:-2] + ["--out", str(tmp_path / "d"), "--init-from", str(tmp_path / "a"),
+                                          "--num-layers", "3", "--block-size", "8"])
+
+
 def test_flash_attention_drafter_is_refused():
     target, drafter = tiny_pair()
     drafter.config._attn_implementation = "flash_attention_2"

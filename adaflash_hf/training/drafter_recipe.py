@@ -47,6 +47,8 @@ def add_arguments(ap: argparse.ArgumentParser, require_target: bool = True) -> a
     ap.add_argument("--regen-cache", default=None, help="jsonl of regenerated samples: reused if it exists, else written")
     ap.add_argument("--regen-only", action="store_true", help="stop after regeneration (with --regen-cache)")
     # drafter
+    ap.add_argument("--init-from", default=None, help="a drafter folder to continue training (the next call of a run cut "
+                    "into several): its weights, and its architecture, which the layer flags must match")
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--target-layer-ids", default=None,
@@ -107,6 +109,7 @@ class DrafterRecipe:
     prompts_per_sample: int = 1
     regen_cache: str | None = None
     regen_only: bool = False
+    init_from: str | None = None
     num_layers: int = 2
     block_size: int = 16
     target_layer_ids: list[int] | None = None

@@ -321,22 +321,46 @@ def _eval_samples(r: DrafterRecipe, target, tok, timings: dict) -> list[dict]:
     return samples
 
 
-def _training_model(r: DrafterRecipe, target, tok):
-    """A fresh fp32 drafter for ``target`` inside the training wrapper."""
+def _initial_drafter(r: DrafterRecipe, target, tok):
+    """The fp32 drafter training starts from: a fresh one for ``target``, or ``--init-from``'s weights (checked
+    against the recipe's layer flags and the target before any regeneration)."""
     from ..modeling import AdaFlashDrafter
+
+    if r.init_from is None:
+        mask_id = r.mask_token_id if r.mask_token_id is not None else tok.mask_token_id
+        if mask_id is None:
+            raise RecipeError("the tokenizer has no mask token: pass --mask-token-id")
+        drafter = AdaFlashDrafter.from_target(target, num_layers=r.num_layers, block_size=r.block_size,
+                                              target_layer_ids=r.target_layer_ids, mask_token_id=mask_id)  # fmt: skip
+        return drafter.float()  # fp32 master weights; bf16 autocast on CUDA
+    try:
+        drafter = AdaFlashDrafter.from_pretrained(r.init_from, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise RecipeError(f"--init-from {r.init_from}: not a drafter folder ({exc})") from exc
+    c = drafter.config
+    wrong = [f"{flag} {mine} (the checkpoint has {theirs})" for flag, mine, theirs in (
+        ("--num-layers", r.num_layers, c.num_hidden_layers), ("--block-size", r.block_size, c.block_size),
+        ("--target-layer-ids", r.target_layer_ids, list(c.target_layer_ids)),
+        ("--mask-token-id", r.mask_token_id, c.mask_token_id)) if mine is not None and mine != theirs]
+    if wrong:
+        raise RecipeError(f"--init-from {r.init_from}: " + "; ".join(wrong) + ": pass the checkpoint's values")
+    try:
+        drafter.check_target(target)
+    except ValueError as exc:
+        raise RecipeError(f"--init-from {r.init_from} does not fit the target: {exc}") from exc
+    return drafter
+
+
+def _training_model(r: DrafterRecipe, target, drafter):
+    """``drafter`` (from :func:`_initial_drafter`) inside the training wrapper."""
     from .model import DrafterTrainingModel
 
-    mask_id = r.mask_token_id if r.mask_token_id is not None else tok.mask_token_id
-    if mask_id is None:
-        raise RecipeError("the tokenizer has no mask token: pass --mask-token-id")
-    drafter = AdaFlashDrafter.from_target(target, num_layers=r.num_layers, block_size=r.block_size,
-                                          target_layer_ids=r.target_layer_ids, mask_token_id=mask_id)  # fmt: skip
-    drafter = drafter.float()  # fp32 master weights; bf16 autocast on CUDA
     model = DrafterTrainingModel(target, drafter, max_anchors=r.max_anchors, gamma=r.gamma,
                                  length_head_weight=r.length_head_weight)  # fmt: skip
     n_params = sum(p.numel() for p in drafter.parameters())
-    print(f"[train_drafter] drafter: {r.num_layers} layers, block {r.block_size}, target layers "
-          f"{drafter.config.target_layer_ids}, {n_params / 1e6:.2f}M params", flush=True)
+    print(f"[train_drafter] drafter: {drafter.config.num_hidden_layers} layers, block {drafter.config.block_size}, "
+          f"target layers {drafter.config.target_layer_ids}, {n_params / 1e6:.2f}M params"
+          + (f", from {r.init_from}" if r.init_from else ""), flush=True)
     return model, n_params
 
 
@@ -410,6 +434,7 @@ def run(r: DrafterRecipe) -> int:
     target = _load_target(r.target, device)
     print(f"[train_drafter] target {r.target}: {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params "
           f"on {device} ({time.time() - _T_START:.1f}s)", flush=True)
+    drafter = _initial_drafter(r, target, tok)  # a bad --init-from fails here, before the regeneration
     note = _builtin_note(r, cached=bool(r.regen_cache) and Path(r.regen_cache).is_file())
     if note and main_process:
         print(note, file=sys.stderr, flush=True)
@@ -423,7 +448,7 @@ def run(r: DrafterRecipe) -> int:
     if r.regen_only:
         return 0
     eval_samples = _eval_samples(r, target, tok, timings) if r.eval_per_domain > 0 and main_process else []
-    model, n_params = _training_model(r, target, tok)
+    model, n_params = _training_model(r, target, drafter)
     collator = DrafterDataCollator(tok, max_length=r.max_length)
     trainer = _trainer(r, model, samples, collator, out, device)
     t = time.time()

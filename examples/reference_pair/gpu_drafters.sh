@@ -7,20 +7,22 @@
 # (LAYERS / TARGET_LAYERS / BATCH / WORKERS / LR / DRAFT_MINUTES) and, beside it, the small autoregressive assistant of
 # the `hf_assisted` baseline on the same answers. One drafter per call: three drafters at batch 64 beside
 # each other ran out of the H200's 140 GB (docs/logs/drafters_gpu_1712).
-# Inputs carried beside the checkout: .whl/ (transformers wheel) and .devdata/ (make_devdata.py).
+# A longer `four` run cut into several calls: carry the last call's drafter and set INIT_FROM=<its folder> (training
+# continues from its weights; the layer flags must match it), SEED=<n> (other prompts regenerated) and ASSISTANT=0.
+# Inputs carried beside the checkout: WHEELS (default .whl/: the transformers wheel) and .devdata/ (make_devdata.py).
 # Outputs: $OUT/<name>.tar.?? (14 MB parts: cat NAME.tar.* | tar x), $OUT/logs.tar.
 set -uo pipefail
 MODE=${1:?usage: gpu_drafters.sh four|chatprose}
 export PYTHONUNBUFFERED=1 ADAFLASH_DATA="$PWD/.devdata/data" TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; W=/tmp/ref; mkdir -p $W
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.whl}/*.whl || exit 1
 export PYTHONPATH=/tmp/site
 [[ -f .devdata/data.tar.gz && ! -d .devdata/data ]] && tar xzf .devdata/data.tar.gz -C .devdata
 python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 T=${TARGET:-adaflash_hf/reference/target}
-TD="python3 -m adaflash_hf.training.train_drafter --target $T --prompts-per-sample 16 --max-new-tokens 160 --gen-batch-size 4096 --no-progress"
+TD="python3 -m adaflash_hf.training.train_drafter --target $T --prompts-per-sample 16 --max-new-tokens 160 --gen-batch-size 4096 --no-progress --seed ${SEED:-0}"
 MIN=${DRAFT_MINUTES:-5.5}
 # the training budget plus loading, held-out evaluation and saving (~40 s on the H200)
 LIMIT=$(python3 -c "print(int($MIN * 60 + 75))")
@@ -35,12 +37,16 @@ else
     --sampled-domains math,code,chat --regen-cache $W/regen.jsonl --regen-only 2>&1 | tail -n 3
   timeout $LIMIT $TD --out $W/drafter --domains math,code,chat,prose --regen-cache $W/regen.jsonl \
     --num-layers ${LAYERS:-5} --target-layer-ids ${TARGET_LAYERS:-1,2,3,4,5} --batch-size ${BATCH:-64} \
-    --num-workers ${WORKERS:-0} --lr ${LR:-6e-4} --minutes $MIN --eval-per-domain 8 > $W/drafter.log 2>&1 &
-  python3 examples/reference_pair/assistant_corpus.py --regen-cache $W/regen.jsonl --target $T --out $W/acorpus
-  timeout 200 python3 -m adaflash_hf.training.train_target --data $W/acorpus --out $W/assistant --minutes 2.5 \
-    --hidden-size 128 --layers 2 --sample-tokens 0 > $W/assistant.log 2>&1
+    --num-workers ${WORKERS:-0} --lr ${LR:-6e-4} --minutes $MIN --eval-per-domain 8 ${INIT_FROM:+--init-from $INIT_FROM} \
+    > $W/drafter.log 2>&1 &
+  MODELS="$W/drafter"
+  if [[ ${ASSISTANT:-1} == 1 ]]; then
+    python3 examples/reference_pair/assistant_corpus.py --regen-cache $W/regen.jsonl --target $T --out $W/acorpus
+    timeout 200 python3 -m adaflash_hf.training.train_target --data $W/acorpus --out $W/assistant --minutes 2.5 \
+      --hidden-size 128 --layers 2 --sample-tokens 0 > $W/assistant.log 2>&1
+    MODELS="$MODELS $W/assistant/target"
+  fi
   wait
-  MODELS="$W/drafter $W/assistant/target"
 fi
 for f in $W/*.log; do echo "== $f"; grep -v "Warning\|it/s\]" $f | tail -n 12; done
 for d in $MODELS; do
