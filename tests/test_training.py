@@ -448,8 +448,9 @@ def test_cli_smoke(tmp_path, chat_tokenizer):
 
 def test_init_from_continues_a_checkpoint_and_refuses_a_mismatch_before_regenerating(tmp_path, chat_tokenizer, monkeypatch):
     """A run cut into several calls: ``--init-from`` starts from the checkpoint's weights (with lr 0 the saved
-    drafter is the checkpoint, bit for bit; the control, a fresh start, is not), and layer flags that disagree
-    with the checkpoint stop the run with one error naming them, before any regeneration."""
+    drafter is the checkpoint, bit for bit; the control, a fresh start, is not; ``--length-head-type`` puts a fresh
+    head of that form on the checkpoint's body), and layer flags that disagree with the checkpoint stop the run
+    with one error naming them, before any regeneration."""
     from adaflash_hf.training import train_drafter
 
     tok = chat_tokenizer
@@ -461,11 +462,16 @@ def test_init_from_continues_a_checkpoint_and_refuses_a_mismatch_before_regenera
               "--max-new-tokens", "8", "--gen-batch-size", "2", "--block-size", "4", "--batch-size", "2",
               "--max-length", "48", "--eval-per-domain", "0", "--no-progress", "--regen-cache", str(tmp_path / "regen.jsonl")]
     assert train_drafter.main(common + ["--out", str(tmp_path / "a"), "--steps", "2"]) == 0
-    for init, out in ((["--init-from", str(tmp_path / "a")], "b"), ([], "c")):
+    a_dir = str(tmp_path / "a")
+    for init, out in ((["--init-from", a_dir], "b"), ([], "c"), (["--init-from", a_dir, "--length-head-type", "paper"], "p")):
         assert train_drafter.main(common + ["--out", str(tmp_path / out), "--steps", "1", "--lr", "0"] + init) == 0
     a, b, c = (AdaFlashDrafter.from_pretrained(str(tmp_path / x)).state_dict() for x in "abc")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
+    paper = AdaFlashDrafter.from_pretrained(str(tmp_path / "p"))  # the checkpoint's body under a fresh paper-form head
+    assert paper.config.length_head_type == "paper" and type(paper.length_head).__name__ == "AdaFlashPaperLengthHead"
+    body = {k: v for k, v in paper.state_dict().items() if not k.startswith("length_head.")}
+    assert body and all(torch.equal(a[k], v) for k, v in body.items())
     monkeypatch.setattr(train_drafter, "regenerate", lambda *a, **k: pytest.fail("regenerated before the check"))
     (tmp_path / "regen.jsonl").unlink()
     with pytest.raises(SystemExit, match=r"--num-layers 3 \(the checkpoint has 2\).*--block-size 8 \(the checkpoint has 4\)"):

@@ -49,6 +49,9 @@ def add_arguments(ap: argparse.ArgumentParser, require_target: bool = True) -> a
     # drafter
     ap.add_argument("--init-from", default=None, help="a drafter folder to continue training (the next call of a run cut "
                     "into several): its weights, and its architecture, which the layer flags must match")
+    ap.add_argument("--length-head-type", default=None, choices=("released", "paper"),
+                    help="the length head's form (default: released; with --init-from, the checkpoint's head is kept "
+                    "unless this is given, which starts a fresh head of that form)")
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--target-layer-ids", default=None,
@@ -110,6 +113,7 @@ class DrafterRecipe:
     regen_cache: str | None = None
     regen_only: bool = False
     init_from: str | None = None
+    length_head_type: str | None = None
     num_layers: int = 2
     block_size: int = 16
     target_layer_ids: list[int] | None = None

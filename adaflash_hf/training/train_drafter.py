@@ -323,7 +323,8 @@ def _eval_samples(r: DrafterRecipe, target, tok, timings: dict) -> list[dict]:
 
 def _initial_drafter(r: DrafterRecipe, target, tok):
     """The fp32 drafter training starts from: a fresh one for ``target``, or ``--init-from``'s weights (checked
-    against the recipe's layer flags and the target before any regeneration)."""
+    against the recipe's layer flags and the target before any regeneration; ``--length-head-type`` given: a
+    fresh head of that form on them)."""
     from ..modeling import AdaFlashDrafter
 
     if r.init_from is None:
@@ -331,7 +332,8 @@ def _initial_drafter(r: DrafterRecipe, target, tok):
         if mask_id is None:
             raise RecipeError("the tokenizer has no mask token: pass --mask-token-id")
         drafter = AdaFlashDrafter.from_target(target, num_layers=r.num_layers, block_size=r.block_size,
-                                              target_layer_ids=r.target_layer_ids, mask_token_id=mask_id)  # fmt: skip
+                                              target_layer_ids=r.target_layer_ids, mask_token_id=mask_id,
+                                              length_head_type=r.length_head_type or "released")  # fmt: skip
         return drafter.float()  # fp32 master weights; bf16 autocast on CUDA
     try:
         drafter = AdaFlashDrafter.from_pretrained(r.init_from, dtype=torch.float32)
@@ -348,6 +350,11 @@ def _initial_drafter(r: DrafterRecipe, target, tok):
         drafter.check_target(target)
     except ValueError as exc:
         raise RecipeError(f"--init-from {r.init_from} does not fit the target: {exc}") from exc
+    if r.length_head_type is not None:  # a fresh head of that form on the checkpoint's drafter
+        from ..modeling.modeling_adaflash import build_length_head
+
+        c.length_head_type, c.length_head_trained = r.length_head_type, False
+        drafter.length_head = build_length_head(c)
     return drafter
 
 
