@@ -3,6 +3,8 @@
 #   bash examples/reference_pair/gpu_drafters.sh four       # the shipped four-domain drafter + the AR assistant
 #   bash examples/reference_pair/gpu_drafters.sh chatprose  # the chat + prose-only drafter of the online runs (the v5
 #     settings: batch 128, lr 8e-4, 6 loader workers; gpu_online.sh trains the same recipe before its runs)
+#   bash examples/reference_pair/gpu_drafters.sh heads      # the two length-head forms (released, paper), each fresh
+#     on the shipped drafter's body and trained the same way (HEAD_STEPS offline head steps, frozen drafter)
 # `four` regenerates the target's answers over all four domains once, trains one drafter on them
 # (LAYERS / TARGET_LAYERS / BATCH / WORKERS / LR / DRAFT_MINUTES) and, beside it, the small autoregressive assistant of
 # the `hf_assisted` baseline on the same answers. One drafter per call: three drafters at batch 64 beside
@@ -12,7 +14,7 @@
 # Inputs carried beside the checkout: WHEELS (default .whl/: the transformers wheel) and .devdata/ (make_devdata.py).
 # Outputs: $OUT/<name>.tar.?? (14 MB parts: cat NAME.tar.* | tar x), $OUT/logs.tar.
 set -uo pipefail
-MODE=${1:?usage: gpu_drafters.sh four|chatprose}
+MODE=${1:?usage: gpu_drafters.sh four|chatprose|heads}
 export PYTHONUNBUFFERED=1 ADAFLASH_DATA="$PWD/.devdata/data" TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; W=/tmp/ref; mkdir -p $W
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.whl}/*.whl || exit 1
@@ -32,6 +34,17 @@ if [[ $MODE == chatprose ]]; then
     --sampled-domains chat --num-layers 5 --target-layer-ids 1,2,3,4,5 --batch-size ${BATCH:-128} \
     --num-workers ${WORKERS:-6} --lr ${LR:-8e-4} --minutes $MIN --eval-per-domain 8 > $W/chatprose.log 2>&1
   MODELS="$W/chatprose"
+elif [[ $MODE == heads ]]; then
+  timeout 200 $TD --out $W/regen --domains math,code,chat,prose --num-prompts ${REGEN_PROMPTS:-12000} \
+    --regen-cache $W/regen.jsonl --regen-only 2>&1 | tail -n 3
+  for H in released paper; do  # side by side: the drafter is frozen, the head small
+    timeout $LIMIT $TD --out $W/head_$H --init-from adaflash_hf/reference/drafter --length-head-type $H \
+      --domains math,code,chat,prose --regen-cache $W/regen.jsonl --num-layers 5 --target-layer-ids 1,2,3,4,5 \
+      --steps 1 --lr 0 --length-head-steps ${HEAD_STEPS:-2000} --batch-size ${BATCH:-64} --eval-per-domain 0 \
+      > $W/head_$H.log 2>&1 &
+  done
+  wait
+  MODELS="$W/head_released $W/head_paper"
 else
   timeout 200 $TD --out $W/regen --domains math,code,chat,prose --num-prompts ${REGEN_PROMPTS:-36000} --sampled-answers 1 \
     --sampled-domains math,code,chat --regen-cache $W/regen.jsonl --regen-only 2>&1 | tail -n 3
