@@ -169,6 +169,16 @@ class CollectingStreamer(BaseStreamer):
         self.ends += 1
 
 
+class Collect:
+    """A round sink that keeps every verified round (``generate(..., round_sink=Collect())``)."""
+
+    def __init__(self):
+        self.rounds: list = []
+
+    def on_round(self, verified):
+        self.rounds.append(verified)
+
+
 def engine_prompts(lengths: list[int], seed: int, vocab: int = 126) -> list[list[int]]:
     """Random prompts (token id lists) of the given lengths, for the engine tests."""
     g = torch.Generator().manual_seed(seed)

@@ -5,20 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from generation_helpers import PAD_ID, make_drafter, make_target, ragged_prompts
+from generation_helpers import PAD_ID, Collect, make_drafter, make_target, ragged_prompts
 
-from adaflash_hf.spec.rounds import FinishedRequest, VerifiedRound
+from adaflash_hf.spec.rounds import FinishedRequest
 
 SENTINEL = "hf_SENTINELtokenDoNotLeak0123456789"
 BLOCK = 8
-
-
-class Collect:
-    def __init__(self):
-        self.rounds: list[VerifiedRound] = []
-
-    def on_round(self, verified):
-        self.rounds.append(verified)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from generation_helpers import (
+    Collect,
     PAD_ID,
     char_tokenizer,
     force_length_head,
@@ -247,14 +248,6 @@ def test_custom_generate_with_stop_strings():
 
 
 # --------------------------------------------------------------------------- 7. RoundSink
-class Sink:
-    def __init__(self):
-        self.rounds = []
-
-    def on_round(self, verified):
-        self.rounds.append(verified)
-
-
 def _check_sink(sink, stats, out, mask, vocab):
     assert len(sink.rounds) == stats.rounds > 0
     assert [r.verify_len for r in sink.rounds] == stats.verify_lengths
@@ -273,7 +266,7 @@ def test_round_sink_greedy_batch():
     target = target_model("llama", 110)
     ids, mask, _ = ragged_prompts(3, [3, 8, 5], 110)
     ref = plain(target, ids, mask)
-    sink = Sink()
+    sink = Collect()
     drafter = make_oracle(target, unpad(ref, mask), block_size=8, correct_slots=2)
     out, stats = spec(target, drafter, ids, mask, length_policy="adaptive", round_sink=sink)
     assert torch.equal(out, ref)
@@ -288,7 +281,7 @@ def test_round_sink_sampling_reports_the_sampled_drafts():
     mask = torch.ones(n, S_PROMPT.shape[1] + 1, dtype=torch.long)
     mask[::2, 0] = 0  # ragged rows
     ids = torch.cat([torch.full((n, 1), 2), S_PROMPT.expand(n, -1)], 1)
-    sink = Sink()
+    sink = Collect()
     torch.manual_seed(7)
     out, stats = target.generate(ids, attention_mask=mask, assistant_model=drafter, do_sample=True, temperature=TEMP,
                                  top_k=TOP_K, max_new_tokens=12, pad_token_id=SV - 2, length_policy="fixed",
