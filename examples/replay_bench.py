@@ -107,6 +107,15 @@ def record_traces(device, domains, n, max_new, smoke):
     return out
 
 
+def submit_and_prefill(eng, prompts, max_new) -> list:
+    """Submit ``prompts`` and step the engine until each has its first token (a few rounds when the prompts
+    exceed the token budget); returns the handles."""
+    handles = [eng.submit(p, max_new) for p in prompts]
+    while not all(h.token_ids for h in handles):
+        eng.step()
+    return handles
+
+
 def timed_run(eng, prompts, max_new, device) -> dict:
     """One timed run of ``prompts`` (all submitted at once), three rates from the same run (graph captures inside
     it subtracted): ``e2e``, every token over the whole run; ``decode``, the tokens after prefill over the time
@@ -122,9 +131,7 @@ def timed_run(eng, prompts, max_new, device) -> dict:
         return time.perf_counter(), captures()
 
     t0, c0 = mark()
-    handles = [eng.submit(p, max_new) for p in prompts]
-    while not all(h.token_ids for h in handles):  # prefill (a few rounds when the prompts exceed the token budget)
-        eng.step()
+    handles = submit_and_prefill(eng, prompts, max_new)
     (t1, c1), tok1, rounds = mark(), sum(len(h.token_ids) for h in handles), 0
     while not any(h.done for h in handles):
         eng.step()
@@ -182,19 +189,12 @@ def decode_kernels(eng, prompts, max_new, device, steps: int = 6, trace: str | N
     every prompt is prefilled), summed by kind (:data:`KERNEL_GROUPS`), the top names, and the profiled steps'
     wall time (the device idles for the rest); ``trace``: a gzipped Chrome trace of host and device there.
     ``{}`` off CUDA."""
-    infos = []
-    eng.step_hook = infos.append
-    try:
-        handles = [eng.submit(p, max_new) for p in prompts]
-        while not infos or infos[-1].num_prefill:  # up to the first round without a prefill
-            eng.step()
-        fwd0 = eng.num_steps
-        kp = common.kernel_profile(lambda: [eng.step() for _ in range(steps)], device, top=40, keep_all=True, trace=trace)
-        forwards = max(1, (eng.num_steps - fwd0) // (3 if trace else 2))  # kernel_profile's calls: warm, profiled[, traced]
-        while not all(h.done for h in handles):
-            eng.step()
-    finally:
-        eng.step_hook = None
+    handles = submit_and_prefill(eng, prompts, max_new)
+    fwd0 = eng.num_steps
+    kp = common.kernel_profile(lambda: [eng.step() for _ in range(steps)], device, top=40, keep_all=True, trace=trace)
+    forwards = max(1, (eng.num_steps - fwd0) // (3 if trace else 2))  # kernel_profile's calls: warm, profiled[, traced]
+    while not all(h.done for h in handles):
+        eng.step()
     if not kp:
         return {}
     groups = dict.fromkeys([g for g, _ in KERNEL_GROUPS] + ["other"], 0.0)

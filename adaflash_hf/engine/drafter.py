@@ -25,6 +25,7 @@ verify length would be 1) still owes the drafter cache, so later rounds draft wi
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -36,7 +37,7 @@ from .kernels.attention import INACTIVE, SlotAttention, default_backend
 from .kernels.fused import FusedTarget, SlotStore, fuse_layer_weights
 from .kernels.stock_layers import unsupported_drafter_layers
 from .kv_cache import SlotKVCache
-from .target import fused_layers
+from .target import fused_layers, segments
 
 __all__ = ["DraftGraphs", "DraftOutput", "SlotCacheView", "append_context", "draft_blocks", "make_drafter_cache"]
 
@@ -169,9 +170,7 @@ def head_index(counts: Sequence[int], block_size: int) -> torch.Tensor:
     """Rows of the flattened block states ``[R * B, H]`` the LM head runs on, packed: request ``i``'s draft
     positions ``0 .. counts[i] - 1`` (block columns ``1 .. counts[i]``: column 0 holds the bonus token), in
     request order. Host tensor ``[sum(counts)]``."""
-    c = torch.tensor(list(counts), dtype=torch.long)
-    rows = torch.repeat_interleave(torch.arange(len(c)), c)
-    pos = torch.arange(int(c.sum())) - torch.repeat_interleave(torch.cumsum(c, 0) - c, c)
+    rows, pos = segments(counts)
     return rows * block_size + 1 + pos
 
 
@@ -414,9 +413,7 @@ class DraftGraphs(GraphRunner):
         Pb = pick_bucket(self.pos_buckets, P)
         copy_to_device(self.head_idx[:Pb], torch.cat([idx, torch.ones(Pb - P, dtype=torch.long)]))
         self.replay(("head", Pb))
-        offsets = [0]
-        for c in counts:
-            offsets.append(offsets[-1] + c)
+        offsets = [0, *itertools.accumulate(counts)]
         return DraftOutput(self.tokens[:P], self.logits[:P], self.ratio[: len(counts)] if self.ratio is not None else None,
                            self.finite[:P], offsets)
 

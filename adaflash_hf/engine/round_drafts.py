@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .graphs import to_device
+from .target import segments
 
 __all__ = ["RoundDrafts", "unpack_drafts"]
 
@@ -29,9 +30,7 @@ def unpack_drafts(tokens: torch.Tensor, finite: torch.Tensor, counts: list[int],
         ([[5, 6, 0], [0, 0, 0], [7, 0, 0]], [True, True, False])
     """
     n, device = len(counts), tokens.device
-    c = torch.tensor(counts)
-    rows = torch.repeat_interleave(torch.arange(n), c)
-    col = torch.arange(rows.shape[0]) - torch.repeat_interleave(torch.cumsum(c, 0) - c, c)
+    rows, col = segments(counts)
     idx = to_device(torch.cat([rows * width + col, rows]), device)
     drafts = torch.zeros(n * width, dtype=torch.long, device=device).index_copy_(0, idx[: rows.shape[0]], tokens)
     not_finite = torch.zeros(n, device=device).index_add_(0, idx[rows.shape[0] :], (~finite).float())
@@ -77,8 +76,7 @@ class RoundDrafts:
         ql = torch.tensor(self.q_lens)
         starts = torch.cumsum(ql, 0) - ql
         vidx = base + starts[:, None] + torch.minimum(torch.arange(kmax + 1)[None, :], ql[:, None] - 1)
-        rows = torch.repeat_interleave(torch.arange(n), ql - 1)
-        col = torch.arange(rows.shape[0]) - (torch.cumsum(ql - 1, 0) - (ql - 1))[rows]
+        rows, col = segments(ql - 1)  # the drafts: request rows[j]'s draft col[j]
         up = to_device(torch.cat([vidx.flatten(), self.draft_len, torch.tensor(greedy, dtype=torch.long),
                                   starts[rows] + 1 + col, rows * w + col]), device)
         vidx, dl, is_greedy, dst, src = up.split([n * (kmax + 1), n, n, rows.shape[0], rows.shape[0]])

@@ -28,9 +28,21 @@ from .kernels.fused import FusedTarget
 from .kv_cache import SlotKVCache
 
 __all__ = ["PackedLayout", "check_target_supported", "decoder_forward", "fused_layers", "make_target_cache",
-           "packed_attention", "target_forward"]
+           "packed_attention", "segments", "target_forward"]
 
 SUPPORTED = ("qwen3", "llama")
+
+
+def segments(lengths) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segments of ``lengths[i]`` entries laid end to end: each entry's segment and its index inside it (host tensors).
+
+    Example:
+        >>> [t.tolist() for t in segments([2, 0, 3])]
+        [[0, 0, 2, 2, 2], [0, 1, 0, 1, 2]]
+    """
+    q = torch.as_tensor(list(lengths), dtype=torch.long)
+    owner = torch.repeat_interleave(torch.arange(q.shape[0]), q)
+    return owner, torch.arange(owner.shape[0]) - (torch.cumsum(q, 0) - q)[owner]
 
 
 @dataclass(frozen=True)
@@ -72,8 +84,7 @@ class PackedLayout:
 
     def rows(self) -> torch.Tensor:
         """Each token's index within its request's new tokens (``0 .. q_i - 1``), host tensor."""
-        q = torch.tensor(self.q_lens, dtype=torch.long)
-        return torch.arange(int(q.sum())) - torch.repeat_interleave(torch.cumsum(q, 0) - q, q)
+        return segments(self.q_lens)[1]
 
     def positions(self, device=None) -> torch.Tensor:
         q = torch.tensor(self.q_lens, dtype=torch.long)
