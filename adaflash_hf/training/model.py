@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .block_attention import FlexBlockAttention
 from .blocks import block_attention_mask, build_block_inputs, sample_anchors
 from .checkpoint import save_drafter, unwrap_drafter
 from .features import compute_target_features, select_layers
@@ -51,6 +52,9 @@ class DrafterTrainingModel(nn.Module):
             (distillation against the target's distributions), or a ready ``DrafterObjective``.
         alpha / clip / temperature / clip_mode: the settings of ``opd_loss`` (``temperature`` also
             of ``forward_kl_loss``).
+        block_attention: ``"dense"`` (the block rule as a dense mask, any SDPA / eager kernel) or
+            ``"flex"`` (the same rule as a sparse flex-attention mask, compiled on CUDA:
+            :mod:`~adaflash_hf.training.block_attention`).
     """
 
     OBJECTIVES = ("ce", "opd", "forward_kl")
@@ -70,9 +74,14 @@ class DrafterTrainingModel(nn.Module):
         clip: float | None = 0.01,
         temperature: float = 1.0,
         clip_mode: str = "entry",
+        block_attention: str = "dense",
     ):
         super().__init__()
         base = unwrap_drafter(drafter)
+        if block_attention not in ("dense", "flex"):
+            raise ValueError(f"block_attention must be 'dense' or 'flex', got {block_attention!r}")
+        if block_attention == "flex" and "sliding_attention" in base.config.layer_types:
+            raise ValueError("block_attention='flex' does not cover sliding_attention drafter layers: use 'dense'")
         if not isinstance(objective, DrafterObjective):
             objective = DrafterObjective(objective, int(base.config.block_size), gamma, alpha, clip, temperature,
                                          clip_mode, length_head_weight)  # fmt: skip
@@ -95,6 +104,7 @@ class DrafterTrainingModel(nn.Module):
         self.loss_fn = objective
         self.block_size = objective.block_size
         self.max_anchors = int(max_anchors)
+        self.block_attention = block_attention
         self.require_full_block = bool(require_full_block)
         self.move_target = (getattr(target, "hf_device_map", None) is None) if move_target is None else move_target
         self.config = base.config  # Trainer introspection (model.config) finds the drafter's config
@@ -179,13 +189,17 @@ class DrafterTrainingModel(nn.Module):
         # Absolute block positions follow the context's position ids (anchor position + k).
         anchor_pos = torch.gather(ctx_pos, 1, anchors.clamp(max=T - 1))
         block_pos = (anchor_pos.unsqueeze(-1) + torch.arange(B, device=input_ids.device)).reshape(b, n * B)
-        mask = block_attention_mask(T, anchors, anchor_valid, B, key_padding_mask=attention_mask)
+        if self.block_attention == "flex":
+            attn = {"attention_mask": None, "attention_fn": FlexBlockAttention.build(
+                T, anchors, anchor_valid, B, attention_mask, compiled=input_ids.is_cuda)}
+        else:
+            attn = {"attention_mask": block_attention_mask(T, anchors, anchor_valid, B, key_padding_mask=attention_mask)}
         dtype = base.fc.weight.dtype if base.fc.weight.dtype.is_floating_point else torch.float32
         out = self.drafter(
             noise_embeds=base.embed(block_ids).to(dtype),
             context_hidden_states=features.to(dtype),
             position_ids=torch.cat([ctx_pos, block_pos], dim=1),
-            attention_mask=mask,
+            **attn,
         )
         return out.last_hidden_state, labels
 

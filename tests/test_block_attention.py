@@ -1,0 +1,71 @@
+"""The training blocks' sparse flex-attention rule equals the dense mask (CPU, uncompiled flex)."""
+
+import pytest
+import torch
+
+from adaflash_hf import AdaFlashDrafter
+from adaflash_hf.training.block_attention import FlexBlockAttention
+from adaflash_hf.training.blocks import build_block_inputs
+from adaflash_hf.training.model import DrafterTrainingModel
+from test_training import MASK, fixed_batch, tiny_pair
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def _loss(model, batch, anchors, valid):
+    with torch.no_grad():  # flex attention has no CPU backward; examples/flex_training_gpu.py checks the grads
+        return model(**batch, anchors=anchors, anchor_valid=valid)
+
+
+# anchors per row (row 1 is right padded from position 19): valid blocks, an invalid one, a block at the
+# first response token and one whose slots run past the end
+CASES = [
+    ([[8, 12, 20], [8, 15, 0]], [[True, True, True], [True, True, False]]),
+    ([[22, 9], [10, 18]], [[True, True], [True, True]]),
+]
+
+
+@pytest.mark.parametrize("anchors,valid", CASES)
+def test_flex_block_attention_equals_dense_mask(anchors, valid):
+    anchors, valid = torch.tensor(anchors), torch.tensor(valid)
+    batch = fixed_batch()
+    target, drafter = tiny_pair(block_size=4)
+    dense = DrafterTrainingModel(target, drafter, block_attention="dense")
+    ref = _loss(dense, batch, anchors, valid)
+    flex = DrafterTrainingModel(target, drafter, block_attention="flex")
+    got = _loss(flex, batch, anchors, valid)
+    for k in ("loss", "ce_loss", "length_loss", "accept_len"):
+        torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=1e-5)
+
+
+def test_flex_rule_change_is_seen():
+    """Control: the comparison above notices a rule that lets each block see its anchor's own target state."""
+    target, drafter = tiny_pair(block_size=4)
+    drafter.eval()
+    batch = fixed_batch()
+    anchors, valid = torch.tensor(CASES[0][0]), torch.tensor(CASES[0][1])
+    model = DrafterTrainingModel(target, drafter)
+    ctx_pos = torch.arange(batch["input_ids"].shape[1]).expand(2, -1)
+    feats = model.target_features(batch["input_ids"], batch["attention_mask"], ctx_pos)
+
+    def hidden(attn_anchors):
+        blk, _, pos = build_block_inputs(batch["input_ids"], anchors, valid, 4, MASK)
+        with torch.no_grad():
+            attn = FlexBlockAttention.build(24, attn_anchors, valid, 4, batch["attention_mask"], compiled=False)
+            return drafter(noise_embeds=drafter.embed(blk), context_hidden_states=feats,
+                           position_ids=torch.cat([ctx_pos, pos], 1), attention_fn=attn).last_hidden_state
+
+    assert not torch.allclose(hidden(anchors), hidden(anchors + 1), atol=1e-3)
+
+
+def test_flex_refuses_sliding_layers_unknown_names_and_cpu_training():
+    target, _ = tiny_pair()
+    sliding = AdaFlashDrafter.from_target(target, num_layers=2, block_size=4, mask_token_id=MASK,
+                                          layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    with pytest.raises(ValueError, match="sliding_attention"):
+        DrafterTrainingModel(target, sliding, block_attention="flex")
+    with pytest.raises(ValueError, match="block_attention"):
+        DrafterTrainingModel(target, tiny_pair()[1], block_attention="sparse")
+    flex = DrafterTrainingModel(*tiny_pair(block_size=4), block_attention="flex")
+    with pytest.raises(ValueError, match="CUDA only"):
+        flex(**fixed_batch())
