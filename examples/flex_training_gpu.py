@@ -82,10 +82,12 @@ def time_steps(target, drafter, data_list, mode: str, max_anchors: int, steps: i
     if os.environ.get("PROFILE", "1") == "1":
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as p:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             step(data_list[1])
             torch.cuda.synchronize()
-        prof = p.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+        ka = p.key_averages()
+        prof = (ka.table(sort_by="self_cuda_time_total", row_limit=25) + "\n"
+                + ka.table(sort_by="self_cpu_time_total", row_limit=12))
     return {"mode": mode, "max_anchors": max_anchors, "first_step_s": round(first, 2), "step_ms": round(dt * 1e3, 1),
             "blocks_per_s": round(blocks / steps / dt), "labelled_tokens_per_s": round(tokens / steps / dt),
             "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1), "profile": prof}
