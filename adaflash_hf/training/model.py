@@ -110,7 +110,9 @@ class DrafterTrainingModel(nn.Module):
         self.block_attention = block_attention
         if compile_layers:
             for layer in base.layers:
-                layer.compile(dynamic=True)  # in place: parameter names and checkpoints stay as they are
+                # in place: parameter names and checkpoints stay as they are. Inductor's coalescing analysis
+                # asserts on these dynamic shapes (torch 2.11); it is meant for static shapes only.
+                layer.compile(dynamic=True, options={"triton.coalesce_tiling_analysis": False})
         self.require_full_block = bool(require_full_block)
         self.move_target = (getattr(target, "hf_device_map", None) is None) if move_target is None else move_target
         self.config = base.config  # Trainer introspection (model.config) finds the drafter's config
