@@ -4,7 +4,7 @@ On the reference pair (bf16 autocast, fp32 master weights, as ``train_drafter`` 
 regenerated answers (prompts of 20-300 tokens, answers of 60-160):
 
 1. identity: the flex rule's loss and every gradient against the dense mask's on the same batch and anchors;
-2. time per optimizer step (forward, backward, AdamW) for each ``--variants`` entry ``MODE:MAX_ANCHORS[:c]`` (``c``: compiled layers);
+2. time per optimizer step (forward, backward, AdamW) for each ``--variants`` entry ``MODE:MAX_ANCHORS``;
 3. a torch.profiler table of the CUDA kernels of one step per mode.
 
     python examples/flex_training_gpu.py --out $OUT --batch 128
@@ -39,9 +39,8 @@ def batch(b: int, vocab: int, seed: int, device) -> dict:
 def identity(target, drafter, data) -> dict:
     anchors, valid = sample_anchors(data["loss_mask"], drafter.config.block_size, 512)
     res = {}
-    for mode in ("dense", "flex", "flex_compiled"):  # the last compiles the drafter's layers in place
-        model = DrafterTrainingModel(target, drafter, block_attention=mode[:5].strip("_"),
-                                     compile_layers=mode == "flex_compiled")
+    for mode in ("dense", "flex"):
+        model = DrafterTrainingModel(target, drafter, block_attention=mode)
         drafter.zero_grad()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = model(**data, anchors=anchors, anchor_valid=valid)
@@ -49,7 +48,7 @@ def identity(target, drafter, data) -> dict:
         res[mode] = (out, {n: p.grad.float().clone() for n, p in drafter.named_parameters() if p.grad is not None})
     d, dg = res["dense"]
     report = {"loss_dense": float(d["loss"]), "accept_len_dense": float(d["accept_len"]), "params_with_grad": len(dg)}
-    for mode in ("flex", "flex_compiled"):
+    for mode in ("flex",):
         f, fg = res[mode]
         rel = {n: float((fg[n] - dg[n]).norm() / dg[n].norm().clamp(min=1e-12)) for n in dg}
         report.update({f"loss_{mode}": float(f["loss"]), f"accept_len_{mode}": float(f["accept_len"]),
@@ -57,8 +56,8 @@ def identity(target, drafter, data) -> dict:
     return report
 
 
-def time_steps(target, drafter, data_list, mode: str, max_anchors: int, steps: int, compiled: bool) -> dict:
-    model = DrafterTrainingModel(target, drafter, block_attention=mode, max_anchors=max_anchors, compile_layers=compiled)
+def time_steps(target, drafter, data_list, mode: str, max_anchors: int, steps: int) -> dict:
+    model = DrafterTrainingModel(target, drafter, block_attention=mode, max_anchors=max_anchors)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-5, fused=True)
 
     def step(data):
@@ -92,7 +91,7 @@ def time_steps(target, drafter, data_list, mode: str, max_anchors: int, steps: i
         ka = p.key_averages()
         prof = (ka.table(sort_by="self_cuda_time_total", row_limit=25) + "\n"
                 + ka.table(sort_by="self_cpu_time_total", row_limit=12))
-    return {"mode": mode, "max_anchors": max_anchors, "compiled": compiled, "first_step_s": round(first, 2), "step_ms": round(dt * 1e3, 1),
+    return {"mode": mode, "max_anchors": max_anchors, "first_step_s": round(first, 2), "step_ms": round(dt * 1e3, 1),
             "blocks_per_s": round(blocks / steps / dt), "labelled_tokens_per_s": round(tokens / steps / dt),
             "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1), "profile": prof}
 
@@ -117,11 +116,9 @@ def main() -> None:
     data = [batch(a.batch, vocab, s, "cuda") for s in range(1, 6)]
     report["timing"] = []
     for v in a.variants.split(","):
-        mode, n, *c = v.split(":")
+        mode, n = v.split(":")
         try:
-            target, drafter, _ = load_reference_pair("cuda", torch.bfloat16)  # fresh: compiled layers stay so
-            drafter = drafter.float().train()
-            r = time_steps(target, drafter, data, mode, int(n), a.steps, compiled=bool(c))
+            r = time_steps(target, drafter, data, mode, int(n), a.steps)
         except Exception as exc:  # noqa: BLE001 - a failing variant is a result, the others still run
             r = {"mode": mode, "max_anchors": int(n), "error": f"{type(exc).__name__}: {exc}"[:2000]}
         print(json.dumps({k: v for k, v in r.items() if k != "profile"}), flush=True)

@@ -69,3 +69,11 @@ def test_flex_refuses_sliding_layers_unknown_names_and_cpu_training():
     flex = DrafterTrainingModel(*tiny_pair(block_size=4), block_attention="flex")
     with pytest.raises(ValueError, match="CUDA only"):
         flex(**fixed_batch())
+
+
+def test_recipe_refuses_flex_off_cuda_before_loading_anything(tmp_path):
+    from adaflash_hf.training import train_drafter
+
+    with pytest.raises(SystemExit, match="--block-attention flex trains on CUDA only"):
+        train_drafter.main(["--target", str(tmp_path / "missing"), "--out", str(tmp_path / "d"), "--device", "cpu",
+                            "--block-attention", "flex"])

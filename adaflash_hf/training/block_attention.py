@@ -26,11 +26,9 @@ def flex_available(device: torch.device) -> bool:
     """Whether the sparse kernel runs fast here: CUDA with flex attention (elsewhere the dense mask is used)."""
     if device.type != "cuda":
         return False
-    try:
-        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
 
 
 _COMPILED = {}
@@ -71,8 +69,7 @@ class FlexBlockAttention:
         real = torch.ones(b, context_len + q_len, dtype=torch.bool, device=dev)
         if key_padding_mask is not None:
             real[:, :context_len] = key_padding_mask.to(dev, torch.bool)
-        # T as a tensor: a Python int in the closure would make compiled layers recompile for every batch length
-        T, B = torch.tensor(context_len, device=dev), block_size
+        T, B = context_len, block_size
 
         def mask_mod(bi, h, q, kv):
             blk = q // B
@@ -87,8 +84,7 @@ class FlexBlockAttention:
                  is_causal: bool = False, **kwargs):
         if dropout:
             raise ValueError("flex block attention has no dropout: set the drafter's attention_dropout to 0")
-        # inside compiled drafter layers the surrounding graph compiles flex attention itself
-        kernel = _kernel(self.compiled and not torch.compiler.is_compiling())
+        kernel = _kernel(self.compiled)
         out = kernel(query, key, value, block_mask=self.block_mask, scale=scaling,
                      enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous(), None

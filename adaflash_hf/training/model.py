@@ -55,8 +55,6 @@ class DrafterTrainingModel(nn.Module):
         block_attention: ``"dense"`` (the block rule as a dense mask, any SDPA / eager kernel) or
             ``"flex"`` (the same rule as a sparse flex-attention mask, compiled on CUDA:
             :mod:`~adaflash_hf.training.block_attention`).
-        compile_layers: compile each drafter layer (``torch.compile``, dynamic shapes: every batch differs in
-            length and anchor count), which fuses the norms, RoPE and activations around the matmuls.
     """
 
     OBJECTIVES = ("ce", "opd", "forward_kl")
@@ -77,7 +75,6 @@ class DrafterTrainingModel(nn.Module):
         temperature: float = 1.0,
         clip_mode: str = "entry",
         block_attention: str = "dense",
-        compile_layers: bool = False,
     ):
         super().__init__()
         base = unwrap_drafter(drafter)
@@ -108,11 +105,6 @@ class DrafterTrainingModel(nn.Module):
         self.block_size = objective.block_size
         self.max_anchors = int(max_anchors)
         self.block_attention = block_attention
-        if compile_layers:
-            for layer in base.layers:
-                # in place: parameter names and checkpoints stay as they are. Inductor's coalescing analysis
-                # asserts on these dynamic shapes (torch 2.11); it is meant for static shapes only.
-                layer.compile(dynamic=True, options={"triton.coalesce_tiling_analysis": False})
         self.require_full_block = bool(require_full_block)
         self.move_target = (getattr(target, "hf_device_map", None) is None) if move_target is None else move_target
         self.config = base.config  # Trainer introspection (model.config) finds the drafter's config

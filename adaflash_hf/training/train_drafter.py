@@ -60,6 +60,7 @@ import torch  # noqa: E402
 
 from . import RecipeError  # noqa: E402
 from .drafter_recipe import DrafterRecipe, add_arguments, config_from_args  # noqa: E402,F401
+from .block_attention import flex_available  # noqa: E402
 
 CHAT_DOMAINS = ("math", "code", "chat")
 
@@ -362,11 +363,14 @@ def _training_model(r: DrafterRecipe, target, drafter):
     """``drafter`` (from :func:`_initial_drafter`) inside the training wrapper."""
     from .model import DrafterTrainingModel
 
+    attention = r.block_attention
+    if attention == "auto":
+        attention = "flex" if flex_available(next(target.parameters()).device) else "dense"
     model = DrafterTrainingModel(target, drafter, max_anchors=r.max_anchors, gamma=r.gamma,
-                                 length_head_weight=r.length_head_weight)  # fmt: skip
+                                 length_head_weight=r.length_head_weight, block_attention=attention)  # fmt: skip
     n_params = sum(p.numel() for p in drafter.parameters())
     print(f"[train_drafter] drafter: {drafter.config.num_hidden_layers} layers, block {drafter.config.block_size}, "
-          f"target layers {drafter.config.target_layer_ids}, {n_params / 1e6:.2f}M params"
+          f"target layers {drafter.config.target_layer_ids}, {n_params / 1e6:.2f}M params, {attention} block attention"
           + (f", from {r.init_from}" if r.init_from else ""), flush=True)
     return model, n_params
 
@@ -432,6 +436,8 @@ def run(r: DrafterRecipe) -> int:
     from .collator import DrafterDataCollator
 
     device = _device(r.device)
+    if r.block_attention == "flex" and not flex_available(device):
+        raise RecipeError(f"--block-attention flex trains on CUDA only (here: {device}): use auto or dense")
     main_process = int(os.environ.get("RANK", 0)) == 0
     set_seed(r.seed)
     out = Path(r.out)
