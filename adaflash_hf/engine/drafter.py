@@ -37,7 +37,7 @@ from .kernels.attention import INACTIVE, SlotAttention, default_backend
 from .kernels.fused import FusedTarget, SlotStore, fuse_layer_weights
 from .kernels.stock_layers import unsupported_drafter_layers
 from .kv_cache import SlotKVCache
-from .target import fused_layers, segments
+from .target import fused_layers, repeat, segments
 
 __all__ = ["DraftGraphs", "DraftOutput", "SlotCacheView", "append_context", "draft_blocks", "make_drafter_cache"]
 
@@ -282,10 +282,9 @@ class DraftGraphs(GraphRunner):
         slots_t = torch.tensor(slots, dtype=torch.long)
         host = torch.zeros(5, max(Cb, Rb), dtype=torch.long)
         # context token t of request i: position starts[i] + (t - first token of i)
-        first = torch.repeat_interleave(torch.cumsum(lens_t, 0) - lens_t, lens_t)
-        host[0, :C] = torch.repeat_interleave(starts, lens_t) + torch.arange(C) - first
+        host[0, :C] = repeat(starts, lens) + segments(lens)[1]
         host[0, C:Cb] = torch.arange(Cb - C) % self.cache.max_len
-        host[1, :C] = torch.repeat_interleave(slots_t, lens_t)
+        host[1, :C] = repeat(slots, lens)
         host[1, C:Cb] = self.scratch
         start = torch.full((self.slot_rows,), INACTIVE, dtype=torch.int32)
         if R:
