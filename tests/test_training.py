@@ -375,12 +375,14 @@ def test_feature_cache_matches_on_the_fly(tmp_path):
     trainer.train()
 
 
-def test_train_length_head_only_touches_head():
+def test_train_length_head_only_touches_head(capsys):
     target, drafter = tiny_pair(block_size=4)
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
     loader = [DrafterDataCollator(pad_token_id=0)(_samples(2))] * 3
-    losses = train_length_head(drafter, target, loader, steps=30, lr=1e-2)
+    losses = train_length_head(drafter, target, loader, steps=30, lr=1e-2, log_every=10)
     assert len(losses) == 30 and losses[-1] < losses[0]
+    logged = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[length head]")]
+    assert [line.split()[3] for line in logged] == ["10/30", "20/30", "30/30"]
     after = drafter.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(k.startswith("length_head.") for k in changed)

@@ -415,7 +415,8 @@ def _after_training(r: DrafterRecipe, model, target, samples, eval_samples, coll
         t = time.time()
         loader = torch.utils.data.DataLoader(samples, batch_size=r.batch_size, shuffle=True, collate_fn=collator)
         lh_losses = train_length_head(model.drafter, target, loader, r.length_head_steps, r.length_head_lr,
-                                      r.max_anchors, autocast_dtype=autocast_dtype, progress=r.progress)  # fmt: skip
+                                      r.max_anchors, autocast_dtype=autocast_dtype, progress=r.progress,
+                                      block_attention=model.block_attention, log_every=0 if r.progress else 100)  # fmt: skip
         timings["length_head_s"] = round(time.time() - t, 1)
     eval_res = {}
     if eval_samples:

@@ -244,11 +244,15 @@ def train_length_head(
     max_anchors: int = 512,
     autocast_dtype: torch.dtype | None = None,
     progress: bool = False,
+    block_attention: str = "dense",
+    log_every: int = 0,
 ) -> list[float]:
     """Offline initialisation of the length head on a **frozen** drafter (the released AdaFlash recipe).
 
     Only ``drafter.length_head`` is optimised (AdamW, ``lr``) for ``steps`` batches of
     ``dataloader`` (cycled), with the MSE against ``(accepted + 1) / B`` of the module docstring.
+    ``block_attention`` is :class:`DrafterTrainingModel`'s; ``log_every > 0`` prints the mean loss of
+    every ``log_every`` steps (for logs without a progress bar).
     Sets ``config.length_head_trained = True`` and returns the per-step losses.
     """
     from tqdm.auto import tqdm
@@ -259,8 +263,10 @@ def train_length_head(
     flags = {n: p.requires_grad for n, p in base.named_parameters()}
     base.requires_grad_(False)
     base.length_head.requires_grad_(True)
-    model = DrafterTrainingModel(target, drafter, max_anchors=max_anchors, length_head_weight=1.0)
+    model = DrafterTrainingModel(target, drafter, max_anchors=max_anchors, length_head_weight=1.0,
+                                 block_attention=block_attention)
     device = base.fc.weight.device
+    t0 = time.time()
     opt = torch.optim.AdamW(base.length_head.parameters(), lr=lr)
     was_training = base.training
     model.train()
@@ -286,6 +292,9 @@ def train_length_head(
             loss.backward()
             opt.step()
             losses.append(float(out["length_loss"]))
+            if log_every and len(losses) % log_every == 0:
+                print(f"[length head] step {len(losses)}/{steps} | loss {sum(losses[-log_every:]) / log_every:.5f} | "
+                      f"{time.time() - t0:.0f}s", flush=True)
     finally:
         for n, p in base.named_parameters():
             p.requires_grad_(flags.get(n, p.requires_grad))

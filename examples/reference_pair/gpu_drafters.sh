@@ -4,7 +4,9 @@
 #   bash examples/reference_pair/gpu_drafters.sh chatprose  # the chat + prose-only drafter of the online runs (the v5
 #     settings: batch 128, lr 8e-4, 6 loader workers; gpu_online.sh trains the same recipe before its runs)
 #   bash examples/reference_pair/gpu_drafters.sh heads      # the two length-head forms (released, paper), each fresh
-#     on the shipped drafter's body and trained the same way (HEAD_STEPS offline head steps, frozen drafter)
+#     on the shipped drafter's body and trained the same way (HEAD_STEPS offline head steps, frozen drafter, HEAD_ANCHORS
+#     anchors per sample; a step runs the whole drafter forward: 800 steps at 512 anchors did not finish in 160 s), then
+#     each head's adaptive tau beside fixed (bench, HEAD_SETS x HEAD_PROMPTS prompts, length rates HEAD_RATES)
 # `four` regenerates the target's answers over all four domains once, trains one drafter on them
 # (LAYERS / TARGET_LAYERS / BATCH / WORKERS / LR / DRAFT_MINUTES) and, beside it, the small autoregressive assistant of
 # the `hf_assisted` baseline on the same answers. One drafter per call: three drafters at batch 64 beside
@@ -40,11 +42,20 @@ elif [[ $MODE == heads ]]; then
   for H in released paper; do  # side by side: the drafter is frozen, the head small
     timeout $LIMIT $TD --out $W/head_$H --init-from adaflash_hf/reference/drafter --length-head-type $H \
       --domains math,code,chat,prose --regen-cache $W/regen.jsonl --num-layers 5 --target-layer-ids 1,2,3,4,5 \
-      --steps 1 --lr 0 --length-head-steps ${HEAD_STEPS:-2000} --batch-size ${BATCH:-64} --eval-per-domain 0 \
+      --steps 1 --lr 0 --length-head-steps ${HEAD_STEPS:-2000} --max-anchors ${HEAD_ANCHORS:-64} --batch-size ${BATCH:-64} \
+      --eval-per-domain 0 \
       > $W/head_$H.log 2>&1 &
   done
   wait
   MODELS="$W/head_released $W/head_paper"
+  for H in released paper; do  # the comparison: each head's adaptive tau and verify length beside fixed, per rate
+    for R in ${HEAD_RATES:-1 2}; do
+      [[ -f $W/head_$H/config.json ]] && timeout 120 python3 -m adaflash_hf.bench --target $T --drafter $W/head_$H \
+        --datasets ${HEAD_SETS:-gsm8k,codealpaca,sharegpt} --num-prompts ${HEAD_PROMPTS:-64} --max-new-tokens 128 \
+        --methods plain,fixed,adaptive --length-rate $R --concurrency 64 --dtype fp32 --warmup 0 --no-plots \
+        --out $W/bench_${H}_r$R > $W/bench_${H}_r$R.log 2>&1
+    done
+  done
 else
   timeout 200 $TD --out $W/regen --domains math,code,chat,prose --num-prompts ${REGEN_PROMPTS:-36000} --sampled-answers 1 \
     --sampled-domains math,code,chat --regen-cache $W/regen.jsonl --regen-only 2>&1 | tail -n 3
@@ -67,5 +78,5 @@ for d in $MODELS; do
   name="$(basename $(dirname $d))_$(basename $d)"
   tar cf - --exclude='*.jsonl' -C $(dirname $d) $(basename $d) | split -b 14M - "$OUT/$name.tar."
 done
-tar cf "$OUT/logs.tar" -C $W $(cd $W && ls *.log */train_log.jsonl */train_summary.json 2>/dev/null)
+tar cf "$OUT/logs.tar" -C $W $(cd $W && ls *.log */train_log.jsonl */train_summary.json bench_*/bench.* 2>/dev/null)
 ls -la "$OUT"
