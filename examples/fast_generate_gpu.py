@@ -274,6 +274,7 @@ def profile(res, target, drafter, device, args):
 
     from adaflash_hf.engine import Engine, FusedTarget, layout_args
     from adaflash_hf.engine.drafter import DraftGraphs, make_drafter_cache
+    from adaflash_hf.generation import fast_path
 
     prompt = prompt_ids(target.config.vocab_size, 1, args.prompt_len, device, seed=3)[0].tolist()
     eng = Engine(target, **layout_args(drafter, "fixed"), max_slots=1, max_len=len(prompt) + args.max_new + 32,
@@ -282,8 +283,19 @@ def profile(res, target, drafter, device, args):
     eng.generate([prompt], max_new_tokens=args.max_new)
     res["engine_fixed_phases"] = phase_breakdown(eng, lambda: eng.generate([prompt], max_new_tokens=args.max_new))
     log(f"profile: engine fixed c1 phases {res['engine_fixed_phases']}")
+    res["engine_fixed_sizes"] = {"max_len": eng.max_len, "token_budget": eng.token_budget}
     del eng
     free_memory()
+    # the same phases for the engine our generate builds and caches (its round is slower than the engine's own)
+    one = torch.tensor([prompt], device=device)
+    gen = dict(assistant_model=drafter, max_new_tokens=args.max_new, do_sample=False, length_policy="fixed",
+               fast_path=True, pad_token_id=target.config.vocab_size - 2)
+    target.generate(one, **gen)
+    cached = [c.engine for c in fast_path._ENGINES.values() if c.target() is target]
+    if cached:
+        res["ours_generate_b1_phases"] = phase_breakdown(cached[-1], lambda: target.generate(one, **gen))
+        res["ours_generate_b1_sizes"] = {"max_len": cached[-1].max_len, "token_budget": cached[-1].token_budget}
+        log(f"profile: our generate b1 phases {res['ours_generate_b1_phases']} {res['ours_generate_b1_sizes']}")
     cfg = drafter.config
     feats = torch.randn(1, len(cfg.target_layer_ids) * cfg.hidden_size, dtype=torch.bfloat16, device=device)
     fused, _ = FusedTarget.build(target)
