@@ -13,7 +13,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 
 
 def _loss(model, batch, anchors, valid):
-    with torch.no_grad():  # flex attention has no CPU backward; examples/flex_training_gpu.py checks the grads
+    with torch.no_grad():  # flex attention has no CPU backward; examples/reference_pair/flex_training_gpu.py checks the grads
         return model(**batch, anchors=anchors, anchor_valid=valid)
 
 

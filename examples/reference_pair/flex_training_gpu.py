@@ -7,7 +7,7 @@ regenerated answers (prompts of 20-300 tokens, answers of 60-160):
 2. time per optimizer step (forward, backward, AdamW) for each ``--variants`` entry ``MODE:MAX_ANCHORS``;
 3. a torch.profiler table of the CUDA kernels of one step per mode.
 
-    python examples/flex_training_gpu.py --out $OUT --batch 128
+    python examples/reference_pair/flex_training_gpu.py --out $OUT --batch 128
 """
 
 from __future__ import annotations
