@@ -59,8 +59,8 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from . import RecipeError  # noqa: E402
-from .drafter_recipe import DrafterRecipe, add_arguments, config_from_args  # noqa: E402,F401
 from .block_attention import flex_available  # noqa: E402
+from .drafter_recipe import DrafterRecipe, add_arguments, config_from_args  # noqa: E402,F401
 
 CHAT_DOMAINS = ("math", "code", "chat")
 
