@@ -77,3 +77,25 @@ def test_recipe_refuses_flex_off_cuda_before_loading_anything(tmp_path):
     with pytest.raises(SystemExit, match="--block-attention flex trains on CUDA only"):
         train_drafter.main(["--target", str(tmp_path / "missing"), "--out", str(tmp_path / "d"), "--device", "cpu",
                             "--block-attention", "flex"])
+
+
+@pytest.mark.parametrize("strategy,sampler,mixed", [("group_by_length", "LengthGroupedSampler", range(0, 7)),
+                                                     ("random", "RandomSampler", range(9, 33))])
+def test_recipe_batches_samples_of_similar_length(tmp_path, strategy, sampler, mixed):
+    """The recipe's sampler (transformers' own): group_by_length puts short and long samples in separate batches
+    (a few batches mix, where a mega-batch of 16 splits); control: random batches mix about half the time."""
+    from adaflash_hf.training.drafter_recipe import DrafterRecipe
+    from adaflash_hf.training.train_drafter import _trainer
+    from adaflash_hf.training.trainer import DrafterDataCollator
+    from test_training import _samples
+
+    samples = [s for i in range(32) for s in _samples(1, T=12 + i % 4, prompt=4) + _samples(1, T=40 + i % 4, prompt=4)]
+    r = DrafterRecipe(target=None, out=str(tmp_path), batch_size=2, steps=1, train_sampling_strategy=strategy)
+    model = DrafterTrainingModel(*tiny_pair(block_size=4))
+    trainer = _trainer(r, model, samples, DrafterDataCollator(pad_token_id=0), tmp_path, torch.device("cpu"))
+    torch.manual_seed(0)
+    sampler_ = trainer._get_train_sampler()
+    order = list(sampler_)
+    assert type(sampler_).__name__ == sampler and sorted(order) == list(range(len(samples)))
+    short = [len(samples[i]["input_ids"]) < 20 for i in order]
+    assert sum(a != b for a, b in zip(short[::2], short[1::2])) in mixed

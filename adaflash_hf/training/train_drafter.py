@@ -393,6 +393,7 @@ def _trainer(r: DrafterRecipe, model, samples, collator, out: Path, device: torc
         warmup_steps=r.warmup_ratio, max_steps=r.steps if r.steps is not None else 10**9,
         logging_steps=r.logging_steps, logging_first_step=True, save_strategy="no", report_to=[],
         bf16=device.type == "cuda", use_cpu=device.type == "cpu", seed=r.seed, dataloader_num_workers=r.num_workers,
+        train_sampling_strategy=r.train_sampling_strategy,
         remove_unused_columns=False, disable_tqdm=timed or not r.progress,
     )  # fmt: skip
     optimizers = (None, None)
