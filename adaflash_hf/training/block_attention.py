@@ -15,34 +15,25 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 __all__ = ["FlexBlockAttention", "flex_available"]
 
 
 def flex_available(device: torch.device) -> bool:
-    """Whether the sparse kernel runs fast here: CUDA with flex attention (elsewhere the dense mask is used)."""
-    if device.type != "cuda":
-        return False
-    import importlib.util
-
-    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+    """Whether the sparse rule can train here: CUDA (flex attention ships with every supported torch, but its
+    backward and its compiled kernel are CUDA's; elsewhere the dense mask is used)."""
+    return device.type == "cuda"
 
 
-_COMPILED = {}
-
-
-def _kernel(compiled: bool):
-    """flex attention, compiled once per process on request (dynamic shapes: every batch differs in ``T`` and ``n``)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if not compiled:
-        return flex_attention
-    if "fn" not in _COMPILED:
-        _COMPILED["fn"] = torch.compile(flex_attention, dynamic=True)
-    return _COMPILED["fn"]
+@functools.cache
+def _compiled_flex():
+    """flex attention compiled once per process (dynamic shapes: every batch differs in ``T`` and ``n``)."""
+    return torch.compile(flex_attention, dynamic=True)
 
 
 @dataclass
@@ -57,8 +48,6 @@ class FlexBlockAttention:
     def build(cls, context_len: int, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
               key_padding_mask: torch.Tensor | None = None, compiled: bool = True) -> "FlexBlockAttention":
         """The rule of :func:`~adaflash_hf.training.blocks.block_attention_mask` for keys ``[context | blocks]``."""
-        from torch.nn.attention.flex_attention import create_block_mask
-
         b, n = anchors.shape
         q_len = n * block_size
         dev = anchors.device
@@ -84,7 +73,7 @@ class FlexBlockAttention:
                  is_causal: bool = False, **kwargs):
         if dropout:
             raise ValueError("flex block attention has no dropout: set the drafter's attention_dropout to 0")
-        kernel = _kernel(self.compiled)
+        kernel = _compiled_flex() if self.compiled else flex_attention
         out = kernel(query, key, value, block_mask=self.block_mask, scale=scaling,
                      enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous(), None
