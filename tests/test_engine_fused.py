@@ -347,9 +347,9 @@ def _fake_tuner(fused, calls: list) -> None:
 
     def check():
         calls.append("check")
-        return fused.store_kernel
+        return fused.elementwise
 
-    fused.tune_row_kernels, fused.check_store_kernel = tune, check
+    fused.tune_row_kernels, fused.check_elementwise = tune, check
 
 
 def _fresh(dtype=torch.float32, calls=None):

@@ -168,7 +168,7 @@ def test_static_forward_with_triton_kernels_equals_eager(family, extra, q_lens, 
     ref_cache, slots = prefilled_cache(target, prompts, 4, 32)
     cache, _ = prefilled_cache(target, prompts, 4, 32)
     every = {k: "triton" for k in FusedTarget(target, compile=False).row_kernels}
-    fused = FusedTarget(target, compile=False, row_kernels=every, block_kernels=every, store_kernel="triton")
+    fused = FusedTarget(target, compile=False, row_kernels=every, block_kernels=every, elementwise="triton")
     calls = []
     real = SL.skinny_linear
     monkeypatch.setattr(SL, "skinny_linear", lambda x, w, *a, **kw: calls.append(w.shape) or real(x, w, *a, **kw))
@@ -183,11 +183,11 @@ def test_static_forward_with_triton_kernels_equals_eager(family, extra, q_lens, 
     torch.testing.assert_close(cache.k[:, :n], ref_cache.k[:, :n], atol=1e-5, rtol=1e-5)
     assert len(calls) == 4 * len(target.model.layers) + 1  # qkv, o, gate_up, down per layer + the LM head
     assert graphs.attention.backend == "triton" and graphs.attention_note == ""
-    assert FusedTarget(target, compile=False).store_kernel == "torch"  # CPU default: the torch function
-    with pytest.raises(ValueError, match="store_kernel"):
-        FusedTarget(target, compile=False, store_kernel="cuda")
+    assert FusedTarget(target, compile=False).elementwise == "torch"  # CPU default: the torch functions
+    with pytest.raises(ValueError, match="elementwise"):
+        FusedTarget(target, compile=False, elementwise="cuda")
     with pytest.raises(ValueError, match="head_dim 12"):
-        FusedTarget(make_target(family, hidden=48), compile=False, store_kernel="triton")
+        FusedTarget(make_target(family, hidden=48), compile=False, elementwise="triton")
 
 
 @pytest.mark.parametrize("mode", ["packed", "off"])
@@ -199,7 +199,7 @@ def test_engine_with_triton_kernels_is_lossless(mode, monkeypatch):
         monkeypatch.setattr(module, "default_backend", lambda device: "triton")
     every = dict.fromkeys(("qkv", "o", "gate_up", "down", "lm_head"), "triton")
     monkeypatch.setattr(FusedTarget, "build", classmethod(lambda cls, model, compile=None: (
-        cls(model, False, row_kernels=every, block_kernels=every, store_kernel="triton"), "")))
+        cls(model, False, row_kernels=every, block_kernels=every, elementwise="triton"), "")))
     target = _hd16_target(layers=2)  # two layers: every kernel still runs; each interpreted launch is costly
     drafter = make_drafter(target, block_size=4)
     prompts = engine_prompts([3, 9, 5], seed=7)
@@ -207,7 +207,7 @@ def test_engine_with_triton_kernels_is_lossless(mode, monkeypatch):
     outs = eng.generate(prompts, max_new_tokens=6)
     assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 6) for p in prompts]
     assert eng.graphs.attention.backend == "triton" and eng.cache.num_free == 2
-    assert eng.fused.store_kernel == "triton" and set(eng.fused.row_kernels.values()) == {"triton"}
+    assert eng.fused.elementwise == "triton" and set(eng.fused.row_kernels.values()) == {"triton"}
     if mode == "packed":
         assert eng.draft_graphs.attention.backend == "triton" and eng.draft_graphs.attention.causal is False
         assert eng.draft_graphs.fused is eng.fused  # the drafter's layers on the same Triton kernels
@@ -245,19 +245,64 @@ def test_rope_store_kernel_equals_the_torch_function(family, dtype):
     assert (outs[1][0][0] == 7.0).all() and (outs[1][2][:, :, 0] != -5.0).any()  # layer 0 untouched, queries written
 
 
-def test_store_kernel_is_checked_before_use():
-    """``check_store_kernel`` keeps the Triton kernel when it agrees with the torch function and falls back
-    (with a note) when it does not; the negative control is a kernel without the q/k norm."""
+# family, dtype, hidden (a width that is not a power of two: the norm kernel's masked columns)
+ELEMENTWISE_CASES = [("qwen3", torch.float32, 64), ("llama", torch.float32, 64), ("qwen3", torch.float16, 64),
+                     ("qwen3", torch.float32, 96)]
+
+
+@pytest.mark.parametrize("family,dtype,hidden", ELEMENTWISE_CASES)
+def test_elementwise_kernels_equal_the_torch_functions(family, dtype, hidden):
+    """Each Triton elementwise kernel (:mod:`adaflash_hf.engine.kernels.norms`, and the store kernel) == its torch
+    function on the model's shapes: the norms with and without the residual add, q/k norm + RoPE (the q layout
+    transposed), the keys' norm + RoPE, SiLU(gate) * up, and what the store writes to the caches."""
+    from adaflash_hf.engine.kernels.fused import _written
+
+    model = make_target(family, seed=3, hidden=hidden, head_dim=16).to(dtype)
+    with torch.no_grad():  # norm weights start at one: make the weighting count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    torch_fns = FusedTarget(model, compile=False)
+    kernels = FusedTarget(model, compile=False, elementwise="triton")
+    assert kernels.rms_norm is not torch_fns.rms_norm and kernels.act_mul is not torch_fns.act_mul
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    cases = torch_fns._elementwise_cases()
+    assert set(cases) == {"rms_norm", "add_rms_norm", "qk_norm_rope", "qk_norm_rope_store", "act_mul", "norm_rope"}
+    for name, make in cases.items():
+        ref, got = _written(name, getattr(torch_fns, name), make()), _written(name, getattr(kernels, name), make())
+        assert len(ref) == len(got), name
+        for a, b in zip(ref, got):
+            assert a.shape == b.shape and a.dtype == b.dtype, name
+            torch.testing.assert_close(b, a, atol=tol, rtol=tol, msg=name)
+    # Negative control: the torch norm without its weight is told apart at this tolerance.
+    h, weight, eps = cases["rms_norm"]()
+    assert not torch.allclose(kernels.rms_norm(h, weight, eps), torch_fns.rms_norm(h, torch.ones_like(weight), eps), atol=tol)
+
+
+def test_elementwise_kernels_are_checked_before_use():
+    """``check_elementwise`` keeps the Triton kernels when each agrees with its torch function and falls back to
+    the torch functions (with a note naming the function) when one does not; the negative control is a store
+    without the q/k norm."""
     from adaflash_hf.engine.kernels import fused as fused_module
 
     target = _hd16_target()
-    fused = FusedTarget(target, compile=False, store_kernel="triton")
-    assert fused.check_store_kernel() == "triton" and fused.store_note == ""
+    fused = FusedTarget(target, compile=False, elementwise="triton")
+    assert fused.check_elementwise() == "triton" and fused.elementwise_note == ""
 
     def no_norm(q, k, v, qw, kw, eps, cos, sin, *store):
         return fused_module.qk_norm_rope_store(q, k, v, None, None, eps, cos, sin, *store)
 
-    wrong = FusedTarget(target, compile=False, store_kernel="triton")
+    wrong = FusedTarget(target, compile=False, elementwise="triton")
     wrong.qk_norm_rope_store = no_norm
-    assert wrong.check_store_kernel() == "torch" and "differs" in wrong.store_note
-    assert wrong.qk_norm_rope_store is wrong._store_torch
+    assert wrong.check_elementwise() == "torch" and "qk_norm_rope_store differ" in wrong.elementwise_note
+    assert wrong.qk_norm_rope_store is fused_module.qk_norm_rope_store and wrong.rms_norm is fused_module.rms_norm
+
+
+@pytest.mark.parametrize("change,why", [({"hidden_act": "gelu"}, "not SiLU"), ({"head_dim": 12}, "head_dim 12")])
+def test_elementwise_kernels_refuse_what_they_do_not_compute(change, why):
+    """A model whose activation is not SiLU, or whose head size the RoPE kernels do not take, keeps the torch
+    functions; asking for the kernels says why."""
+    model = make_target("qwen3", seed=3, hidden=64, **change)
+    with pytest.raises(ValueError, match=why):
+        FusedTarget(model, compile=False, elementwise="triton")
+    assert FusedTarget(model, compile=False).elementwise == "torch"

@@ -10,11 +10,14 @@ microseconds, which is why the engine's 8B-shape decode ran at 34% of the bandwi
   extra memory, the model's own forward is unchanged, and each group is one GEMM;
 * **elementwise math**: residual add + RMSNorm, Qwen3's q/k RMSNorm + RoPE (on the static decode
   path together with the K/V cache writes and the query layout, :class:`SlotStore`), and ``act(gate) * up``
-  are one function each, compiled with ``torch.compile`` on CUDA and run eagerly elsewhere. They do
-  the HF modules' operations in the same order and dtypes (``tests/test_engine_fused.py`` checks bit
-  equality on CPU); ``emulate_precision_casts`` keeps Inductor's rounding at the casts. On CUDA with
-  Triton, the static path's norm + RoPE + stores are one hand-written kernel instead
-  (:mod:`.rope_store`; Inductor made four of them, one per scatter).
+  are one function each. On CUDA with Triton they are hand-written kernels (:mod:`.norms`; the static path's
+  norm + RoPE + stores one kernel, :mod:`.rope_store`): no Dynamo or Inductor, so a new process reads them
+  from Triton's disk cache instead of compiling them. Elsewhere the torch functions below serve: on CPU
+  eagerly, on CUDA compiled with ``torch.compile`` (another activation than SiLU, a head size the kernels do
+  not take, or kernels that failed their check). Both do the HF modules' operations
+  in the same order and dtypes (``tests/test_engine_fused.py`` checks the torch functions' bit equality on
+  CPU, ``tests/test_engine_triton.py`` the kernels against them in Triton's interpreter), and
+  :meth:`FusedTarget.check_elementwise` compares the kernels with the functions once per GPU before they serve.
 * **few-row projections** (one token: batch-1 decoding; 2-16 tokens: a verify block): cuBLAS picks
   GEMM kernels that read the weights below the H200's bandwidth at these shapes. Two other kinds of
   kernel compete: Inductor's matrix-vector reduction tuned by ``coordinate_descent_tuning`` (one row,
@@ -151,6 +154,27 @@ def _gather_linear(out: torch.Tensor, q_slots: torch.Tensor, q_rows: torch.Tenso
     return F.linear(out[q_slots, :, q_rows].flatten(1), weight, bias)
 
 
+def _written(name: str, fn: Callable, args: tuple) -> list[torch.Tensor]:
+    """What elementwise function ``name`` produced from ``args``: its outputs, and for the store the K/V caches."""
+    out = fn(*args)
+    out = list(out) if isinstance(out, tuple) else [out]
+    return out + list(args[-8:-6]) if name == "qk_norm_rope_store" else out
+
+
+def _triton_elementwise_refusal(model) -> str | None:
+    """Why :mod:`.norms`' kernels cannot do ``model``'s elementwise math (``None``: they can): its head size,
+    or an MLP activation other than SiLU (checked on values: the kernel computes SiLU)."""
+    from .norms import unsupported
+
+    why = unsupported(model.model.layers[0].self_attn.head_dim)
+    if why is not None:
+        return why
+    probe = torch.linspace(-12, 12, 97)
+    if not torch.equal(model.model.layers[0].mlp.act_fn(probe), F.silu(probe)):
+        return f"the MLP activation {type(model.model.layers[0].mlp.act_fn).__name__} is not SiLU"
+    return None
+
+
 ROW_PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")
 ROW_KINDS = ("cublas", "gemv", "triton")  # one row: cuBLAS, Inductor's tuned reduction, skinny_linear
 BLOCK_KINDS = ("cublas", "triton")  # 2-16 rows
@@ -248,44 +272,30 @@ class FusedTarget:
     """
 
     def __init__(self, model, compile: bool, row_kernels: dict[str, str] | None = None,
-                 block_kernels: dict[str, str] | None = None, store_kernel: str | None = None):
+                 block_kernels: dict[str, str] | None = None, elementwise: str | None = None):
         for name, given, kinds in (("row_kernels", row_kernels, ROW_KINDS), ("block_kernels", block_kernels, BLOCK_KINDS)):
             if set(given or {}) - set(ROW_PROJECTIONS) or any(v not in kinds for v in (given or {}).values()):
                 raise ValueError(f"{name} maps {', '.join(ROW_PROJECTIONS)} to one of {kinds}; got {given!r}")
-        if store_kernel not in (None, "torch", "triton"):
-            raise ValueError(f"store_kernel is 'torch' or 'triton', got {store_kernel!r}")
-        if store_kernel == "triton":
-            from .rope_store import unsupported
-
-            why = unsupported(model.model.layers[0].self_attn.head_dim)
+        if elementwise not in (None, "torch", "triton"):
+            raise ValueError(f"elementwise is 'torch' or 'triton', got {elementwise!r}")
+        if elementwise == "triton":
+            why = _triton_elementwise_refusal(model)
             if why is not None:
-                raise ValueError(f"store_kernel='triton': {why}")
+                raise ValueError(f"elementwise='triton': {why}")
         self.model, self.compiled = model, compile
         self.layers = fuse_layer_weights(model.model.layers)
-        act = model.model.layers[0].mlp.act_fn
-        fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qk_norm_rope": qk_norm_rope,
-               "qk_norm_rope_store": qk_norm_rope_store, "act_mul": _act_mul(act), "norm_rope": norm_rope}
         rows = self._row_eager = {"qkv": _linear, "o": _gather_linear, "gate_up": _linear, "down": _linear, "lm_head": _linear}
         if compile:
             allow_shape_recompiles()
-            # One kernel per function; the first call per shape class compiles (a few seconds), shapes then
-            # become dynamic on their own (one more compile), so every token bucket reuses the kernels.
-            fns = {k: torch.compile(f, fullgraph=True, options={"emulate_precision_casts": True}) for k, f in fns.items()}
             # One-row products, static shapes: Inductor rewrites them as tuned reductions (its mm decomposition
-            # for one row runs only with coordinate descent tuning on). One compiled function per projection.
+            # for one row runs only with coordinate descent tuning on). One compiled function per projection,
+            # compiled on its first call (only the projections whose measured choice is "gemv" ever are).
             opts = {"emulate_precision_casts": True, "coordinate_descent_tuning": True}
             rows = {k: torch.compile(f, fullgraph=True, dynamic=False, options=opts) for k, f in rows.items()}
-        self.rms_norm, self.add_rms_norm, self.qk_norm_rope, self.qk_norm_rope_store, self.act_mul, self.norm_rope = (
-            fns["rms_norm"], fns["add_rms_norm"], fns["qk_norm_rope"], fns["qk_norm_rope_store"], fns["act_mul"],
-            fns["norm_rope"])
-        self.store_kernel = store_kernel or self._default_store_kernel()
-        self._store_torch = self.qk_norm_rope_store
-        self.store_note = ""
-        if self.store_kernel == "triton":  # norm + RoPE + the three stores in one kernel (rope_store.py)
-            from .rope_store import qk_norm_rope_store_triton
-
-            self.qk_norm_rope_store = qk_norm_rope_store_triton
         self._row_fns = dict(rows)
+        self._torch_fns: dict[str, Callable] | None = None
+        self.elementwise, self.elementwise_note = "torch", ""
+        self._use_elementwise(elementwise or self._default_elementwise())
         self.row_kernels = {k: (row_kernels or {}).get(k, "cublas") for k in ROW_PROJECTIONS}
         self.block_kernels = {k: (block_kernels or {}).get(k, "cublas") for k in ROW_PROJECTIONS}
         # Triton tile per (projection, rows): 1 or MAX_ROWS. Given kernels get the first candidate that fits.
@@ -300,16 +310,46 @@ class FusedTarget:
         self.row_timings: dict[str, dict[str, float]] = {}  # per projection and rows: device ms per layer of each kernel
         self.row_note = ""
 
-    def _default_store_kernel(self) -> str:
-        """``"triton"`` (one kernel for q/k norm, RoPE and the stores) when compiling for CUDA with Triton
-        available and a head size it takes, else ``"torch"`` (:func:`qk_norm_rope_store`, compiled or eager)."""
+    def _default_elementwise(self) -> str:
+        """``"triton"`` (:mod:`.norms` and :mod:`.rope_store`'s kernels) when compiling for CUDA with Triton
+        available and a model they take, else ``"torch"`` (the torch functions, compiled or eager)."""
         if not (self.compiled and self.layers[0].qkv.is_cuda):
             return "torch"
         try:
-            from .rope_store import unsupported
+            import triton  # noqa: F401
         except ImportError:
             return "torch"
-        return "torch" if unsupported(self.model.model.layers[0].self_attn.head_dim) else "triton"
+        return "torch" if _triton_elementwise_refusal(self.model) else "triton"
+
+    def _use_elementwise(self, kind: str) -> None:
+        """Serve the elementwise math with ``kind``'s functions: ``"triton"``, the hand-written kernels (no
+        Dynamo, so a new process starts without compiling them); ``"torch"``, the torch functions above,
+        compiled with Inductor when :attr:`compiled` (a compile per function and shape class) and eager otherwise."""
+        if kind == "triton":
+            from .norms import add_rms_norm_triton, norm_rope_triton, qk_norm_rope_triton, rms_norm_triton, silu_mul_triton
+            from .rope_store import qk_norm_rope_store_triton
+
+            fns = {"rms_norm": rms_norm_triton, "add_rms_norm": add_rms_norm_triton, "qk_norm_rope": qk_norm_rope_triton,
+                   "qk_norm_rope_store": qk_norm_rope_store_triton, "act_mul": silu_mul_triton, "norm_rope": norm_rope_triton}
+        else:
+            fns = self._torch_elementwise()
+        self.elementwise = kind
+        self.rms_norm, self.add_rms_norm, self.qk_norm_rope, self.qk_norm_rope_store, self.act_mul, self.norm_rope = (
+            fns["rms_norm"], fns["add_rms_norm"], fns["qk_norm_rope"], fns["qk_norm_rope_store"], fns["act_mul"],
+            fns["norm_rope"])
+
+    def _torch_elementwise(self) -> dict[str, Callable]:
+        """The torch functions of the elementwise math (compiled when :attr:`compiled`), built once."""
+        if self._torch_fns is None:
+            fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qk_norm_rope": qk_norm_rope,
+                   "qk_norm_rope_store": qk_norm_rope_store, "act_mul": _act_mul(self.model.model.layers[0].mlp.act_fn),
+                   "norm_rope": norm_rope}
+            if self.compiled:
+                # One kernel per function; the first call per shape class compiles (a few seconds), shapes then
+                # become dynamic on their own (one more compile), so every token bucket reuses the kernels.
+                fns = {k: torch.compile(f, fullgraph=True, options={"emulate_precision_casts": True}) for k, f in fns.items()}
+            self._torch_fns = fns
+        return self._torch_fns
 
     # ------------------------------------------------------------------ projections
     def _weight(self, role: str, li: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -430,39 +470,62 @@ class FusedTarget:
         return dict(self.row_kernels)
 
     @torch.no_grad()
-    def check_store_kernel(self) -> str:
-        """Run the Triton norm + RoPE + store kernel once against :func:`qk_norm_rope_store` (eager) on
-        random inputs of this model's shapes; if it fails or disagrees, use the torch function instead
-        (:attr:`store_note` says why). Returns :attr:`store_kernel`."""
-        if self.store_kernel != "triton":
-            return self.store_kernel
-        attn, p = self.model.model.layers[0].self_attn, self.layers[0].qkv
-        d, (nq, nk, _) = attn.head_dim, self.layers[0].splits
-        gen = torch.Generator(device=p.device).manual_seed(0)
-        T = 3
-        qkv = torch.randn(T, nq + 2 * nk, generator=gen, device=p.device, dtype=p.dtype)
-        q, k, v = (t.view(T, -1, d) for t in qkv.split([nq, nk, nk], dim=-1))
-        positions = torch.arange(T, device=p.device) * 5
-        cos, sin = self.model.model.rotary_emb(q[None], positions[None])
-        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        norms = (qn.weight, kn.weight, qn.variance_epsilon) if qn is not None else (None, None, 0.0)
-        outs = []
+    def check_elementwise(self) -> str:
+        """Run each Triton elementwise kernel once against its eager torch function on random inputs of this
+        model's shapes; if one fails or disagrees, the torch functions serve instead (:attr:`elementwise_note`
+        says why). Returns :attr:`elementwise`."""
+        if self.elementwise != "triton":
+            return self.elementwise
         try:
-            for fn in (qk_norm_rope_store, self.qk_norm_rope_store):
-                kc = torch.zeros(1, T, nk // d, 16, d, device=p.device, dtype=p.dtype)
-                q_out = torch.zeros(T, nq // d, 1, d, device=p.device, dtype=p.dtype)
-                idx = torch.arange(T, device=p.device)
-                store = SlotStore(kc, kc.clone(), idx[:1] * 0, idx, positions, q_out, idx, idx * 0)
-                fn(q, k, v, *norms, cos[0], sin[0], *store)
-                outs.append((store.k_cache, store.v_cache, store.q_out))
-            ok = all(torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.02) for a, b in zip(*outs))
-            why = "" if ok else "its output differs from the torch function's"
-        except Exception as exc:  # noqa: BLE001 - a compiler failure must not stop serving: the torch function remains
+            cases = self._elementwise_cases()
+            eager = {k: v for k, v in zip(("rms_norm", "add_rms_norm", "qk_norm_rope", "qk_norm_rope_store", "act_mul", "norm_rope"),
+                                          (rms_norm, add_rms_norm, qk_norm_rope, qk_norm_rope_store,
+                                           _act_mul(self.model.model.layers[0].mlp.act_fn), norm_rope))}
+            bad = []
+            for name, make in cases.items():
+                ref, got = (_written(name, fn, make()) for fn in (eager[name], getattr(self, name)))
+                if len(ref) != len(got) or not all(a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.02)
+                                                   for a, b in zip(ref, got)):
+                    bad.append(name)
+            why = f"{', '.join(bad)} differ from the torch functions" if bad else ""
+        except Exception as exc:  # noqa: BLE001 - a compiler failure must not stop serving: the torch functions remain
             why = f"{type(exc).__name__}: {str(exc)[:200]}"
         if why:
-            self.store_kernel, self.qk_norm_rope_store = "torch", self._store_torch
-            self.store_note = f"Triton norm + RoPE + store kernel unavailable ({why}); using the compiled torch function"
-        return self.store_kernel
+            self._use_elementwise("torch")
+            self.elementwise_note = f"Triton elementwise kernels unavailable ({why}); using the torch functions"
+        return self.elementwise
+
+    def _elementwise_cases(self) -> dict[str, Callable[[], tuple]]:
+        """Per elementwise function, a maker of fresh random arguments of this model's shapes (3 tokens)."""
+        layer = self.model.model.layers[0]
+        attn, p = layer.self_attn, self.layers[0].qkv
+        d, (nq, nk, _) = attn.head_dim, self.layers[0].splits
+        gen = torch.Generator(device=p.device).manual_seed(0)
+        T, hidden = 3, p.shape[1]
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen, device=p.device, dtype=p.dtype)
+
+        qkv, h, delta, gate_up = randn(T, nq + 2 * nk), randn(T, hidden), randn(T, hidden), randn(T, self.layers[0].gate_up.shape[0])
+        q, k, v = (t.view(T, -1, d) for t in qkv.split([nq, nk, nk], dim=-1))
+        positions = torch.arange(T, device=p.device) * 5
+        cos, sin = (t[0] for t in self.model.model.rotary_emb(q[None], positions[None]))
+        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        norms = (qn.weight, kn.weight, qn.variance_epsilon) if qn is not None else (None, None, 0.0)
+        ln = layer.input_layernorm
+
+        def store():
+            kc = torch.zeros(1, T, nk // d, 16, d, device=p.device, dtype=p.dtype)
+            q_out = torch.zeros(T, nq // d, 1, d, device=p.device, dtype=p.dtype)
+            idx = torch.arange(T, device=p.device)
+            return (q, k, v, *norms, cos, sin, *SlotStore(kc, kc.clone(), idx[:1] * 0, idx, positions, q_out, idx, idx * 0))
+
+        return {"rms_norm": lambda: (h, ln.weight, ln.variance_epsilon),
+                "add_rms_norm": lambda: (h, delta, ln.weight, ln.variance_epsilon),
+                "qk_norm_rope": lambda: (q, k, *norms, cos, sin),
+                "qk_norm_rope_store": store,
+                "act_mul": lambda: (gate_up,),
+                "norm_rope": lambda: (k, norms[1], norms[2], cos, sin)}
 
     def check_current(self) -> None:
         """Raise a clear ``RuntimeError`` if the model's projections no longer live in the fused
@@ -502,7 +565,7 @@ class FusedTarget:
         return {"row_kernels": dict(self.row_kernels), "block_kernels": dict(self.block_kernels),
                 "triton_configs": [[role, rows, list(cfg)] for (role, rows), cfg in self.triton_configs.items()],
                 "row_timings": copy.deepcopy(self.row_timings), "row_note": self.row_note,
-                "store_kernel": self.store_kernel, "store_note": self.store_note}
+                "elementwise": self.elementwise, "elementwise_note": self.elementwise_note}
 
     def apply_tuning(self, choices: dict) -> None:
         """Use ``choices`` (from :meth:`tuning_choices`); a ``ValueError`` if they do not fit this model."""
@@ -518,20 +581,20 @@ class FusedTarget:
             for role, n in [(r, 1) for r, k in rows.items() if k == "triton"] + [(r, _MAX_ROWS) for r, k in blocks.items() if k == "triton"]:
                 if configs.get((role, n)) not in self._triton_candidates(role, n):
                     raise ValueError(f"no fitting Triton tile saved for the {role} projection at {n} rows")
-        if choices["store_kernel"] not in ("torch", "triton"):
-            raise ValueError(f"unknown store kernel {choices['store_kernel']!r}")
+        if choices["elementwise"] not in ("torch", "triton"):
+            raise ValueError(f"unknown elementwise kernels {choices['elementwise']!r}")
+        if choices["elementwise"] == "triton" and self.elementwise != "triton":
+            raise ValueError("the saved choices use the Triton elementwise kernels, which this process does not have")
         self.row_kernels, self.block_kernels, self.triton_configs = rows, blocks, configs
         self.row_timings, self.row_note = copy.deepcopy(choices["row_timings"]), str(choices["row_note"])
-        self.store_kernel, self.store_note = choices["store_kernel"], str(choices["store_note"])
-        if self.store_kernel == "torch":
-            self.qk_norm_rope_store = self._store_torch
-        elif self.qk_norm_rope_store is self._store_torch:
-            raise ValueError("the saved choices use the Triton store kernel, which this process does not have")
+        if choices["elementwise"] != self.elementwise:
+            self._use_elementwise(choices["elementwise"])
+        self.elementwise_note = str(choices["elementwise_note"])
 
     def load_or_tune(self) -> str:
         """Set the few-row kernels and the store kernel: from an earlier build on the same model in this
         process (``"memory"``), else from the disk cache (``"disk"``, :mod:`.tuning_cache`), else measured
-        now (``"tuned"``: :meth:`tune_row_kernels`, :meth:`check_store_kernel`; then saved to disk)."""
+        now (``"tuned"``: :meth:`tune_row_kernels`, :meth:`check_elementwise`; then saved to disk)."""
         from .tuning_cache import load_tuning, save_tuning, tuning_key
 
         weight = self.layers[0].qkv
@@ -550,7 +613,7 @@ class FusedTarget:
                 choices = None
         if choices is None:
             self.tune_row_kernels()
-            self.check_store_kernel()
+            self.check_elementwise()
             choices, source = self.tuning_choices(), "tuned"
             save_tuning(key, choices)
         _TUNED[self.model] = {"choices": choices, "on": (weight.dtype, weight.device)}

@@ -5,8 +5,7 @@ then one scatter each for the K cache, the V cache and the queries' slot layout;
 ``docs/logs/engine_gpu_check_triton/``).
 Here one program per (token, head) does all of it: a q or k head is normalised (when the model has
 q/k norms), rotated and written to the query layout or the K cache, a v head is copied to the V cache.
-The rounding follows the HF modules': statistics in float32, each product and sum rounded to the
-model dtype as the eager ops do.
+The norm and RoPE of a head are :func:`.norms.norm_rope_head`, the same code as the other fused kernels'.
 
 Needs Triton (see :mod:`.decode_attention`); :class:`~.fused.FusedTarget` imports it only when it runs.
 """
@@ -18,8 +17,9 @@ import triton
 import triton.language as tl
 
 from .fused import SlotStore
+from .norms import norm_rope_head, unsupported
 
-__all__ = ["qk_norm_rope_store_triton"]
+__all__ = ["qk_norm_rope_store_triton", "unsupported"]
 
 
 @triton.jit
@@ -39,18 +39,7 @@ def _rope_store_kernel(Q, K, V, QW, KW, COS, SIN, KC, VC, LAYER, SLOTS, POS, QO,
             wgt = KW
             dst = (KC + tl.load(LAYER) * skc_l + tl.load(SLOTS + t) * skc_s + (h - HQ) * skc_h
                    + tl.load(POS + t) * skc_p)
-        x1 = tl.load(src + d)
-        x2 = tl.load(src + HALF + d)
-        dt = x1.dtype
-        if HAS_NORM:  # rms_norm: float32 statistics, weight * normalised.to(dtype)
-            a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-            r = tl.rsqrt((tl.sum(a1 * a1, 0) + tl.sum(a2 * a2, 0)) / (2 * HALF) + eps)
-            x1 = (tl.load(wgt + d) * (a1 * r).to(dt)).to(dt)
-            x2 = (tl.load(wgt + HALF + d) * (a2 * r).to(dt)).to(dt)
-        c1, c2 = tl.load(COS + t * sc_t + d), tl.load(COS + t * sc_t + HALF + d)
-        s1, s2 = tl.load(SIN + t * sc_t + d), tl.load(SIN + t * sc_t + HALF + d)
-        o1 = ((x1 * c1).to(dt) + (-x2 * s1).to(dt)).to(dt)  # x * cos + rotate_half(x) * sin
-        o2 = ((x2 * c2).to(dt) + (x1 * s2).to(dt)).to(dt)
+        o1, o2 = norm_rope_head(src, wgt, COS + t * sc_t, SIN + t * sc_t, d, eps, HALF, HAS_NORM)
         tl.store(dst + d, o1.to(dst.dtype.element_ty))
         tl.store(dst + HALF + d, o2.to(dst.dtype.element_ty))
     else:  # a v head: to the V cache as it is
@@ -58,14 +47,6 @@ def _rope_store_kernel(Q, K, V, QW, KW, COS, SIN, KC, VC, LAYER, SLOTS, POS, QO,
         dst = VC + tl.load(LAYER) * svc_l + tl.load(SLOTS + t) * svc_s + (h - HQ - HKV) * svc_h + tl.load(POS + t) * svc_p
         tl.store(dst + d, tl.load(src + d).to(dst.dtype.element_ty))
         tl.store(dst + HALF + d, tl.load(src + HALF + d).to(dst.dtype.element_ty))
-
-
-def unsupported(head_dim: int) -> str | None:
-    """Why the kernel cannot take heads of ``head_dim`` (``None``: it can)."""
-    half = head_dim // 2
-    if head_dim % 2 or half < 1 or half & (half - 1):
-        return f"head_dim {head_dim} is not twice a power of two"
-    return None
 
 
 def qk_norm_rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,

@@ -25,7 +25,7 @@ import torch
 
 __all__ = ["cache_dir", "load_tuning", "save_tuning", "tuning_key"]
 
-FORMAT = 1
+FORMAT = 2  # the layout of the saved choices (FusedTarget.tuning_choices); a new layout takes a new number
 
 
 def cache_dir() -> Path:
