@@ -29,6 +29,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import subprocess
@@ -128,7 +129,9 @@ def start_up(res, target, drafter, device, args):
     eng = cached.engine
     res["first_process"] = {"ttft_s": ttft, "warmup_s": warm, "warnings": notes, "fusion_note": eng.fusion_note,
                             "row_kernels": getattr(eng.fused, "row_kernels", None),
-                            "block_kernels": getattr(eng.fused, "block_kernels", None)}
+                            "block_kernels": getattr(eng.fused, "block_kernels", None),
+                            "elementwise": getattr(eng.fused, "elementwise", None),
+                            "elementwise_note": getattr(eng.fused, "elementwise_note", None)}
     log(f"start: first process: first token after {ttft:.1f}s (engine build, tuning, compiles), warmup {warm:.1f}s; "
         f"fusion note {eng.fusion_note!r}; warnings {notes}")
     cmd = [sys.executable, __file__, "--child", "--prompt-len", str(args.prompt_len), "--max-new", str(args.max_new)]
@@ -284,6 +287,19 @@ def profile(res, target, drafter, device, args):
     res["engine_fixed_phases"] = phase_breakdown(eng, lambda: eng.generate([prompt], max_new_tokens=args.max_new))
     log(f"profile: engine fixed c1 phases {res['engine_fixed_phases']}")
     res["engine_fixed_sizes"] = {"max_len": eng.max_len, "token_budget": eng.token_budget}
+    if device == "cuda":  # where the GPU waits for the host in a round (profiler on: host ops slower, a guide only)
+        sys.path.insert(0, str(Path(__file__).parent / "engine_probes"))
+        from trace_gaps import gaps_and_ops
+
+        trace = Path(args.out) / "trace_engine_fixed_c1.json.gz"
+        rounds = 32
+        kernel_profile(lambda: eng.generate([prompt], max_new_tokens=rounds), device, trace=str(trace))
+        with gzip.open(trace, "rt") as f:
+            span, gaps, ops, longest = gaps_and_ops(json.load(f)["traceEvents"], 20.0)
+        res["engine_fixed_gaps"] = {"rounds": rounds, "kernel_span_ms": span / 1e3, "gaps_over_20us": len(gaps),
+                                    "gap_ms": sum(e - b for b, e in gaps) / 1e3,
+                                    "host_ops_in_gaps_ms": {k: v / 1e3 for k, v in ops.most_common(12)}}
+        log(f"profile: engine fixed c1 GPU gaps {res['engine_fixed_gaps']}")
     del eng
     free_memory()
     # the same phases for the engine our generate builds and caches (its round is slower than the engine's own)

@@ -29,6 +29,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -37,7 +38,7 @@ from .kernels.attention import INACTIVE, SlotAttention, default_backend
 from .kernels.fused import FusedTarget, SlotStore, fuse_layer_weights
 from .kernels.stock_layers import unsupported_drafter_layers
 from .kv_cache import SlotKVCache
-from .target import fused_layers, repeat, segments
+from .target import fused_layers, segments
 
 __all__ = ["DraftGraphs", "DraftOutput", "SlotCacheView", "append_context", "draft_blocks", "make_drafter_cache"]
 
@@ -277,25 +278,25 @@ class DraftGraphs(GraphRunner):
             self.feats[:C].copy_(torch.cat(list(ctx)) if len(ctx) > 1 else ctx[0])
         else:
             torch.cat(list(ctx), out=self.feats[:C])
-        starts = torch.tensor([self.cache.length(s) for s in slots], dtype=torch.long)
-        lens_t = torch.tensor(lens, dtype=torch.long)
-        slots_t = torch.tensor(slots, dtype=torch.long)
-        host = torch.zeros(5, max(Cb, Rb), dtype=torch.long)
+        # The indices are built in numpy: a round's host work before its first launch leaves the GPU idle.
+        starts = np.array([self.cache.length(s) for s in slots], dtype=np.int64)
+        lens_a, slots_a = np.array(lens, dtype=np.int64), np.array(slots, dtype=np.int64)
+        host = np.zeros((5, max(Cb, Rb)), dtype=np.int64)
         # context token t of request i: position starts[i] + (t - first token of i)
-        host[0, :C] = repeat(starts, lens) + segments(lens)[1]
-        host[0, C:Cb] = torch.arange(Cb - C) % self.cache.max_len
-        host[1, :C] = repeat(slots, lens)
+        host[0, :C] = np.repeat(starts, lens_a) + segments(lens)[1].numpy()
+        host[0, C:Cb] = np.arange(Cb - C) % self.cache.max_len
+        host[1, :C] = np.repeat(slots_a, lens_a)
         host[1, C:Cb] = self.scratch
-        start = torch.full((self.slot_rows,), INACTIVE, dtype=torch.int32)
+        start = np.full(self.slot_rows, INACTIVE, dtype=np.int32)
         if R:
-            host[2, :R], host[2, R:Rb] = slots_t, self.scratch
-            host[3, :R] = starts + lens_t  # the bonus token's position
-            host[4, :R] = torch.tensor(bonus, dtype=torch.long)
-            start[slots_t] = (starts + lens_t + self.B - 1).to(torch.int32)  # last visible key: the block's end
-        if int((starts + lens_t).max()) + (self.B if R else 0) > self.cache.max_len:
+            host[2, :R], host[2, R:Rb] = slots_a, self.scratch
+            host[3, :R] = starts + lens_a  # the bonus token's position
+            host[4, :R] = bonus
+            start[slots_a] = starts + lens_a + self.B - 1  # last visible key: the block's end
+        if int((starts + lens_a).max()) + (self.B if R else 0) > self.cache.max_len:
             raise ValueError(f"drafter cache write past max_len {self.cache.max_len}")
-        copy_to_device(self.inputs[:, : host.shape[1]], host)
-        copy_to_device(self.attention.start, start)
+        copy_to_device(self.inputs[:, : host.shape[1]], torch.from_numpy(host))
+        copy_to_device(self.attention.start, torch.from_numpy(start))
         self.padded_tokens += (Cb - C) + (Rb - R) * self.B
         return bucket
 

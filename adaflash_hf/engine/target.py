@@ -54,8 +54,8 @@ def segments(lengths) -> tuple[torch.Tensor, torch.Tensor]:
         [[0, 0, 2, 2, 2], [0, 1, 0, 1, 2]]
     """
     q = np.asarray(lengths if isinstance(lengths, torch.Tensor) else list(lengths), dtype=np.int64)
-    owner = repeat(np.arange(q.shape[0]), q)
-    return owner, torch.arange(owner.shape[0]) - repeat(np.cumsum(q) - q, q)
+    owner = np.repeat(np.arange(q.shape[0]), q)
+    return torch.from_numpy(owner), torch.from_numpy(np.arange(owner.shape[0]) - np.repeat(np.cumsum(q) - q, q))
 
 
 @dataclass(frozen=True)
