@@ -32,6 +32,7 @@ import argparse
 import gzip
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -190,13 +191,14 @@ def identity(res, target, drafter, device, args):
 
 
 # ----------------------------------------------------------------------------- methods
-def per_round(run, device, rounds_of):
-    """(ms per round, rounds): ``run(n)`` generates ``n`` new tokens; prefill is the ``n = 1`` run."""
+def per_round(run, device, rounds_of, reps: int = 3):
+    """(ms per round, rounds): ``run(n)`` generates ``n`` new tokens; prefill is the ``n = 1`` run. The median
+    of ``reps`` timings of each."""
     run(args_max_new[0])  # untimed: compiles, captures
-    _, pre = timed(lambda: run(1), device)
-    out, total = timed(lambda: run(args_max_new[0]), device)
-    rounds = rounds_of(out)
-    return 1e3 * (total - pre) / max(rounds, 1), rounds
+    pre = statistics.median(timed(lambda: run(1), device)[1] for _ in range(reps))
+    outs = [timed(lambda: run(args_max_new[0]), device) for _ in range(reps)]
+    rounds = rounds_of(outs[0][0])
+    return 1e3 * (statistics.median(t for _, t in outs) - pre) / max(rounds, 1), rounds
 
 
 args_max_new = [128]
