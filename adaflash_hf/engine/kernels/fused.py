@@ -373,19 +373,14 @@ class FusedTarget:
         weight = self._weight(role)[0]
         return fitting(ROW_CONFIGS if rows == 1 else BLOCK_CONFIGS, weight.shape, rows)
 
-    def _kind(self, role: str, rows: int, weight: torch.Tensor) -> str:
-        """The kernel chosen for projection ``role`` over ``rows`` rows of ``weight``."""
-        kind = self.row_kernels[role] if rows == 1 else self.block_kernels[role] if rows <= _MAX_ROWS else "cublas"
-        if kind != "cublas" and weight.shape != self._weight(role)[0].shape:  # a drafter's projection of another
-            kind = "cublas"  # shape: the measured choice (and the Triton tile) are the target's
-        return kind
-
     def _project(self, role: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  gather: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Projection ``role`` of rows ``x`` (or of ``x``'s slot-layout rows ``gather``, for ``o``) on the
         kernel chosen for its row count."""
         rows = x.shape[0] if gather is None else gather[0].shape[0]
-        kind = self._kind(role, rows, weight)
+        kind = self.row_kernels[role] if rows == 1 else self.block_kernels[role] if rows <= _MAX_ROWS else "cublas"
+        if kind != "cublas" and weight.shape != self._weight(role)[0].shape:  # a drafter's projection of another
+            kind = "cublas"  # shape: the measured choice (and the Triton tile) are the target's
         if kind == "triton":
             from .skinny_linear import skinny_linear
 
@@ -405,17 +400,10 @@ class FusedTarget:
         return self._project("o", out, attn.o_proj.weight, attn.o_proj.bias, gather=(q_slots, q_rows))
 
     def mlp(self, x: torch.Tensor, w: LayerWeights, mlp) -> torch.Tensor:
-        """``down_proj(act(gate) * up)`` of the fused gate/up projection. With the Triton elementwise kernels and
-        the Triton few-row kernel for ``down``, the activation is computed as ``down`` loads its input (the same
-        rounding; one kernel less per layer)."""
-        gate_up, down = self._project("gate_up", x, w.gate_up, w.gate_up_bias), mlp.down_proj
-        rows = gate_up.shape[0]
-        if self.elementwise == "triton" and self._kind("down", rows, down.weight) == "triton":
-            from .skinny_linear import skinny_linear
-
-            tile = self.triton_configs[("down", 1 if rows == 1 else _MAX_ROWS)]
-            return skinny_linear(gate_up, down.weight, down.bias, tile, silu_mul_input=True)
-        return self._project("down", self.act_mul(gate_up), down.weight, down.bias)
+        """``down_proj(act(gate) * up)`` of the fused gate/up projection."""
+        h = self.act_mul(self._project("gate_up", x, w.gate_up, w.gate_up_bias))
+        down = mlp.down_proj
+        return self._project("down", h, down.weight, down.bias)
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         head = self.model.lm_head

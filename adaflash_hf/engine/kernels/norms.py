@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["add_rms_norm_triton", "norm_rope_head", "norm_rope_triton", "qk_norm_rope_triton", "rms_norm_triton",
-           "silu_mul", "silu_mul_triton", "unsupported"]
+           "silu_mul_triton", "unsupported"]
 
 _ACT_BLOCK = 1024  # SiLU * up: columns per program
 
@@ -108,21 +108,15 @@ def add_rms_norm_triton(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 
 
 @triton.jit
-def silu_mul(gate, up):
-    """``silu(gate) * up`` as the eager ops round it: F.silu in float32, rounded to the dtype, then the product."""
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-
-
-@triton.jit
 def _silu_mul_kernel(GU, O, sgu, so, n, BLOCK: tl.constexpr):
     row, blk = tl.program_id(0), tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     keep = cols < n
     gate = tl.load(GU + row * sgu + cols, mask=keep, other=0.0)
     up = tl.load(GU + row * sgu + n + cols, mask=keep, other=0.0)
-    tl.store(O + row * so + cols, silu_mul(gate, up).to(O.dtype.element_ty), mask=keep)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # F.silu: float32 math, rounded to the dtype
+    tl.store(O + row * so + cols, (act.to(tl.float32) * up.to(tl.float32)).to(O.dtype.element_ty), mask=keep)
 
 
 def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .norms import silu_mul
-
 __all__ = ["BLOCK_CONFIGS", "MAX_ROWS", "ROW_CONFIGS", "SkinnyConfig", "fitting", "skinny_linear"]
 
 MAX_ROWS = 16
@@ -75,25 +73,14 @@ def _row_offsets(X, SLOTS, ROWS, m, k, sx_m, s0, s1, s2, D: tl.constexpr, GATHER
 
 
 @triton.jit
-def _load_x(X, SLOTS, ROWS, m, k, K, sx_m, s0, s1, s2, D: tl.constexpr, GATHER: tl.constexpr, SILU_MUL: tl.constexpr):
-    """Input row(s) ``m``, columns ``k``; with ``SILU_MUL`` the input is a fused gate/up projection ``[M, 2K]`` and
-    this is ``silu(gate) * up`` (:func:`.norms.silu_mul`: the same rounding as the separate kernel)."""
-    at = _row_offsets(X, SLOTS, ROWS, m, k, sx_m, s0, s1, s2, D, GATHER)
-    x = tl.load(at)
-    if SILU_MUL:
-        x = silu_mul(x, tl.load(at + K))
-    return x
-
-
-@triton.jit
 def _gemv_kernel(X, W, B, Y, SLOTS, ROWS, K, sw, sx_m, s0, s1, s2,
-                 D: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+                 D: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        x = _load_x(X, SLOTS, ROWS, 0, rk, K, sx_m, s0, s1, s2, D, GATHER, SILU_MUL)
+        x = tl.load(_row_offsets(X, SLOTS, ROWS, 0, rk, sx_m, s0, s1, s2, D, GATHER))
         w = tl.load(W + rn[:, None] * sw + rk[None, :], eviction_policy="evict_first")
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, 1)
@@ -104,7 +91,7 @@ def _gemv_kernel(X, W, B, Y, SLOTS, ROWS, K, sw, sx_m, s0, s1, s2,
 
 @triton.jit
 def _block_kernel(X, W, B, Y, SLOTS, ROWS, M, K, sw, sx_m, s0, s1, s2, sy,
-                  D: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+                  D: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     rm = tl.arange(0, 16)
     live = rm < M
@@ -113,7 +100,7 @@ def _block_kernel(X, W, B, Y, SLOTS, ROWS, M, K, sw, sx_m, s0, s1, s2, sy,
     acc = tl.zeros([16, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        x = _load_x(X, SLOTS, ROWS, m[:, None], rk[None, :], K, sx_m, s0, s1, s2, D, GATHER, SILU_MUL)
+        x = tl.load(_row_offsets(X, SLOTS, ROWS, m[:, None], rk[None, :], sx_m, s0, s1, s2, D, GATHER))
         w = tl.load(W + rn[:, None] * sw + rk[None, :], eviction_policy="evict_first")
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     if HAS_BIAS:
@@ -122,12 +109,11 @@ def _block_kernel(X, W, B, Y, SLOTS, ROWS, M, K, sw, sx_m, s0, s1, s2, sy,
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
-                  gather: tuple[torch.Tensor, torch.Tensor] | None = None, silu_mul_input: bool = False) -> torch.Tensor:
+                  gather: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [M, K]``, ``1 <= M <= 16`` (one row: the matrix-vector kernel).
     With ``gather=(slots, rows)``, ``x`` is an attention output ``[slot rows, heads, q, d]`` and input row
-    ``m`` is ``x[slots[m], :, rows[m]].flatten()``. With ``silu_mul_input``, ``x [M, 2K]`` is a fused gate/up
-    projection and the input is ``silu(gate) * up`` (the MLP's down projection without a kernel for the
-    activation). ``weight``'s rows must be a multiple of ``config.block_n`` and its columns of ``config.block_k``.
+    ``m`` is ``x[slots[m], :, rows[m]].flatten()``. ``weight``'s rows must be a multiple of ``config.block_n``
+    and its columns of ``config.block_k``.
 
     Example:
         >>> y = skinny_linear(x, layer.weight, layer.bias, ROW_CONFIGS[0])  # doctest: +SKIP
@@ -138,11 +124,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         sx_m, slots, rows = x.stride(0), x, x  # slots / rows unused
         if x.stride(-1) != 1:
             raise ValueError("skinny_linear: the input's last dimension must be contiguous")
-        if x.shape[-1] != K * (2 if silu_mul_input else 1):
-            raise ValueError(f"skinny_linear: an input of {x.shape[-1]} features for a [{N}, {K}] weight"
-                             + (" (silu_mul_input: twice its columns)" if silu_mul_input else ""))
-    elif silu_mul_input:
-        raise ValueError("skinny_linear: silu_mul_input takes no gather")
     else:
         slots, rows = gather
         M, D, strides, sx_m = slots.shape[0], x.shape[-1], (x.stride(0), x.stride(1), x.stride(2)), 0
@@ -152,8 +133,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"skinny_linear: {M} rows of a [{N}, {K}] weight do not fit tile {tuple(config)}")
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     b = bias if bias is not None else weight
-    common = dict(D=D, GATHER=gather is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul_input,
-                  BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+    common = dict(D=D, GATHER=gather is not None, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                   num_warps=config.warps, num_stages=config.stages)
     grid = (N // config.block_n,)
     if M == 1:
