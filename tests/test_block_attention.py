@@ -38,6 +38,44 @@ def test_flex_block_attention_equals_dense_mask(anchors, valid):
         torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=1e-5)
 
 
+# context length, anchors per row, valid, block size, tile (small tiles: many of them in a small case)
+SPARSITY_CASES = [
+    (24, [[8, 12, 20], [8, 15, 0]], [[True, True, True], [True, True, False]], 4, 8),
+    (40, [[3, 30, 9, 39, 1], [20, 20, 5, 0, 33]], [[True] * 5, [True, True, True, False, True]], 4, 8),
+    (37, [[5, 36, 2], [30, 10, 12]], [[True] * 3, [True] * 3], 6, 16),  # blocks straddle query tiles
+]
+
+
+@pytest.mark.parametrize("context_len,anchors,valid,block_size,tile", SPARSITY_CASES)
+def test_block_sparsity_lists_every_tile_with_a_visible_key(context_len, anchors, valid, block_size, tile):
+    """Every (query tile, key tile) pair holding a key some query of the tile may see (the dense mask) is listed,
+    in ascending order and once; and the listing is sparse where the rule is (it skips tiles). Uncompiled flex
+    on the CPU ignores the listing (it applies the mask everywhere), so the forward test cannot see this."""
+    from adaflash_hf.training.block_attention import block_sparsity
+    from adaflash_hf.training.blocks import block_attention_mask
+
+    anchors, valid = torch.tensor(anchors), torch.tensor(valid)
+    dense = block_attention_mask(context_len, anchors, valid, block_size)[:, 0]  # [b, q, kv]
+    b, q_len, kv_len = dense.shape
+    nq, nkv = -(-q_len // tile), -(-kv_len // tile)
+    padded = torch.zeros(b, nq * tile, nkv * tile, dtype=torch.bool)
+    padded[:, :q_len, :kv_len] = dense
+    visible = padded.view(b, nq, tile, nkv, tile).any(dim=4).any(dim=2)  # [b, nq, nkv]
+    num, idx = block_sparsity(context_len, anchors, valid, block_size, tile)
+    listed = torch.zeros(b, nq, nkv, dtype=torch.bool)
+    for bi in range(b):
+        for qi in range(nq):
+            tiles = idx[bi, 0, qi, : num[bi, 0, qi]].tolist()
+            assert tiles == sorted(set(tiles))
+            listed[bi, qi, tiles] = True
+    assert (listed | ~visible).all()  # nothing visible is left out
+    assert listed.sum() < b * nq * nkv  # and tiles are skipped
+    for bi in range(b):  # control: without each query tile's last listed tile (its own blocks' keys), the check fails
+        for qi in range(nq):
+            listed[bi, qi, idx[bi, 0, qi, num[bi, 0, qi] - 1]] = False
+    assert not (listed | ~visible).all()
+
+
 def test_flex_rule_change_is_seen():
     """Control: the comparison above notices a rule that lets each block see its anchor's own target state."""
     target, drafter = tiny_pair(block_size=4)
