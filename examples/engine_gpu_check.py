@@ -210,11 +210,11 @@ def cost_8b(device, smoke: bool, quick: bool):
                 rep.update(row_kernels=eng.fused.row_kernels, block_kernels=eng.fused.block_kernels,
                            triton_tiles={f"{r} x{n}": list(t) for (r, n), t in eng.fused.triton_configs.items()},
                            row_timings_ms=eng.fused.row_timings, row_note=eng.fused.row_note,
-                           store_kernel=eng.fused.store_kernel, store_note=eng.fused.store_note)
+                           elementwise=eng.fused.elementwise, elementwise_note=eng.fused.elementwise_note)
             log(f"b: engine built in {rep['fuse_s']:.1f}s, fused layers: {eng.fused is not None} {eng.fusion_note}; "
                 f"one-row kernels {rep.get('row_kernels')}, 16-row kernels {rep.get('block_kernels')}, Triton tiles "
-                f"{rep.get('triton_tiles')} {rep.get('row_note', '')}; norm + RoPE + store: {rep.get('store_kernel')} "
-                f"{rep.get('store_note', '')}; ms per layer {rep.get('row_timings_ms')}")
+                f"{rep.get('triton_tiles')} {rep.get('row_note', '')}; elementwise kernels: {rep.get('elementwise')} "
+                f"{rep.get('elementwise_note', '')}; ms per layer {rep.get('row_timings_ms')}")
             steps, dt = decode(eng, 0)
             bucket = max(eng.graphs.replays, key=eng.graphs.replays.get)  # the most replayed decode bucket
 

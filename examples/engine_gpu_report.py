@@ -49,7 +49,7 @@ def markdown(res: dict) -> str:
                     out += [f"\nkernels of one decode forward (eager, torch.profiler): {kp['kernels']}, {kp['kernel_ms']:.2f} ms; top:", ""]
                     out += [f"- {k['us'] / 1e3:.3f} ms x{k['count']} `{k['name']}`" for k in kp["top"]]
             if b.get("row_kernels"):
-                out.append(f"\nnorm + RoPE + store kernel: {b.get('store_kernel')} {b.get('store_note', '')}")
+                out.append(f"\nelementwise kernels: {b.get('elementwise', b.get('store_kernel'))} {b.get('elementwise_note', b.get('store_note', ''))}")
                 out.append(f"\none-row kernels chosen at build: {b['row_kernels']}; 2-16 rows: {b.get('block_kernels')} "
                            f"{b.get('row_note', '')}; ms per layer: "
                            + ", ".join(f"{k} " + "/".join(f"{n} {v:.4f}" for n, v in t.items()) for k, t in b.get("row_timings_ms", {}).items()))
