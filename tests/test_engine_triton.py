@@ -255,7 +255,7 @@ def test_elementwise_kernels_equal_the_torch_functions(family, dtype, hidden):
     """Each Triton elementwise kernel (:mod:`adaflash_hf.engine.kernels.norms`, and the store kernel) == its torch
     function on the model's shapes: the norms with and without the residual add, q/k norm + RoPE (the q layout
     transposed), the keys' norm + RoPE, SiLU(gate) * up, and what the store writes to the caches."""
-    from adaflash_hf.engine.kernels.fused import _written
+    from adaflash_hf.engine.kernels.norms import elementwise_cases, written
 
     model = make_target(family, seed=3, hidden=hidden, head_dim=16).to(dtype)
     with torch.no_grad():  # norm weights start at one: make the weighting count
@@ -266,10 +266,10 @@ def test_elementwise_kernels_equal_the_torch_functions(family, dtype, hidden):
     kernels = FusedTarget(model, compile=False, elementwise="triton")
     assert kernels.rms_norm is not torch_fns.rms_norm and kernels.act_mul is not torch_fns.act_mul
     tol = 1e-6 if dtype == torch.float32 else 1e-3
-    cases = torch_fns._elementwise_cases()
+    cases = elementwise_cases(torch_fns)
     assert set(cases) == {"rms_norm", "add_rms_norm", "qk_norm_rope", "qk_norm_rope_store", "act_mul", "norm_rope"}
     for name, make in cases.items():
-        ref, got = _written(name, getattr(torch_fns, name), make()), _written(name, getattr(kernels, name), make())
+        ref, got = written(name, getattr(torch_fns, name), make()), written(name, getattr(kernels, name), make())
         assert len(ref) == len(got), name
         for a, b in zip(ref, got):
             assert a.shape == b.shape and a.dtype == b.dtype, name

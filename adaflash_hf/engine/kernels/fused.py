@@ -53,8 +53,8 @@ from .stock_layers import unsupported_layers
 _MAX_ROWS = 16  # skinny_linear.MAX_ROWS (that module needs Triton, imported only when used)
 _TUNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its tuning (FusedTarget.build)
 
-__all__ = ["FusedTarget", "LayerWeights", "SlotStore", "add_rms_norm", "fuse_layer_weights", "norm_rope", "qk_norm_rope",
-           "qk_norm_rope_store", "rms_norm"]
+__all__ = ["FusedTarget", "LayerWeights", "SlotStore", "add_rms_norm", "elementwise_functions", "fuse_layer_weights",
+           "norm_rope", "qk_norm_rope", "qk_norm_rope_store", "rms_norm"]
 
 
 # ------------------------------------------------------------------ elementwise math (the HF modules' ops)
@@ -154,11 +154,10 @@ def _gather_linear(out: torch.Tensor, q_slots: torch.Tensor, q_rows: torch.Tenso
     return F.linear(out[q_slots, :, q_rows].flatten(1), weight, bias)
 
 
-def _written(name: str, fn: Callable, args: tuple) -> list[torch.Tensor]:
-    """What elementwise function ``name`` produced from ``args``: its outputs, and for the store the K/V caches."""
-    out = fn(*args)
-    out = list(out) if isinstance(out, tuple) else [out]
-    return out + list(args[-8:-6]) if name == "qk_norm_rope_store" else out
+def elementwise_functions(act: Callable) -> dict[str, Callable]:
+    """The elementwise math as the torch functions above (eager), by the names :class:`FusedTarget` serves them under."""
+    return {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qk_norm_rope": qk_norm_rope,
+            "qk_norm_rope_store": qk_norm_rope_store, "act_mul": _act_mul(act), "norm_rope": norm_rope}
 
 
 def _triton_elementwise_refusal(model) -> str | None:
@@ -341,9 +340,7 @@ class FusedTarget:
     def _torch_elementwise(self) -> dict[str, Callable]:
         """The torch functions of the elementwise math (compiled when :attr:`compiled`), built once."""
         if self._torch_fns is None:
-            fns = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qk_norm_rope": qk_norm_rope,
-                   "qk_norm_rope_store": qk_norm_rope_store, "act_mul": _act_mul(self.model.model.layers[0].mlp.act_fn),
-                   "norm_rope": norm_rope}
+            fns = elementwise_functions(self.model.model.layers[0].mlp.act_fn)
             if self.compiled:
                 # One kernel per function; the first call per shape class compiles (a few seconds), shapes then
                 # become dynamic on their own (one more compile), so every token bucket reuses the kernels.
@@ -477,16 +474,9 @@ class FusedTarget:
         if self.elementwise != "triton":
             return self.elementwise
         try:
-            cases = self._elementwise_cases()
-            eager = {k: v for k, v in zip(("rms_norm", "add_rms_norm", "qk_norm_rope", "qk_norm_rope_store", "act_mul", "norm_rope"),
-                                          (rms_norm, add_rms_norm, qk_norm_rope, qk_norm_rope_store,
-                                           _act_mul(self.model.model.layers[0].mlp.act_fn), norm_rope))}
-            bad = []
-            for name, make in cases.items():
-                ref, got = (_written(name, fn, make()) for fn in (eager[name], getattr(self, name)))
-                if len(ref) != len(got) or not all(a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.02)
-                                                   for a, b in zip(ref, got)):
-                    bad.append(name)
+            from .norms import disagreements
+
+            bad = disagreements(self)
             why = f"{', '.join(bad)} differ from the torch functions" if bad else ""
         except Exception as exc:  # noqa: BLE001 - a compiler failure must not stop serving: the torch functions remain
             why = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -494,38 +484,6 @@ class FusedTarget:
             self._use_elementwise("torch")
             self.elementwise_note = f"Triton elementwise kernels unavailable ({why}); using the torch functions"
         return self.elementwise
-
-    def _elementwise_cases(self) -> dict[str, Callable[[], tuple]]:
-        """Per elementwise function, a maker of fresh random arguments of this model's shapes (3 tokens)."""
-        layer = self.model.model.layers[0]
-        attn, p = layer.self_attn, self.layers[0].qkv
-        d, (nq, nk, _) = attn.head_dim, self.layers[0].splits
-        gen = torch.Generator(device=p.device).manual_seed(0)
-        T, hidden = 3, p.shape[1]
-
-        def randn(*shape):
-            return torch.randn(*shape, generator=gen, device=p.device, dtype=p.dtype)
-
-        qkv, h, delta, gate_up = randn(T, nq + 2 * nk), randn(T, hidden), randn(T, hidden), randn(T, self.layers[0].gate_up.shape[0])
-        q, k, v = (t.view(T, -1, d) for t in qkv.split([nq, nk, nk], dim=-1))
-        positions = torch.arange(T, device=p.device) * 5
-        cos, sin = (t[0] for t in self.model.model.rotary_emb(q[None], positions[None]))
-        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        norms = (qn.weight, kn.weight, qn.variance_epsilon) if qn is not None else (None, None, 0.0)
-        ln = layer.input_layernorm
-
-        def store():
-            kc = torch.zeros(1, T, nk // d, 16, d, device=p.device, dtype=p.dtype)
-            q_out = torch.zeros(T, nq // d, 1, d, device=p.device, dtype=p.dtype)
-            idx = torch.arange(T, device=p.device)
-            return (q, k, v, *norms, cos, sin, *SlotStore(kc, kc.clone(), idx[:1] * 0, idx, positions, q_out, idx, idx * 0))
-
-        return {"rms_norm": lambda: (h, ln.weight, ln.variance_epsilon),
-                "add_rms_norm": lambda: (h, delta, ln.weight, ln.variance_epsilon),
-                "qk_norm_rope": lambda: (q, k, *norms, cos, sin),
-                "qk_norm_rope_store": store,
-                "act_mul": lambda: (gate_up,),
-                "norm_rope": lambda: (k, norms[1], norms[2], cos, sin)}
 
     def check_current(self) -> None:
         """Raise a clear ``RuntimeError`` if the model's projections no longer live in the fused

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["add_rms_norm_triton", "norm_rope_head", "norm_rope_triton", "qk_norm_rope_triton", "rms_norm_triton",
-           "silu_mul_triton", "unsupported"]
+__all__ = ["add_rms_norm_triton", "disagreements", "elementwise_cases", "norm_rope_head", "norm_rope_triton",
+           "qk_norm_rope_triton", "rms_norm_triton", "silu_mul_triton", "unsupported", "written"]
 
 _ACT_BLOCK = 1024  # SiLU * up: columns per program
 
@@ -191,3 +191,62 @@ def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, c
         raise ValueError(f"norm_rope_triton: a per-head weight of shape [d], got {tuple(weight.shape)}")
     _check_heads("norm_rope_triton", x.shape[-1], x, cos, sin)
     return qk_norm_rope_triton(x[:, :0], x, weight, weight, eps, cos, sin)[1]
+
+
+# ------------------------------------------------------------------ the check before the kernels serve
+def elementwise_cases(fused) -> dict:
+    """Per elementwise function of :class:`~.fused.FusedTarget` ``fused``, a maker of fresh random arguments of its
+    model's shapes (3 tokens)."""
+    from .fused import SlotStore
+
+    layer = fused.model.model.layers[0]
+    attn, p = layer.self_attn, fused.layers[0].qkv
+    d, (nq, nk, _) = attn.head_dim, fused.layers[0].splits
+    gen = torch.Generator(device=p.device).manual_seed(0)
+    T, hidden = 3, p.shape[1]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=p.device, dtype=p.dtype)
+
+    qkv, h, delta, gate_up = randn(T, nq + 2 * nk), randn(T, hidden), randn(T, hidden), randn(T, fused.layers[0].gate_up.shape[0])
+    q, k, v = (t.view(T, -1, d) for t in qkv.split([nq, nk, nk], dim=-1))
+    positions = torch.arange(T, device=p.device) * 5
+    cos, sin = (t[0] for t in fused.model.model.rotary_emb(q[None], positions[None]))
+    qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    norms = (qn.weight, kn.weight, qn.variance_epsilon) if qn is not None else (None, None, 0.0)
+    ln = layer.input_layernorm
+
+    def store():
+        kc = torch.zeros(1, T, nk // d, 16, d, device=p.device, dtype=p.dtype)
+        q_out = torch.zeros(T, nq // d, 1, d, device=p.device, dtype=p.dtype)
+        idx = torch.arange(T, device=p.device)
+        return (q, k, v, *norms, cos, sin, *SlotStore(kc, kc.clone(), idx[:1] * 0, idx, positions, q_out, idx, idx * 0))
+
+    return {"rms_norm": lambda: (h, ln.weight, ln.variance_epsilon),
+            "add_rms_norm": lambda: (h, delta, ln.weight, ln.variance_epsilon),
+            "qk_norm_rope": lambda: (q, k, *norms, cos, sin),
+            "qk_norm_rope_store": store,
+            "act_mul": lambda: (gate_up,),
+            "norm_rope": lambda: (k, norms[1], norms[2], cos, sin)}
+
+
+def written(name: str, fn, args: tuple) -> list[torch.Tensor]:
+    """What elementwise function ``name`` produced from ``args``: its outputs, and for the store the K/V caches."""
+    out = fn(*args)
+    out = list(out) if isinstance(out, tuple) else [out]
+    return out + list(args[-8:-6]) if name == "qk_norm_rope_store" else out
+
+
+def disagreements(fused) -> list[str]:
+    """The elementwise functions ``fused`` serves that differ from the eager torch functions on random inputs of its
+    model's shapes (a bfloat16-sized tolerance: they round alike, but reduce in another order)."""
+    from .fused import elementwise_functions
+
+    eager = elementwise_functions(fused.model.model.layers[0].mlp.act_fn)
+    bad = []
+    for name, make in elementwise_cases(fused).items():
+        ref, got = written(name, eager[name], make()), written(name, getattr(fused, name), make())
+        if len(ref) != len(got) or not all(a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.02)
+                                           for a, b in zip(ref, got)):
+            bad.append(name)
+    return bad
