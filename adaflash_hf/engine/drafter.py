@@ -38,7 +38,7 @@ from .kernels.attention import INACTIVE, SlotAttention, default_backend
 from .kernels.fused import FusedTarget, SlotStore, fuse_layer_weights
 from .kernels.stock_layers import unsupported_drafter_layers
 from .kv_cache import SlotKVCache
-from .target import fused_layers, segments
+from .target import fused_layers, repeat, segments
 
 __all__ = ["DraftGraphs", "DraftOutput", "SlotCacheView", "append_context", "draft_blocks", "make_drafter_cache"]
 
@@ -283,7 +283,7 @@ class DraftGraphs(GraphRunner):
         lens_a, slots_a = np.array(lens, dtype=np.int64), np.array(slots, dtype=np.int64)
         host = np.zeros((5, max(Cb, Rb)), dtype=np.int64)
         # context token t of request i: position starts[i] + (t - first token of i)
-        host[0, :C] = np.repeat(starts, lens_a) + segments(lens)[1].numpy()
+        host[0, :C] = (repeat(starts, lens) + segments(lens)[1]).numpy()
         host[0, C:Cb] = np.arange(Cb - C) % self.cache.max_len
         host[1, :C] = np.repeat(slots_a, lens_a)
         host[1, C:Cb] = self.scratch

@@ -39,7 +39,7 @@ import torch
 from .kernels.attention import BACKENDS, INACTIVE, SlotAttention, default_backend
 from .kernels.fused import FusedTarget, SlotStore
 from .kv_cache import SlotKVCache
-from .target import PackedLayout, decoder_forward, segments
+from .target import PackedLayout, decoder_forward
 
 __all__ = ["DecodeGraphs", "GraphRunner", "copy_to_device", "pick_bucket", "q_buckets", "to_device", "token_buckets"]
 
@@ -257,15 +257,14 @@ class DecodeGraphs(GraphRunner):
         Rb = pick_bucket(self.row_buckets, max(layout.slots) + 1)
         # The indices are built in numpy (a few microseconds each; torch's CPU ops cost more per call).
         pad = np.arange(Tb - T) % qb  # padding: scratch slot, distinct rows / positions where they fit
-        rows = segments(layout.q_lens)[1].numpy()
         host = np.empty((5, Tb), dtype=np.int64)
         host[0, :T] = tokens.cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens, dtype=np.int64)
         host[0, T:] = 0
-        host[1, :T] = np.repeat(np.asarray(layout.prefix_lens, dtype=np.int64), layout.q_lens) + rows
+        host[1, :T] = layout.positions().numpy()
         host[1, T:] = pad
-        host[2, :T] = np.repeat(np.asarray(layout.slots, dtype=np.int64), layout.q_lens)
+        host[2, :T] = layout.token_slots().numpy()
         host[2, T:] = self.scratch
-        host[3, :T] = rows
+        host[3, :T] = layout.rows().numpy()
         host[3, T:] = pad
         host[4, :T] = host[2, :T]
         host[4, T:] = Rb
