@@ -289,19 +289,24 @@ def profile(res, target, drafter, device, args):
     res["engine_fixed_phases"] = phase_breakdown(eng, lambda: eng.generate([prompt], max_new_tokens=args.max_new))
     log(f"profile: engine fixed c1 phases {res['engine_fixed_phases']}")
     res["engine_fixed_sizes"] = {"max_len": eng.max_len, "token_budget": eng.token_budget}
-    if device == "cuda":  # where the GPU waits for the host in a round (profiler on: host ops slower, a guide only)
+    if device == "cuda":  # where the GPU waits for the host in a round: with host operators recorded (the host
+        # slower: a guide to which ops) and device-only (the gaps nearly as they are)
         sys.path.insert(0, str(Path(__file__).parent / "engine_probes"))
         from trace_gaps import gaps_and_ops
 
         trace = Path(args.out) / "trace_engine_fixed_c1.json.gz"
+        device_trace = Path(args.out) / "trace_engine_fixed_c1_device.json.gz"
         rounds = 32
-        kernel_profile(lambda: eng.generate([prompt], max_new_tokens=rounds), device, trace=str(trace))
-        with gzip.open(trace, "rt") as f:
-            span, gaps, ops, longest = gaps_and_ops(json.load(f)["traceEvents"], 20.0)
-        res["engine_fixed_gaps"] = {"rounds": rounds, "kernel_span_ms": span / 1e3, "gaps_over_20us": len(gaps),
-                                    "gap_ms": sum(e - b for b, e in gaps) / 1e3,
-                                    "host_ops_in_gaps_ms": {k: v / 1e3 for k, v in ops.most_common(12)}}
-        log(f"profile: engine fixed c1 GPU gaps {res['engine_fixed_gaps']}")
+        kernel_profile(lambda: eng.generate([prompt], max_new_tokens=rounds), device, trace=str(trace),
+                       device_trace=str(device_trace))
+        for key, path in (("engine_fixed_gaps", trace), ("engine_fixed_gaps_device_only", device_trace)):
+            with gzip.open(path, "rt") as f:
+                span, gaps, ops, longest = gaps_and_ops(json.load(f)["traceEvents"], 20.0)
+            gap_ms = sum(e - b for b, e in gaps) / 1e3
+            res[key] = {"rounds": rounds, "kernel_span_ms": span / 1e3, "gaps_over_20us": len(gaps), "gap_ms": gap_ms,
+                        "gap_ms_per_round": gap_ms / rounds, "busy_ms_per_round": (span / 1e3 - gap_ms) / rounds,
+                        **({"host_ops_in_gaps_ms": {k: v / 1e3 for k, v in ops.most_common(12)}} if ops else {})}
+            log(f"profile: {key} {res[key]}")
     del eng
     free_memory()
     # the same phases for the engine our generate builds and caches (its round is slower than the engine's own)

@@ -85,11 +85,22 @@ def fmt_kernels(kp: dict, top: int = 8) -> str:
             + "; ".join(f"{k['name'][:50]} {k['us'] / 1e3:.2f}ms x{k['count']}" for k in kp["top"][:top]))
 
 
-def kernel_profile(fn, device, top: int = 12, keep_all: bool = False, trace: str | None = None) -> dict:
+def _gzip_trace(prof, path: str) -> None:
+    raw = path.removesuffix(".gz")
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(raw)
+
+
+def kernel_profile(fn, device, top: int = 12, keep_all: bool = False, trace: str | None = None,
+                   device_trace: str | None = None) -> dict:
     """Device kernels of one ``fn()`` (torch.profiler), after one unprofiled ``fn()``: how many, their summed
     time, the ``top`` names by time (``keep_all``: every name, under ``"all"``), and the profiled call's wall
     time. ``trace``: also record the host side and write a gzipped Chrome trace there (where the device
-    waits for the host). Kernels replayed from CUDA graphs are recorded as well."""
+    waits for the host). ``device_trace``: the device-only profile's trace (no host operators recorded, so the
+    host runs at nearly its own speed: the device's idle gaps as they are). Kernels replayed from CUDA graphs
+    are recorded as well."""
     from torch.profiler import ProfilerActivity, profile
 
     if torch.device(device).type != "cuda":
@@ -101,15 +112,13 @@ def kernel_profile(fn, device, top: int = 12, keep_all: bool = False, trace: str
         fn()
         sync(device)
         wall_ms = 1e3 * (time.perf_counter() - t)
+    if device_trace:
+        _gzip_trace(prof, device_trace)
     if trace:  # a third call, host and device (host ops also carry their kernels' time: kept out of the sums)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as host_prof:
             fn()
             sync(device)
-        raw = trace.removesuffix(".gz")
-        host_prof.export_chrome_trace(raw)
-        with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.remove(raw)
+        _gzip_trace(host_prof, trace)
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)

@@ -172,7 +172,7 @@ def head_index(counts: Sequence[int], block_size: int) -> torch.Tensor:
     positions ``0 .. counts[i] - 1`` (block columns ``1 .. counts[i]``: column 0 holds the bonus token), in
     request order. Host tensor ``[sum(counts)]``."""
     rows, pos = segments(counts)
-    return rows * block_size + 1 + pos
+    return torch.from_numpy(rows * block_size + 1 + pos)
 
 
 @dataclass
@@ -283,9 +283,9 @@ class DraftGraphs(GraphRunner):
         lens_a, slots_a = np.array(lens, dtype=np.int64), np.array(slots, dtype=np.int64)
         host = np.zeros((5, max(Cb, Rb)), dtype=np.int64)
         # context token t of request i: position starts[i] + (t - first token of i)
-        host[0, :C] = (repeat(starts, lens) + segments(lens)[1]).numpy()
+        host[0, :C] = repeat(starts, lens) + segments(lens)[1]
         host[0, C:Cb] = np.arange(Cb - C) % self.cache.max_len
-        host[1, :C] = np.repeat(slots_a, lens_a)
+        host[1, :C] = repeat(slots_a, lens_a)
         host[1, C:Cb] = self.scratch
         start = np.full(self.slot_rows, INACTIVE, dtype=np.int32)
         if R:

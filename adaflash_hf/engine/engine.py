@@ -349,12 +349,13 @@ class Engine(RequestLifecycle):
         """Drafts and verify lengths for ``running`` (trimmed to the token budget); sampled requests draw
         their drafts from the processed draft distribution."""
         n = len(running)
-        draft = torch.zeros(n, max(self.block_size - 1, 0), dtype=torch.long, device=self.device)
-        draft_len = torch.zeros(n, dtype=torch.long)
         finite = draft_logits = offsets = ratio = None
         q_probs, q_bad = [None] * n, [None] * n
         if n and self.drafter is not None:
             draft, finite, draft_logits, offsets, ratio, draft_len = self._propose(running)
+        else:
+            draft = torch.zeros(n, max(self.block_size - 1, 0), dtype=torch.long, device=self.device)
+            draft_len = torch.zeros(n, dtype=torch.long)
         if self.profile:
             self._tick("draft")
         draft_len = fit_token_budget(draft_len, self.token_budget, rectangular=self.layout == "rectangular")

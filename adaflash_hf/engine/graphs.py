@@ -39,7 +39,7 @@ import torch
 from .kernels.attention import BACKENDS, INACTIVE, SlotAttention, default_backend
 from .kernels.fused import FusedTarget, SlotStore
 from .kv_cache import SlotKVCache
-from .target import PackedLayout, decoder_forward
+from .target import PackedLayout, decoder_forward, repeat
 
 __all__ = ["DecodeGraphs", "GraphRunner", "copy_to_device", "pick_bucket", "q_buckets", "to_device", "token_buckets"]
 
@@ -260,11 +260,12 @@ class DecodeGraphs(GraphRunner):
         host = np.empty((5, Tb), dtype=np.int64)
         host[0, :T] = tokens.cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens, dtype=np.int64)
         host[0, T:] = 0
-        host[1, :T] = layout.positions().numpy()
+        rows = layout.rows()
+        host[1, :T] = layout.host_positions(rows)
         host[1, T:] = pad
-        host[2, :T] = layout.token_slots().numpy()
+        host[2, :T] = repeat(layout.slots, layout.q_lens)
         host[2, T:] = self.scratch
-        host[3, :T] = layout.rows().numpy()
+        host[3, :T] = rows
         host[3, T:] = pad
         host[4, :T] = host[2, :T]
         host[4, T:] = Rb

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .graphs import to_device
@@ -22,7 +23,8 @@ __all__ = ["RoundDrafts", "unpack_drafts"]
 def unpack_drafts(tokens: torch.Tensor, finite: torch.Tensor, counts: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``tokens, finite [P]`` (request ``i``'s first ``counts[i]`` draft positions, packed in request order) ->
     ``drafts [n, width]`` (zeros past each request's count) and ``finite [n]`` (every drafted position of the
-    request finite), both on ``tokens``' device, queued without a device read.
+    request finite), both on ``tokens``' device, queued without a device read (``drafts`` is a view of ``tokens``
+    when every count is ``width``).
 
     Example:
         >>> d, ok = unpack_drafts(torch.tensor([5, 6, 7]), torch.tensor([True, True, False]), [2, 0, 1], 3)
@@ -30,8 +32,10 @@ def unpack_drafts(tokens: torch.Tensor, finite: torch.Tensor, counts: list[int],
         ([[5, 6, 0], [0, 0, 0], [7, 0, 0]], [True, True, False])
     """
     n, device = len(counts), tokens.device
+    if all(c == width for c in counts):  # every request drafted the whole width (the fixed policy): laid out already
+        return tokens.view(n, width), finite.view(n, width).all(dim=1)
     rows, col = segments(counts)
-    idx = to_device(torch.cat([rows * width + col, rows]), device)
+    idx = to_device(torch.from_numpy(np.concatenate([rows * width + col, rows])), device)
     drafts = torch.zeros(n * width, dtype=torch.long, device=device).index_copy_(0, idx[: rows.shape[0]], tokens)
     not_finite = torch.zeros(n, device=device).index_add_(0, idx[rows.shape[0] :], (~finite).float())
     return drafts.view(n, width), not_finite == 0
@@ -73,13 +77,15 @@ class RoundDrafts:
         if not n:
             return None
         kmax, w = max(self.q_lens) - 1, self.tokens.shape[1]
-        ql = torch.tensor(self.q_lens)
-        starts = torch.cumsum(ql, 0) - ql
-        vidx = base + starts[:, None] + torch.minimum(torch.arange(kmax + 1)[None, :], ql[:, None] - 1)
+        ql = np.asarray(self.q_lens, dtype=np.int64)  # host index arrays in numpy: this runs between two launches
+        starts = np.cumsum(ql) - ql
+        vidx = base + starts[:, None] + np.minimum(np.arange(kmax + 1)[None, :], ql[:, None] - 1)
         rows, col = segments(ql - 1)  # the drafts: request rows[j]'s draft col[j]
-        up = to_device(torch.cat([vidx.flatten(), self.draft_len, torch.tensor(greedy, dtype=torch.long),
-                                  starts[rows] + 1 + col, rows * w + col]), device)
-        vidx, dl, is_greedy, dst, src = up.split([n * (kmax + 1), n, n, rows.shape[0], rows.shape[0]])
+        host = np.concatenate([vidx.ravel(), self.draft_len.numpy(), np.asarray(greedy, dtype=np.int64),
+                               starts[rows] + 1 + col, rows * w + col])
+        vidx, dl, is_greedy, dst, src = to_device(torch.from_numpy(host), device).split(
+            [n * (kmax + 1), n, n, rows.shape[0], rows.shape[0]])
         if self.finite is not None:
-            dl = torch.where(self.finite | (is_greedy == 0), dl, torch.zeros_like(dl))
-        return vidx.view(n, kmax + 1), self.tokens[:, :kmax], dl, (dst, self.tokens.view(-1)[src])
+            dl = torch.where(self.finite if all(greedy) else self.finite | (is_greedy == 0), dl, 0)
+        full = rows.shape[0] == self.tokens.numel()  # every request drafted the whole width: the drafts in order
+        return vidx.view(n, kmax + 1), self.tokens[:, :kmax], dl, (dst, self.tokens.view(-1) if full else self.tokens.view(-1)[src])

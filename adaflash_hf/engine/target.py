@@ -34,28 +34,30 @@ __all__ = ["PackedLayout", "check_target_supported", "decoder_forward", "fused_l
 SUPPORTED = ("qwen3", "llama")
 
 
-def repeat(values, counts) -> torch.Tensor:
-    """``values[i]`` repeated ``counts[i]`` times, a host ``int64`` tensor (numpy's repeat: torch's CPU
+def repeat(values, counts) -> np.ndarray:
+    """``values[i]`` repeated ``counts[i]`` times, a host ``int64`` array (numpy: torch's CPU
     ``repeat_interleave`` enters its thread pool on every call, and stalled the engine's host for ~6 ms per
-    call at 128 requests on the H200: docs/logs/replay_h200_one_read).
+    call at 128 requests on the H200: docs/logs/replay_h200_one_read; the engine's per-round index arrays are
+    built in numpy, where an op costs a few microseconds instead of tens).
 
     Example:
         >>> repeat([7, 8, 9], [2, 0, 1]).tolist()
         [7, 7, 9]
     """
-    return torch.from_numpy(np.repeat(np.asarray(values, dtype=np.int64), np.asarray(counts, dtype=np.int64)))
+    return np.repeat(np.asarray(values, dtype=np.int64), np.asarray(counts, dtype=np.int64))
 
 
-def segments(lengths) -> tuple[torch.Tensor, torch.Tensor]:
-    """Segments of ``lengths[i]`` entries laid end to end: each entry's segment and its index inside it (host tensors).
+def segments(lengths) -> tuple[np.ndarray, np.ndarray]:
+    """Segments of ``lengths[i]`` entries laid end to end: each entry's segment and its index inside it (host
+    ``int64`` arrays).
 
     Example:
         >>> [t.tolist() for t in segments([2, 0, 3])]
         [[0, 0, 2, 2, 2], [0, 1, 0, 1, 2]]
     """
-    q = np.asarray(lengths if isinstance(lengths, torch.Tensor) else list(lengths), dtype=np.int64)
+    q = np.asarray(lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths), dtype=np.int64)
     owner = np.repeat(np.arange(q.shape[0]), q)
-    return torch.from_numpy(owner), torch.from_numpy(np.arange(owner.shape[0]) - np.repeat(np.cumsum(q) - q, q))
+    return owner, np.arange(owner.shape[0]) - np.repeat(np.cumsum(q) - q, q)
 
 
 @dataclass(frozen=True)
@@ -95,18 +97,22 @@ class PackedLayout:
         return (PackedLayout(self.slots[:n], self.q_lens[:n], self.prefix_lens[:n]),
                 PackedLayout(self.slots[n:], self.q_lens[n:], self.prefix_lens[n:]))
 
-    def rows(self) -> torch.Tensor:
-        """Each token's index within its request's new tokens (``0 .. q_i - 1``), host tensor."""
+    def rows(self) -> np.ndarray:
+        """Each token's index within its request's new tokens (``0 .. q_i - 1``), host array."""
         return segments(self.q_lens)[1]
 
+    def host_positions(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """Each token's cache position (host array; ``rows``: :meth:`rows`, when the caller has it already)."""
+        return repeat(self.prefix_lens, self.q_lens) + (self.rows() if rows is None else rows)
+
     def positions(self, device=None) -> torch.Tensor:
-        return (repeat(self.prefix_lens, self.q_lens) + self.rows()).to(device)
+        return torch.from_numpy(self.host_positions()).to(device)
 
     def token_slots(self, device=None) -> torch.Tensor:
-        return repeat(self.slots, self.q_lens).to(device)
+        return torch.from_numpy(repeat(self.slots, self.q_lens)).to(device)
 
     def token_requests(self, device=None) -> torch.Tensor:
-        return segments(self.q_lens)[0].to(device)
+        return torch.from_numpy(segments(self.q_lens)[0]).to(device)
 
     def attention_mask(self, device=None) -> torch.Tensor:
         """Boolean ``[T, K]`` "may attend": queries = packed tokens, keys = each request's slot
