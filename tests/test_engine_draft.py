@@ -404,3 +404,89 @@ def test_sampled_request_with_non_finite_draft_logits_is_served_not_failed(graph
     outs = engine.generate(engine_prompts([5, 7], seed=5), max_new_tokens=10, temperature=1.0, seed=3)
     assert [o.finish_reason for o in outs] == ["length", "length"] and all(len(o.token_ids) == 10 for o in outs)
     assert engine.healthy
+
+
+# ---------------------------------------------------------------- the chained body (queued before the round's read)
+@pytest.mark.parametrize("accepted,slots", [([0], [1]), ([3, 7], [2, 0]), ([5, 0, 7], [0, 3, 1])])
+def test_chained_body_drafts_what_the_next_body_drafts(pair, accepted, slots):
+    """``run_chain`` (the next round's body from the verify's features, accepted counts and next tokens, computed on
+    the device) and then ``run_body`` for the same slots with the accepted rows as context: the body is taken, not run
+    again, and the drafts, ratios, slot lengths and stored context equal a plain ``run_body``'s. Control: a chain queued
+    with other accepted counts, taken the same way, drafts something else."""
+    target, drafter = pair
+    B, n = drafter.config.block_size, len(slots)
+    g = torch.Generator().manual_seed(n)
+    first = _feats(drafter, [4 + i for i in range(n)], g)  # the context before the round
+    source = _feats(drafter, [8 * B], g)[0]  # a verify's features: request i's block is rows i*B .. i*B + B - 1
+    nxt = torch.randint(0, 120, (n,), generator=g)
+
+    def run(chain_acc):
+        cache = make_drafter_cache(drafter, 4, 64, spare_slots=1, len_multiple=BLOCK)
+        for s in sorted(slots):
+            cache.alloc(s)
+        runner = DraftGraphs(drafter, cache, max_rows=4, max_ctx=64)
+        runner.chain_source = source
+        runner.run(slots, first, torch.randint(0, 120, (n,), generator=torch.Generator().manual_seed(0)).tolist())
+        if chain_acc is not None:
+            assert runner.run_chain(slots, torch.tensor(chain_acc), nxt)
+        ctx = [source[i * B : i * B + a + 1] for i, a in enumerate(accepted)]
+        out = runner.run(slots, ctx, nxt.tolist())
+        bodies = sum(v for k, v in runner.replays.items() if k[0] == "body")
+        return out, cache, runner, bodies
+
+    ref, ref_cache, _, ref_bodies = run(None)
+    out, cache, runner, bodies = run(accepted)
+    assert bodies == ref_bodies - 1 and sum(v for k, v in runner.replays.items() if k[0] == "chain") == 1
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.ratio, ref.ratio, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out.tokens, ref.tokens)
+    assert [cache.length(s) for s in slots] == [ref_cache.length(s) for s in slots]
+    for s in slots:
+        m = ref_cache.length(s)
+        for layer in range(drafter.config.num_hidden_layers):
+            torch.testing.assert_close(cache.read(layer, s, m)[0], ref_cache.read(layer, s, m)[0], atol=1e-5, rtol=1e-5)
+    other, *_ = run([(a + 3) % B for a in accepted])
+    assert not torch.allclose(other.logits, ref.logits, atol=1e-3)
+
+
+def test_chained_body_is_not_taken_for_other_context(pair):
+    """Context that is not the chain source's rows (a copy), other slots, or a context-only update: the body runs."""
+    target, drafter = pair
+    B = drafter.config.block_size
+    g = torch.Generator().manual_seed(3)
+    source = _feats(drafter, [4 * B], g)[0]
+    cache = make_drafter_cache(drafter, 4, 64, spare_slots=1, len_multiple=BLOCK)
+    cache.alloc(0), cache.alloc(1)
+    runner = DraftGraphs(drafter, cache, max_rows=4, max_ctx=64)
+    runner.chain_source = source
+    runner.run([0, 1], _feats(drafter, [3, 3], g), [5, 6])
+    for args in (([0, 1], [source[:2].clone(), source[B : B + 1]]), ([1, 0], [source[:2], source[B : B + 1]])):
+        assert runner.run_chain([0, 1], torch.tensor([1, 0]), torch.tensor([7, 8]))
+        before = runner.replays.copy()
+        runner.run_body(*args, [7, 8])
+        assert sum(runner.replays.values()) == sum(before.values()) + 1 and runner._chained is None
+
+
+@pytest.mark.parametrize("mode,chains", [("fixed", True), ("packed", False)])
+def test_engine_chains_the_next_body_and_equals_plain_greedy(mode, chains):
+    """On the static path, a fixed-policy engine queues each round's next body before the read and takes it: the
+    rounds accept exactly what they accept without chaining (same drafts), outputs equal plain greedy decoding; an
+    adaptive policy never chains (its verify lengths come from the body's ratios)."""
+    from adaflash_hf import load_reference_pair
+
+    target, drafter, tok = load_reference_pair()
+    prompts = [tok(p)["input_ids"] for p in ("Question: Tom has 3 apples and buys 5 more. How many", "def add(a, b):")]
+    runs = []
+    for chain in (True, False):
+        engine = Engine(target, **layout_args(drafter, mode), max_slots=2, max_len=160, cuda_graphs=True)
+        if not chain:
+            engine.draft_graphs.chain_source = None
+        outs = engine.generate(prompts, max_new_tokens=40)
+        runs.append((engine.forward_tokens, [o.token_ids for o in outs], engine.draft_graphs.replays))
+    (tokens_c, outs_c, replays_c), (tokens_p, outs_p, _) = runs
+    plain = [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=40, eos_token_id=None)[0, len(p):].tolist()
+             for p in prompts]  # the engine stops at max_new_tokens only
+    assert outs_c == outs_p == plain
+    assert tokens_c == tokens_p and len(tokens_c) < 2 * 40  # same rounds: the drafts were the same
+    taken = sum(v for k, v in replays_c.items() if k[0] == "chain")
+    assert (taken > 0) == chains, replays_c

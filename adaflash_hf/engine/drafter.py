@@ -243,6 +243,11 @@ class DraftGraphs(GraphRunner):
         self.tokens = torch.zeros(P, dtype=torch.long, device=device)
         self.finite = torch.zeros(P, dtype=torch.bool, device=device)
         self.ratio = torch.zeros(R, dtype=torch.float32, device=device) if drafter.length_head is not None else None
+        # a chained body (:meth:`run_chain`): the verify's features, each row's accepted count and next token
+        self.chain_source: torch.Tensor | None = None
+        self.chain_acc = torch.zeros(R, dtype=torch.long, device=device)
+        self.chain_next = torch.zeros(R, dtype=torch.long, device=device)
+        self._chained: tuple[list[int], int] | None = None  # (slots, R_b) of the chained body not yet taken
         self.padded_tokens = 0
         self._rows = 0  # R_b of the last body run (the head reads its block states)
         self.fused, self.fusion_note = None, "no fused target" if fused is None else ""
@@ -310,10 +315,23 @@ class DraftGraphs(GraphRunner):
     def _forward(self, part: str, *sizes: int) -> None:
         if part == "head":
             self._head(*sizes)
+        elif part == "chain":
+            self._chain(*sizes)
         else:
             self._body(*sizes)
 
-    def _body(self, Cb: int, Rb: int) -> None:
+    def _chain(self, Cb: int, Rb: int) -> None:
+        """The body of the next round, computed on the device from this round's verify: every row's ``B`` verified
+        positions as context (the first ``a + 1`` are the accepted ones; the block, placed right after them, overwrites
+        the K/V of the rest) and its next token as the bonus."""
+        m = min(Rb * self.B, self.chain_source.shape[0])
+        self.feats[:m].copy_(self.chain_source[:m])
+        bstart = self.inputs[3, :Rb] + self.chain_acc[:Rb] + 1
+        last = torch.where(self.inputs[4, :Rb] > 0, bstart + self.B - 1, torch.full_like(bstart, INACTIVE))  # row 4: live
+        self.attention.start.index_copy_(0, self.inputs[2, :Rb], last.to(self.attention.start.dtype))
+        self._body(Cb, Rb, bstart, self.chain_next[:Rb])
+
+    def _body(self, Cb: int, Rb: int, bstart: torch.Tensor | None = None, bonus: torch.Tensor | None = None) -> None:
         d = self.drafter
         if self.fused is not None:
             self._store_context_fused(self.feats[:Cb], self.inputs[1, :Cb], self.inputs[0, :Cb])
@@ -321,7 +339,9 @@ class DraftGraphs(GraphRunner):
             _store_context(d, self.cache, self.feats[:Cb], self.inputs[1, :Cb], self.inputs[0, :Cb])
         if not Rb:
             return
-        bslot, bstart, bonus = self.inputs[2, :Rb], self.inputs[3, :Rb], self.inputs[4, :Rb]
+        bslot = self.inputs[2, :Rb]
+        bstart = self.inputs[3, :Rb] if bstart is None else bstart
+        bonus = self.inputs[4, :Rb] if bonus is None else bonus
         bpos = bstart[:, None] + self.block_cols[None]  # [Rb, B]
         if self.fused is not None:
             out = self._block_fused(bslot, bpos, bonus)
@@ -386,11 +406,25 @@ class DraftGraphs(GraphRunner):
         self.tokens[:Pb].copy_(torch.nan_to_num(logits).argmax(dim=-1))
         self.finite[:Pb].copy_(torch.isfinite(logits).all(dim=-1))
 
+    def _chained_for(self, slots: list[int], ctx: list[torch.Tensor], bonus) -> bool:
+        """Whether the chained body was queued for this call: the same slots, and each context the first rows of that
+        request's block of :attr:`chain_source` (the features a round commits, a view: checked by address)."""
+        if self._chained is None or bonus is None or self._chained[0] != list(slots):
+            return False
+        src, B = self.chain_source, self.B
+        return all(c.shape[0] <= B and c.data_ptr() == src[i * B].data_ptr() for i, c in enumerate(ctx))
+
     @torch.no_grad()
     def run_body(self, slots: list[int], ctx: list[torch.Tensor], bonus: list[int] | None) -> torch.Tensor | None:
         """Append each slot's new context and (``bonus`` given) run the drafter over one block per slot;
         advances the slots' drafter lengths by ``m_i``. Returns the ratios ``[R]`` (a view; ``None``
         without a length head or when context only)."""
+        if self._chained_for(slots, ctx, bonus):  # run_chain ran this body already: take it
+            for s, c in zip(slots, ctx):
+                self.cache.advance(s, c.shape[0])
+            self._rows, self._chained = self._chained[1], None
+            return None if self.ratio is None else self.ratio[: len(slots)]
+        self._chained = None  # this body's context writes supersede a chained body's
         bucket = self.prepare(slots, ctx, bonus)
         self.replay(bucket)
         self._rows = bucket[2]
@@ -399,6 +433,44 @@ class DraftGraphs(GraphRunner):
         if bonus is None or self.ratio is None:
             return None
         return self.ratio[: len(slots)]
+
+    def chain_bucket(self, rows: int) -> tuple[str, int, int] | None:
+        """The graph key of a chained body over ``rows`` requests, or ``None`` when ``rows`` blocks of context exceed
+        the largest context bucket."""
+        Rb = pick_bucket(self.row_buckets, rows)
+        return ("chain", pick_bucket(self.ctx_buckets, Rb * self.B), Rb) if Rb * self.B <= self.ctx_buckets[-1] else None
+
+    @torch.no_grad()
+    def run_chain(self, slots: list[int], accepted: torch.Tensor, next_tokens: torch.Tensor) -> bool:
+        """Queue the next round's body before this round's results are read: request ``i`` (slot ``slots[i]``) verified
+        a full block whose features are rows ``i*B .. i*B + B - 1`` of :attr:`chain_source`, accepted
+        ``accepted[i]`` drafts and goes on from ``next_tokens[i]`` (device tensors). Nothing on the host changes: the
+        result is the next round's body when that round drafts for the same slots, else it is
+        never read (its K/V writes lie past every slot's length). :meth:`run_body` takes it instead of running when called
+        for the same slots with those features (the round after). Returns False when no bucket fits."""
+        n, B = len(slots), self.B
+        bucket = self.chain_bucket(n)
+        if bucket is None or self.chain_source is None:
+            return False
+        _, Cb, Rb = bucket
+        starts = np.array([self.cache.length(s) for s in slots], dtype=np.int64)
+        if int(starts.max()) + 2 * B > self.cache.max_len:
+            return False
+        host = np.zeros((5, max(Cb, Rb)), dtype=np.int64)
+        host[0, : n * B] = repeat(starts, [B] * n) + np.tile(np.arange(B), n)
+        host[0, n * B : Cb] = np.arange(Cb - n * B) % self.cache.max_len
+        host[1, : n * B] = repeat(slots, [B] * n)
+        host[1, n * B : Cb] = self.scratch
+        host[2, :n], host[2, n:Rb] = slots, self.scratch
+        host[3, :n] = starts  # the block starts after the accepted context: added on the device
+        host[4, :n] = 1  # live rows (the bonus comes from chain_next)
+        copy_to_device(self.inputs[:, : host.shape[1]], torch.from_numpy(host))
+        self.attention.start.fill_(INACTIVE)
+        self.chain_acc[:n].copy_(accepted)
+        self.chain_next[:n].copy_(next_tokens)
+        self.replay(bucket)
+        self._chained = (list(slots), Rb)
+        return True
 
     @torch.no_grad()
     def run_head(self, counts: Sequence[int]) -> DraftOutput:

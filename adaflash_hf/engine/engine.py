@@ -156,6 +156,8 @@ class Engine(RequestLifecycle):
             self.draft_graphs = DraftGraphs(drafter, self.dcache, max_rows=max_slots, max_ctx=token_budget,
                                             use_graphs=self.device.type == "cuda",
                                             feat_dtype=next(target.parameters()).dtype, fused=self.fused)
+            if self.graphs is not None:
+                self.draft_graphs.chain_source = self.graphs.hidden  # a round's features, for the chained body
             if self.fused is not None and self.draft_graphs.fused is None:  # the target fuses, the drafter cannot
                 warnings.warn(f"Engine: the drafter's layers run through its modules: {self.draft_graphs.fusion_note}",
                               RuntimeWarning, stacklevel=2)
@@ -301,7 +303,8 @@ class Engine(RequestLifecycle):
         # 4. Accept on the device (the shared verify step), then one read: first tokens, accepted, next tokens,
         # fault flags, verified draft lengths, drafts.
         first, accepted, next_tokens, bad, dl, vlogits = self._accept(logits, admitted, running, drafts, verify_inputs)
-        packed = torch.cat([first, accepted, next_tokens, bad.long(), dl, drafts.tokens.flatten()]).tolist()
+        packed = torch.cat([first, accepted, next_tokens, bad.long(), dl, drafts.tokens.flatten()])
+        packed = self._read_and_chain(packed, running, admitted, drafts, accepted, next_tokens)
         self.host_syncs += 1
         if self.profile:
             self._tick("accept")
@@ -309,6 +312,27 @@ class Engine(RequestLifecycle):
         # 5. Commit: prefills' first tokens, then each verify's accepted drafts + the target's next token.
         self._commit_round(admitted, running, drafts, packed, vlogits, hidden, layout.offsets)
         return True
+
+    def _read_and_chain(self, packed: torch.Tensor, running, admitted, drafts: RoundDrafts, accepted, next_tokens) -> list[int]:
+        """The round's one device read. When every request verified a whole block under the fixed policy, the next
+        round's drafter body is queued first, behind the copy (:meth:`.DraftGraphs.run_chain`): the device drafts while
+        the host waits for the copy and commits, and the next round takes that body if it drafts for the same requests."""
+        if not (self.draft_graphs is not None and self.draft_graphs.chain_source is not None and self.layout == "fixed"
+                and running and not admitted and self.on_round is None and self.draft_replay is None
+                and all(q == self.block_size for q in drafts.q_lens)):
+            return packed.tolist()
+        copied = None
+        if packed.is_cuda:  # a pinned, non-blocking copy: the host waits for it alone, not for the body behind it
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        with hooks_for(self.drafter).weights_lock:
+            self.draft_graphs.run_chain([r.slot for r in running], accepted, next_tokens)
+        if copied is None:
+            return packed.tolist()
+        copied.synchronize()
+        return host.tolist()
 
     def _announce(self, num_tokens: int, num_prefill: int, num_verify: int) -> None:
         """Tell ``step_hook`` what the next target forward carries (never more than the token budget)."""
