@@ -58,9 +58,10 @@ def add_arguments(ap: argparse.ArgumentParser, require_target: bool = True) -> a
                     help="comma list of target layers feeding the drafter (default: spread evenly, DFlash's rule)")
     ap.add_argument("--mask-token-id", type=int, default=None, help="default: tokenizer.mask_token_id")
     ap.add_argument("--max-anchors", type=int, default=512)
-    ap.add_argument("--block-attention", default="auto", choices=("auto", "dense", "flex"),
-                    help="the blocks' attention rule as a dense mask or a sparse flex-attention mask (auto: flex on "
-                         "CUDA, where it trains the same drafter ~1.6x faster per step; dense elsewhere)")
+    ap.add_argument("--block-attention", default="dense", choices=("dense", "flex"),
+                    help="the blocks' attention rule as a dense mask or a sparse flex-attention mask (CUDA only: faster "
+                         "per step for long answers, 1.6x at 512 anchors; slower on the reference pair's answers of <= 160 "
+                         "tokens, BENCHMARKS.md section 1)")
     ap.add_argument("--gamma", type=float, default=None, help="position-weight decay (default from block size)")
     ap.add_argument("--length-head-weight", type=float, default=1.0)
     ap.add_argument("--length-head-steps", type=int, default=0, help="extra offline length-head steps, frozen drafter")
@@ -126,7 +127,7 @@ class DrafterRecipe:
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None
     max_anchors: int = 512
-    block_attention: str = "auto"
+    block_attention: str = "dense"
     gamma: float | None = None
     length_head_weight: float = 1.0
     length_head_steps: int = 0

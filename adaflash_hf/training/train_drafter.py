@@ -363,14 +363,11 @@ def _training_model(r: DrafterRecipe, target, drafter):
     """``drafter`` (from :func:`_initial_drafter`) inside the training wrapper."""
     from .model import DrafterTrainingModel
 
-    attention = r.block_attention
-    if attention == "auto":
-        attention = "flex" if flex_available(next(target.parameters()).device) else "dense"
     model = DrafterTrainingModel(target, drafter, max_anchors=r.max_anchors, gamma=r.gamma,
-                                 length_head_weight=r.length_head_weight, block_attention=attention)  # fmt: skip
+                                 length_head_weight=r.length_head_weight, block_attention=r.block_attention)  # fmt: skip
     n_params = sum(p.numel() for p in drafter.parameters())
     print(f"[train_drafter] drafter: {drafter.config.num_hidden_layers} layers, block {drafter.config.block_size}, "
-          f"target layers {drafter.config.target_layer_ids}, {n_params / 1e6:.2f}M params, {attention} block attention"
+          f"target layers {drafter.config.target_layer_ids}, {n_params / 1e6:.2f}M params, {r.block_attention} block attention"
           + (f", from {r.init_from}" if r.init_from else ""), flush=True)
     return model, n_params
 
@@ -439,7 +436,7 @@ def run(r: DrafterRecipe) -> int:
 
     device = _device(r.device)
     if r.block_attention == "flex" and not flex_available(device):
-        raise RecipeError(f"--block-attention flex trains on CUDA only (here: {device}): use auto or dense")
+        raise RecipeError(f"--block-attention flex trains on CUDA only (here: {device}): use dense")
     main_process = int(os.environ.get("RANK", 0)) == 0
     set_seed(r.seed)
     out = Path(r.out)

@@ -8,7 +8,7 @@
 #     anchors per sample; a step runs the whole drafter forward: 800 steps at 512 anchors did not finish in 160 s), then
 #     each head's adaptive tau beside fixed (bench, HEAD_SETS x HEAD_PROMPTS prompts, length rates HEAD_RATES)
 # `four` regenerates the target's answers over all four domains once, trains one drafter on them
-# (LAYERS / TARGET_LAYERS / BATCH / WORKERS / LR / DRAFT_MINUTES; the defaults are v5's recipe, DRAFT_MINUTES aside: 6.0) and, beside it, the small autoregressive assistant of
+# (LAYERS / TARGET_LAYERS / BATCH / WORKERS / LR / DRAFT_MINUTES / BLOCK_ATTENTION; the defaults are v5's recipe, DRAFT_MINUTES aside: 6.0) and, beside it, the small autoregressive assistant of
 # the `hf_assisted` baseline on the same answers. One drafter per call: three drafters at batch 64 beside
 # each other ran out of the H200's 140 GB (docs/logs/drafters_gpu_1712).
 # A longer `four` run cut into several calls: carry the last call's drafter and set INIT_FROM=<its folder> (training
@@ -62,6 +62,7 @@ else
   timeout $LIMIT $TD --out $W/drafter --domains math,code,chat,prose --regen-cache $W/regen.jsonl \
     --num-layers ${LAYERS:-5} --target-layer-ids ${TARGET_LAYERS:-1,2,3,4,5} --batch-size ${BATCH:-128} \
     --num-workers ${WORKERS:-6} --lr ${LR:-8e-4} --minutes $MIN --eval-per-domain 8 ${INIT_FROM:+--init-from $INIT_FROM} \
+    --block-attention ${BLOCK_ATTENTION:-dense} \
     > $W/drafter.log 2>&1 &
   MODELS="$W/drafter"
   if [[ ${ASSISTANT:-1} == 1 ]]; then
