@@ -55,9 +55,9 @@ def segments(lengths) -> tuple[np.ndarray, np.ndarray]:
         >>> [t.tolist() for t in segments([2, 0, 3])]
         [[0, 0, 2, 2, 2], [0, 1, 0, 1, 2]]
     """
-    q = np.asarray(lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths), dtype=np.int64)
-    owner = np.repeat(np.arange(q.shape[0]), q)
-    return owner, np.arange(owner.shape[0]) - np.repeat(np.cumsum(q) - q, q)
+    q = np.asarray(lengths, dtype=np.int64)
+    owner = repeat(np.arange(q.shape[0]), q)
+    return owner, np.arange(owner.shape[0]) - repeat(np.cumsum(q) - q, q)
 
 
 @dataclass(frozen=True)
