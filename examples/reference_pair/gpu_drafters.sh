@@ -13,7 +13,8 @@
 # each other ran out of the H200's 140 GB (docs/logs/drafters_gpu_1712).
 # A longer `four` run cut into several calls: carry the last call's drafter and set INIT_FROM=<its folder> (training
 # continues from its weights; the layer flags must match it), SEED=<n> (other prompts regenerated) and ASSISTANT=0.
-# Inputs carried beside the checkout: WHEELS (default .whl/: the transformers wheel) and .devdata/ (make_devdata.py).
+# Inputs carried beside the checkout: WHEELS (default .whl/: the transformers wheel; slim_wheel.py writes a smaller one,
+# .slimwhl/) and .devdata/ (make_devdata.py).
 # Outputs: $OUT/<name>.tar.?? (14 MB parts: cat NAME.tar.* | tar x), $OUT/logs.tar.
 set -uo pipefail
 MODE=${1:?usage: gpu_drafters.sh four|chatprose|heads}
