@@ -8,7 +8,7 @@
 #     anchors per sample; a step runs the whole drafter forward: 800 steps at 512 anchors did not finish in 160 s), then
 #     each head's adaptive tau beside fixed (bench, HEAD_SETS x HEAD_PROMPTS prompts, length rates HEAD_RATES)
 # `four` regenerates the target's answers over all four domains once, trains one drafter on them
-# (LAYERS / TARGET_LAYERS / BATCH / WORKERS / LR / DRAFT_MINUTES / BLOCK_ATTENTION; the defaults are v5's recipe, DRAFT_MINUTES aside: 6.0) and, beside it, the small autoregressive assistant of
+# (LAYERS / TARGET_LAYERS / BATCH / WORKERS / LR / DRAFT_MINUTES / BLOCK_ATTENTION / MAX_PROMPT_TOKENS / MAX_LENGTH; the defaults are v5's recipe, DRAFT_MINUTES aside: 5.5) and, beside it, the small autoregressive assistant of
 # the `hf_assisted` baseline on the same answers. One drafter per call: three drafters at batch 64 beside
 # each other ran out of the H200's 140 GB (docs/logs/drafters_gpu_1712).
 # A longer `four` run cut into several calls: carry the last call's drafter and set INIT_FROM=<its folder> (training
@@ -27,7 +27,7 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 T=${TARGET:-adaflash_hf/reference/target}
-TD="python3 -m adaflash_hf.training.train_drafter --target $T --prompts-per-sample 16 --max-new-tokens 160 --gen-batch-size 4096 --no-progress --seed ${SEED:-0}"
+TD="python3 -m adaflash_hf.training.train_drafter --target $T --prompts-per-sample 16 --max-new-tokens 160 --gen-batch-size 4096 --no-progress --seed ${SEED:-0} --max-prompt-tokens ${MAX_PROMPT_TOKENS:-384} --max-length ${MAX_LENGTH:-1024}"
 MIN=${DRAFT_MINUTES:-5.5}
 # the training budget plus loading, held-out evaluation and saving (~40 s on the H200)
 LIMIT=$(python3 -c "print(int($MIN * 60 + 75))")

@@ -1,0 +1,60 @@
+"""Greedy `fixed` tau of the shipped reference pair on one eval set, short prompts against long ones.
+
+The drafter's recipe cuts its training prompts to their last `--max-prompt-tokens` (384) tokens, while the
+sharegpt set's first turns run to thousands. This probe measures whether long prompts cost tau: the first
+`--per-group` prompts of each length group, each generated alone (batch 1) with
+`target.generate(ids, assistant_model=drafter, length_policy="fixed")`, pooled tau = new tokens / rounds.
+
+    ADAFLASH_DATA=/tmp/ev/data python examples/reference_pair/tau_by_prompt_length.py --dataset sharegpt
+"""
+
+import argparse
+import json
+
+import torch
+
+from adaflash_hf import load_reference_pair
+from adaflash_hf.training.data import eval_prompts
+
+
+def group_tau(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -> dict:
+    """Pooled and per-prompt mean tau of ``prompts`` (each ``[1, n]``), every output checked against plain greedy."""
+    new_tokens, rounds, taus = 0, 0.0, []
+    for ids in prompts:
+        out, stats = target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False,
+                                     length_policy="fixed", return_stats=True)
+        plain = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        if not torch.equal(out, plain):
+            raise AssertionError("speculative output differs from plain greedy")
+        new = out.shape[1] - ids.shape[1]
+        new_tokens, rounds = new_tokens + new, rounds + new / stats.tau
+        taus.append(stats.tau)
+    return {"prompts": len(prompts), "mean_prompt_tokens": sum(p.shape[1] for p in prompts) / max(len(prompts), 1),
+            "tau_pooled": new_tokens / rounds if rounds else None, "tau_mean": sum(taus) / max(len(taus), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dataset", default="sharegpt")
+    ap.add_argument("--num-prompts", type=int, default=500, help="the set's first prompts the groups are drawn from")
+    ap.add_argument("--per-group", type=int, default=30)
+    ap.add_argument("--split", type=int, default=384, help="short: <= this many prompt tokens; long: above it")
+    ap.add_argument("--longest", type=int, default=1900, help="long prompts stop here (the target knows 2048 positions)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target, drafter, tok = load_reference_pair()
+    ids = [tok.apply_chat_template(p["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+           for p in eval_prompts(args.dataset)[: args.num_prompts]]
+    groups = {f"short (<= {args.split})": [x for x in ids if x.shape[1] <= args.split][: args.per_group],
+              f"long ({args.split + 1}-{args.longest})": [x for x in ids if args.split < x.shape[1] <= args.longest][: args.per_group]}
+    share = sum(x.shape[1] > args.split for x in ids) / len(ids)
+    print(f"{args.dataset}: {share:.1%} of the first {len(ids)} prompts are over {args.split} tokens", flush=True)
+    for name, group in groups.items():
+        print(name, json.dumps(group_tau(target, drafter, group, args.max_new_tokens)), flush=True)
+    print("identical: True (every output equals plain greedy)")
+
+
+if __name__ == "__main__":
+    main()
