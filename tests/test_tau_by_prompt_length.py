@@ -20,12 +20,14 @@ def test_group_tau_pools_rounds_and_refuses_a_differing_output(tiny_target, make
     assert res["prompts"] == 2 and res["mean_prompt_tokens"] == 5.5
     assert 1.0 <= res["tau_pooled"] <= drafter.config.block_size
     assert 1.0 <= res["tau_mean"] <= drafter.config.block_size
+    assert 1.0 <= res["prompt_lookup_tau"] <= 11  # 10 candidates + the target's own token
 
     # negative control: a target whose plain decoding differs from its speculative one must be caught
     class Skewed(torch.nn.Module):
         def __init__(self, inner):
             super().__init__()
             self.inner = inner
+            self.generation_config = inner.generation_config
 
         def generate(self, ids, **kw):
             out = self.inner.generate(ids, **kw)
