@@ -8,7 +8,7 @@
 #     anchors per sample; a step runs the whole drafter forward: 800 steps at 512 anchors did not finish in 160 s), then
 #     each head's adaptive tau beside fixed (bench, HEAD_SETS x HEAD_PROMPTS prompts, length rates HEAD_RATES)
 # `four` regenerates the target's answers over all four domains once, trains one drafter on them
-# (LAYERS / TARGET_LAYERS / BATCH / WORKERS / LR / DRAFT_MINUTES / BLOCK_ATTENTION / MAX_PROMPT_TOKENS / MAX_LENGTH; the defaults are v5's recipe, DRAFT_MINUTES aside: 5.5) and, beside it, the small autoregressive assistant of
+# (LAYERS / TARGET_LAYERS / BATCH / WORKERS / LR / DRAFT_MINUTES / BLOCK_ATTENTION / MAX_PROMPT_TOKENS / MAX_LENGTH; the defaults are v5's recipe but DRAFT_MINUTES: 5.5, v5 ran 6.0) and, beside it, the small autoregressive assistant of
 # the `hf_assisted` baseline on the same answers. One drafter per call: three drafters at batch 64 beside
 # each other ran out of the H200's 140 GB (docs/logs/drafters_gpu_1712).
 # A longer `four` run cut into several calls: carry the last call's drafter and set INIT_FROM=<its folder> (training

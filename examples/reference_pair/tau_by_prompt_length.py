@@ -3,7 +3,7 @@
 The drafter's recipe cuts its training prompts to their last `--max-prompt-tokens` (384) tokens, while the
 sharegpt set's first turns run to thousands. This probe measures whether long prompts cost tau: the first
 `--per-group` prompts of each length group, each generated alone (batch 1) with
-`target.generate(ids, assistant_model=drafter, length_policy="fixed")`, pooled tau = new tokens / rounds; beside it,
+`target.generate(ids, assistant_model=drafter, length_policy="fixed")`, pooled tau = committed tokens / rounds over the group; beside it,
 prompt lookup's tau on the same prompts (`prompt_lookup_rounds`, exact under greedy decoding, the prefill a round).
 
     ADAFLASH_DATA=/tmp/ev/data python examples/reference_pair/tau_by_prompt_length.py --dataset sharegpt
@@ -24,19 +24,19 @@ def group_tau(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int)
     and prompt lookup's pooled tau (10 tokens) on the same greedy outputs."""
     eos = target.generation_config.eos_token_id
     eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-    new_tokens, rounds, taus, lookup = 0, 0.0, [], []
+    committed, rounds, taus, lookup = 0.0, 0, [], []
     for ids in prompts:
         out, stats = target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False,
                                      length_policy="fixed", return_stats=True)
         plain = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
         if not torch.equal(out, plain):
             raise AssertionError("speculative output differs from plain greedy")
-        new = out.shape[1] - ids.shape[1]
         lookup.append(prompt_lookup_rounds(ids[0].tolist(), plain[0, ids.shape[1]:].tolist(), max_new_tokens, eos))
-        new_tokens, rounds = new_tokens + new, rounds + new / stats.tau
+        # tau's own definition (GenerationStats): tokens committed by verify rounds / rounds (the prefill's token is not a round's)
+        committed, rounds = committed + stats.tau * stats.rounds, rounds + stats.rounds
         taus.append(stats.tau)
     return {"prompts": len(prompts), "mean_prompt_tokens": sum(p.shape[1] for p in prompts) / max(len(prompts), 1),
-            "tau_pooled": new_tokens / rounds if rounds else None, "tau_mean": sum(taus) / max(len(taus), 1),
+            "tau_pooled": committed / rounds if rounds else None, "tau_mean": sum(taus) / max(len(taus), 1),
             "prompt_lookup_tau": as_generation_stats(lookup, PromptLookupSettings()).tau if lookup else None}
 
 
