@@ -21,6 +21,9 @@ def test_group_tau_pools_rounds_and_refuses_a_differing_output(tiny_target, make
     assert 1.0 <= res["tau_pooled"] <= drafter.config.block_size
     assert 1.0 <= res["tau_mean"] <= drafter.config.block_size
     assert 1.0 <= res["prompt_lookup_tau"] <= 11  # 10 candidates + the target's own token
+    _, alone = target.generate(prompts[1], assistant_model=drafter, max_new_tokens=12, do_sample=False,
+                               length_policy="fixed", return_stats=True)
+    assert probe.group_tau(target, drafter, prompts[1:], max_new_tokens=12)["tau_pooled"] == pytest.approx(alone.tau)
 
     # negative control: a target whose plain decoding differs from its speculative one must be caught
     class Skewed(torch.nn.Module):

@@ -16,6 +16,7 @@ import torch
 
 from adaflash_hf import load_reference_pair
 from adaflash_hf.bench.prompt_lookup_tau import PromptLookupSettings, as_generation_stats, prompt_lookup_rounds
+from adaflash_hf.spec.rounds import mean_tokens_per_round
 from adaflash_hf.training.data import eval_prompts
 
 
@@ -24,7 +25,7 @@ def group_tau(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int)
     and prompt lookup's pooled tau (10 tokens) on the same greedy outputs."""
     eos = target.generation_config.eos_token_id
     eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-    committed, rounds, taus, lookup = 0.0, 0, [], []
+    accepted, taus, lookup = [], [], []
     for ids in prompts:
         out, stats = target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False,
                                      length_policy="fixed", return_stats=True)
@@ -32,11 +33,10 @@ def group_tau(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int)
         if not torch.equal(out, plain):
             raise AssertionError("speculative output differs from plain greedy")
         lookup.append(prompt_lookup_rounds(ids[0].tolist(), plain[0, ids.shape[1]:].tolist(), max_new_tokens, eos))
-        # tau's own definition (GenerationStats): tokens committed by verify rounds / rounds (the prefill's token is not a round's)
-        committed, rounds = committed + stats.tau * stats.rounds, rounds + stats.rounds
+        accepted += stats.accepted  # every verify round of the group, pooled by tau's one definition
         taus.append(stats.tau)
     return {"prompts": len(prompts), "mean_prompt_tokens": sum(p.shape[1] for p in prompts) / max(len(prompts), 1),
-            "tau_pooled": committed / rounds if rounds else None, "tau_mean": sum(taus) / max(len(taus), 1),
+            "tau_pooled": mean_tokens_per_round(accepted) if accepted else None, "tau_mean": sum(taus) / max(len(taus), 1),
             "prompt_lookup_tau": as_generation_stats(lookup, PromptLookupSettings()).tau if lookup else None}
 
 
