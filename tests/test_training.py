@@ -509,3 +509,33 @@ def test_build_prompts_draws_several_prompts_per_sample(chat_tokenizer, per_samp
     assert len(capped) == 7
     with pytest.raises(ValueError, match="prompts_per_sample"):
         build_prompts(tok, ["chat"], 4, prompts_per_sample=0)
+
+
+def test_regen_cache_is_reused_only_with_the_settings_that_made_it(tmp_path, chat_tokenizer, monkeypatch):
+    """``--regen-cache`` writes its settings beside the samples; a later call with the same settings reuses the
+    samples without regenerating, one with another ``--seed`` / ``--max-prompt-tokens`` (or a cache without its
+    settings file) stops with one error naming the difference, before any regeneration."""
+    from adaflash_hf.training import train_drafter
+
+    tok = chat_tokenizer
+    target = tiny_target(vocab=320)
+    target.config.eos_token_id = tok.eos_token_id
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    cache = tmp_path / "regen.jsonl"
+    common = ["--target", str(tmp_path / "target"), "--device", "cpu", "--domains", "chat", "--num-prompts", "2",
+              "--max-new-tokens", "8", "--gen-batch-size", "2", "--no-progress", "--regen-cache", str(cache),
+              "--regen-only", "--out", str(tmp_path / "r")]
+    assert train_drafter.main(common) == 0
+    saved = json.loads((tmp_path / "regen.jsonl.settings.json").read_text())
+    assert saved["seed"] == 0 and saved["domains"] == ["chat"] and cache.read_text().count("\n") >= 2
+    assert not list(tmp_path.glob(".regen.jsonl*.tmp"))  # written beside, then renamed
+    monkeypatch.setattr(train_drafter, "regenerate", lambda *a, **k: pytest.fail("regenerated a cached run"))
+    assert train_drafter.main(common) == 0  # control: the same settings reuse the cache
+    for extra, message in ((["--seed", "1"], r"seed 0 there, 1 here"),
+                           (["--max-prompt-tokens", "64"], r"max_prompt_tokens 384 there, 64 here")):
+        with pytest.raises(SystemExit, match=message):
+            train_drafter.main(common + extra)
+    (tmp_path / "regen.jsonl.settings.json").unlink()
+    with pytest.raises(SystemExit, match="regen.jsonl.settings.json"):
+        train_drafter.main(common)

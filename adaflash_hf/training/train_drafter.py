@@ -15,7 +15,8 @@ Three stages, one command:
    prompt; ``--sampled-answers N`` adds N answers sampled at ``--sampled-temperature`` per prompt
    of ``--sampled-domains`` (where prompts are scarce, e.g. ShareGPT's ~2k conversations). The
    drafter learns the target's distribution, not the data's. ``--regen-cache FILE``
-   stores (or reuses) the regenerated samples as jsonl.
+   stores (or reuses) the regenerated samples as jsonl, with the settings that made them beside it
+   (``FILE.settings.json``); a cache made with other settings (seed, target, prompts...) is refused.
 2. **Training** with :class:`~adaflash_hf.training.trainer.DrafterTrainer`: a fresh drafter
    (``--num-layers`` 2, ``--block-size`` 16, mask token from the tokenizer), AdamW lr 6e-4,
    warmup 4 % then cosine, grad clip 1.0, bf16 autocast on CUDA, length head trained jointly on
@@ -274,8 +275,49 @@ def _device(name: str) -> torch.device:
     return device
 
 
+# the recipe fields that decide which samples a regeneration makes
+REGEN_SETTINGS = ("target", "data", "domains", "seed", "num_prompts", "max_new_tokens", "temperature", "top_p",
+                  "sampled_answers", "sampled_domains", "sampled_temperature", "prose_prefix", "max_prompt_tokens",
+                  "prompts_per_sample")  # fmt: skip
+
+
+def _regen_settings(r: DrafterRecipe) -> dict:
+    return {k: getattr(r, k) for k in REGEN_SETTINGS}
+
+
+def _settings_file(cache: Path) -> Path:
+    return cache.with_name(cache.name + ".settings.json")
+
+
+def check_regen_cache(r: DrafterRecipe) -> None:
+    """Refuse an existing ``--regen-cache`` regenerated with other settings (a new ``--seed`` would
+    otherwise silently train on the old seed's samples), naming each difference."""
+    cache = Path(r.regen_cache) if r.regen_cache else None
+    if cache is None or not cache.is_file():
+        return
+    side = _settings_file(cache)
+    if not side.is_file():
+        raise RecipeError(f"--regen-cache {cache} has no {side.name} (the settings it was made with): delete it to regenerate")
+    saved = json.loads(side.read_text())
+    wrong = [f"{k} {saved.get(k)!r} there, {v!r} here" for k, v in _regen_settings(r).items() if saved.get(k) != v]
+    if wrong:
+        raise RecipeError(f"--regen-cache {cache} was regenerated with other settings: " + "; ".join(wrong)
+                          + ": pass the same settings, another cache file, or delete it")  # fmt: skip
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write beside, then rename: a run killed mid-write leaves no half cache to be reused."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _training_samples(r: DrafterRecipe, target, tok, main_process: bool, timings: dict) -> list[dict]:
-    """Stage 1: the target's answers to the training prompts (or the regeneration cache)."""
+    """Stage 1: the target's answers to the training prompts (or the regeneration cache, checked by
+    :func:`check_regen_cache` before any work)."""
     t = time.time()
     cache = Path(r.regen_cache) if r.regen_cache else None
     if cache is not None and cache.is_file():
@@ -291,7 +333,8 @@ def _training_samples(r: DrafterRecipe, target, tok, main_process: bool, timings
                                   r.progress)  # fmt: skip
         if cache is not None and main_process:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text("".join(json.dumps(s) + "\n" for s in samples))
+            _write_atomic(_settings_file(cache), json.dumps(_regen_settings(r), indent=1))  # first: see check_regen_cache
+            _write_atomic(cache, "".join(json.dumps(s) + "\n" for s in samples))
     timings["regenerate_s"] = round(time.time() - t, 1)
     return samples
 
@@ -437,6 +480,7 @@ def run(r: DrafterRecipe) -> int:
     device = _device(r.device)
     if r.block_attention == "flex" and not flex_available(device):
         raise RecipeError(f"--block-attention flex trains on CUDA only (here: {device}): use dense")
+    check_regen_cache(r)
     main_process = int(os.environ.get("RANK", 0)) == 0
     set_seed(r.seed)
     out = Path(r.out)

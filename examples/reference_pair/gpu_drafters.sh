@@ -19,7 +19,9 @@
 set -uo pipefail
 MODE=${1:?usage: gpu_drafters.sh four|chatprose|heads}
 export PYTHONUNBUFFERED=1 ADAFLASH_DATA="$PWD/.devdata/data" TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; W=/tmp/ref; mkdir -p $W
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; W=/tmp/ref
+# a warm machine keeps /tmp: start clean, or a new SEED would reuse the last call's regeneration (regen.jsonl)
+rm -rf $W; mkdir -p $W
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.whl}/*.whl || exit 1
 export PYTHONPATH=/tmp/site
 [[ -f .devdata/data.tar.gz && ! -d .devdata/data ]] && tar xzf .devdata/data.tar.gz -C .devdata
@@ -38,11 +40,11 @@ if [[ $MODE == chatprose ]]; then
     --num-workers ${WORKERS:-6} --lr ${LR:-8e-4} --minutes $MIN --eval-per-domain 8 > $W/chatprose.log 2>&1
   MODELS="$W/chatprose"
 elif [[ $MODE == heads ]]; then
-  timeout 200 $TD --out $W/regen --domains math,code,chat,prose --num-prompts ${REGEN_PROMPTS:-12000} \
-    --regen-cache $W/regen.jsonl --regen-only 2>&1 | tail -n 3
+  RG="--domains math,code,chat,prose --num-prompts ${REGEN_PROMPTS:-12000} --regen-cache $W/regen.jsonl"
+  timeout 200 $TD --out $W/regen $RG --regen-only 2>&1 | tail -n 3
   for H in released paper; do  # side by side: the drafter is frozen, the head small
     timeout $LIMIT $TD --out $W/head_$H --init-from adaflash_hf/reference/drafter --length-head-type $H \
-      --domains math,code,chat,prose --regen-cache $W/regen.jsonl --num-layers 5 --target-layer-ids 1,2,3,4,5 \
+      $RG --num-layers 5 --target-layer-ids 1,2,3,4,5 \
       --steps 1 --lr 0 --length-head-steps ${HEAD_STEPS:-2000} --max-anchors ${HEAD_ANCHORS:-64} --batch-size ${BATCH:-64} \
       --eval-per-domain 0 \
       > $W/head_$H.log 2>&1 &
@@ -58,9 +60,10 @@ elif [[ $MODE == heads ]]; then
     done
   done
 else
-  timeout 200 $TD --out $W/regen --domains math,code,chat,prose --num-prompts ${REGEN_PROMPTS:-36000} --sampled-answers 1 \
-    --sampled-domains math,code,chat --regen-cache $W/regen.jsonl --regen-only 2>&1 | tail -n 3
-  timeout $LIMIT $TD --out $W/drafter --domains math,code,chat,prose --regen-cache $W/regen.jsonl \
+  # the training call passes the regeneration's settings too: train_drafter refuses a cache made with others
+  RG="--domains math,code,chat,prose --num-prompts ${REGEN_PROMPTS:-36000} --sampled-answers 1 --sampled-domains math,code,chat --regen-cache $W/regen.jsonl"
+  timeout 200 $TD --out $W/regen $RG --regen-only 2>&1 | tail -n 3
+  timeout $LIMIT $TD --out $W/drafter $RG \
     --num-layers ${LAYERS:-5} --target-layer-ids ${TARGET_LAYERS:-1,2,3,4,5} --batch-size ${BATCH:-128} \
     --num-workers ${WORKERS:-6} --lr ${LR:-8e-4} --minutes $MIN --eval-per-domain 8 ${INIT_FROM:+--init-from $INIT_FROM} \
     --block-attention ${BLOCK_ATTENTION:-dense} \

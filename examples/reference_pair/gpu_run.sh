@@ -5,7 +5,9 @@
 # Outputs go to $OUT (tar parts of at most 15 MB).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 ADAFLASH_DATA="$PWD/.devdata/data" TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; W=/tmp/ref; mkdir -p $W
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; W=/tmp/ref
+# a warm machine keeps /tmp: start clean, so nothing an earlier call left there is taken for this call's output
+rm -rf $W; mkdir -p $W
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
 [[ -f .devdata/data.tar.gz && ! -d .devdata/data ]] && tar xzf .devdata/data.tar.gz -C .devdata
