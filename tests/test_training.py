@@ -418,18 +418,24 @@ def test_collator_chat_masks_assistant_tokens(chat_tokenizer):
     assert (batch["input_ids"][1, ~batch["attention_mask"][1]] == tok.pad_token_id).all()
 
 
-def test_cli_smoke(tmp_path, chat_tokenizer):
+
+@pytest.fixture
+def target_dir(tmp_path, chat_tokenizer):
+    """A tiny target and the chat tokenizer saved together in ``tmp_path / "target"``, as train_drafter loads them."""
+    target = tiny_target(vocab=320)
+    target.config.eos_token_id = chat_tokenizer.eos_token_id
+    target.save_pretrained(tmp_path / "target")
+    chat_tokenizer.save_pretrained(tmp_path / "target")
+    return tmp_path / "target"
+
+
+def test_cli_smoke(tmp_path, chat_tokenizer, target_dir):
     """Regeneration + a few Trainer steps + save, on CPU, from a tiny target folder."""
     from adaflash_hf.training import train_drafter
 
-    tok = chat_tokenizer
-    target = tiny_target(vocab=320)
-    target.config.eos_token_id = tok.eos_token_id
-    target.save_pretrained(tmp_path / "target")
-    tok.save_pretrained(tmp_path / "target")
     out = tmp_path / "drafter"
     rc = train_drafter.main([
-        "--target", str(tmp_path / "target"), "--out", str(out), "--device", "cpu", "--domains", "chat,prose",
+        "--target", str(target_dir), "--out", str(out), "--device", "cpu", "--domains", "chat,prose",
         "--num-prompts", "4", "--max-new-tokens", "12", "--gen-batch-size", "2", "--steps", "3",
         "--block-size", "4", "--batch-size", "2", "--max-length", "64", "--logging-steps", "1",
         "--eval-per-domain", "1", "--eval-domains", "chat", "--no-progress", "--temperature", "1.0",
@@ -437,7 +443,7 @@ def test_cli_smoke(tmp_path, chat_tokenizer):
     ])
     assert rc == 0
     d = AdaFlashDrafter.from_pretrained(str(out))
-    assert d.config.block_size == 4 and d.config.mask_token_id == tok.mask_token_id and d.config.length_head_trained
+    assert d.config.block_size == 4 and d.config.mask_token_id == chat_tokenizer.mask_token_id and d.config.length_head_trained
     assert d.fc.weight.dtype == torch.bfloat16
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert any("loss" in r and "lr" in r for r in log)
@@ -448,19 +454,14 @@ def test_cli_smoke(tmp_path, chat_tokenizer):
     assert (tmp_path / "regen.jsonl").is_file()
 
 
-def test_init_from_continues_a_checkpoint_and_refuses_a_mismatch_before_regenerating(tmp_path, chat_tokenizer, monkeypatch):
+def test_init_from_continues_a_checkpoint_and_refuses_a_mismatch_before_regenerating(tmp_path, target_dir, monkeypatch):
     """A run cut into several calls: ``--init-from`` starts from the checkpoint's weights (with lr 0 the saved
     drafter is the checkpoint, bit for bit; the control, a fresh start, is not; ``--length-head-type`` puts a fresh
     head of that form on the checkpoint's body), and layer flags that disagree with the checkpoint stop the run
     with one error naming them, before any regeneration."""
     from adaflash_hf.training import train_drafter
 
-    tok = chat_tokenizer
-    target = tiny_target(vocab=320)
-    target.config.eos_token_id = tok.eos_token_id
-    target.save_pretrained(tmp_path / "target")
-    tok.save_pretrained(tmp_path / "target")
-    common = ["--target", str(tmp_path / "target"), "--device", "cpu", "--domains", "chat", "--num-prompts", "2",
+    common = ["--target", str(target_dir), "--device", "cpu", "--domains", "chat", "--num-prompts", "2",
               "--max-new-tokens", "8", "--gen-batch-size", "2", "--block-size", "4", "--batch-size", "2",
               "--max-length", "48", "--eval-per-domain", "0", "--no-progress", "--regen-cache", str(tmp_path / "regen.jsonl")]
     assert train_drafter.main(common + ["--out", str(tmp_path / "a"), "--steps", "2"]) == 0
@@ -511,19 +512,14 @@ def test_build_prompts_draws_several_prompts_per_sample(chat_tokenizer, per_samp
         build_prompts(tok, ["chat"], 4, prompts_per_sample=0)
 
 
-def test_regen_cache_is_reused_only_with_the_settings_that_made_it(tmp_path, chat_tokenizer, monkeypatch):
+def test_regen_cache_is_reused_only_with_the_settings_that_made_it(tmp_path, target_dir, monkeypatch):
     """``--regen-cache`` writes its settings beside the samples; a later call with the same settings reuses the
     samples without regenerating, one with another ``--seed`` / ``--max-prompt-tokens`` (or a cache without its
     settings file) stops with one error naming the difference, before any regeneration."""
     from adaflash_hf.training import train_drafter
 
-    tok = chat_tokenizer
-    target = tiny_target(vocab=320)
-    target.config.eos_token_id = tok.eos_token_id
-    target.save_pretrained(tmp_path / "target")
-    tok.save_pretrained(tmp_path / "target")
     cache = tmp_path / "regen.jsonl"
-    common = ["--target", str(tmp_path / "target"), "--device", "cpu", "--domains", "chat", "--num-prompts", "2",
+    common = ["--target", str(target_dir), "--device", "cpu", "--domains", "chat", "--num-prompts", "2",
               "--max-new-tokens", "8", "--gen-batch-size", "2", "--no-progress", "--regen-cache", str(cache),
               "--regen-only", "--out", str(tmp_path / "r")]
     assert train_drafter.main(common) == 0

@@ -1,9 +1,9 @@
 """The project's embedded reference pair: a small Qwen3 target and its AdaFlash drafter.
 
 Both were trained on this project's own data (no hub is reachable where they were made): the target
-with `examples/reference_pair/gpu_run.sh`, the drafter (v7: 5 layers, all four domains) with
-`bash examples/reference_pair/gpu_drafters.sh four` and four chained continuations of it; commands, data and
-figures in BENCHMARKS.md section 1.
+with `examples/reference_pair/gpu_run.sh`, the drafter (v8: 5 layers, all four domains) with
+`bash examples/reference_pair/gpu_drafters.sh four` and six chained continuations of it (the last two on
+prompts of up to 1,536 tokens); commands, data and figures in BENCHMARKS.md section 1.
 """
 
 import os
