@@ -1,12 +1,13 @@
-"""Greedy `fixed` tau of the shipped reference pair on one eval set, short prompts against long ones.
+"""Greedy `fixed` tau of the reference pair on one eval set, short prompts against long ones.
 
-The drafter's recipe cuts its training prompts to their last `--max-prompt-tokens` (384) tokens, while the
+Up to v7 the drafter's recipe cut its training prompts to their last 384 tokens (`--max-prompt-tokens`), while the
 sharegpt set's first turns run to thousands. This probe measures whether long prompts cost tau: the first
 `--per-group` prompts of each length group, each generated alone (batch 1) with
 `target.generate(ids, assistant_model=drafter, length_policy="fixed")`, pooled tau = committed tokens / rounds over the group; beside it,
 prompt lookup's tau on the same prompts (`prompt_lookup_rounds`, exact under greedy decoding, the prefill a round).
 
     ADAFLASH_DATA=/tmp/ev/data python examples/reference_pair/tau_by_prompt_length.py --dataset sharegpt
+    ... --drafter DIR    # another drafter on the reference target
 """
 
 import argparse
@@ -14,7 +15,7 @@ import json
 
 import torch
 
-from adaflash_hf import load_reference_pair
+from adaflash_hf import AdaFlashDrafter, load_reference_pair
 from adaflash_hf.bench.prompt_lookup_tau import PromptLookupSettings, as_generation_stats, prompt_lookup_rounds
 from adaflash_hf.spec.rounds import mean_tokens_per_round
 from adaflash_hf.training.data import eval_prompts
@@ -49,9 +50,12 @@ def main() -> None:
     ap.add_argument("--longest", type=int, default=1900, help="long prompts stop here (the target knows 2048 positions)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--drafter", default=None, help="another drafter folder for the reference target (default: the shipped one)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target, drafter, tok = load_reference_pair()
+    if args.drafter:
+        drafter = AdaFlashDrafter.from_pretrained(args.drafter, dtype=torch.float32, attn_implementation="sdpa").eval().bind_target(target)
     ids = [tok.apply_chat_template(p["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
            for p in eval_prompts(args.dataset)[: args.num_prompts]]
     groups = {f"short (<= {args.split})": [x for x in ids if x.shape[1] <= args.split][: args.per_group],
