@@ -44,7 +44,9 @@ def add_arguments(ap: argparse.ArgumentParser, require_target: bool = True) -> a
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
     ap.add_argument("--prompts-per-sample", type=int, default=1,
                     help="prompts drawn from each training sample (chat: first user turns; prose: prefixes at offsets)")
-    ap.add_argument("--regen-cache", default=None, help="jsonl of regenerated samples: reused if it exists, else written")
+    ap.add_argument("--regen-cache", default=None,
+                    help="jsonl of regenerated samples: reused if it exists and was made with the same regeneration "
+                    "settings (kept in FILE.settings.json; other ones are refused), else written")
     ap.add_argument("--regen-only", action="store_true", help="stop after regeneration (with --regen-cache)")
     # drafter
     ap.add_argument("--init-from", default=None, help="a drafter folder to continue training (the next call of a run cut "

@@ -38,8 +38,9 @@ From Python: ``run(DrafterRecipe(target=..., out=..., domains=["chat", "prose"],
 
 Several GPUs: ``accelerate launch --num_processes N -m adaflash_hf.training.train_drafter ...``
 trains data-parallel (DDP through the Trainer). Regeneration is not split across processes (every
-process would repeat it): run it once single-process with ``--regen-cache FILE --regen-only``, then launch the multi-GPU run with the same
-``--regen-cache FILE``, which every process then just reads. (Not testable on the CPU machines.)
+process would repeat it): run it once single-process with ``--regen-cache FILE --regen-only``, then launch the
+multi-GPU run with the same regeneration flags and ``--regen-cache FILE``, which every process then just reads.
+(Not testable on the CPU machines.)
 """
 
 from __future__ import annotations
