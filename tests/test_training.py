@@ -418,7 +418,6 @@ def test_collator_chat_masks_assistant_tokens(chat_tokenizer):
     assert (batch["input_ids"][1, ~batch["attention_mask"][1]] == tok.pad_token_id).all()
 
 
-
 @pytest.fixture
 def target_dir(tmp_path, chat_tokenizer):
     """A tiny target and the chat tokenizer saved together in ``tmp_path / "target"``, as train_drafter loads them."""
