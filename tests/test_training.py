@@ -524,7 +524,7 @@ def test_regen_cache_is_reused_only_with_the_settings_that_made_it(tmp_path, tar
     assert train_drafter.main(common) == 0
     saved = json.loads((tmp_path / "regen.jsonl.settings.json").read_text())
     assert saved["seed"] == 0 and saved["domains"] == ["chat"] and cache.read_text().count("\n") >= 2
-    assert not list(tmp_path.glob(".regen.jsonl*.tmp"))  # written beside, then renamed
+    assert not list(tmp_path.glob(".tmp-adaflash-*"))  # written beside, then renamed
     monkeypatch.setattr(train_drafter, "regenerate", lambda *a, **k: pytest.fail("regenerated a cached run"))
     assert train_drafter.main(common) == 0  # control: the same settings reuse the cache
     for extra, message in ((["--seed", "1"], r"seed 0 there, 1 here"),

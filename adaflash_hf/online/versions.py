@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
+from ..atomic_io import TMP_PREFIX, fsync_path, publishable, write_text_atomic
+
 __all__ = [
     "LATEST_MARKER",
     "METADATA_FILE",
@@ -52,7 +54,6 @@ LATEST_MARKER = "LATEST"
 LATEST_LINK = "latest"
 METADATA_FILE = "adaflash_version.json"
 _VERSION_RE = re.compile(r"^v(\d{5,})$")
-_TMP_PREFIX = ".tmp-adaflash-"
 
 
 def version_name(n: int) -> str:
@@ -89,61 +90,6 @@ def latest_version(root: str | os.PathLike) -> Path | None:
         return root / name
     versions = list_versions(root)
     return versions[-1][1] if versions else None
-
-
-def _umask() -> int:
-    """The process umask, read without changing it (``os.umask`` would race with other threads)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o022
-
-
-def _publishable(path: Path, directory: bool) -> None:
-    """Temporary files / directories are created private (0600 / 0700); give the published ones
-    the permissions a plain ``mkdir`` / ``open`` would have, so an engine under another user can
-    read them."""
-    try:
-        os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
-    except OSError:
-        pass
-
-
-def _fsync_path(path: Path, directory: bool = False) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write a small text file atomically: temporary file in the same directory, fsync, rename."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        _publishable(Path(tmp), directory=False)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_path(path.parent, directory=True)
 
 
 class VersionStore:
@@ -185,7 +131,7 @@ class VersionStore:
     # ------------------------------------------------------------------ writing
     def _remove_stale_temporaries(self) -> None:
         for p in self.root.iterdir():
-            if p.name.startswith(_TMP_PREFIX):
+            if p.name.startswith(TMP_PREFIX):
                 if p.is_dir() and not p.is_symlink():
                     shutil.rmtree(p, ignore_errors=True)
                 else:
@@ -209,7 +155,7 @@ class VersionStore:
         n = self.next_number()
         name = version_name(n)
         final = self.root / name
-        tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX + name + "-", dir=self.root))
+        tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX + name + "-", dir=self.root))
         try:
             save_fn(str(tmp))
             for fname, text in (files or {}).items():
@@ -220,17 +166,17 @@ class VersionStore:
             (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str), encoding="utf-8")
             for p in tmp.rglob("*"):
                 if p.is_file() and not p.is_symlink():
-                    _publishable(p, directory=False)
-                    _fsync_path(p)
+                    publishable(p, directory=False)
+                    fsync_path(p)
                 elif p.is_dir() and not p.is_symlink():
-                    _publishable(p, directory=True)
-            _publishable(tmp, directory=True)
-            _fsync_path(tmp, directory=True)
+                    publishable(p, directory=True)
+            publishable(tmp, directory=True)
+            fsync_path(tmp, directory=True)
             os.replace(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _fsync_path(self.root, directory=True)
+        fsync_path(self.root, directory=True)
         write_text_atomic(self.root / LATEST_MARKER, name + "\n")
         if self.link_latest:
             self._update_link(name)
@@ -241,7 +187,7 @@ class VersionStore:
         link = self.root / LATEST_LINK
         if link.exists() and not link.is_symlink():
             return  # a user's own file or directory: leave it alone
-        tmp = self.root / f"{_TMP_PREFIX}link-{os.getpid()}-{time.monotonic_ns()}"
+        tmp = self.root / f"{TMP_PREFIX}link-{os.getpid()}-{time.monotonic_ns()}"
         try:
             os.symlink(name, tmp, target_is_directory=True)
             os.replace(tmp, link)

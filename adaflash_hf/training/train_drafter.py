@@ -60,6 +60,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from ..atomic_io import write_text_atomic  # noqa: E402
 from . import RecipeError  # noqa: E402
 from .block_attention import flex_available  # noqa: E402
 from .drafter_recipe import DrafterRecipe, add_arguments, config_from_args  # noqa: E402,F401
@@ -306,16 +307,6 @@ def check_regen_cache(r: DrafterRecipe) -> None:
                           + ": pass the same settings, another cache file, or delete it")  # fmt: skip
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write beside, then rename: a run killed mid-write leaves no half cache to be reused."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _training_samples(r: DrafterRecipe, target, tok, main_process: bool, timings: dict) -> list[dict]:
     """Stage 1: the target's answers to the training prompts (or the regeneration cache, checked by
     :func:`check_regen_cache` before any work)."""
@@ -334,8 +325,8 @@ def _training_samples(r: DrafterRecipe, target, tok, main_process: bool, timings
                                   r.progress)  # fmt: skip
         if cache is not None and main_process:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomic(_settings_file(cache), json.dumps(_regen_settings(r), indent=1))  # first: see check_regen_cache
-            _write_atomic(cache, "".join(json.dumps(s) + "\n" for s in samples))
+            write_text_atomic(_settings_file(cache), json.dumps(_regen_settings(r), indent=1))  # first: see check_regen_cache
+            write_text_atomic(cache, "".join(json.dumps(s) + "\n" for s in samples))
     timings["regenerate_s"] = round(time.time() - t, 1)
     return samples
 
