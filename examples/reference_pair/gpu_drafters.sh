@@ -9,7 +9,7 @@
 #     each head's adaptive tau beside fixed (bench, HEAD_SETS x HEAD_PROMPTS prompts, length rates HEAD_RATES)
 # `four` regenerates the target's answers over all four domains once (REGEN_PROMPTS prompts, one extra sampled answer
 # per prompt of SAMPLED_DOMAINS, MAX_PROMPT_TOKENS), trains one drafter on them (LAYERS / TARGET_LAYERS / BATCH / WORKERS /
-# LR / DRAFT_MINUTES / BLOCK_ATTENTION / MAX_LENGTH; the defaults are v5's recipe but DRAFT_MINUTES: 5.5, v5 ran 6.0;
+# LR / DRAFT_MINUTES / BLOCK_ATTENTION / MAX_LENGTH; REGEN_LIMIT, default 200 s, bounds the regeneration; the defaults are v5's recipe but DRAFT_MINUTES: 5.5, v5 ran 6.0;
 # v8's last two calls ran MAX_PROMPT_TOKENS=1536 MAX_LENGTH=1792) and, beside it, the small autoregressive assistant of
 # the `hf_assisted` baseline on the same answers. One drafter per call: three drafters at batch 64 beside
 # each other ran out of the H200's 140 GB (docs/logs/drafters_gpu_1712).
@@ -64,7 +64,7 @@ elif [[ $MODE == heads ]]; then
 else
   # the training call passes the regeneration's settings too: train_drafter refuses a cache made with others
   RG="--domains math,code,chat,prose --num-prompts ${REGEN_PROMPTS:-36000} --sampled-answers 1 --sampled-domains ${SAMPLED_DOMAINS:-math,code,chat} --regen-cache $W/regen.jsonl"
-  timeout 200 $TD --out $W/regen $RG --regen-only 2>&1 | tail -n 3
+  timeout ${REGEN_LIMIT:-200} $TD --out $W/regen $RG --regen-only 2>&1 | tail -n 3
   timeout $LIMIT $TD --out $W/drafter $RG \
     --num-layers ${LAYERS:-5} --target-layer-ids ${TARGET_LAYERS:-1,2,3,4,5} --batch-size ${BATCH:-128} \
     --num-workers ${WORKERS:-6} --lr ${LR:-8e-4} --minutes $MIN --eval-per-domain 8 ${INIT_FROM:+--init-from $INIT_FROM} \
