@@ -1,8 +1,8 @@
 """The project's embedded reference pair: a small Qwen3 target and its AdaFlash drafter.
 
 Both were trained on this project's own data (no hub is reachable where they were made): the target
-with `examples/reference_pair/gpu_run.sh`, the drafter (v8: 5 layers, all four domains) with
-`bash examples/reference_pair/gpu_drafters.sh four` and six chained continuations of it (the last two on
+with `examples/reference_pair/gpu_run.sh`, the drafter (v9: 5 layers, all four domains) with
+`bash examples/reference_pair/gpu_drafters.sh four` and nine chained continuations of it (the last five on
 prompts of up to 1,536 tokens); commands, data and figures in BENCHMARKS.md section 1.
 """
 
