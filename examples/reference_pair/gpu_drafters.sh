@@ -8,10 +8,11 @@
 #     anchors per sample; a step runs the whole drafter forward: 800 steps at 512 anchors did not finish in 160 s), then
 #     each head's adaptive tau beside fixed (bench, HEAD_SETS x HEAD_PROMPTS prompts, length rates HEAD_RATES)
 # `four` regenerates the target's answers over all four domains once (REGEN_PROMPTS prompts, one extra sampled answer
-# per prompt of SAMPLED_DOMAINS, MAX_PROMPT_TOKENS), trains one drafter on them (LAYERS / TARGET_LAYERS / BATCH / WORKERS /
-# LR / DRAFT_MINUTES / BLOCK_ATTENTION / MAX_LENGTH; REGEN_LIMIT, default 200 s, bounds the regeneration; the defaults are v5's recipe but DRAFT_MINUTES: 5.5, v5 ran 6.0;
-# v8's last two calls ran MAX_PROMPT_TOKENS=1536 MAX_LENGTH=1792) and, beside it, the small autoregressive assistant of
-# the `hf_assisted` baseline on the same answers. One drafter per call: three drafters at batch 64 beside
+# per prompt of SAMPLED_DOMAINS, MAX_PROMPT_TOKENS; REGEN_LIMIT, default 200 s, bounds it), trains one drafter on them
+# (LAYERS / TARGET_LAYERS / BATCH / WORKERS / LR / DRAFT_MINUTES / BLOCK_ATTENTION / MAX_LENGTH; the defaults are v5's
+# recipe but DRAFT_MINUTES: 5.5, v5 ran 6.0; v8's and v9's last calls ran MAX_PROMPT_TOKENS=1536 MAX_LENGTH=1792, v9's
+# last two also SAMPLED_DOMAINS=math,code,chat,prose REGEN_LIMIT=260) and, beside it, the small autoregressive
+# assistant of the `hf_assisted` baseline on the same answers. One drafter per call: three drafters at batch 64 beside
 # each other ran out of the H200's 140 GB (docs/logs/drafters_gpu_1712).
 # A longer `four` run cut into several calls: carry the last call's drafter and set INIT_FROM=<its folder> (training
 # continues from its weights; the layer flags must match it), SEED=<n> (other prompts regenerated) and ASSISTANT=0.
