@@ -1,5 +1,6 @@
 """Offline drafter training (SPEC section 5): anchors, block masks, losses, Trainer glue, PEFT, cache."""
 
+import dataclasses
 import json
 import math
 
@@ -527,6 +528,8 @@ def test_regen_cache_is_reused_only_with_the_settings_that_made_it(tmp_path, tar
     assert not list(tmp_path.glob(".tmp-adaflash-*"))  # written beside, then renamed
     monkeypatch.setattr(train_drafter, "regenerate", lambda *a, **k: pytest.fail("regenerated a cached run"))
     assert train_drafter.main(common) == 0  # control: the same settings reuse the cache
+    from_python = train_drafter.config_from_args(train_drafter.parse_args(common))
+    train_drafter.check_regen_cache(dataclasses.replace(from_python, domains=("chat",)))  # a tuple is the saved list
     for extra, message in ((["--seed", "1"], r"seed 0 there, 1 here"),
                            (["--max-prompt-tokens", "64"], r"max_prompt_tokens 384 there, 64 here")):
         with pytest.raises(SystemExit, match=message):

@@ -284,7 +284,8 @@ REGEN_SETTINGS = ("target", "data", "domains", "seed", "num_prompts", "max_new_t
 
 
 def _regen_settings(r: DrafterRecipe) -> dict:
-    return {k: getattr(r, k) for k in REGEN_SETTINGS}
+    # through JSON, as the settings file holds them: a tuple of domains compares equal to the saved list
+    return json.loads(json.dumps({k: getattr(r, k) for k in REGEN_SETTINGS}))
 
 
 def _settings_file(cache: Path) -> Path:

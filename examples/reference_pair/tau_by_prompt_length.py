@@ -12,11 +12,13 @@ prompt lookup's tau on the same prompts (`prompt_lookup_rounds`, exact under gre
 
 import argparse
 import json
+import os
 
 import torch
 
-from adaflash_hf import AdaFlashDrafter, load_reference_pair
 from adaflash_hf.bench.prompt_lookup_tau import PromptLookupSettings, as_generation_stats, prompt_lookup_rounds
+from adaflash_hf.loading import load_models
+from adaflash_hf.reference import REFERENCE_DIR
 from adaflash_hf.spec.rounds import mean_tokens_per_round
 from adaflash_hf.training.data import eval_prompts
 
@@ -53,9 +55,9 @@ def main() -> None:
     ap.add_argument("--drafter", default=None, help="another drafter folder for the reference target (default: the shipped one)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target, drafter, tok = load_reference_pair()
-    if args.drafter:
-        drafter = AdaFlashDrafter.from_pretrained(args.drafter, dtype=torch.float32, attn_implementation="sdpa").eval().bind_target(target)
+    # another drafter goes through the CLI's loader, which checks the folder and binds it to the target
+    own = {"target": os.path.join(REFERENCE_DIR, "target"), "drafter": args.drafter} if args.drafter else {"reference": True}
+    target, drafter, tok, _ = load_models(**own, device="cpu", dtype=torch.float32)
     ids = [tok.apply_chat_template(p["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
            for p in eval_prompts(args.dataset)[: args.num_prompts]]
     groups = {f"short (<= {args.split})": [x for x in ids if x.shape[1] <= args.split][: args.per_group],
