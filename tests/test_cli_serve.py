@@ -160,13 +160,16 @@ def test_engine_failure_fails_the_request_reports_503_and_exits_3(monkeypatch, c
     assert "exit status 3" in err and "exit code 3" in err
 
 
-def test_without_the_serve_extra_serve_names_it(monkeypatch, capsys):
-    """uvicorn / fastapi missing: `adaflash serve` fails at once (before loading a model) with one line naming
-    `pip install 'adaflash-hf[serve]'` (that `--help` imports neither is checked in test_cli)."""
-    for name in ("uvicorn", "fastapi"):
+@pytest.mark.parametrize("missing", [("uvicorn", "fastapi"), ("prometheus_client",)])
+def test_without_the_serve_extra_serve_names_it(missing, monkeypatch, capsys):
+    """uvicorn / fastapi / prometheus_client missing: `adaflash serve` fails at once (before loading a model) with
+    one line naming `pip install 'adaflash-hf[serve]'` (that `--help` imports none is checked in test_cli)."""
+    for name in missing:
         monkeypatch.setitem(sys.modules, name, None)  # `import uvicorn` now raises ImportError
+    for name in [m for m in sys.modules if m.startswith("adaflash_hf.engine.serve.")]:
+        monkeypatch.delitem(sys.modules, name)  # imported afresh, as in a process without the extra
     rc = main(["serve", "--port", "0"])
     err = capsys.readouterr().err
     assert rc == 2, err
     line = err.strip().splitlines()[-1]
-    assert "needs the `serve` extra (uvicorn is missing)" in line and "pip install 'adaflash-hf[serve]'" in line, line
+    assert f"needs the `serve` extra ({missing[0]} is missing)" in line and "pip install 'adaflash-hf[serve]'" in line, line

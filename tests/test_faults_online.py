@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -61,10 +62,10 @@ def _gated(adapter):
     training, release = threading.Event(), threading.Event()
     train = adapter.worker.train
 
-    def gated(samples, n):
+    def gated(samples, n, **kwargs):
         training.set()
         assert release.wait(30), "test never released the update"
-        return train(samples, n)
+        return train(samples, n, **kwargs)
 
     adapter.worker.train = gated
     return training, release
@@ -107,6 +108,28 @@ def test_flush_returns_and_keeps_samples_that_arrive_during_an_update(setup):
         assert _serves_exactly(adapter, target)
     finally:
         adapter.close(timeout=10)
+
+
+@pytest.mark.parametrize("abandon", [True, False])
+def test_close_abandon_discards_the_update_in_progress(setup, tmp_path, abandon):
+    """A server's SIGTERM: close(abandon=True) stops the update at its next step, with no swap and no new
+    version; the control (abandon=False) finishes the same update and publishes it."""
+    target, rounds = setup
+    adapter = _adapter(target, output_dir=str(tmp_path))
+    before = {k: v.clone() for k, v in adapter.drafter.state_dict().items()}
+    training, release = _gated(adapter)
+    adapter.on_round(rounds[0])
+    adapter.on_round(rounds[1])  # triggers update 1, held at the gate
+    assert training.wait(30)
+    closer = threading.Thread(target=adapter.close, kwargs={"timeout": 30, "abandon": abandon}, daemon=True)
+    closer.start()
+    time.sleep(0.2)  # close() is waiting on the worker
+    release.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    unchanged = all(torch.equal(before[k], v) for k, v in adapter.drafter.state_dict().items())
+    assert (adapter.updates, unchanged, len(list_versions(tmp_path))) == ((0, True, 0) if abandon else (1, False, 1))
+    assert adapter.failures == 0
 
 
 def test_leftovers_dropped_after_an_update_are_counted_and_flush_still_returns(setup):

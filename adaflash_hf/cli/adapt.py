@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from ..loading import HUB_ID, PROMPTS_HINT, UsageError
+from ..loading import PROMPTS_HINT
 from .common import (
     add_model_args,
     add_sampling_args,
@@ -20,6 +20,7 @@ from .common import (
     read_prompts_file,
     sampling_kwargs,
 )
+from .online_args import add_online_args, check_online_args, online_config
 
 HELP = "online adaptation: serve a jsonl stream of prompts with an OnlineAdapter attached, write versions"
 DESCRIPTION = (
@@ -39,19 +40,7 @@ def add_arguments(p) -> None:
     g.add_argument("--max-prompts", type=positive_int, help="serve only the first N prompts")
     add_sampling_args(p, 128)
     g = p.add_argument_group("adaptation")
-    g.add_argument("--output-dir", required=True, help="where the numbered versions are written")
-    g.add_argument("--hub-repo", help="also push every version to this Hub model repo (org/name)")
-    g.add_argument("--hub-private", action="store_true", help="create the Hub repo as private")
-    g.add_argument("--method", choices=("opd", "osd", "off"), default="opd", help="opd: AdaFlash on-policy distillation; osd: forward-KL baseline; off: measure only")
-    g.add_argument("--sample-unit", choices=("request", "round"), default="request",
-                   help="what one sample is: a finished request (the paper's unit) or one verified round")
-    g.add_argument("--samples-per-update", type=positive_int, default=128, help="samples buffered per update (paper: 128 requests)")
-    g.add_argument("--epochs", type=positive_int, default=2, help="passes over an update's samples")
-    g.add_argument("--train-batch-size", type=positive_int, default=2, help="samples per optimizer step")
-    g.add_argument("--lr", type=positive_float, default=3e-4, help="drafter learning rate")
-    g.add_argument("--head-lr", type=positive_float, default=2e-4, help="length-head learning rate")
-    g.add_argument("--layout", choices=("native", "dflash"), default="native", help="version layout (dflash: what SGLang / vLLM load)")
-    g.add_argument("--keep-versions", type=positive_int, default=3, help="rolling window of versions kept on disk")
+    add_online_args(g)
     g.add_argument("--wait", action="store_true", help="after each prompt, wait for a triggered update to finish (reproducible)")
     g.add_argument("--flush", action="store_true", help="at the end, also train on the partial buffer")
     g.add_argument("--timeout", type=positive_float, default=600.0, help="seconds to wait for pending updates / pushes at the end")
@@ -59,26 +48,17 @@ def add_arguments(p) -> None:
 
 def _records(args) -> list[dict]:
     sampling_kwargs(args)  # refuses sampling flags that cannot apply, before anything loads
+    check_online_args(args)
     records = read_prompts_file(args.prompts_file)
     if args.max_prompts:
         records = records[: args.max_prompts]
-    if os.path.isfile(args.output_dir):
-        raise UsageError(f"--output-dir {args.output_dir} is a file", "pass a directory for the numbered versions")
-    if args.hub_repo and not HUB_ID.match(args.hub_repo):
-        raise UsageError(f"--hub-repo {args.hub_repo!r} is not a Hub repository id", "use the form org/name")
     return records
 
 
 def _adapter(args, target, drafter):
     from ..online import OnlineAdapter
 
-    target_name = "reference target (adaflash_hf.reference)" if args.reference else args.target
-    return OnlineAdapter(
-        drafter, target, method=args.method, sample_unit=args.sample_unit, samples_per_update=args.samples_per_update, epochs=args.epochs,
-        batch_size=args.train_batch_size, lr=args.lr, head_lr=args.head_lr, output_dir=args.output_dir,
-        keep_versions=args.keep_versions, hub_repo=args.hub_repo, version_layout=args.layout,
-        target_name=target_name, hub_private=True if args.hub_private else None, seed=args.seed,
-    )  # fmt: skip
+    return OnlineAdapter(drafter, target, online_config(args))
 
 
 def _serve(args, records, target, drafter, tok, adapter) -> int:
@@ -124,7 +104,7 @@ def _report(args, stats) -> None:
         tau = stats["tau_since_update"]
         print(f"--method off: no training; tau over the stream {'-' if tau is None else f'{tau:.2f}'}")
     else:
-        print(f"no update ran: {stats['rounds_seen']} rounds served, {args.samples_per_update} needed per update "
+        print(f"no update ran: {stats['rounds_seen']} rounds served, {args.samples_per_update or 'the default'} needed per update "
               "(pass --flush to train on a partial buffer, or lower --samples-per-update)")
 
 
@@ -135,8 +115,9 @@ def run(args) -> int:
     target, drafter, tok = load_models_from_args(args)
     check_policy(drafter, args.length_policy)
     adapter = _adapter(args, target, drafter)
-    print(f"online adaptation ({args.method}) over {len(records)} prompts from {args.prompts_file}: an update every "
-          f"{args.samples_per_update} {'finished requests' if args.sample_unit == 'request' else 'verified rounds'}, versions in {args.output_dir}"
+    cfg = adapter.config
+    print(f"online adaptation ({cfg.method}) over {len(records)} prompts from {args.prompts_file}: an update every "
+          f"{cfg.samples_per_update} {'finished requests' if cfg.sample_unit == 'request' else 'verified rounds'}, versions in {args.output_dir}"
           + (f", pushed to https://huggingface.co/{args.hub_repo}" if args.hub_repo else ""))
     adapter.attach()
     start = time.perf_counter()

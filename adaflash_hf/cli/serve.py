@@ -7,6 +7,7 @@ import sys
 from ..loading import UsageError, check_drafter_path, check_target_path, one_line
 from ..spec.policy import ENGINE_POLICIES
 from .common import PROG, add_model_args, check_either_reference, load_models_from_args, number, positive_int
+from .online_args import add_online_args, check_online_args, online_config
 
 seconds = number(float, lambda v: v >= 0, "a number of seconds >= 0")
 
@@ -20,8 +21,13 @@ DESCRIPTION = (
     "FastAPI on uvicorn (pip install 'adaflash-hf[serve]'); put a reverse proxy in front for TLS / auth.\n"
     "A client that disconnects cancels its request; past --max-concurrent-requests a request gets a 429.\n"
     "exit status: 0 stopped (Ctrl-C / SIGTERM), 2 usage error, 3 the engine failed (/health answered 503\n"
-    "for --exit-after-failure seconds first): a supervisor should restart the server.\n\n"
+    "for --exit-after-failure seconds first): a supervisor should restart the server.\n"
+    "GET /metrics: Prometheus counters (requests, tokens, rounds, tau, acceptance per draft position,\n"
+    "verify length; with --online the served version, updates, losses, buffer). --online distils the\n"
+    "drafter from the served traffic and swaps each update in between rounds (answers unchanged); SIGTERM\n"
+    "abandons an update in progress and leaves the newest version in --output-dir loadable.\n\n"
     "example:\n  adaflash serve --port 8000\n"
+    "  adaflash serve --online --output-dir runs/online --samples-per-update 128\n"
     "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
     "       -d '{\"prompt\": \"Hello\", \"max_tokens\": 16, \"temperature\": 0}'"
 )
@@ -56,6 +62,16 @@ def add_arguments(p) -> None:
     g.add_argument("--decode-steps", type=positive_int, default=8,
                    help="--plain on CUDA: greedy decode steps per graph replay while no request waits "
                         "(streaming then arrives in groups of up to this many tokens; 1: one at a time)")
+    g = p.add_argument_group("online adaptation (--online)")
+    g.add_argument("--online", action="store_true",
+                   help="distil the drafter from the target's verification of the traffic while serving: updates train "
+                        "on a worker thread (a side CUDA stream on GPU), are swapped in between rounds and published as "
+                        "numbered versions (--output-dir); answers stay the target's own")
+    add_online_args(g, method_flag="--online-method", output_required=False)
+
+
+_ONLINE_ONLY = ("output_dir", "hub_repo", "sample_unit", "samples_per_update", "epochs", "train_batch_size", "lr",
+                "head_lr", "keep_versions")
 
 
 def _check_models(args) -> bool:
@@ -74,6 +90,12 @@ def _check_models(args) -> bool:
         check_target_path(args.target)
         if args.drafter:
             check_drafter_path(args.drafter)
+    if args.online:
+        if args.plain:
+            raise UsageError("--online adapts the drafter; --plain serves none", "leave out --plain, or --online")
+        check_online_args(args)
+    elif any(getattr(args, k) is not None for k in _ONLINE_ONLY) or args.hub_private or args.method != "opd":
+        raise UsageError("online adaptation flags given without --online", "add --online, or leave them out")
     return need_drafter
 
 
@@ -83,20 +105,31 @@ def _service(args, need_drafter: bool):
     from ..engine.serve.server import CompletionService
 
     target, drafter, tok = load_models_from_args(args, need_drafter=need_drafter)
+    adapter = None
+    if args.online:
+        from ..online import OnlineAdapter
+
+        adapter = OnlineAdapter(drafter, target, online_config(args))
     cfg = target.config.get_text_config(decoder=True)
     max_len = args.max_len or min(2048, getattr(cfg, "max_position_embeddings", None) or 2048)
     token_budget = args.token_budget or max_len
     try:
         engine = Engine(target, drafter if need_drafter else None, length_policy=args.length_policy if need_drafter else None,
                         max_slots=args.max_slots, max_len=max_len, token_budget=token_budget,
-                        decode_steps=args.decode_steps)
+                        decode_steps=args.decode_steps, round_sink=adapter)
     except ValueError as e:
         raise UsageError(f"cannot serve this model: {one_line(e)}", "the engine drives Qwen3 / Llama-family targets") from None
     engine.warmup(concurrency=args.max_slots)  # capture the decode rounds' graphs before the first request
     name = args.model_name or ("adaflash-reference" if args.reference else args.target.rstrip("/"))
     service = CompletionService(engine, tok, name, min(args.default_max_tokens, max_len - 1))
-    return service, (f"model {name!r}", f"(verify: {engine.layout}, {args.max_slots} slots, "
-                                        f"max_len {max_len}, token budget {token_budget})")
+    online = ""
+    if adapter is not None:
+        service.metrics.online_stats = lambda: adapter.stats
+        c = adapter.config
+        online = (f"; online {c.method}: an update every {c.samples_per_update} requests"
+                  + (f", versions in {c.output_dir}" if c.output_dir else "") + (f", pushed to {c.hub_repo}" if c.hub_repo else ""))
+    return service, adapter, (f"model {name!r}", f"(verify: {engine.layout}, {args.max_slots} slots, "
+                                                 f"max_len {max_len}, token budget {token_budget}{online})")
 
 
 def run(args) -> int:
@@ -105,9 +138,9 @@ def run(args) -> int:
     import threading
 
     need_drafter = _check_models(args)
-    from ..engine.serve.server import OpenAIServer, ServeSettings, require_serve_extra
-
     try:
+        from ..engine.serve.server import OpenAIServer, ServeSettings, require_serve_extra
+
         require_serve_extra()
     except ImportError as e:
         raise UsageError(f"the HTTP server needs the `serve` extra ({e.name} is missing)",
@@ -130,17 +163,20 @@ def run(args) -> int:
     logger = logging.getLogger("adaflash_hf.server")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    adapter = None
     try:
-        server.service, (model, settings_line) = _service(args, need_drafter)
+        server.service, adapter, (model, settings_line) = _service(args, need_drafter)
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         print(f"{PROG} serve: {model} at {server.url}/v1 {settings_line}; endpoints /v1/completions, /v1/chat/completions, "
-              f"/v1/models, /health; Ctrl-C stops", flush=True)
+              f"/v1/models, /health, /metrics; Ctrl-C stops", flush=True)
         server.serve_forever()  # uvicorn stops on SIGINT / SIGTERM, then re-raises it: KeyboardInterrupt
     except KeyboardInterrupt:
         print(f"{PROG} serve: stopping", file=sys.stderr)
     finally:
         server.close()
+        if adapter is not None:  # an update in progress is abandoned; the versions on disk are whole (atomic writes)
+            adapter.close(abandon=True, timeout=args.exit_after_failure + 30)
         logger.removeHandler(handler)
         if old_sigterm is not None:
             signal.signal(signal.SIGTERM, old_sigterm)

@@ -52,7 +52,7 @@ from .config import LABEL_MODES, METHODS, SAMPLE_UNITS, OnlineConfig
 from .hub import redact
 from .lock import RoundLock
 from .publish import VersionPublisher, card_context
-from .worker import NonFiniteLossError, ShadowTrainer, copy_drafter
+from .worker import NonFiniteLossError, ShadowTrainer, UpdateAbandoned, copy_drafter
 
 _MAX_OPEN_ROWS = 4096  # requests in flight whose served rounds are kept
 
@@ -171,6 +171,7 @@ class OnlineAdapter:
         self._started = 0
         self._finished = 0
         self._closing = False
+        self._abandon = threading.Event()  # close(abandon=True): the update in progress stops at its next step
         self.stopped = False
         self._thread: threading.Thread | None = None
         if self.config.method != "off":
@@ -336,19 +337,24 @@ class OnlineAdapter:
                 self._force -= 1
         return True
 
-    def close(self, flush: bool = False, timeout: float | None = 120.0, hub_timeout: float | None = 10.0) -> bool:
+    def close(self, flush: bool = False, timeout: float | None = 120.0, hub_timeout: float | None = 10.0,
+              abandon: bool = False) -> bool:
         """Drain cleanly: stop taking rounds, finish the updates already triggered (and, with
         ``flush=True``, one on a final partial buffer), stop the worker and unregister from the
         drafter (each wait up to ``timeout``), then give pending Hub pushes up to ``hub_timeout``
         seconds without retrying (``None``: no limit). An unfinished push is counted in
         ``stats["hub"]`` (``gave_up``, ``last_error``); its version stays on disk. Returns False
-        when something was left unfinished.
+        when something was left unfinished. ``abandon=True`` (a server's SIGTERM): the update in
+        progress stops at its next optimizer step and is discarded (no swap, no new version); a
+        version being written is finished, so the newest one on disk stays loadable.
 
         Example:
             >>> adapter.close(flush=True, hub_timeout=300)  # wait longer for a large upload  # doctest: +SKIP
         """
         self._closing = True  # on_round ignores rounds from now on
-        done = self._train_buffered(None if timeout is None else time.monotonic() + timeout) if flush else True
+        if abandon:
+            self._abandon.set()
+        done = self._train_buffered(None if timeout is None else time.monotonic() + timeout) if flush and not abandon else True
         with self._cv:
             self._closing = True
             self._cv.notify_all()
@@ -399,6 +405,8 @@ class OnlineAdapter:
             "sample_errors": self.sample_errors,
             "tau_since_update": tau,
             "rounds_since_update": rounds_since,
+            "head_error": mae,
+            "served_version": next((r["version"] for r in reversed(history) if r["version"] is not None), 0),
             "write_failures": self.write_failures,
             "versions": [r["version"] for r in history if r["version"] is not None],
             "domains": dict(self.domains_seen),
@@ -437,8 +445,12 @@ class OnlineAdapter:
             with stream_ctx:
                 if worker.stream is not None:
                     worker.stream.wait_stream(torch.cuda.default_stream(worker.device))
-                result = worker.train(samples, self._started)
+                result = worker.train(samples, self._started, should_stop=self._abandon.is_set)
             self._swap()
+        except UpdateAbandoned:
+            worker.reset()  # the shadow stopped mid-update: rebuilt from the serving weights if ever needed
+            logger.info("online update abandoned (the adapter is closing); serving weights unchanged")
+            return
         except Exception as e:  # noqa: BLE001
             self._on_failure(e)
             return

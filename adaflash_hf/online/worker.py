@@ -39,11 +39,15 @@ from ..training.objective import DrafterObjective
 from .buffer import RequestSample, Sample
 from .config import OnlineConfig
 
-__all__ = ["NonFiniteLossError", "ShadowTrainer", "copy_drafter"]
+__all__ = ["NonFiniteLossError", "ShadowTrainer", "UpdateAbandoned", "copy_drafter"]
 
 
 class NonFiniteLossError(RuntimeError):
     """The worker produced a NaN / inf loss or weight; the update is discarded."""
+
+
+class UpdateAbandoned(RuntimeError):
+    """The adapter is shutting down: the update in progress stops at its next step and is discarded."""
 
 
 def copy_drafter(drafter: AdaFlashDrafter, target: nn.Module) -> AdaFlashDrafter:
@@ -272,9 +276,10 @@ class ShadowTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def train(self, samples: list[Sample], update_index: int) -> dict:
+    def train(self, samples: list[Sample], update_index: int, should_stop=lambda: False) -> dict:
         """``config.epochs`` passes over ``samples`` (shuffled with a seed of ``update_index``);
-        returns the first / last epoch's mean main loss and the last epoch's head loss."""
+        returns the first / last epoch's mean main loss and the last epoch's head loss. Raises
+        :class:`UpdateAbandoned` before any step once ``should_stop()`` is true."""
         cfg = self.config
         shadow, _ = self.ensure_shadow()
         groups = self.param_groups(shadow)
@@ -289,6 +294,8 @@ class ShadowTrainer:
                 rng.shuffle(order)
                 main_sum, head_sum, count = 0.0, 0.0, 0
                 for start in range(0, n, cfg.batch_size):
+                    if should_stop():
+                        raise UpdateAbandoned("the adapter is closing")
                     batch = [samples[i] for i in order[start : start + cfg.batch_size]]
                     losses = self._batch_losses(shadow, batch, wrapper)
                     for _, main, head, k in losses:

@@ -13,7 +13,8 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["FinishedRequest", "RoundSink", "RoundTally", "VerifiedRound", "mean_tokens_per_round", "tokens_per_round"]
+__all__ = ["FinishedRequest", "RoundSink", "RoundTally", "VerifiedRound", "mean_tokens_per_round", "position_counts",
+           "tokens_per_round"]
 
 
 def tokens_per_round(accepted_total: int, rounds: int) -> float:
@@ -34,6 +35,23 @@ def mean_tokens_per_round(accepted: list[int]) -> float:
         2.3333333333333335
     """
     return tokens_per_round(sum(accepted), len(accepted))
+
+
+def position_counts(accepted: list[int], verify_lengths: list[int], positions: int) -> list[list[int]]:
+    """Per draft position ``1 .. positions``: ``[verified, accepted]`` over rounds with these ``accepted``
+    drafts and ``verify_lengths`` (tokens verified, the target's own included). Acceptance at position j
+    is ``accepted / verified`` of row j-1 (the paper's per-position acceptance).
+
+    Example:
+        >>> position_counts([2, 0], [4, 2], positions=3)
+        [[2, 1], [1, 1], [1, 0]]
+    """
+    counts = [[0, 0] for _ in range(positions)]
+    for a, v in zip(accepted, verify_lengths):
+        for j in range(min(int(v) - 1, positions)):
+            counts[j][0] += 1
+            counts[j][1] += j < a
+    return counts
 
 
 class RoundTally:

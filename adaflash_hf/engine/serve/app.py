@@ -1,6 +1,7 @@
 """The HTTP transport: a FastAPI app answering OpenAI's endpoints with a :class:`CompletionService`.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``.
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus).
 Request bodies are pydantic models (types); the service checks values. Every error, a type error
 included, is OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status.
 A client that goes away cancels its request (streaming or not), so its engine slot is freed; past
@@ -28,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from .metrics import CONTENT_TYPE
 from .service import APIError, CompletionService
 from .settings import ServeSettings
 
@@ -138,6 +140,10 @@ def build_app(get_service: Callable[[], CompletionService | None], settings: Ser
     async def health():
         status, body = service().health()
         return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics():  # Prometheus text format (names: engine/serve/metrics.py)
+        return Response(service().metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():

@@ -43,8 +43,9 @@ log = logging.getLogger("adaflash_hf.server")
 
 
 def require_serve_extra():
-    """Import uvicorn and the app (FastAPI); a clear error naming the extra when they are missing."""
+    """Import uvicorn, prometheus_client and the app (FastAPI); a clear error naming the extra when they are missing."""
     try:
+        import prometheus_client  # noqa: F401 - GET /metrics
         import uvicorn
 
         from . import app, uvicorn_server

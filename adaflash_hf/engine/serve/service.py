@@ -28,6 +28,7 @@ import time
 from functools import partial
 
 from .async_engine import AsyncEngine, EngineClosed, EngineFailed
+from .metrics import ServerMetrics
 from ..sampling import SamplingParams
 
 __all__ = ["APIError", "CompletionService"]
@@ -91,6 +92,7 @@ class _Generation:
         except (EngineClosed, EngineFailed) as e:
             raise APIError(503, f"the engine is not running: {e}") from None
         self.future.add_done_callback(lambda f: _quietly(put, _END))
+        self.future.add_done_callback(service.observe)
 
     def cancel(self) -> None:
         self.service.engine.cancel(self.future)
@@ -209,6 +211,13 @@ class CompletionService:
         self.eos_token_id = eos_token_id
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not guaranteed thread-safe
         self.created = int(time.time())
+        core = getattr(self.engine, "engine", None)
+        self.metrics = ServerMetrics(block_size=getattr(core, "block_size", 1) if getattr(core, "drafter", None) else 1)
+
+    def observe(self, future) -> None:
+        """Count a finished request in :attr:`metrics` (a done-callback of its future; cancelled ones are not counted)."""
+        if not future.cancelled() and future.exception() is None:
+            self.metrics.observe(future.result())
 
     # ------------------------------------------------------------------ tokenizer
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

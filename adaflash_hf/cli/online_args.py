@@ -1,0 +1,55 @@
+"""The online adapter's flags, shared by `adaflash adapt` and `adaflash serve --online`.
+
+Unset flags keep :class:`~adaflash_hf.online.config.OnlineConfig`'s defaults (one place for them).
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..loading import HUB_ID, UsageError
+from .common import positive_float, positive_int
+
+
+def add_online_args(g, method_flag: str = "--method", output_required: bool = True) -> None:
+    """Add the adapter's flags to the argparse group ``g`` (``method_flag``: its name for the method)."""
+    g.add_argument("--output-dir", required=output_required, help="where the numbered versions are written")
+    g.add_argument("--hub-repo", "--push-to-hub", dest="hub_repo", metavar="REPO",
+                   help="also push every version to this Hub model repo (org/name)")
+    g.add_argument("--hub-private", action="store_true", help="create the Hub repo as private")
+    g.add_argument(method_flag, dest="method", choices=("opd", "osd", "off"), default="opd",
+                   help="opd: AdaFlash on-policy distillation; osd: forward-KL baseline; off: measure only")
+    g.add_argument("--sample-unit", choices=("request", "round"), default=None,
+                   help="what one sample is: a finished request (the paper's unit; default) or one verified round")
+    g.add_argument("--samples-per-update", type=positive_int, default=None,
+                   help="samples buffered per update (default 128 requests, as the paper)")
+    g.add_argument("--epochs", type=positive_int, default=None, help="passes over an update's samples")
+    g.add_argument("--train-batch-size", type=positive_int, default=None, help="samples per optimizer step")
+    g.add_argument("--lr", type=positive_float, default=None, help="drafter learning rate")
+    g.add_argument("--head-lr", type=positive_float, default=None, help="length-head learning rate")
+    g.add_argument("--layout", choices=("native", "dflash"), default="native", help="version layout (dflash: what SGLang / vLLM load)")
+    g.add_argument("--keep-versions", type=positive_int, default=None, help="rolling window of versions kept on disk")
+
+
+def check_online_args(args) -> None:
+    """Refuse bad adapter flags before anything loads."""
+    if args.output_dir and os.path.isfile(args.output_dir):
+        raise UsageError(f"--output-dir {args.output_dir} is a file", "pass a directory for the numbered versions")
+    if args.hub_repo and not HUB_ID.match(args.hub_repo):
+        raise UsageError(f"--hub-repo {args.hub_repo!r} is not a Hub repository id", "use the form org/name")
+    if args.hub_repo and not args.output_dir:
+        raise UsageError("--push-to-hub needs --output-dir", "pass --output-dir DIR: every version is written there first")
+
+
+def online_config(args):
+    """The :class:`OnlineConfig` the flags describe (unset flags: its defaults)."""
+    from ..online import OnlineConfig
+
+    flags = {"sample_unit": args.sample_unit, "samples_per_update": args.samples_per_update, "epochs": args.epochs,
+             "batch_size": args.train_batch_size, "lr": args.lr, "head_lr": args.head_lr, "keep_versions": args.keep_versions}
+    return OnlineConfig(
+        method=args.method, output_dir=args.output_dir, hub_repo=args.hub_repo, version_layout=args.layout,
+        hub_private=True if args.hub_private else None, seed=getattr(args, "seed", 0) or 0,
+        target_name="reference target (adaflash_hf.reference)" if args.reference else args.target,
+        **{k: v for k, v in flags.items() if v is not None},
+    )  # fmt: skip

@@ -1,0 +1,162 @@
+"""What the server exposes at ``GET /metrics``, in the Prometheus text format (``prometheus_client``).
+
+Counters grow from the server's start; rates and ratios are PromQL's job, as in vLLM (whose
+speculative-decoding names these follow). Every finished engine request is counted once, streamed
+or not, by the service that submitted it.
+
+======================================================  =============================================
+name                                                    meaning
+======================================================  =============================================
+``adaflash_requests_total{finish_reason}``              finished requests (length, eos, cancelled, error)
+``adaflash_prompt_tokens_total``                        prompt tokens of finished requests
+``adaflash_generation_tokens_total``                    tokens generated
+``adaflash_spec_decode_num_drafts_total``               verify rounds (one per request per round)
+``adaflash_spec_decode_num_draft_tokens_total``         drafted tokens verified
+``adaflash_spec_decode_num_accepted_tokens_total``      drafted tokens accepted
+``adaflash_spec_decode_num_draft_tokens_per_pos_total`` verified, by draft position (1 = first draft)
+``adaflash_spec_decode_num_accepted_tokens_per_pos_total`` accepted, by draft position
+``adaflash_spec_decode_tau``                            tau since the start: (accepted + rounds) / rounds
+``adaflash_spec_decode_mean_verify_length``             tokens verified per round, the target's own included
+======================================================  =============================================
+
+With an online adapter (``online_stats``: a callable returning the adapter's ``stats`` dict):
+``adaflash_online_served_version`` (0: the weights the server started with), ``adaflash_online_updates_total``,
+``adaflash_online_update_failures_total``, ``adaflash_online_swaps_refused_total``, ``adaflash_online_rollbacks_total``,
+``adaflash_online_last_loss``, ``adaflash_online_last_head_error`` (the length head's mean absolute error on the
+rounds served since the last swap), ``adaflash_online_samples_seen_total``, ``adaflash_online_samples_buffered``,
+``adaflash_online_samples_dropped_total``. Acceptance per position over a window is
+``rate(..._accepted_tokens_per_pos_total[5m]) / rate(..._draft_tokens_per_pos_total[5m])``.
+
+Example::
+
+    metrics = ServerMetrics(block_size=16)
+    metrics.observe(engine_output)          # once per finished request
+    text = metrics.render()                 # what GET /metrics answers
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ...spec.rounds import position_counts
+
+__all__ = ["CONTENT_TYPE", "ServerMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_ONLINE_COUNTERS = (  # (name, help, key of the adapter's stats)
+    ("online_updates", "online updates swapped in", "updates"),
+    ("online_update_failures", "online updates that failed (serving weights unchanged)", "failures"),
+    ("online_swaps_refused", "updates kept aside: they lowered acceptance on held-back traffic", "swaps_refused"),
+    ("online_rollbacks", "swaps undone because served tau fell after them", "rollbacks"),
+    ("online_samples_seen", "samples offered to the adapter's buffer", "samples_seen"),
+    ("online_samples_dropped", "samples dropped from the buffer (full, or superseded by an update)", "samples_dropped"),
+)
+_ONLINE_GAUGES = (
+    ("online_samples_buffered", "samples waiting for the next update", "samples_buffered"),
+    ("online_last_loss", "the last update's mean distillation loss (last epoch)", "last_loss"),
+    ("online_last_head_error", "the length head's mean absolute error on rounds served since the last swap", "head_error"),
+)
+
+
+class ServerMetrics:
+    """The server's counters in their own registry (several servers in one process never collide).
+
+    Args:
+        block_size: the drafter's block (draft positions ``1 .. block_size - 1``); 1 without a drafter.
+        online_stats: returns the online adapter's ``stats`` (or None); read at every scrape.
+    """
+
+    def __init__(self, block_size: int = 1, online_stats: Callable[[], dict | None] | None = None):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.online_stats = online_stats
+        self._lock = threading.Lock()  # finished requests arrive on the engine thread, scrapes on the loop
+        self._positions = max(int(block_size) - 1, 0)
+        self._rounds = self._accepted = self._verified = 0
+        self._by_pos = [[0, 0] for _ in range(self._positions)]  # [verified, accepted] per draft position
+        self.requests = Counter("adaflash_requests", "finished requests", ["finish_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("adaflash_prompt_tokens", "prompt tokens of finished requests", registry=self.registry)
+        self.generation_tokens = Counter("adaflash_generation_tokens", "tokens generated", registry=self.registry)
+        self.registry.register(_Collector(self))
+
+    def observe(self, output) -> None:
+        """Count one finished request (an :class:`~adaflash_hf.engine.EngineOutput`)."""
+        self.requests.labels(output.finish_reason).inc()
+        self.prompt_tokens.inc(len(output.prompt_ids))
+        self.generation_tokens.inc(len(output.token_ids))
+        if not self._positions:
+            return
+        by_pos = position_counts(output.accepted, output.verify_lengths, self._positions)
+        with self._lock:
+            self._rounds += len(output.accepted)
+            self._accepted += sum(output.accepted)
+            for total, (verified, accepted) in zip(self._by_pos, by_pos):
+                total[0] += verified
+                total[1] += accepted
+            self._verified += sum(v for v, _ in by_pos)
+
+    def spec_counts(self) -> dict:
+        """``rounds``, ``accepted``, ``verified`` (drafted tokens) and ``by_position`` ([verified, accepted])."""
+        with self._lock:
+            return {"rounds": self._rounds, "accepted": self._accepted, "verified": self._verified,
+                    "by_position": [list(p) for p in self._by_pos]}
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric (served with :data:`CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
+
+
+class _Collector:
+    """The metrics computed at scrape time: speculative counts, tau, and the online adapter's state."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []  # computed per scrape: nothing to check at registration
+
+    def collect(self):
+        m = self.metrics
+        if m._positions:
+            yield from self._spec(m.spec_counts())
+        stats = m.online_stats() if m.online_stats is not None else None
+        if stats:
+            yield from self._online(stats)
+
+    @staticmethod
+    def _spec(c: dict):
+        p = "adaflash_spec_decode_"
+        for name, what, value in (("num_drafts", "verify rounds", c["rounds"]),
+                                  ("num_draft_tokens", "drafted tokens verified", c["verified"]),
+                                  ("num_accepted_tokens", "drafted tokens accepted", c["accepted"])):
+            yield CounterMetricFamily(p + name, what, value=value)
+        verified = CounterMetricFamily(p + "num_draft_tokens_per_pos", "drafted tokens verified, by draft position",
+                                       labels=["position"])
+        accepted = CounterMetricFamily(p + "num_accepted_tokens_per_pos", "drafted tokens accepted, by draft position",
+                                       labels=["position"])
+        for j, (v, a) in enumerate(c["by_position"], start=1):
+            verified.add_metric([str(j)], v)
+            accepted.add_metric([str(j)], a)
+        yield verified
+        yield accepted
+        rounds = c["rounds"]
+        yield GaugeMetricFamily(p + "tau", "tokens committed per verify round since the start",
+                                value=(c["accepted"] + rounds) / rounds if rounds else 0.0)
+        yield GaugeMetricFamily(p + "mean_verify_length", "tokens verified per round, the target's own included",
+                                value=(c["verified"] + rounds) / rounds if rounds else 0.0)
+
+    @staticmethod
+    def _online(stats: dict):
+        versions = stats.get("versions") or []
+        yield GaugeMetricFamily("adaflash_online_served_version", "the online version being served (0: the start weights)",
+                                value=float(stats.get("served_version", versions[-1] if versions else 0) or 0))
+        for name, what, key in _ONLINE_COUNTERS:
+            yield CounterMetricFamily("adaflash_" + name, what, value=float(stats.get(key) or 0))
+        for name, what, key in _ONLINE_GAUGES:
+            value = stats.get(key)
+            yield GaugeMetricFamily("adaflash_" + name, what, value=math.nan if value is None else float(value))

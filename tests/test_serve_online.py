@@ -1,0 +1,97 @@
+"""`adaflash serve --online` as a deployment runs it: a real process on the reference pair, the official
+`openai` client, versions published and swapped in while every answer stays plain greedy decoding's,
+`/metrics` parsed by prometheus_client's own parser, and SIGTERM leaving the newest version loadable."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from adaflash_hf import AdaFlashDrafter, load_reference_pair
+from adaflash_hf.online import latest_version, list_versions
+
+MAX_TOKENS = 16
+PROMPTS = [f"Question {i}: what is {i} + {2 * i}? Answer:" for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    target, _, tok = load_reference_pair()
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    with torch.inference_mode():
+        plain = [target.generate(torch.tensor([x]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(x):] for x in ids]
+    return ids, [tok.decode(o, skip_special_tokens=True) for o in plain]
+
+
+def _start(out_dir) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "adaflash_hf.cli", "serve", "--online", "--output-dir", str(out_dir), "--port", "0",
+           "--samples-per-update", "4", "--epochs", "1", "--max-slots", "4", "--max-len", "128"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
+    line = proc.stdout.readline()  # the one line printed once the server listens
+    m = re.search(r"at (http://[\d.]+:\d+)/v1", line)
+    if m is None:
+        proc.kill()
+        pytest.fail(f"adaflash serve --online did not start: {line!r}")
+    return proc, m.group(1)
+
+
+def _metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_serve_online_publishes_swaps_and_stays_lossless(reference, tmp_path):
+    ids, expected = reference
+    proc, url = _start(tmp_path / "versions")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def ask(i: int) -> tuple[int, str]:
+        out = client.completions.create(model="adaflash-reference", prompt=ids[i], max_tokens=MAX_TOKENS, temperature=0)
+        return i, out.choices[0].text
+
+    try:
+        before = _metrics(url)
+        answered, deadline = 0, time.monotonic() + 120
+        with ThreadPoolExecutor(4) as pool:
+            while _metrics(url)["adaflash_online_served_version"] < 2 and time.monotonic() < deadline:
+                batch = [(answered + k) % len(PROMPTS) for k in range(4)]
+                for i, text in pool.map(ask, batch):  # concurrent: decoded together by the engine
+                    assert text == expected[i], (i, answered)
+                answered += 4
+            after = _metrics(url)
+            assert after["adaflash_online_served_version"] >= 2, after
+            for i, text in pool.map(ask, range(4)):  # served by a swapped-in version: still the target's own
+                assert text == expected[i], i
+        after = _metrics(url)
+        assert sum(v for k, v in after.items() if k.startswith("adaflash_requests_total{")) == answered + 4
+        assert before["adaflash_spec_decode_num_drafts_total"] == 0 < after["adaflash_spec_decode_num_drafts_total"]
+        assert after["adaflash_online_updates_total"] >= 2 and after["adaflash_online_samples_seen_total"] >= 8
+        assert after["adaflash_spec_decode_num_accepted_tokens_per_pos_total{position=1}"] <= \
+            after["adaflash_spec_decode_num_draft_tokens_per_pos_total{position=1}"]
+        assert 1.0 <= after["adaflash_spec_decode_tau"] <= after["adaflash_spec_decode_mean_verify_length"]
+        with ThreadPoolExecutor(4) as pool:  # one more update's worth of requests: SIGTERM may land mid-update
+            list(pool.map(ask, range(4)))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    versions = list_versions(tmp_path / "versions")
+    assert len(versions) >= 2
+    newest = latest_version(tmp_path / "versions")
+    assert newest == versions[-1][1]
+    for _, path in versions:
+        AdaFlashDrafter.from_pretrained(path)  # every listed version loads, the newest included
