@@ -442,8 +442,15 @@ def _load_eval(name: str, data_dir_=None) -> list[dict]:
                 for r in _eval_rows(name, "alpaca_eval/alpaca_eval.jsonl", data_dir_)]
     if name == "mt_bench":
         return _turns_prompts(_eval_rows(name, "mt_bench/question.jsonl", data_dir_), name)
-    if name == "spec_bench":
-        return _turns_prompts(_eval_rows(name, "spec_bench/question.jsonl", data_dir_), name)
+    if name == "spec_bench" or name.startswith("spec_bench:"):
+        rows = _eval_rows("spec_bench", "spec_bench/question.jsonl", data_dir_)
+        if name != "spec_bench":
+            category = name.split(":", 1)[1]
+            known = sorted({r.get("category") for r in rows})
+            if category not in known:
+                raise ValueError(f"unknown spec_bench category {category!r} in {name!r}; known: {', '.join(known)}")
+            rows = [r for r in rows if r.get("category") == category]
+        return _turns_prompts(rows, "spec_bench")
     if name == "prose":
         out = []
         for s in _prose_eval_samples(data_dir_):
@@ -459,7 +466,8 @@ def _load_eval(name: str, data_dir_=None) -> list[dict]:
                 raise ValueError(f"unknown eagle_bench task {t!r} in {name!r}; known: {', '.join(EAGLE_TASKS)}")
             out += _turns_prompts(_eval_rows(f"eagle_bench:{t}", f"eagle_bench/{t}.jsonl", data_dir_), "eagle_bench", task=t)
         return out
-    raise ValueError(f"unknown eval dataset {name!r}; known: {', '.join(EVAL_DATASETS)} (and eagle_bench:<task>)")
+    raise ValueError(f"unknown eval dataset {name!r}; known: {', '.join(EVAL_DATASETS)} (and eagle_bench:<task>, "
+                     "spec_bench:<category>)")
 
 
 def _only_jsonl(folder: str, data_dir_=None) -> str:
@@ -510,7 +518,8 @@ def eval_prompts(dataset_name: str, limit: int | None = None, seed: int = 0, dat
 
     Names: gsm8k, mathqa, math500, aime2025, aime2024, mbpp (sanitized test ids 11-510), humaneval,
     codealpaca (code_alpaca_2k), sharegpt (first human turn of eval500), alpaca_eval, mt_bench,
-    spec_bench, eagle_bench (all 5 tasks, or ``eagle_bench:<task>``), and ``blend``: an equal mix of
+    spec_bench (all categories, or ``spec_bench:<category>``: translation, summarization, qa,
+    math_reasoning, rag, and MT-bench's), eagle_bench (all 5 tasks, or ``eagle_bench:<task>``), and ``blend``: an equal mix of
     gsm8k, mathqa, codealpaca and sharegpt drawn with ``random.Random(seed)`` and interleaved
     round-robin, so any prefix is balanced. Each record: ``{"messages": [{"role": "user", ...}],
     "dataset": name, "reference": str | None, ...}``; blend records also carry ``"source"``.
