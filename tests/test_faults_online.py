@@ -10,11 +10,18 @@ target's greedy output afterwards.
   (the fake upload blocks until released, then reads the folder).
 - A failed version write (disk full) reaches `last_error` and leaves nothing on disk.
 - `close()` with an unreachable Hub (offline mode) returns within its short `hub_timeout`.
+- Issue 34: SIGKILL at random points of a tight publish-and-prune loop never leaves a half-written
+  or half-deleted `vNNNNN`; every listed version and `LATEST` load; a negative control (the old
+  in-place delete) is caught by the same check.
 """
 
 from __future__ import annotations
 
 import errno
+import os
+import random
+import shutil
+import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -25,7 +32,7 @@ import torch
 from generation_helpers import PAD_ID, make_drafter, make_target, ragged_prompts
 
 from adaflash_hf import AdaFlashDrafter
-from adaflash_hf.online import OnlineAdapter, list_versions
+from adaflash_hf.online import OnlineAdapter, VersionPublisher, VersionStore, latest_version, list_versions
 
 
 class Collect:
@@ -278,3 +285,75 @@ def test_close_with_an_offline_hub_returns_within_hub_timeout(setup, tmp_path, m
     hub = adapter.stats["hub"]
     assert hub["pushes"] == 0 and hub["gave_up"] == 1 and "offline" in hub["last_error"].lower()
     assert _names(out) == ["v00001"]  # the local version stays
+
+
+def _publish_until_killed(out: Path, drafter, in_place: bool) -> None:
+    """The forked child: the adapter's publishing path (save_pretrained, card, VersionStore.write, prune
+    with keep_versions=1) in a tight loop, on a disk whose unlinks take 10 ms (as on a network file
+    system), so that deletes are a large share of the loop and random kills often land in them.
+    ``in_place``: the negative control, pruning by an rmtree in place (the code before issue 34)."""
+    try:
+        unlink = os.unlink
+        os.unlink = lambda *a, **k: (time.sleep(0.01), unlink(*a, **k))[1]
+        if in_place:
+            VersionStore._delete = lambda self, path: shutil.rmtree(path, ignore_errors=True)
+        publisher = VersionPublisher(str(out), keep_versions=1)
+        while True:
+            publisher.publish(drafter, card=lambda n: {}, metadata={}, commit_message="")
+    finally:
+        os._exit(1)  # never back into pytest; only a SIGKILL ends the loop
+
+
+def _kill_publishing(out: Path, drafter, rng: random.Random, in_place: bool = False) -> dict:
+    """Fork a publishing child, SIGKILL it after a random delay; where the kill landed, read from the
+    temporaries this child left (a version moved aside for deletion, or one being written)."""
+    before = set(os.listdir(out))
+    pid = os.fork()
+    if pid == 0:
+        _publish_until_killed(out, drafter, in_place)
+    time.sleep(rng.uniform(0.02, 0.3))
+    os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status), f"the publishing child ended by itself (status {status})"
+    left = [n for n in set(os.listdir(out)) - before if n.startswith(".tmp-adaflash-v")]
+    return {"mid_prune": any(f"-pruned-{pid}-" in n for n in left), "mid_write": any("-pruned-" not in n for n in left)}
+
+
+def _partial_versions(out: Path, files: set[str]) -> list[str]:
+    """Version folders on disk (listed or not) without every file a published version has."""
+    return [p.name for p in out.iterdir() if p.name.startswith("v") and set(os.listdir(p)) != files]
+
+
+def _first_version(setup, tmp_path):
+    """A tiny drafter, its output folder holding v00001, and the files a published version has."""
+    drafter = make_drafter(setup[0], block_size=8, num_layers=1, seed=0)
+    out = tmp_path / "out"
+    first = VersionPublisher(str(out), keep_versions=1).publish(drafter, card=lambda n: {}, metadata={}, commit_message="")
+    return drafter, out, set(os.listdir(first[1]))
+
+
+def test_kills_mid_publish_never_leave_a_partial_version(setup, tmp_path):
+    drafter, out, files = _first_version(setup, tmp_path)
+    rng, seen, start = random.Random(34), {"mid_prune": 0, "mid_write": 0}, time.monotonic()
+    for kill in range(20):
+        for kind, hit in _kill_publishing(out, drafter, rng).items():
+            seen[kind] += hit
+        assert _partial_versions(out, files) == [], f"kill {kill}"
+        listed = list_versions(out)
+        for _, path in listed:
+            AdaFlashDrafter.from_pretrained(path)
+        AdaFlashDrafter.from_pretrained(latest_version(out))
+    print(f"20 kills in {time.monotonic() - start:.1f} s: {seen}; last version {listed[-1][1].name}")
+    assert seen["mid_prune"] > 0, "no kill landed mid-delete: the test did not exercise pruning"
+
+
+def test_the_kill_check_catches_in_place_pruning(setup, tmp_path):
+    """Negative control: the same kills against the old in-place delete leave a partial version."""
+    drafter, out, files = _first_version(setup, tmp_path)
+    rng = random.Random(34)
+    for kill in range(20):
+        _kill_publishing(out, drafter, rng, in_place=True)
+        if _partial_versions(out, files):
+            print(f"in-place pruning left a partial version after {kill + 1} kill(s): {_partial_versions(out, files)}")
+            return
+    pytest.fail("20 kills of in-place pruning left no partial version: the kill test may have no teeth")

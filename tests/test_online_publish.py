@@ -11,6 +11,7 @@ import uuid
 from concurrent.futures import Future
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -73,6 +74,45 @@ def test_versions_are_atomic_and_survive_a_crash(pair, tmp_path, monkeypatch):
     assert json.loads((v3 / "adaflash_version.json").read_text())["version"] == 3
     link = tmp_path / "out" / "latest"
     assert link.is_symlink() and link.resolve() == v3.resolve()
+
+
+def _numbered(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("v"))
+
+
+def test_a_half_deleted_version_is_not_listed(pair, tmp_path):
+    """What an in-place delete cut short leaves (issue 34): a vNNNNN folder without its config or weights."""
+    d = fresh_drafter(pair)
+    out = tmp_path / "out"
+    store = VersionStore(out, keep_versions=5)
+    for _ in range(3):
+        store.write(d.save_pretrained)
+    (out / "v00001" / "model.safetensors").unlink()
+    (out / "v00003" / "config.json").unlink()  # even the one LATEST names
+    assert [n for n, _ in list_versions(out)] == [2] and latest_version(out) == out / "v00002"
+    AdaFlashDrafter.from_pretrained(latest_version(out))
+    assert store.write(d.save_pretrained).name == "v00004"  # past v00003: its name is taken
+    assert _numbered(out) == ["v00002", "v00004"]  # the next prune removes the half-deleted ones
+
+
+def test_a_prune_cut_short_leaves_no_partial_version(pair, tmp_path, monkeypatch):
+    d = fresh_drafter(pair)
+    out = tmp_path / "out"
+    store = VersionStore(out, keep_versions=1)
+    store.write(d.save_pretrained)
+
+    def killed_midway(path, *args, **kwargs):  # deletes the config, then the process dies
+        Path(path, "config.json").unlink()
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(versions_mod, "shutil", SimpleNamespace(rmtree=killed_midway))  # the store's deletes only
+        with pytest.raises(KeyboardInterrupt):
+            store.write(d.save_pretrained)  # v00002 is written, then pruning v00001 is cut short
+    assert _numbered(out) == ["v00002"] and [n for n, _ in list_versions(out)] == [2]
+    AdaFlashDrafter.from_pretrained(latest_version(out))
+    store.write(d.save_pretrained)  # sweeps the half-deleted temporary
+    assert _numbered(out) == ["v00003"] and not [p for p in out.iterdir() if p.name.startswith(".tmp")]
 
 
 def test_adapter_writes_versions_with_card(pair, tmp_path):

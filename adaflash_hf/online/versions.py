@@ -12,11 +12,17 @@ Each version is written into a hidden temporary directory inside ``out/``, renam
 with ``os.replace`` (atomic on POSIX), and only then is ``LATEST`` replaced (itself written into
 a temporary file and renamed). A crash at any point therefore leaves ``LATEST`` naming a
 complete, loadable version: before the rename the new version does not exist; between the rename
-and the marker the old marker still names the previous version. Leftover temporary directories
-are removed by the next write. Only the newest ``keep_versions`` versions are kept; the one
-``LATEST`` names never goes, nor do those ``in_use()`` returns (e.g. a version being uploaded and
-the last one uploaded: :meth:`~adaflash_hf.online.hub.HubPublisher.in_use`), which go at the first
-write after they are released.
+and the marker the old marker still names the previous version. Only the newest ``keep_versions``
+versions are kept; the one ``LATEST`` names never goes, nor do those ``in_use()`` returns (e.g. a
+version being uploaded and the last one uploaded: :meth:`~adaflash_hf.online.hub.HubPublisher.in_use`),
+which go at the first write after they are released. A pruned version is first renamed to a
+temporary name, then deleted, so a crash mid-delete never leaves a half-deleted ``vNNNNN``.
+Leftover temporary directories (a write or a delete cut short) are removed by the next write.
+
+A version is *complete* when it holds ``config.json``, its weights (``model.safetensors`` or a
+sharded index) and ``adaflash_version.json``: :meth:`VersionStore.write` publishes nothing else,
+and :func:`list_versions` / :func:`latest_version` report nothing else (a ``vNNNNN`` folder that
+an older release left half-deleted, or one copied in by hand, is skipped; the next prune removes it).
 
 Example:
     >>> store = VersionStore("out/drafter", keep_versions=3)  # doctest: +SKIP
@@ -42,6 +48,7 @@ __all__ = [
     "LATEST_MARKER",
     "METADATA_FILE",
     "VersionStore",
+    "is_complete",
     "latest_version",
     "list_versions",
     "version_name",
@@ -54,6 +61,7 @@ LATEST_MARKER = "LATEST"
 LATEST_LINK = "latest"
 METADATA_FILE = "adaflash_version.json"
 _VERSION_RE = re.compile(r"^v(\d{5,})$")
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # what checkpoint_layouts.weight_files reads
 
 
 def version_name(n: int) -> str:
@@ -61,9 +69,18 @@ def version_name(n: int) -> str:
     return f"v{n:05d}"
 
 
-def list_versions(root: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete version directories under ``root``, oldest first."""
-    root = Path(root)
+def is_complete(path: Path) -> bool:
+    """Whether a version directory holds what loading it needs (config, weights) and the metadata file
+    :meth:`VersionStore.write` adds last: the one definition of a complete version (module docstring)."""
+    return (
+        (path / METADATA_FILE).is_file()
+        and (path / "config.json").is_file()
+        and any((path / name).is_file() for name in _WEIGHTS)
+    )
+
+
+def _numbered_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Every ``vNNNNN`` directory under ``root``, complete or not, oldest first."""
     if not root.is_dir():
         return []
     found = []
@@ -74,10 +91,15 @@ def list_versions(root: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def list_versions(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete version directories under ``root``, oldest first."""
+    return [(n, p) for n, p in _numbered_dirs(Path(root)) if is_complete(p)]
+
+
 def latest_version(root: str | os.PathLike) -> Path | None:
     """The directory of the newest complete version: the one ``LATEST`` names.
 
-    Without a (valid) marker, falls back to the highest-numbered version directory; ``None`` when
+    Without a (valid) marker, falls back to the highest-numbered complete version; ``None`` when
     there is none.
     """
     root = Path(root)
@@ -86,7 +108,7 @@ def latest_version(root: str | os.PathLike) -> Path | None:
         name = marker.read_text(encoding="utf-8").strip()
     except OSError:
         name = ""
-    if _VERSION_RE.match(name) and (root / name).is_dir():
+    if _VERSION_RE.match(name) and (root / name).is_dir() and is_complete(root / name):
         return root / name
     versions = list_versions(root)
     return versions[-1][1] if versions else None
@@ -125,8 +147,9 @@ class VersionStore:
         return list_versions(self.root)
 
     def next_number(self) -> int:
-        versions = self.versions()
-        return versions[-1][0] + 1 if versions else 1
+        # Past every numbered folder, complete or not: the rename into place needs a free name.
+        numbered = _numbered_dirs(self.root)
+        return numbered[-1][0] + 1 if numbered else 1
 
     # ------------------------------------------------------------------ writing
     def _remove_stale_temporaries(self) -> None:
@@ -170,6 +193,8 @@ class VersionStore:
                     fsync_path(p)
                 elif p.is_dir() and not p.is_symlink():
                     publishable(p, directory=True)
+            if not is_complete(tmp):
+                raise ValueError(f"save_fn wrote no config.json or no weights ({', '.join(_WEIGHTS)})")
             publishable(tmp, directory=True)
             fsync_path(tmp, directory=True)
             os.replace(tmp, final)
@@ -199,14 +224,29 @@ class VersionStore:
                 pass
 
     def prune(self) -> list[Path]:
-        """Remove versions beyond the rolling window (never the one ``LATEST`` names nor those in use)."""
+        """Remove versions beyond the rolling window (never the one ``LATEST`` names nor those in use),
+        and incomplete ``vNNNNN`` folders (module docstring), which :meth:`versions` never counts."""
         latest = self.latest()
         keep = set(self.in_use()) if self.in_use is not None else set()
         versions = self.versions()
+        going = versions[: max(len(versions) - self.keep_versions, 0)]
+        going += [(n, p) for n, p in _numbered_dirs(self.root) if not is_complete(p)]
         removed = []
-        for number, path in versions[: max(len(versions) - self.keep_versions, 0)]:
+        for number, path in going:
             if number in keep or (latest is not None and path.resolve() == latest.resolve()):
                 continue
-            shutil.rmtree(path, ignore_errors=True)
+            self._delete(path)
             removed.append(path)
         return removed
+
+    def _delete(self, path: Path) -> None:
+        """Rename ``path`` to a temporary name (atomic), then delete it there: a crash mid-delete leaves
+        a temporary that the next write sweeps, never a half-deleted version under its name."""
+        aside = self.root / f"{TMP_PREFIX}{path.name}-pruned-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            os.replace(path, aside)
+        except OSError as e:  # gone already, or it stays whole under its name: never half-deleted
+            logger.debug("could not move %s aside: %s", path.name, type(e).__name__)
+            return
+        fsync_path(self.root, directory=True)  # the rename reaches the disk before any of the unlinks
+        shutil.rmtree(aside, ignore_errors=True)
