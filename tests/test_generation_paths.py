@@ -144,6 +144,8 @@ def _err_cases():
          r"output_attentions .* rejected draft tokens"),
         ("adaflash route stats", lambda t: dict(assistant_model=make_drafter(t), speculation_type="adaflash", return_stats=True),
          r"return_stats need adaflash-hf's own loop"),
+        ("guidance", lambda t: dict(assistant_model=make_drafter(t), guidance_scale=1.5),
+         r"UnbatchedClassifierFreeGuidanceLogitsProcessor is not supported .*guidance_scale"),
         ("adaflash route without drafter", lambda t: dict(assistant_model=make_target("qwen3", seed=71, layers=1), speculation_type="adaflash"),
          r'speculation_type="adaflash" needs an AdaFlash drafter'),
     ]

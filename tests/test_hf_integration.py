@@ -13,12 +13,19 @@ import torch
 from generation_helpers import CollectingStreamer, char_tokenizer, make_drafter, make_target
 from transformers import GenerationConfig
 from transformers.cache_utils import DFlashCache, DynamicCache
-from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+from transformers.generation.logits_process import (
+    EncoderNoRepeatNGramLogitsProcessor,
+    EncoderRepetitionPenaltyLogitsProcessor,
+    LogitsProcessorList,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
 import adaflash_hf  # noqa: F401  (installs the generate hook)
-from adaflash_hf.generation.hf_integration import TESTED_TRANSFORMERS, check_transformers_version
+from adaflash_hf.generation.hf_integration import TESTED_TRANSFORMERS, check_transformers_version, row_processors
 
 
 def test_generate_has_the_parameters_the_hook_uses():
@@ -80,6 +87,39 @@ def test_callable_custom_generate_gets_neither_streamer_nor_tokenizer():
     tok, chars = char_tokenizer()
     with pytest.raises(ValueError, match="could not locate a tokenizer"):
         _probe_call(max_new_tokens=2, stop_strings=chars[5], tokenizer=tok)
+
+
+# generate kwargs that build a processor holding per-row state, and its class (`row_processors` reads that state)
+ROW_STATE_CASES = [
+    ({"repetition_penalty": 1.3}, RepetitionPenaltyLogitsProcessor),
+    ({"encoder_repetition_penalty": 1.3}, EncoderRepetitionPenaltyLogitsProcessor),
+    ({"encoder_no_repeat_ngram_size": 1}, EncoderNoRepeatNGramLogitsProcessor),
+    ({"prefix_allowed_tokens_fn": lambda batch_id, sent: [batch_id, 10 + batch_id, 20 + int(sent[-1])]}, PrefixConstrainedLogitsProcessor),
+]
+
+
+@pytest.mark.parametrize("kw,cls", ROW_STATE_CASES, ids=[c[1].__name__ for c in ROW_STATE_CASES])
+def test_row_views_of_batch_processors_equal_the_batch_call(kw, cls):
+    """Each row's view (`row_processors`: a copy with the batch state cut to the row) called on that row
+    alone equals the processor called on the whole batch, as plain decoding calls it."""
+    _, got = _probe_call(max_new_tokens=2, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]), **kw)
+    procs = got["logits_processor"]
+    assert [type(p) for p in procs] == [cls]
+    ids = torch.tensor([[1, 2, 3, 7, 1], [4, 5, 6, 8, 9]])  # the prompts generate saw + two generated tokens
+    scores = torch.randn(2, 128, generator=torch.Generator().manual_seed(0))
+    whole = procs(ids, scores.clone())
+    views = row_processors(procs, 2)
+    for r in range(2):
+        assert torch.equal(views[r](ids[r : r + 1], scores[r : r + 1].clone()), whole[r : r + 1])
+    assert not torch.equal(views[0](ids[1:], scores[1:].clone()), whole[1:])  # the state really is per row
+
+
+def test_guidance_processor_is_refused_by_name():
+    """guidance_scale builds a processor with its own cache of the unconditional branch: refused, not run."""
+    _, got = _probe_call(max_new_tokens=2, guidance_scale=1.5)
+    assert any(isinstance(p, UnbatchedClassifierFreeGuidanceLogitsProcessor) for p in got["logits_processor"])
+    with pytest.raises(ValueError, match="UnbatchedClassifierFreeGuidanceLogitsProcessor .*guidance_scale"):
+        row_processors(got["logits_processor"], 2)
 
 
 def test_stop_string_criteria_accepts_a_char_tokenizer():

@@ -26,7 +26,7 @@ from .fast_path import engine_decoding, takes_engine
 from .stats import GenerationStats
 
 
-def _check_call(model, drafter, generation_config, model_kwargs) -> None:
+def _check_call(model, drafter, generation_config, input_ids, model_kwargs, round_sink) -> None:
     if not isinstance(drafter, AdaFlashDrafter):
         raise TypeError(f"drafter must be an AdaFlashDrafter, got {type(drafter).__name__}")
     if generation_config.num_beams != 1:
@@ -62,6 +62,13 @@ def _check_call(model, drafter, generation_config, model_kwargs) -> None:
             "the whole prompt's target features, so it prefills the cache itself. Pass the full prompt and drop "
             "past_key_values (or pass an empty DynamicCache())"
         )
+    embeds = model_kwargs.get("inputs_embeds")
+    if embeds is not None and embeds.shape[1] != input_ids.shape[1] and round_callbacks(round_sink, drafter)[0] is not None:
+        # Rounds and finished requests carry the prompt's token ids (an online adapter learns from them).
+        raise ValueError(
+            "round_sink (or an online adapter attached to the drafter) needs the prompt's token ids: pass input_ids "
+            "along with inputs_embeds, or generate from input_ids"
+        )
     mask = model_kwargs.get("attention_mask")
     if mask is not None and mask.dim() == 2 and bool((mask[:, :-1].bool() & ~mask[:, 1:].bool()).any()):
         raise ValueError(
@@ -70,15 +77,16 @@ def _check_call(model, drafter, generation_config, model_kwargs) -> None:
         )
 
 
-def _process(logits_processor, seq: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """Apply the processors position by position, each on its own prefix (as plain decoding does)."""
-    if not len(logits_processor):
+def _process(processors, seq: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Apply one row's processors (`row_processors`) position by position, each on its own prefix (as
+    plain decoding does)."""
+    if not len(processors):
         return scores
     out = scores.clone()
     n = scores.shape[0]
     base = seq.shape[0] - n + 1
     for j in range(n):
-        out[j] = logits_processor(seq[None, : base + j], scores[j][None])[0]
+        out[j] = processors(seq[None, : base + j], scores[j][None])[0]
     return out
 
 
@@ -88,6 +96,7 @@ class _Batch:
 
     index: torch.Tensor  # original row of each active row
     seqs: list[torch.Tensor]  # left-padded prompt + generated tokens, as plain generate sees them
+    processors: list  # each row's logits processors (`row_processors`: batch state cut to the row)
     prompt_len: int
     prompt_mask: torch.Tensor  # real (non-padding) prompt columns
     valid: torch.Tensor  # target cache columns that hold real tokens
@@ -100,6 +109,7 @@ class _Batch:
     def drop_finished(self, done: torch.Tensor, cache, generator) -> None:
         keep = (~done).nonzero().squeeze(1)
         self.seqs = [s for s, d in zip(self.seqs, done.tolist()) if not d]
+        self.processors = [p for p, d in zip(self.processors, done.tolist()) if not d]
         for name in ("index", "prompt_mask", "valid", "pos", "bonus", "ctx", "ctx_valid", "ctx_pos"):
             setattr(self, name, getattr(self, name)[keep])
         cache.batch_select_indices(keep)
@@ -126,7 +136,6 @@ class _Batch:
 class _Output:
     """Commits tokens exactly where plain decoding would stop, and builds what generate returns."""
 
-    logits_processor: object
     stopping_criteria: object
     streamer: object
     want_scores: bool
@@ -139,10 +148,9 @@ class _Output:
     committed: list = field(default_factory=list)  # tokens each row kept in the last commit
 
     @classmethod
-    def for_config(cls, generation_config, logits_processor, stopping_criteria, streamer) -> "_Output":
+    def for_config(cls, generation_config, stopping_criteria, streamer) -> "_Output":
         dict_out = generation_config.return_dict_in_generate
         return cls(
-            logits_processor,
             stopping_criteria,
             streamer,
             want_scores=dict_out and generation_config.output_scores,
@@ -221,16 +229,19 @@ def adaflash_decoding(
     Example:
         >>> out = target.generate(ids, custom_generate=adaflash_decoding, drafter=drafter)  # doctest: +SKIP
     """
-    _check_call(model, drafter, generation_config, model_kwargs)
+    from .hf_integration import row_processors  # here: hf_integration imports this module
+
+    _check_call(model, drafter, generation_config, input_ids, model_kwargs, round_sink)
+    rows = row_processors(logits_processor, input_ids.shape[0])  # refuses a processor we cannot run, before any work
     if takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length_policy):
         return engine_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                length_policy=length_policy, length_rate=length_rate, length_min=length_min,
                                return_stats=return_stats, round_sink=round_sink, **model_kwargs)
-    return _draft_verify_loop(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+    return _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stopping_criteria, generation_config, streamer,
                               length_policy, length_rate, length_min, return_stats, round_sink, model_kwargs)
 
 
-def _draft_verify_loop(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+def _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stopping_criteria, generation_config, streamer,
                        length_policy, length_rate, length_min, return_stats, round_sink, model_kwargs):
     """The eager rounds of :func:`adaflash_decoding` (transformers' modules, a `DynamicCache`)."""
     # An online adapter attached to the drafter (`OnlineAdapter.attach()`) receives every round.
@@ -239,7 +250,7 @@ def _draft_verify_loop(model, drafter, input_ids, logits_processor, stopping_cri
         model, drafter, generation_config, logits_processor, length_policy=length_policy, length_rate=length_rate, length_min=length_min
     )
     stats = GenerationStats(block_size=generator.block_size, policy=generator.policy)
-    output = _Output.for_config(generation_config, logits_processor, stopping_criteria, streamer)
+    output = _Output.for_config(generation_config, stopping_criteria, streamer)
     do_sample, max_length = generation_config.do_sample, generation_config.max_length
     # The drafter's context layers, or every layer when the caller asked for hidden states.
     layers = generator.model_kwargs_overrides["output_hidden_states"]
@@ -248,7 +259,7 @@ def _draft_verify_loop(model, drafter, input_ids, logits_processor, stopping_cri
     weights_lock = hooks_for(drafter).weights_lock
 
     t0 = clock()
-    batch, cache, done = _prefill(model, drafter, input_ids, model_kwargs, layers, do_sample, output)
+    batch, cache, done = _prefill(model, drafter, input_ids, rows, model_kwargs, layers, do_sample, output)
     stats.verify_time_s += clock() - t0
     while not bool(done.all()):
         if bool(done.any()):
@@ -263,7 +274,7 @@ def _draft_verify_loop(model, drafter, input_ids, logits_processor, stopping_cri
         t1 = clock()
 
         # 2. Verify every row's bonus + drafts in one target forward (rows padded to the longest).
-        out, logits, processed = _verify(model, batch, draft, cache, layers, logits_processor)
+        out, logits, processed = _verify(model, batch, draft, cache, layers)
 
         # 3. Accept the longest agreeing prefix (greedy) or by the speculative sampling rule (the shared step).
         if do_sample:
@@ -290,7 +301,7 @@ def _draft_verify_loop(model, drafter, input_ids, logits_processor, stopping_cri
     return _finish(input_ids, output, generation_config, stats, return_stats)
 
 
-def _verify(model, batch: _Batch, draft: torch.Tensor, cache, layers, logits_processor):
+def _verify(model, batch: _Batch, draft: torch.Tensor, cache, layers):
     """The target's forward over every row's bonus + drafts: its output, raw and processed logits."""
     verify_ids = torch.cat([batch.bonus[:, None], draft], dim=1)
     out = model(
@@ -302,7 +313,7 @@ def _verify(model, batch: _Batch, draft: torch.Tensor, cache, layers, logits_pro
         output_hidden_states=layers,
     )
     logits = out.logits.float()
-    processed = torch.stack([_process(logits_processor, torch.cat([s, d]), l) for s, d, l in zip(batch.seqs, draft, logits)])
+    processed = torch.stack([_process(p, torch.cat([s, d]), l) for p, s, d, l in zip(batch.processors, batch.seqs, draft, logits)])
     return out, logits, processed
 
 
@@ -330,13 +341,18 @@ def _emit_requests(on_request, input_ids, prompt_mask, output: _Output) -> None:
         on_request(FinishedRequest(row=row, prompt_ids=prompt, output_ids=seq[input_ids.shape[1] :]))
 
 
-def _prefill(model, drafter, input_ids, model_kwargs, layers, do_sample, output: _Output):
+def _prefill(model, drafter, input_ids, rows, model_kwargs, layers, do_sample, output: _Output):
     """The target's first token for each row, and the prompts' features as the drafter's first context."""
+    # With `inputs_embeds` the prompt is the embeddings (input_ids then holds only the prompt ids the caller
+    # also passed, often none: generate returns just the new tokens); the drafter needs only its features.
+    embeds = model_kwargs.get("inputs_embeds")
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
+        width = (embeds if embeds is not None else input_ids).shape[1]
+        attention_mask = torch.ones(input_ids.shape[0], width, dtype=torch.long, device=input_ids.device)
     out = model(
-        input_ids=input_ids,
+        input_ids=input_ids if embeds is None else None,
+        inputs_embeds=embeds,
         attention_mask=attention_mask,
         position_ids=model_kwargs.get("position_ids"),
         past_key_values=model_kwargs.get("past_key_values"),
@@ -346,12 +362,13 @@ def _prefill(model, drafter, input_ids, model_kwargs, layers, do_sample, output:
     )
     logits = out.logits[:, -1:].float()
     seqs = list(input_ids)
-    processed = [_process(output.logits_processor, s, l) for s, l in zip(seqs, logits)]
+    processed = [_process(p, s, l) for p, s, l in zip(rows, seqs, logits)]
     first = torch.stack([torch.multinomial(p[0].softmax(-1), 1)[0] if do_sample else p[0].argmax() for p in processed])
     mask = attention_mask.bool()
     batch = _Batch(
         index=torch.arange(input_ids.shape[0], device=input_ids.device),
         seqs=seqs,
+        processors=rows,
         prompt_len=input_ids.shape[1],
         prompt_mask=mask,
         valid=mask,
@@ -378,13 +395,13 @@ def _draft(generator: AdaFlashCandidateGenerator, batch: _Batch, max_length: int
     budget = torch.tensor([max_length - s.shape[0] - 1 for s in batch.seqs], device=batch.bonus.device)
     block = generator.propose(batch.bonus, batch.pos, batch.ctx, batch.ctx_valid, batch.ctx_pos, budget)
     k = int(block.draft_len.max())
-    draft, q = _sample_drafts(generator, batch.seqs, block, k) if do_sample and k > 0 else (block.tokens[:, :k], None)
+    draft, q = _sample_drafts(generator, batch, block, k) if do_sample and k > 0 else (block.tokens[:, :k], None)
     return block, draft, q
 
 
-def _sample_drafts(generator: AdaFlashCandidateGenerator, seqs, block, k):
+def _sample_drafts(generator: AdaFlashCandidateGenerator, batch: _Batch, block, k):
     """Sample draft tokens from the *processed* draft distribution (needed for lossless sampling)."""
-    drawn = [generator.draw(seq, block.logits[i, :k]) for i, seq in enumerate(seqs)]
+    drawn = [generator.draw(seq, block.logits[i, :k], p) for i, (seq, p) in enumerate(zip(batch.seqs, batch.processors))]
     return torch.stack([tokens for tokens, _ in drawn]), torch.stack([scores.softmax(-1) for _, scores in drawn])
 
 

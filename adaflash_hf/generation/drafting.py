@@ -124,21 +124,22 @@ class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         tokens = torch.nan_to_num(logits).argmax(dim=-1)
         return DraftBlock(tokens=tokens, logits=logits, draft_len=draft_len, ratio=ratio, finite=finite)
 
-    def draw(self, prefix: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def draw(self, prefix: torch.Tensor, logits: torch.Tensor, processors) -> tuple[torch.Tensor, torch.Tensor]:
         """Pick draft tokens slot by slot from the *processed* draft logits, as the parent does.
 
         `prefix` (`[t]`) is the row's sequence before the drafts, `logits` (`[k, V]`) the raw draft
-        logits. Returns the `k` tokens (sampled when `do_sample`, else argmax) and their processed
-        scores: the draft distribution lossless speculative sampling needs.
+        logits, `processors` the row's logits processors (batch 1: `self.logits_processor`). Returns
+        the `k` tokens (sampled when `do_sample`, else argmax) and their processed scores: the draft
+        distribution lossless speculative sampling needs.
 
         Example:
-            >>> tokens, scores = gen.draw(seq, block.logits[0, :3])  # doctest: +SKIP
+            >>> tokens, scores = gen.draw(seq, block.logits[0, :3], gen.logits_processor)  # doctest: +SKIP
         """
         scores = logits.float().clone()
         tokens = prefix.new_empty(0)
         for j in range(scores.shape[0]):
-            if self.logits_processor:  # each slot on its own prefix, as plain decoding would process it
-                scores[j] = self.logits_processor(torch.cat([prefix, tokens])[None], scores[j][None])[0]
+            if processors:  # each slot on its own prefix, as plain decoding would process it
+                scores[j] = processors(torch.cat([prefix, tokens])[None], scores[j][None])[0]
             pick = torch.multinomial(scores[j].softmax(-1), 1) if self.do_sample else scores[j].argmax()[None]
             tokens = torch.cat([tokens, pick])
         return tokens, scores
@@ -168,5 +169,5 @@ class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         k = int(block.draft_len[0])
         if k == 0:
             return input_ids, None
-        tokens, scores = self.draw(input_ids[0], block.logits[0, :k])
+        tokens, scores = self.draw(input_ids[0], block.logits[0, :k], self.logits_processor)
         return torch.cat([input_ids, tokens[None]], dim=1), scores[None]

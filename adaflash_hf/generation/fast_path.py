@@ -10,7 +10,7 @@ sampling, the streamer, ``return_dict_in_generate``, ``return_stats`` and the ro
 the batch row, as the eager loop's do).
 
 What the engine cannot do (per-token scores, logits or hidden states, another logits processor, the
-``expected_gain`` policy, a pre-filled cache, layers the engine cannot drive as they are: adapters,
+``expected_gain`` policy, a pre-filled cache, ``inputs_embeds``, layers the engine cannot drive as they are: adapters,
 hooks, another architecture) goes to the eager loop with one warning naming the reason
 (:func:`fast_path_refusal`). Off CUDA ``"auto"`` keeps the eager loop without a warning (the documented
 default); ``fast_path=True`` takes the engine there too (eager kernels: the CPU tests' route),
@@ -99,6 +99,8 @@ def fast_path_refusal(model, drafter, generation_config, logits_processor, model
     cache = model_kwargs.get("past_key_values")
     if cache is not None and cache.get_seq_length():
         return "a pre-filled past_key_values"
+    if model_kwargs.get("inputs_embeds") is not None:
+        return "inputs_embeds (the engine prefills token ids)"
     try:
         check_target_supported(model)
     except ValueError as exc:
@@ -216,7 +218,7 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
                          _token_budget(list(map(len, prompts)), block), length_rate, length_min)
     engine = cached.engine
     stats = GenerationStats(block_size=block, policy=policy.value)
-    output = _Output.for_config(generation_config, logits_processor, stopping_criteria, streamer)
+    output = _Output.for_config(generation_config, stopping_criteria, streamer)
     on_round, on_request = round_callbacks(round_sink, drafter)
     # The cached engine outlives this call: its caches and lazily made buffers must be normal tensors even
     # when generate runs under torch.inference_mode (in-place updates of inference tensors fail outside it).

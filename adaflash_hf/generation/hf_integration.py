@@ -7,15 +7,29 @@ re-issued through generate's *public* `custom_generate` seam with our decoding l
 (`adaflash_decoding`), so transformers still prepares the config, processors, stopping criteria
 and cache. With `speculation_type="adaflash"` the call instead goes to transformers' own
 `_assisted_decoding` with our `AdaFlashCandidateGenerator` (a wrapped `_get_candidate_generator`
-builds it). Every other call is passed through untouched. `tests/test_hf_integration.py` fails
-loudly if the seams we rely on change. Details: docs/transformers_internals.md.
+builds it). Every other call is passed through untouched. The wrapper binds each call's arguments with
+generate's own signature, so it finds `assistant_model`, `streamer` and `generation_config` wherever
+transformers would (by position too). Our loop calls the logits processors one row at a time;
+`row_processors` cuts the per-row state generate gave some of them for the whole batch.
+`tests/test_hf_integration.py` fails loudly if the seams we rely on change. Details:
+docs/transformers_internals.md.
 """
 
 import contextvars
+import copy
 import functools
 import inspect
 
+import torch
 import transformers
+from transformers.generation.logits_process import (
+    EncoderNoRepeatNGramLogitsProcessor,
+    EncoderRepetitionPenaltyLogitsProcessor,
+    LogitsProcessorList,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
@@ -43,6 +57,50 @@ def check_transformers_version(version: str = transformers.__version__) -> None:
         )
 
 
+def _with(processor, **fields):
+    """A shallow copy of `processor` with some attributes replaced."""
+    out = copy.copy(processor)
+    out.__dict__.update(fields)
+    return out
+
+
+def _prefix_fn_at_row(fn, row: int, _batch_id: int, sent: torch.Tensor):
+    return fn(row, sent)
+
+
+def _row_view(p, row: int):
+    """`p` restricted to batch row `row` where generate built it with state for the whole batch (our loop
+    calls it on that row alone, so indexing by the call's own batch position would read row 0's state)."""
+    if isinstance(p, RepetitionPenaltyLogitsProcessor) and torch.is_tensor(p.prompt_ignore_length):
+        return _with(p, prompt_ignore_length=p.prompt_ignore_length[row : row + 1])  # the row's left padding
+    if isinstance(p, EncoderRepetitionPenaltyLogitsProcessor):
+        return _with(p, encoder_input_ids=p.encoder_input_ids[row : row + 1])  # the row's prompt
+    if isinstance(p, EncoderNoRepeatNGramLogitsProcessor):
+        return _with(p, batch_size=1, generated_ngrams=[p.generated_ngrams[row]])  # the row's prompt n-grams
+    if isinstance(p, PrefixConstrainedLogitsProcessor):  # the user's function is told the row's batch index
+        return _with(p, _prefix_allowed_tokens_fn=functools.partial(_prefix_fn_at_row, p._prefix_allowed_tokens_fn, row))
+    return p
+
+
+def row_processors(logits_processor, batch_size: int) -> list[LogitsProcessorList]:
+    """Each row's view of generate's processors, to call them on that row alone (input_ids `[1, t]`).
+
+    Plain decoding calls the processors once per step on the whole batch. Our loop calls them per row
+    and per verified position (rows hold different lengths and leave the batch as they finish), so a
+    processor holding per-row state built from the batch (prompt padding lengths, prompt ids, the batch
+    index `prefix_allowed_tokens_fn` receives) gets a copy restricted to its row. Guidance keeps a cache
+    of its own unconditional branch, one token per call, that a verify block (drafts that may be
+    rejected) would corrupt: refused before any work, never silently wrong.
+    """
+    for p in logits_processor or []:
+        if isinstance(p, UnbatchedClassifierFreeGuidanceLogitsProcessor):
+            raise ValueError(
+                f"{type(p).__name__} is not supported with an AdaFlash drafter (guidance_scale: it runs its own "
+                "unconditional forward one token per call and cannot roll back rejected drafts); generate without assistant_model"
+            )
+    return [LogitsProcessorList(_row_view(p, r) for p in logits_processor or []) for r in range(batch_size)]
+
+
 def _is_our_loop(custom_generate) -> bool:
     while isinstance(custom_generate, functools.partial):
         custom_generate = custom_generate.func
@@ -64,53 +122,75 @@ def _stop_strings_to_criteria(self, generation_config, kwargs) -> None:
     kwargs["stop_strings"] = None
 
 
-def _transformers_route(generate, self, inputs, generation_config, args, assistant_model, kwargs):
+def _transformers_route(generate, self, call: dict):
     """`speculation_type="adaflash"`: transformers' own batch-1 `_assisted_decoding`, our candidates."""
-    if not isinstance(assistant_model, AdaFlashDrafter):
+    if not isinstance(call.get("assistant_model"), AdaFlashDrafter):
         raise ValueError(f'speculation_type="{ADAFLASH_SPECULATION}" needs an AdaFlash drafter as assistant_model')
-    unsupported = [k for k in _OPTIONS if k in kwargs and k not in _POLICY_OPTIONS]
+    unsupported = [k for k in _OPTIONS if k in call and k not in _POLICY_OPTIONS]
     if unsupported:
         raise ValueError(
             f'{", ".join(unsupported)} need adaflash-hf\'s own loop: drop speculation_type="{ADAFLASH_SPECULATION}"'
         )
-    if not assistant_model.is_bound_to(self):
-        assistant_model.bind_target(self)
-    token = _HF_ROUTE_OPTIONS.set({k: kwargs.pop(k) for k in _POLICY_OPTIONS if k in kwargs})
+    if call.get("inputs_embeds") is not None and call.get("inputs") is None and call.get("input_ids") is None:
+        # transformers' assisted loop fails on an empty input_ids deep inside (as with any assistant).
+        raise ValueError(
+            f'inputs_embeds without input_ids: speculation_type="{ADAFLASH_SPECULATION}" runs transformers\' assisted '
+            f'loop, which needs the prompt ids. Pass input_ids too, or drop speculation_type (adaflash-hf\'s own loop takes inputs_embeds alone)'
+        )
+    if not call["assistant_model"].is_bound_to(self):
+        call["assistant_model"].bind_target(self)
+    token = _HF_ROUTE_OPTIONS.set({k: call.pop(k) for k in _POLICY_OPTIONS if k in call})
     try:
-        return generate(self, inputs, generation_config, *args, assistant_model=assistant_model, **kwargs)
+        return generate(self, **call)
     finally:
         _HF_ROUTE_OPTIONS.reset(token)
 
 
+def _route(generate, self, call: dict):
+    """Run one `generate` call given as keyword arguments only (`call`, bound as transformers binds it)."""
+    assistant, config = call.get("assistant_model"), call.get("generation_config")
+    speculation = call.get("speculation_type", getattr(config, "speculation_type", None))
+    if speculation == ADAFLASH_SPECULATION:
+        return _transformers_route(generate, self, call)
+    if _is_our_loop(call.get("custom_generate")) and not isinstance(assistant, AdaFlashDrafter):
+        # Direct `custom_generate=adaflash_decoding`: transformers would drop the streamer and the
+        # tokenizer on the way to a callable; hand them over as the hook does.
+        _stop_strings_to_criteria(self, config, call)
+        if call.get("streamer") is not None:
+            call["custom_generate"] = functools.partial(call["custom_generate"], streamer=call["streamer"])
+        return generate(self, **call)
+    if not isinstance(assistant, AdaFlashDrafter) or speculation == "dflash":
+        if any(k in call for k in _OPTIONS):
+            raise ValueError(f"{', '.join(k for k in _OPTIONS if k in call)} need an AdaFlash drafter as assistant_model")
+        return generate(self, **call)
+    if call.get("custom_generate") is not None:
+        raise ValueError("pass either assistant_model=<AdaFlash drafter> or custom_generate, not both")
+    if not assistant.is_bound_to(self):
+        # Draft with the embedding / LM head of the target being decoded, not a look-alike's.
+        assistant.bind_target(self)
+    _stop_strings_to_criteria(self, config, call)
+    options = {k: call.pop(k) for k in _OPTIONS if k in call}
+    del call["assistant_model"]  # our loop drafts; transformers must not start its own assisted loop
+    call["custom_generate"] = functools.partial(adaflash_decoding, drafter=assistant, streamer=call.get("streamer"), **options)
+    return generate(self, **call)
+
+
 def _speculative_generate_method(generate):
+    signature = inspect.signature(generate)
+    self_name = next(iter(signature.parameters))
+    var_keyword = next((p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
     @functools.wraps(generate)
-    def wrapper(self, inputs=None, generation_config=None, *args, assistant_model=None, streamer=None, **kwargs):
-        speculation = kwargs.get("speculation_type", getattr(generation_config, "speculation_type", None))
-        if speculation == ADAFLASH_SPECULATION:
-            return _transformers_route(generate, self, inputs, generation_config, args, assistant_model, dict(kwargs, streamer=streamer))
-        native = speculation == "dflash"
-        if _is_our_loop(kwargs.get("custom_generate")) and not isinstance(assistant_model, AdaFlashDrafter):
-            # Direct `custom_generate=adaflash_decoding`: transformers would drop the streamer and the
-            # tokenizer on the way to a callable; hand them over as the hook does.
-            _stop_strings_to_criteria(self, generation_config, kwargs)
-            if streamer is not None:
-                kwargs["custom_generate"] = functools.partial(kwargs["custom_generate"], streamer=streamer)
-            return generate(self, inputs, generation_config, *args, assistant_model=assistant_model, streamer=streamer, **kwargs)
-        if not isinstance(assistant_model, AdaFlashDrafter) or native:
-            if any(k in kwargs for k in _OPTIONS):
-                raise ValueError(f"{', '.join(k for k in _OPTIONS if k in kwargs)} need an AdaFlash drafter as assistant_model")
-            return generate(self, inputs, generation_config, *args, assistant_model=assistant_model, streamer=streamer, **kwargs)
-        if kwargs.get("custom_generate") is not None:
-            raise ValueError("pass either assistant_model=<AdaFlash drafter> or custom_generate, not both")
-        if not assistant_model.is_bound_to(self):
-            # Draft with the embedding / LM head of the target being decoded, not a look-alike's.
-            assistant_model.bind_target(self)
-        _stop_strings_to_criteria(self, generation_config, kwargs)
-        decode = functools.partial(adaflash_decoding, drafter=assistant_model, streamer=streamer)
-        options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
-        if options:
-            decode = functools.partial(decode, **options)
-        return generate(self, inputs, generation_config, *args, streamer=streamer, custom_generate=decode, **kwargs)
+    def wrapper(self, *args, **kwargs):
+        # Bind exactly as transformers' signature does, so `assistant_model`, `streamer` or
+        # `generation_config` are found whether they came by position or by name.
+        try:
+            call = signature.bind(self, *args, **kwargs).arguments
+        except TypeError:  # a call transformers cannot bind either: let it raise its own error
+            return generate(self, *args, **kwargs)
+        call.pop(self_name)
+        call.update(call.pop(var_keyword, {}))
+        return _route(generate, self, call)
 
     wrapper.__adaflash_hook__ = True
     return wrapper
