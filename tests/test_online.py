@@ -176,6 +176,26 @@ def test_opd_update_on_a_repeated_sample_lowers_its_loss(pair):
         adapter.close()
 
 
+@pytest.mark.parametrize("warmup, expected", [(0, 1.0), (10, 0.4)])
+def test_warmup_ramps_the_learning_rate_over_the_first_steps(pair, warmup, expected):
+    """4 steps (4 samples, batch 1, one epoch): with a 10-step warm-up the next step's rate is 5/10 of lr and the
+    first step's was 1/10; the control (no warm-up) steps at lr throughout. The update reports its gradient norm."""
+    d = fresh_drafter(pair)
+    rounds = real_rounds(pair, d)[:4]
+    adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=4, epochs=1, batch_size=1, lr=1e-3,
+                            warmup_steps=warmup)
+    try:
+        for r in rounds:
+            adapter.on_round(r)
+        assert adapter.flush(60) and adapter.stats["updates"] == 1
+        opt = adapter.worker.optimizer
+        assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * (1.0 if not warmup else 5 / warmup))
+        assert opt.state_dict()["state"] and adapter.stats["history"][0]["grad_norm"] > 0
+        assert (adapter.worker.scheduler is None) == (warmup == 0) and expected
+    finally:
+        adapter.close()
+
+
 def test_length_head_loss_never_reaches_drafter_params(pair):
     d = fresh_drafter(pair)
     rounds = real_rounds(pair, d)

@@ -77,7 +77,8 @@ class UpdateRecord:
     previous swap; ``tau_after``: the same for the rounds served with this update's weights
     (running until the next update). ``head_mae_before`` / ``head_mae_after``: the length head's mean
     absolute error ``|ratio - (accepted + 1) / B|`` on the same served rounds (those whose block the
-    verify length did not cut), i.e. on rounds no update had trained on yet."""
+    verify length did not cut), i.e. on rounds no update had trained on yet. ``grad_norm``: the drafter's
+    mean gradient norm per step before clipping."""
 
     update: int
     samples: int
@@ -91,6 +92,7 @@ class UpdateRecord:
     head_mae_before: float | None = None
     head_mae_after: float | None = None
     seconds: float = 0.0
+    grad_norm: float | None = None
     version: int | None = None
     path: str | None = None
     domains: dict = field(default_factory=dict)
@@ -479,6 +481,7 @@ class OnlineAdapter:
                 loss_first=result["loss_first"],
                 loss_last=result["loss_last"],
                 head_loss_last=result["head_loss_last"],
+                grad_norm=result.get("grad_norm"),
                 tau_before=tau_before,
                 rounds_before=rounds_before,
                 head_mae_before=self._last_swap_mae,

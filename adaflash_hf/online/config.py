@@ -43,6 +43,7 @@ class OnlineConfig:
         lr / head_lr: AdamW learning rates of the drafter and of the length head.
         grad_clip: max gradient norm, applied to the drafter and to the head separately (so the
             head's loss cannot even rescale a drafter step).
+        warmup_steps: the learning rates ramp up linearly over the shadow's first steps (0: off).
         alpha / clip / temperature / clip_mode: OPD settings (``adaflash_hf.training.losses.opd_loss``);
             ``clip_mode="token"`` (default) is the released code's per-token clip, ``"entry"`` the
             paper's per-vocabulary-entry clip (BENCHMARKS.md compares them).
@@ -80,6 +81,7 @@ class OnlineConfig:
     lr: float = 3e-4
     head_lr: float = 2e-4
     grad_clip: float | None = 1.0
+    warmup_steps: int = 0
     alpha: float = 0.8
     clip: float | None = 0.01
     temperature: float = 1.0
@@ -114,6 +116,9 @@ class OnlineConfig:
         for name, allowed in (("method", METHODS), ("sample_unit", SAMPLE_UNITS), ("label_mode", LABEL_MODES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if int(self.warmup_steps) < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        self.warmup_steps = int(self.warmup_steps)
         for name in ("samples_per_update", "epochs", "batch_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -86,6 +86,7 @@ class ShadowTrainer:
         )  # fmt: skip
         self.shadow: AdaFlashDrafter | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler = None
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
 
     # ------------------------------------------------------------------ shadow / optimizer
@@ -117,11 +118,16 @@ class ShadowTrainer:
             if hp:
                 groups.append({"params": hp, "lr": self.config.head_lr})
             self.optimizer = torch.optim.AdamW(groups, weight_decay=self.config.weight_decay)
+            # A fresh AdamW's first steps move every weight by about lr whatever the gradient's size: on a
+            # drafter that is already trained, ramp the rate up over the shadow's first steps.
+            warmup = self.config.warmup_steps
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / warmup)) \
+                if warmup else None
         return self.shadow, self.optimizer
 
     def reset(self) -> None:
         """Drop the shadow and its optimizer (rebuilt from the serving weights next time)."""
-        self.shadow, self.optimizer = None, None
+        self.shadow, self.optimizer, self.scheduler = None, None, None
 
     # ------------------------------------------------------------------ the target's side
     @torch.no_grad()
@@ -255,8 +261,9 @@ class ShadowTrainer:
             losses.append((loss, main.detach(), head.detach(), 1))
         return losses
 
-    def _step(self, losses: list[tuple], groups: tuple[list, list]) -> None:
-        """Sum the gradients of ``losses``, clip each parameter group, take one optimizer step."""
+    def _step(self, losses: list[tuple], groups: tuple[list, list]) -> float:
+        """Sum the gradients of ``losses``, clip each parameter group, take one optimizer step; returns
+        the drafter group's gradient norm before clipping."""
         params = groups[0] + groups[1]
         grads: list[torch.Tensor | None] = [None] * len(params)
         step_loss = 0.0
@@ -269,12 +276,13 @@ class ShadowTrainer:
             raise NonFiniteLossError(f"non-finite loss {step_loss} in an online update")
         for p, g in zip(params, grads):
             p.grad = g
-        if self.config.grad_clip is not None:
-            for group in groups:
-                if group:
-                    torch.nn.utils.clip_grad_norm_(group, self.config.grad_clip)
+        clip = self.config.grad_clip if self.config.grad_clip is not None else math.inf
+        norms = [float(torch.nn.utils.clip_grad_norm_(group, clip)) if group else 0.0 for group in groups]
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return norms[0]
 
     def train(self, samples: list[Sample], update_index: int, should_stop=lambda: False) -> dict:
         """``config.epochs`` passes over ``samples`` (shuffled with a seed of ``update_index``);
@@ -286,6 +294,7 @@ class ShadowTrainer:
         rng = random.Random(cfg.seed * 1_000_003 + update_index)
         n = len(samples)
         epoch_losses: list[float] = []
+        grad_norms: list[float] = []
         head_last = None
         wrapper = self.request_model(shadow) if cfg.sample_unit == "request" else None
         with torch.enable_grad():
@@ -300,7 +309,7 @@ class ShadowTrainer:
                     losses = self._batch_losses(shadow, batch, wrapper)
                     for _, main, head, k in losses:
                         main_sum, head_sum, count = main_sum + float(main) * k, head_sum + float(head) * k, count + k
-                    self._step(losses, groups)
+                    grad_norms.append(self._step(losses, groups))
                 epoch_losses.append(main_sum / max(count, 1))
                 head_last = head_sum / max(count, 1)
         for name, p in shadow.named_parameters():
@@ -310,6 +319,7 @@ class ShadowTrainer:
             "loss_first": epoch_losses[0] if epoch_losses else None,
             "loss_last": epoch_losses[-1] if epoch_losses else None,
             "head_loss_last": head_last if (cfg.method == "opd" and shadow.length_head is not None) else None,
+            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else None,
         }
 
     # ------------------------------------------------------------------ evaluation
