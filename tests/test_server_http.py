@@ -274,7 +274,8 @@ def test_the_uvicorn_internals_the_guards_use_exist():
 
 def test_a_slow_tokenization_leaves_health_answering(srv, monkeypatch):
     """issue 34: the prompt is tokenized off the event loop: while one request's tokenizer call is held, /health
-    answers at once; then the request is answered in full. A prompt over the character cap never reaches it."""
+    answers at once and a request given as token ids is answered in full (its decoding does not wait on the held
+    tokenizer); then the held request is answered. A prompt over the character cap never reaches the tokenizer."""
     entered, release, calls = threading.Event(), threading.Event(), []
     svc = srv["server"].service
 
@@ -291,7 +292,7 @@ def test_a_slow_tokenization_leaves_health_answering(srv, monkeypatch):
             release.wait(4)  # a bound, so that the unfixed server (tokenizing on its loop) fails instead of hanging
             return self.tok(text, **kw)
 
-    monkeypatch.setattr(svc, "tokenizer", HeldTokenizer(svc.tokenizer))
+    monkeypatch.setattr(svc, "prompt_tokenizer", HeldTokenizer(svc.prompt_tokenizer))
     pool = concurrent.futures.ThreadPoolExecutor(1)
     answer = pool.submit(srv["client"].completions.create, model="tiny", prompt="w7 w8 w9", max_tokens=6, temperature=0)
     try:
@@ -299,6 +300,9 @@ def test_a_slow_tokenization_leaves_health_answering(srv, monkeypatch):
         t0 = time.monotonic()
         health = httpx.get(srv["server"].url + "/health", timeout=10)
         assert health.status_code == 200 and time.monotonic() - t0 < 1.0
+        ids = srv["tok"]("w4 w5 w6")["input_ids"]
+        out = srv["client"].completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0)
+        assert out.choices[0].text == _greedy_text(srv, "w4 w5 w6", 6) and time.monotonic() - t0 < 3.0
     finally:
         release.set()
     assert answer.result(10).choices[0].text == _greedy_text(srv, "w7 w8 w9", 6)

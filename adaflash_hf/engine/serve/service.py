@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import math
 import threading
@@ -225,7 +226,10 @@ class CompletionService:
                 ids.update([e] if _is_int(e) else (e or []))
             eos_token_id = tuple(sorted(ids)) or None
         self.eos_token_id = eos_token_id
-        self._tok_lock = threading.Lock()  # HF fast tokenizers are not guaranteed thread-safe
+        # HF fast tokenizers are not guaranteed thread-safe: each use holds a lock. Prompts (worker threads) use
+        # a copy of their own, so a long tokenization never holds the lock that decoding (the event loop) takes.
+        self.prompt_tokenizer = copy.deepcopy(tokenizer)
+        self._prompt_lock, self._tok_lock = threading.Lock(), threading.Lock()
         self.max_prompt_tokens = self.engine.max_len - 1  # one position is left for the completion
         # No text longer than this tokenizes into max_prompt_tokens or fewer: each token covers at most its
         # longest vocabulary entry (byte-level entries are never shorter than the text they cover) plus a
@@ -236,8 +240,8 @@ class CompletionService:
 
     # ------------------------------------------------------------------ tokenizer
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        with self._tok_lock:
-            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        with self._prompt_lock:
+            return list(self.prompt_tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, ids) -> str:
         with self._tok_lock:
@@ -309,11 +313,11 @@ class CompletionService:
         if kind == "chat":
             messages = self._chat_messages(body["messages"])
             self._check_chars(sum(len(m["content"]) for m in messages), field)
-            if not getattr(self.tokenizer, "chat_template", None):
+            if not getattr(self.prompt_tokenizer, "chat_template", None):
                 raise _bad("this model's tokenizer has no chat template; use /v1/completions with a text prompt", field)
             try:
-                with self._tok_lock:
-                    text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                with self._prompt_lock:
+                    text = self.prompt_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             except Exception as e:  # noqa: BLE001 - a template refusing the conversation (roles, order, ...)
                 raise _bad(f"the chat template rejected `messages`: {type(e).__name__}: {e}", field) from None
             ids = self.encode(text, add_special_tokens=False)
