@@ -51,6 +51,8 @@ def _cases(c, port):
         "zero-decode-steps": (["--decode-steps", "0"], ["--decode-steps", "positive integer"]),
         "zero-concurrency": (["--max-concurrent-requests", "0"], ["--max-concurrent-requests", "positive integer"]),
         "negative-body-timeout": (["--body-timeout", "-1"], ["--body-timeout", "seconds >= 0"]),
+        "negative-header-timeout": (["--header-timeout", "-1"], ["--header-timeout", "seconds >= 0"]),
+        "zero-max-connections": (["--max-connections", "0"], ["--max-connections", "positive integer"]),
         "drafter-without-target": (["--drafter", c["drafter"]], ["--drafter given without --target"]),
         "reference-and-target": (["--reference", "--target", c["target"], "--drafter", c["drafter"]], ["not both"]),
         "missing-target": (["--target", c["missing"], "--drafter", c["drafter"]], ["--target", "not found"]),
@@ -71,6 +73,39 @@ def test_serve_user_errors_are_one_line(case, ckpts, busy_port, capsys):
     for w in words:
         assert w in line, (w, line)
     assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize("argv,env_key,key,warned", [
+    (["--host", "0.0.0.0"], None, None, True),  # every interface, no key: warned
+    (["--host", "0.0.0.0"], "sk-env", "sk-env", False),  # the key from $ADAFLASH_API_KEY
+    (["--host", "::", "--api-key", "sk-flag"], "sk-env", "sk-flag", False),  # the flag wins
+    (["--host", "127.0.0.1"], None, None, False),
+    (["--host", "::1"], None, None, False),
+    (["--host", "localhost"], "", None, False),  # an empty variable is no key
+    (["--host", "myhost.example"], None, None, True),  # a name may resolve anywhere
+])  # fmt: skip
+def test_serve_takes_the_key_from_flag_or_env_and_warns_without_one_beyond_loopback(monkeypatch, capsys, argv, env_key,
+                                                                                     key, warned):
+    """issue 34: the settings `adaflash serve` binds with (stopped there: no model loads), the warning on stderr."""
+    seen = {}
+
+    class Stop(server_mod.OpenAIServer):
+        def __init__(self, address, service=None, settings=None):
+            seen["settings"] = settings
+            raise OSError(98, "stopped by the test")
+
+    monkeypatch.setattr(server_mod, "OpenAIServer", Stop)
+    if env_key is None:
+        monkeypatch.delenv("ADAFLASH_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("ADAFLASH_API_KEY", env_key)
+    rc = main(["serve", "--header-timeout", "3", "--max-connections", "77", *argv])
+    err = capsys.readouterr().err
+    settings = seen["settings"]
+    assert rc == 2 and "stopped by the test" in err
+    assert (settings.api_key, settings.header_timeout_s, settings.max_connections) == (key, 3.0, 77)
+    assert ("warning: listening on" in err and "without an API key" in err) == warned, err
+    assert "sk-" not in err  # the key is never printed
 
 
 def _serve_in_main_thread(monkeypatch, argv, client):

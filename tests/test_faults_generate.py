@@ -109,40 +109,22 @@ def test_zlab_config_without_target_layer_ids_takes_the_zlab_default(pair, tmp_p
         AdaFlashDrafter.from_pretrained(out)
 
 
-class _TemplateTokenizer:
-    chat_template = "{{ messages }}"
-
-    def apply_chat_template(self, messages, **kw):
-        return "w1 " * len(messages)
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": [1] * len(text.split())}
-
-
-def _service():
-    import threading
-
-    from adaflash_hf.engine.serve.server import CompletionService
-
-    svc = CompletionService.__new__(CompletionService)  # message validation needs only the tokenizer
-    svc.tokenizer, svc._tok_lock = _TemplateTokenizer(), threading.Lock()
-    return svc
-
-
 @pytest.mark.parametrize("message,words", [
     ({"role": "user"}, "has no `content`"),
-    ({"role": "wizard", "content": "hi"}, "'wizard' is not one of"),
+    ({"role": "wizard", "content": "hi"}, "`messages[0].role` must be one of system"),  # the role is not echoed
     ({"role": "user", "content": None}, "only an assistant message"),
 ])  # fmt: skip
 def test_chat_messages_without_content_or_with_an_unknown_role_are_refused(message, words):
-    from adaflash_hf.engine.serve.server import APIError
+    from adaflash_hf.engine.serve.server import APIError, CompletionService
 
     with pytest.raises(APIError) as e:
-        _service()._prompt_ids({"messages": [message]}, "chat")
+        CompletionService._chat_messages([message])
     assert e.value.status == 400 and e.value.param == "messages" and words in e.value.message
 
 
 def test_valid_chat_messages_still_pass():
+    from adaflash_hf.engine.serve.server import CompletionService
+
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": None},
             {"role": "user", "content": [{"type": "text", "text": "x"}]}]
-    assert _service()._prompt_ids({"messages": msgs}, "chat") == [1, 1, 1, 1]
+    assert [m["content"] for m in CompletionService._chat_messages(msgs)] == ["s", "u", "", "x"]

@@ -207,6 +207,18 @@ BAD = {
     "message-without-role": (CHAT, {"messages": [{"content": "w1"}]}, 400, "messages", "`role`"),
     "image-part": (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages", "only text"),
     "body-not-object": (C, [1, 2], 400, None, "JSON object"),
+    # issue 34: a prompt no tokenization could fit is refused by its length in characters, before tokenizing
+    "prompt-over-char-limit": (C, {"prompt": "w1 " * 200}, 400, "prompt", "600 characters; this server fits at most 95 prompt tokens"),
+    "messages-over-char-limit": (CHAT, {"messages": [{"role": "user", "content": "w1 " * 200}]}, 400, "messages", "600 characters"),
+    "prompt-over-slot-with-max-tokens": (C, {"prompt": list(range(1, MAX_LEN + 1)), "max_tokens": 2}, 400, "prompt", "at most 95 prompt tokens"),
+    # issue 34: a lone surrogate (JSON "\\ud800") is not text: a 400 naming the field, not a 500
+    "surrogate-prompt": (C, {"prompt": "w1 \ud800"}, 400, "prompt", "`prompt` is not valid Unicode"),
+    "surrogate-model": (C, {"prompt": "w1", "model": "\ud800"}, 400, "model", "`model` is not valid Unicode"),
+    "surrogate-content": (CHAT, {"messages": [{"role": "user", "content": "\udfff w2"}]}, 400, "messages",
+                          "`messages[0].content` is not valid Unicode"),
+    "surrogate-text-part": (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, 400,
+                            "messages", "`messages[0].content` is not valid Unicode"),
+    "surrogate-stop": (C, {"prompt": "w1", "stop": ["w2", "\ud800"]}, 400, "stop", "`stop` is not valid Unicode"),
 }  # fmt: skip
 
 
@@ -219,6 +231,57 @@ def test_bad_requests_get_a_clear_openai_error(setup, case):
     assert err["param"] == param and words in err["message"], err
     assert err["type"] == "invalid_request_error"
     assert _idle(setup)  # nothing left in the engine
+
+
+# issue 34: a wrongly typed field is named with the type it got, never its text (prompt text must not reach the log)
+SECRET = "w99 hunter2 w98"
+TYPED = {
+    "messages-object": (CHAT, {"messages": {"role": "user", "content": SECRET}}, 400,
+                        '`messages` must be a non-empty list of {"role", "content"} objects, got an object'),
+    "prompt-object": (C, {"prompt": {"text": SECRET}}, 400, "`prompt` must be a string or a list of token ids (one prompt per request), got an object"),
+    "stop-list-of-objects": (C, {"prompt": "w1", "stop": [{"s": SECRET}]}, 400, "`stop` must be a non-empty string or a list of non-empty strings, got a list"),
+    "model-list": (C, {"prompt": "w1", "model": [SECRET]}, 400, "`model` must be a string, got a list"),
+    "max-tokens-text": (C, {"prompt": "w1", "max_tokens": SECRET}, 400, "`max_tokens` must be a positive integer, got a string"),
+    "role-text": (CHAT, {"messages": [{"role": SECRET, "content": "w1"}]}, 400, "`messages[0].role` must be one of system"),
+    "content-object": (CHAT, {"messages": [{"role": "user", "content": {"t": SECRET}}]}, 400, "got an object"),
+    "long-model-name": (C, {"prompt": "w1", "model": SECRET * 10}, 404, "the model named in `model` (150 characters) does not exist"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(TYPED))
+def test_errors_name_the_type_never_the_text(setup, case, caplog):
+    caplog.set_level(logging.INFO, logger="adaflash_hf.server")
+    path, body, status, words = TYPED[case]
+    got, _, text = _request(setup["server"], "POST", path, body)
+    err = json.loads(text)["error"]
+    assert got == status and words in err["message"], err
+    assert "hunter2" not in text
+    end = time.monotonic() + 5
+    while not any(f"{path} {status}" in r.getMessage() for r in caplog.records) and time.monotonic() < end:
+        time.sleep(0.01)
+    lines = [r.getMessage() for r in caplog.records if r.name == "adaflash_hf.server"]
+    assert any(f"{path} {status}" in line for line in lines) and not any("hunter2" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("ctype,status,words", [
+    ("text/plain", 400, "Content-Type must be application/json, got text/plain"),
+    ("application/x-www-form-urlencoded", 400, "got application/x-www-form-urlencoded"),  # curl -d without -H
+    ("application/json; charset=utf-8", 200, ""),
+    (None, 400, "Content-Type must be application/json, got none"),  # as FastAPI and vLLM
+])  # fmt: skip
+def test_a_json_body_sent_as_another_content_type_is_told_so(setup, ctype, status, words):
+    """issue 34: not "the request body must be a JSON object" (it is one): the Content-Type is named."""
+    conn = http.client.HTTPConnection(*setup["server"].server_address[:2], timeout=20)
+    headers = {} if ctype is None else {"Content-Type": ctype}
+    conn.request("POST", C, body=json.dumps({"prompt": "w1 w2", "max_tokens": 2, "temperature": 0}), headers=headers)
+    resp = conn.getresponse()
+    body = json.loads(resp.read())
+    conn.close()
+    assert resp.status == status, body
+    if status == 400:
+        assert words in body["error"]["message"] and body["error"]["type"] == "invalid_request_error", body
+    else:
+        assert body["usage"]["completion_tokens"] == 2
 
 
 @pytest.mark.parametrize("method,path,raw,status,words", [

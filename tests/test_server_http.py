@@ -1,16 +1,21 @@
-"""The HTTP stack (issue 19) through the official `openai` client and raw sockets, on 127.0.0.1: completions,
+"""The HTTP stack (issues 19, 34) through the official `openai` client and raw sockets, on 127.0.0.1: completions,
 chat and streaming answered exactly; the concurrency limit answers 429 (never a reset); a client that leaves
-cancels its request, streaming or not (slots freed); a stalled body gets a 408 and an idle connection is
-closed; 64 concurrent clients x 3 rounds all answered, each equal to the request run alone. After every
+cancels its request, streaming or not (slots freed); a stalled body gets a 408, stalled headers a 408 and an
+idle connection is closed; past max_connections a 503 at once; a slow tokenization leaves /health answering;
+the API key; 64 concurrent clients x 3 rounds all answered, each equal to the request run alone. After every
 case the engine holds nothing and the server still answers correctly."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import inspect
 import json
 import socket
+import threading
 import time
 
+import httpx
 import openai
 import pytest
 from conftest import build_word_tokenizer
@@ -52,7 +57,7 @@ def srv():
 @pytest.fixture(scope="module")
 def tight():
     """Short timeouts (a loaded machine would trip them under the load test, so on a server of their own)."""
-    s = _serve(ServeSettings(body_timeout_s=0.5, timeout_keep_alive_s=0.3), slots=2)
+    s = _serve(ServeSettings(body_timeout_s=0.5, timeout_keep_alive_s=0.3, header_timeout_s=0.5), slots=2)
     yield s
     s["server"].close()
 
@@ -111,7 +116,7 @@ def test_openai_client_gets_plain_greedy(srv, kind, stream):
 
 @pytest.mark.parametrize("kwargs,param,words", [
     ({"max_tokens": 0}, "max_tokens", "positive integer"),
-    ({"extra_body": {"max_tokens": "8"}}, "max_tokens", "must be a positive integer, got \"8\""),
+    ({"extra_body": {"max_tokens": "8"}}, "max_tokens", "must be a positive integer, got a string"),
     ({"extra_body": {"temperature": "hot"}}, "temperature", "must be a number >= 0"),
     ({"extra_body": {"stream": 1}}, "stream", "true or false"),
     ({"max_tokens": 10_000}, "max_tokens", "can never fit"),
@@ -130,6 +135,12 @@ def test_openai_client_gets_a_400_naming_the_field(srv, kwargs, param, words):
 def test_past_the_concurrency_limit_a_429_with_retry_after():
     s = _serve(ServeSettings(max_concurrent_requests=2))
     try:
+        # issue 34: bodies still arriving hold no place: two stalled ones, and a request is still answered
+        stalled = [_raw(s, _post_head(b"", length=60) + b'{"prompt": ') for _ in range(2)]
+        time.sleep(0.1)
+        assert s["client"].completions.create(model="tiny", prompt="w1 w2", max_tokens=2, temperature=0).choices
+        for sock in stalled:
+            sock.close()
         s["state"]["delay"] = 0.03
         bodies = [json.dumps({"prompt": f"w{i} w3", "max_tokens": 12, "temperature": 0}).encode() for i in (5, 6)]
         socks = [_raw(s, _post_head(body) + body) for body in bodies]
@@ -203,6 +214,143 @@ def test_an_idle_keep_alive_connection_is_closed(tight):
     assert sock.recv(65536) == b"" and time.monotonic() - t0 < 5
     sock.close()
     _still_answers(tight)
+
+
+@pytest.mark.parametrize("answered_first", [False, True])
+def test_headers_that_stall_get_a_408_and_the_connection_closes(tight, answered_first):
+    """issue 34: part of a request's headers, then nothing: a 408 once header_timeout_s (0.5 s) has passed since
+    their first byte, on a new connection or a keep-alive one after an answer (uvicorn alone waits for ever)."""
+    sock = _raw(tight, b"")
+    sock.settimeout(4)
+    if answered_first:
+        body = b'{"prompt": "w1 w2", "max_tokens": 2, "temperature": 0}'
+        sock.sendall(_post_head(body) + body)
+        got = b""
+        while b'"usage"' not in got:
+            got += sock.recv(65536)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
+    t0, got = time.monotonic(), b""
+    while chunk := sock.recv(65536):
+        got += chunk
+    sock.close()
+    assert got.startswith(b"HTTP/1.1 408") and b"headers did not arrive within 0.5 s" in got, got
+    assert 0.4 < time.monotonic() - t0 < 3
+    _still_answers(tight)
+
+
+def test_past_max_connections_a_new_connection_gets_a_503_at_once():
+    """issue 34: three connections held open (part of their headers sent), a fourth is answered 503 and closed
+    at once; once one of the three is closed, requests are answered again."""
+    s = _serve(ServeSettings(max_connections=3), slots=2)
+    try:
+        held = [_raw(s, b"GET /health HTTP/1.1\r\n") for _ in range(3)]
+        time.sleep(0.2)  # let the server take all three
+        sock = _raw(s, b"")
+        sock.settimeout(3)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+        sock.close()
+        assert got.startswith(b"HTTP/1.1 503") and b"limit of 3 open connections" in got and b"retry-after: 1" in got, got
+        held.pop().close()
+        time.sleep(0.2)
+        _still_answers(s)
+        for h in held:
+            h.close()
+    finally:
+        s["server"].close()
+
+
+def test_the_uvicorn_internals_the_guards_use_exist():
+    """The guards override these (uvicorn_server.py); a rename in uvicorn would make them dead code silently."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    for name in ("connection_made", "connection_lost", "data_received", "on_response_complete", "timeout_keep_alive_handler"):
+        assert callable(getattr(H11Protocol, name, None)), name
+    src = inspect.getsource(H11Protocol.__init__)
+    for attr in ("self.conn =", "self.connections =", "self.timeout_keep_alive_task", "self.client"):
+        assert attr in src, attr
+
+
+def test_a_slow_tokenization_leaves_health_answering(srv, monkeypatch):
+    """issue 34: the prompt is tokenized off the event loop: while one request's tokenizer call is held, /health
+    answers at once and a request given as token ids is answered in full (its decoding does not wait on the held
+    tokenizer); then the held request is answered. A prompt over the character cap never reaches the tokenizer."""
+    entered, release, calls = threading.Event(), threading.Event(), []
+    svc = srv["server"].service
+
+    class HeldTokenizer:
+        def __init__(self, tok):
+            self.tok = tok
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+        def __call__(self, text, **kw):
+            calls.append(len(text))
+            entered.set()
+            release.wait(4)  # a bound, so that the unfixed server (tokenizing on its loop) fails instead of hanging
+            return self.tok(text, **kw)
+
+    monkeypatch.setattr(svc, "prompt_tokenizer", HeldTokenizer(svc.prompt_tokenizer))
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    answer = pool.submit(srv["client"].completions.create, model="tiny", prompt="w7 w8 w9", max_tokens=6, temperature=0)
+    try:
+        assert entered.wait(5)
+        t0 = time.monotonic()
+        health = httpx.get(srv["server"].url + "/health", timeout=10)
+        assert health.status_code == 200 and time.monotonic() - t0 < 1.0
+        ids = srv["tok"]("w4 w5 w6")["input_ids"]
+        out = srv["client"].completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0)
+        assert out.choices[0].text == _greedy_text(srv, "w4 w5 w6", 6) and time.monotonic() - t0 < 3.0
+    finally:
+        release.set()
+    assert answer.result(10).choices[0].text == _greedy_text(srv, "w7 w8 w9", 6)
+    pool.shutdown()
+    with pytest.raises(openai.BadRequestError) as e:  # over the cap: refused by its length, never tokenized
+        srv["client"].completions.create(model="tiny", prompt="w5 " * 2000, max_tokens=2)
+    assert e.value.body["param"] == "prompt" and f"at most {MAX_LEN - 1} prompt tokens" in e.value.body["message"]
+    assert "6000 characters" in e.value.body["message"] and calls == [len("w7 w8 w9")]
+
+
+# ---------------------------------------------------------------- the API key
+@pytest.fixture(scope="module")
+def keyed():
+    s = _serve(ServeSettings(api_key="sk-right-key"), slots=2)
+    yield s
+    s["server"].close()
+
+
+def test_the_api_key_is_checked_through_the_openai_client(keyed):
+    """issue 34: the right key is answered; a wrong one is openai.AuthenticationError (401, OpenAI's body)."""
+    url = keyed["server"].url + "/v1"
+    right = openai.OpenAI(base_url=url, api_key="sk-right-key", max_retries=0, timeout=30)
+    out = right.completions.create(model="tiny", prompt="w7 w8 w9", max_tokens=6, temperature=0)
+    assert out.choices[0].text == _greedy_text(keyed, "w7 w8 w9", 6)
+    assert right.models.list().data[0].id == "tiny"
+    wrong = openai.OpenAI(base_url=url, api_key="sk-right-kez", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError) as e:
+        wrong.completions.create(model="tiny", prompt="w7 w8 w9", max_tokens=6, temperature=0)
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    assert "sk-right" not in e.value.response.text
+    assert "sk-right" not in repr(ServeSettings(api_key="sk-right-key"))  # never printed with the settings
+
+
+@pytest.mark.parametrize("method,path,auth,status", [
+    ("POST", "/v1/completions", None, 401),
+    ("POST", "/v1/chat/completions", "Basic c2stcmlnaHQta2V5", 401),
+    ("GET", "/v1/models", None, 401),
+    ("GET", "/v1/models", "Bearer sk-right-key-and-more", 401),
+    ("GET", "/v1/nothing", None, 401),  # no route is listed to a client without the key
+    ("GET", "/v1/models", "bearer sk-right-key", 200),
+    ("GET", "/health", None, 200),  # liveness probes carry no key
+])  # fmt: skip
+def test_every_route_but_health_needs_the_key(keyed, method, path, auth, status):
+    headers = {} if auth is None else {"Authorization": auth}
+    r = httpx.request(method, keyed["server"].url + path, headers=headers, json={"prompt": "w1"}, timeout=10)
+    assert r.status_code == status, r.text
+    if status == 401:
+        assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
 
 
 # ---------------------------------------------------------------- load

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import sys
 
 from ..loading import UsageError, check_drafter_path, check_target_path, one_line
@@ -10,6 +12,7 @@ from .common import PROG, add_model_args, check_either_reference, load_models_fr
 from .online_args import add_online_args, check_online_args, online_config
 
 seconds = number(float, lambda v: v >= 0, "a number of seconds >= 0")
+API_KEY_ENV = "ADAFLASH_API_KEY"  # as vLLM reads VLLM_API_KEY
 
 HELP = "OpenAI-compatible HTTP server (completions, chat, streaming) over the continuous-batching engine"
 DESCRIPTION = (
@@ -18,8 +21,11 @@ DESCRIPTION = (
     "GET /health. Concurrent requests are decoded together by the continuous-batching engine; fields:\n"
     "max_tokens, temperature (default 1.0, as OpenAI; 0 = greedy), top_p, top_k, seed, stop, stream\n"
     "(server-sent events), usage counts. One log line per request on stderr (no prompt text).\n"
-    "FastAPI on uvicorn (pip install 'adaflash-hf[serve]'); put a reverse proxy in front for TLS / auth.\n"
-    "A client that disconnects cancels its request; past --max-concurrent-requests a request gets a 429.\n"
+    "FastAPI on uvicorn (pip install 'adaflash-hf[serve]'); put a reverse proxy in front for TLS.\n"
+    "--api-key (or $ADAFLASH_API_KEY): every route but /health needs 'Authorization: Bearer KEY' (else a 401).\n"
+    "A client that disconnects cancels its request; past --max-concurrent-requests a request gets a 429;\n"
+    "headers not complete --header-timeout s after their first byte get a 408; past --max-connections open\n"
+    "connections a new one gets a 503 at once.\n"
     "exit status: 0 stopped (Ctrl-C / SIGTERM), 2 usage error, 3 the engine failed (/health answered 503\n"
     "for --exit-after-failure seconds first): a supervisor should restart the server.\n"
     "GET /metrics: Prometheus counters (requests, tokens, rounds, tau, acceptance per draft position,\n"
@@ -47,6 +53,13 @@ def add_arguments(p) -> None:
     g.add_argument("--timeout-keep-alive", type=seconds, default=5.0, help="seconds an idle keep-alive connection stays open")
     g.add_argument("--body-timeout", type=seconds, default=30.0,
                    help="seconds to wait for the next piece of a request body (a 408 after)")
+    g.add_argument("--header-timeout", type=seconds, default=10.0,
+                   help="seconds from a request's first byte to the end of its headers (a 408 and the connection closed after)")
+    g.add_argument("--max-connections", type=positive_int, default=1024,
+                   help="open connections at once; one more gets a 503 and is closed at once")
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV} if set; "
+                        "the variable keeps the key out of the process list)")
     g.add_argument("--exit-after-failure", type=seconds, default=2.0,
                    help="after an engine failure, answer /health with 503 this long, then exit with status 3")
     g = p.add_argument_group("engine")
@@ -132,6 +145,16 @@ def _service(args, need_drafter: bool):
                                                  f"max_len {max_len}, token budget {token_budget}{online})")
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is reachable from this machine alone."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
 def run(args) -> int:
     import logging
     import signal
@@ -147,7 +170,12 @@ def run(args) -> int:
                          "pip install 'adaflash-hf[serve]'") from None
     settings = ServeSettings(max_concurrent_requests=args.max_concurrent_requests,
                              timeout_keep_alive_s=args.timeout_keep_alive, body_timeout_s=args.body_timeout,
-                             exit_after_failure_s=args.exit_after_failure)
+                             header_timeout_s=args.header_timeout, max_connections=args.max_connections,
+                             exit_after_failure_s=args.exit_after_failure,
+                             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
+    if settings.api_key is None and not _is_loopback(args.host):
+        print(f"{PROG} serve: warning: listening on {args.host} without an API key: anyone who reaches this port can "
+              f"use the model (set ${API_KEY_ENV} or --api-key)", file=sys.stderr)
     try:  # bind first: a port in use fails at once, before models load
         server = OpenAIServer((args.host, args.port), settings=settings)
     except OSError as e:

@@ -5,7 +5,11 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 Request bodies are pydantic models (types); the service checks values. Every error, a type error
 included, is OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status.
 A client that goes away cancels its request (streaming or not), so its engine slot is freed; past
-``max_concurrent_requests`` a request gets a 429 with ``Retry-After``; a stalled body a 408.
+``max_concurrent_requests`` a request gets a 429 with ``Retry-After``; a stalled body a 408. With
+``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer KEY`` (else a 401); a completion
+body sent as another Content-Type than JSON gets a 400 naming it. Parsing and tokenizing run on a worker
+thread, so one long prompt never stalls other connections; error messages name a field and the type it
+got, never its text (they are logged).
 Needs the ``serve`` extra (``pip install 'adaflash-hf[serve]'``); :mod:`.server` runs it on uvicorn.
 
 Example::
@@ -17,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -30,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from .metrics import CONTENT_TYPE
-from .service import APIError, CompletionService
+from .service import APIError, CompletionService, describe
 from .settings import ServeSettings
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "build_app"]
@@ -38,6 +43,7 @@ __all__ = ["ChatCompletionRequest", "CompletionRequest", "build_app"]
 log = logging.getLogger("adaflash_hf.server")
 
 _COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_ERROR_HEADERS = {429: {"Retry-After": "1"}, 401: {"WWW-Authenticate": "Bearer"}}
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -85,9 +91,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if err.get("type") == "missing":
         return APIError(400, f"missing required field `{field}`", field)
     body = exc.body if isinstance(exc.body, dict) else {}
-    got = json.dumps(body.get(field), default=str)[:100]
     what = _FIELDS[field].description if field in _FIELDS else "has the wrong type"
-    return APIError(400, f"`{field}` {what}, got {got}", field)
+    return APIError(400, f"`{field}` {what}, got {describe(body.get(field))}", field)  # the type, never the text
 
 
 def _json(e: APIError, headers: dict | None = None) -> JSONResponse:
@@ -177,7 +182,8 @@ async def _until_answered(aw, request: Request, poll_s: float):
 
 async def _complete(svc: CompletionService, request: Request, body: _Request, kind: str, settings: ServeSettings):
     stats = request.scope["adaflash.stats"]
-    req = svc.parse(body.model_dump(exclude_unset=True), kind)
+    # off the event loop: tokenizing (and the chat template) of a long prompt would stall every connection
+    req = await asyncio.to_thread(svc.parse, body.model_dump(exclude_unset=True), kind)
     stats.update(prompt_tokens=len(req.prompt_ids), stream=req.stream)
     gen = svc.start(req)
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -225,8 +231,9 @@ async def _events(svc: CompletionService, req, gen, rid: str, stats: dict):
 
 
 class _FrontDoor:
-    """ASGI middleware in front of the app: the concurrency limit (429), the request body read whole
-    under a size limit (413) and a per-read timeout (408), and one log line per request."""
+    """ASGI middleware in front of the app: the API key (401) and Content-Type (400) checks, the request body
+    read whole under a size limit (413) and a per-read timeout (408), the concurrency limit (429), and one
+    log line per request."""
 
     def __init__(self, app, settings: ServeSettings):
         self.app, self.settings = app, settings
@@ -245,13 +252,15 @@ class _FrontDoor:
 
         limited = scope["path"] in _COMPLETION_PATHS
         try:
+            self._check_headers(scope, limited)
+            body = await self._read_body(scope, receive)
+            # counted once the body is in: a client slow to send it holds no place of a request that could run
             if limited and self.in_flight >= self.settings.max_concurrent_requests:
                 n = self.settings.max_concurrent_requests
                 raise APIError(429, f"the server is at its limit of {n} concurrent requests; retry shortly",
                                type_="rate_limit_error", code="rate_limit_exceeded")
             self.in_flight += limited
             try:
-                body = await self._read_body(scope, receive)
                 replay = [{"type": "http.request", "body": body, "more_body": False}]
 
                 async def receive_after_body():
@@ -262,9 +271,8 @@ class _FrontDoor:
                 self.in_flight -= limited
         except APIError as e:
             stats["error"] = e.message
-            headers = {"Retry-After": "1"} if e.status == 429 else None
             if not isinstance(e, _ClientGoneEarly):
-                await _json(e, headers)(scope, receive, send_status)
+                await _json(e, _ERROR_HEADERS.get(e.status))(scope, receive, send_status)
         except Exception as e:  # noqa: BLE001 - a bug: answer 500 (if nothing was sent yet), keep serving
             log.exception("internal error on %s %s", scope["method"], scope["path"])
             stats.setdefault("error", f"{type(e).__name__}")
@@ -272,6 +280,22 @@ class _FrontDoor:
                 await _json(APIError(500, f"internal error: {type(e).__name__}: {e}"))(scope, receive, send_status)
         finally:
             _log_line(scope, status[0], stats, t0)
+
+    def _check_headers(self, scope, limited: bool) -> None:
+        """The API key (every route but /health) and a completion body's Content-Type, before the body is read."""
+        headers = dict(scope["headers"])
+        key = self.settings.api_key
+        if key is not None and scope["path"] != "/health":
+            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer":
+                raise APIError(401, "missing API key: send the header `Authorization: Bearer YOUR_KEY`",
+                               code="invalid_api_key")
+            if not hmac.compare_digest(given.strip(), key.encode()):  # constant time: no timing hints at the key
+                raise APIError(401, "incorrect API key", code="invalid_api_key")
+        if limited and scope["method"] == "POST":  # as FastAPI and vLLM: no Content-Type is not JSON either
+            media = headers.get(b"content-type", b"").decode("latin-1").partition(";")[0].strip().lower()
+            if media != "application/json" and not media.endswith("+json"):
+                raise APIError(400, f"Content-Type must be application/json, got {media[:60] or 'none'}")
 
     async def _read_body(self, scope, receive) -> bytes:
         limit = self.settings.max_body_bytes

@@ -20,7 +20,9 @@ Example::
     #      -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32, "temperature": 0}'
 
 The server logs one line per request to the ``adaflash_hf.server`` logger (status, token counts,
-finish reason, time; never prompt or completion text). After an engine failure ``/health`` answers
+finish reason, time; never prompt or completion text). Guards (:class:`ServeSettings`): an API key on every
+route but ``/health``, a header deadline and a connection cap (``uvicorn_server.py``), body limits and a
+concurrency limit (``app.py``), a prompt length cap checked before tokenizing (``service.py``). After an engine failure ``/health`` answers
 503; with ``ServeSettings.exit_after_failure_s`` set, serving then stops and :attr:`OpenAIServer.exit_code`
 is :data:`EXIT_ENGINE_FAILED` (``adaflash serve`` exits with it, so a supervisor restarts the server).
 """
@@ -83,6 +85,7 @@ class OpenAIServer:
             self.socket.close()
             raise
         self.app = app_mod.build_app(lambda: self.service, self.settings)
+        _fit_file_limit(self.settings.max_connections)
         self._server = None
         self._thread: threading.Thread | None = None
         self._failed_at: float | None = None
@@ -98,7 +101,7 @@ class OpenAIServer:
 
     def serve_forever(self) -> None:
         """Serve until :meth:`close`, a signal, or (``exit_after_failure_s``) an engine failure."""
-        config = self._uvicorn.Config(self.app, http=self._runner.QuietConnectionTimeout, lifespan="off",
+        config = self._uvicorn.Config(self.app, http=self._runner.guarded_h11(self.settings), lifespan="off",
                                       log_config=None, access_log=False,
                                       timeout_keep_alive=self.settings.timeout_keep_alive_s,
                                       timeout_graceful_shutdown=5, backlog=self.settings.backlog)
@@ -146,6 +149,23 @@ class OpenAIServer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _fit_file_limit(max_connections: int, spare: int = 256) -> None:
+    """Raise the soft limit on open files to fit ``max_connections`` sockets and ``spare`` other files (model
+    shards, pipes), as far as the hard limit allows: the connection cap must bind before the file limit does."""
+    try:
+        import resource
+    except ImportError:  # not on Unix: no such limit to raise
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = max_connections + spare
+    if soft != resource.RLIM_INFINITY and soft < need:
+        soft = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        if soft < need:
+            log.warning("the open-file limit (%d) is below max_connections (%d) + %d: lower max_connections or "
+                        "raise the hard limit (ulimit -Hn)", soft, max_connections, spare)
 
 
 def make_server(engine, tokenizer, host: str = "127.0.0.1", port: int = 8000, model_name: str = "adaflash",

@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import math
 import threading
@@ -62,6 +63,24 @@ _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's c
 
 def _bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
+
+
+def describe(value) -> str:
+    """What a wrongly typed value is, for an error message: numbers, booleans and null as themselves, text
+    and containers by their type alone (never their content: it may be prompt text, and errors are logged)."""
+    if value is None or isinstance(value, bool) or (isinstance(value, (int, float)) and math.isfinite(value)):
+        return json.dumps(value)
+    return {str: "a string", dict: "an object", list: "a list"}.get(type(value), f"a {type(value).__name__}")
+
+
+def _text(value: str, field: str, param: str) -> str:
+    """``value`` if it can be encoded (JSON's ``\\ud800`` escapes decode to lone surrogates, which no tokenizer
+    and no UTF-8 answer takes), else a 400 naming ``field``."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad(f"`{field}` is not valid Unicode text (it holds a lone UTF-16 surrogate)", param) from None
+    return value
 
 
 def _is_int(v) -> bool:
@@ -209,7 +228,16 @@ class CompletionService:
                 ids.update([e] if _is_int(e) else (e or []))
             eos_token_id = tuple(sorted(ids)) or None
         self.eos_token_id = eos_token_id
-        self._tok_lock = threading.Lock()  # HF fast tokenizers are not guaranteed thread-safe
+        # HF fast tokenizers are not guaranteed thread-safe: each use holds a lock. Prompts (worker threads) use
+        # a copy of their own, so a long tokenization never holds the lock that decoding (the event loop) takes.
+        self.prompt_tokenizer = copy.deepcopy(tokenizer)
+        self._prompt_lock, self._tok_lock = threading.Lock(), threading.Lock()
+        self.max_prompt_tokens = self.engine.max_len - 1  # one position is left for the completion
+        # No text longer than this tokenizes into max_prompt_tokens or fewer: each token covers at most its
+        # longest vocabulary entry (byte-level entries are never shorter than the text they cover) plus a
+        # separator a pre-tokenizer may drop. Longer prompts are refused before tokenizing.
+        longest = max(map(len, tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = self.max_prompt_tokens * (longest + 1)
         self.created = int(time.time())
         core = getattr(self.engine, "engine", None)
         self.metrics = ServerMetrics(block_size=getattr(core, "block_size", 1) if getattr(core, "drafter", None) else 1)
@@ -221,8 +249,8 @@ class CompletionService:
 
     # ------------------------------------------------------------------ tokenizer
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        with self._tok_lock:
-            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        with self._prompt_lock:
+            return list(self.prompt_tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, ids) -> str:
         with self._tok_lock:
@@ -260,108 +288,127 @@ class CompletionService:
         model = body.get("model")
         if model is not None:
             if not isinstance(model, str):
-                raise _bad("`model` must be a string", "model")
-            if model != self.model_name:
-                raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                raise _bad(f"`model` must be a string, got {describe(model)}", "model")
+            if _text(model, "model", "model") != self.model_name:
+                named = f"`{model}`" if len(model) <= 100 else f"named in `model` ({len(model)} characters)"
+                raise APIError(404, f"the model {named} does not exist; this server serves `{self.model_name}`",
                                "model", code="model_not_found")
         for key, allowed in _UNSUPPORTED.items():
             if key in body and body[key] not in allowed:
                 raise _bad(f"`{key}` is not supported by this server (allowed: {', '.join(map(json.dumps, allowed))})", key)
-        r = _Parsed()
+        r = _Parsed()  # the cheap checks first: a bad field is refused before the prompt is tokenized
         r.kind = kind
-        r.prompt_ids = self._prompt_ids(body, kind)
-        r.max_tokens = self._max_tokens(body, kind, len(r.prompt_ids))
+        max_tokens = self._max_tokens(body, kind)
         r.params = self._sampling(body)
         r.stops = self._stops(body.get("stop"))
         stream = body.get("stream", False)
         if stream is not None and not isinstance(stream, bool):
-            raise _bad("`stream` must be true or false", "stream")
+            raise _bad(f"`stream` must be true or false, got {describe(stream)}", "stream")
         r.stream = bool(stream)
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):
-            raise _bad("`stream_options` must be an object", "stream_options")
+            raise _bad(f"`stream_options` must be an object, got {describe(opts)}", "stream_options")
         r.include_usage = bool((opts or {}).get("include_usage", False))
+        r.prompt_ids = self._prompt_ids(body, kind)
+        # no max_tokens: the default, capped at what fits after the prompt (at least 1: _prompt_ids checked)
+        r.max_tokens = max_tokens or min(self.default_max_tokens, self.engine.max_len - len(r.prompt_ids))
         return r
 
     def _prompt_ids(self, body: dict, kind: str) -> list[int]:
+        """The prompt's token ids, after every check that costs less than tokenizing (types, Unicode, length)."""
+        field = "messages" if kind == "chat" else "prompt"
+        if field not in body:
+            raise _bad(f"missing required field `{field}`", field)
         if kind == "chat":
-            if "messages" not in body:
-                raise _bad("missing required field `messages`", "messages")
-            messages = body["messages"]
-            if not isinstance(messages, list) or not messages:
-                raise _bad("`messages` must be a non-empty list of {\"role\", \"content\"} objects", "messages")
-            clean = []
-            for i, m in enumerate(messages):
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                    raise _bad(f"`messages[{i}]` must be an object with a string `role`", "messages")
-                if m["role"] not in _CHAT_ROLES:
-                    raise _bad(f"`messages[{i}].role` {m['role']!r} is not one of {', '.join(_CHAT_ROLES)}", "messages")
-                if "content" not in m:
-                    raise _bad(f"`messages[{i}]` has no `content`", "messages")
-                content = m["content"]
-                if content is None and m["role"] != "assistant":  # OpenAI allows null only for an assistant turn
-                    raise _bad(f"`messages[{i}].content` is null; only an assistant message may have null content", "messages")
-                if isinstance(content, list):  # content parts: text only
-                    parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-                    if len(parts) != len(content) or not all(isinstance(t, str) for t in parts):
-                        raise _bad(f"`messages[{i}].content`: only text parts are supported", "messages")
-                    content = "".join(parts)
-                if content is None:
-                    content = ""
-                if not isinstance(content, str):
-                    raise _bad(f"`messages[{i}].content` must be a string or a list of text parts", "messages")
-                clean.append({"role": m["role"], "content": content})
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise _bad("this model's tokenizer has no chat template; use /v1/completions with a text prompt", "messages")
+            messages = self._chat_messages(body["messages"])
+            self._check_chars(sum(len(m["content"]) for m in messages), field)
+            if not getattr(self.prompt_tokenizer, "chat_template", None):
+                raise _bad("this model's tokenizer has no chat template; use /v1/completions with a text prompt", field)
             try:
-                with self._tok_lock:
-                    text = self.tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
+                with self._prompt_lock:
+                    text = self.prompt_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             except Exception as e:  # noqa: BLE001 - a template refusing the conversation (roles, order, ...)
-                raise _bad(f"the chat template rejected `messages`: {type(e).__name__}: {e}", "messages") from None
+                raise _bad(f"the chat template rejected `messages`: {type(e).__name__}: {e}", field) from None
             ids = self.encode(text, add_special_tokens=False)
         else:
-            if "prompt" not in body:
-                raise _bad("missing required field `prompt`", "prompt")
             prompt = body["prompt"]
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]  # a batch of one
             if isinstance(prompt, str):
+                self._check_chars(len(_text(prompt, "prompt", field)), field)
                 ids = self.encode(prompt) if prompt else []
             elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
                 ids = list(prompt)
             else:
-                raise _bad("`prompt` must be a string or a list of token ids (one prompt per request)", "prompt")
+                raise _bad(f"`prompt` must be a string or a list of token ids (one prompt per request), got {describe(prompt)}",
+                           field)
         if not ids:
-            raise _bad("the prompt is empty (zero tokens)", "messages" if kind == "chat" else "prompt")
+            raise _bad("the prompt is empty (zero tokens)", field)
+        if len(ids) > self.max_prompt_tokens:
+            raise _bad(f"the prompt is {len(ids)} tokens; this server fits at most {self.max_prompt_tokens} prompt "
+                       f"tokens (max_len {self.engine.max_len} per request, prompt + completion)", field)
         return ids
 
-    def _max_tokens(self, body: dict, kind: str, prompt_len: int) -> int:
+    def _check_chars(self, n: int, field: str) -> None:
+        """Refuse a text no tokenization could fit, before tokenizing it (a huge prompt would hold the tokenizer)."""
+        if n > self.max_prompt_chars:
+            raise _bad(f"the prompt is {n} characters; this server fits at most {self.max_prompt_tokens} prompt tokens, "
+                       f"and no text over {self.max_prompt_chars} characters tokenizes into that few", field)
+
+    @staticmethod
+    def _chat_messages(messages) -> list[dict]:
+        """``messages`` checked and reduced to ``{"role", "content"}`` with text content (parts joined)."""
+        if not isinstance(messages, list) or not messages:
+            raise _bad(f"`messages` must be a non-empty list of {{\"role\", \"content\"}} objects, got {describe(messages)}",
+                       "messages")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise _bad(f"`messages[{i}]` must be an object with a string `role`", "messages")
+            if m["role"] not in _CHAT_ROLES:
+                raise _bad(f"`messages[{i}].role` must be one of {', '.join(_CHAT_ROLES)}", "messages")
+            if "content" not in m:
+                raise _bad(f"`messages[{i}]` has no `content`", "messages")
+            content = m["content"]
+            if content is None and m["role"] != "assistant":  # OpenAI allows null only for an assistant turn
+                raise _bad(f"`messages[{i}].content` is null; only an assistant message may have null content", "messages")
+            if isinstance(content, list):  # content parts: text only
+                parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+                if len(parts) != len(content) or not all(isinstance(t, str) for t in parts):
+                    raise _bad(f"`messages[{i}].content`: only text parts are supported", "messages")
+                content = "".join(parts)
+            if content is None:
+                content = ""
+            if not isinstance(content, str):
+                raise _bad(f"`messages[{i}].content` must be a string or a list of text parts, got {describe(content)}",
+                           "messages")
+            clean.append({"role": m["role"], "content": _text(content, f"messages[{i}].content", "messages")})
+        return clean
+
+    @staticmethod
+    def _max_tokens(body: dict, kind: str) -> int | None:
         key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
         value = body.get(key)
-        room = self.engine.max_len - prompt_len
         if value is None:
-            if room < 1:
-                raise _bad(f"the prompt is {prompt_len} tokens; this server fits at most {self.engine.max_len - 1} prompt "
-                           f"tokens (max_len {self.engine.max_len} per request, prompt + completion)", "prompt")
-            return min(self.default_max_tokens, room)
+            return None
         if not _is_int(value) or value < 1:
-            raise _bad(f"`{key}` must be a positive integer, got {json.dumps(value)}", key)
+            raise _bad(f"`{key}` must be a positive integer, got {describe(value)}", key)
         return value  # prompt + max_tokens > max_len: the engine rejects it with the numbers (a 400)
 
     def _sampling(self, body: dict) -> SamplingParams:
         temperature = body.get("temperature")
         temperature = 1.0 if temperature is None else temperature
         if not _is_number(temperature) or temperature < 0:
-            raise _bad(f"`temperature` must be a number >= 0, got {json.dumps(temperature)}", "temperature")
+            raise _bad(f"`temperature` must be a number >= 0, got {describe(temperature)}", "temperature")
         top_p = body.get("top_p")
         if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
-            raise _bad(f"`top_p` must be a number in (0, 1], got {json.dumps(top_p)}", "top_p")
+            raise _bad(f"`top_p` must be a number in (0, 1], got {describe(top_p)}", "top_p")
         top_k = body.get("top_k")
         if top_k is not None and (not _is_int(top_k) or top_k < -1):
-            raise _bad(f"`top_k` must be an integer >= 1 (0 or -1: off), got {json.dumps(top_k)}", "top_k")
+            raise _bad(f"`top_k` must be an integer >= 1 (0 or -1: off), got {describe(top_k)}", "top_k")
         seed = body.get("seed")
         if seed is not None and not _is_int(seed):
-            raise _bad(f"`seed` must be an integer, got {json.dumps(seed)}", "seed")
+            raise _bad(f"`seed` must be an integer, got {describe(seed)}", "seed")
         return SamplingParams(temperature=float(temperature), top_k=top_k if top_k and top_k > 0 else None,
                               top_p=None if top_p is None or top_p == 1 else float(top_p), seed=seed,
                               eos_token_id=self.eos_token_id)
@@ -372,10 +419,10 @@ class CompletionService:
             return []
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise _bad("`stop` must be a non-empty string or a list of non-empty strings", "stop")
+            raise _bad(f"`stop` must be a non-empty string or a list of non-empty strings, got {describe(stop)}", "stop")
         if len(stops) > MAX_STOP_STRINGS:
             raise _bad(f"`stop` holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
-        return stops
+        return [_text(s, "stop", "stop") for s in stops]
 
     # ------------------------------------------------------------------ responses
     def start(self, req: _Parsed) -> _Generation:

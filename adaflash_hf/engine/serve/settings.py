@@ -1,8 +1,8 @@
-"""The HTTP server's limits and timeouts, in one place (the ``adaflash serve`` flags set them)."""
+"""The HTTP server's limits, timeouts and API key, in one place (the ``adaflash serve`` flags set them)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["EXIT_ENGINE_FAILED", "ServeSettings"]
 
@@ -21,10 +21,18 @@ class ServeSettings:
         max_body_bytes: the largest request body (a 413 above it).
         body_timeout_s: the longest wait for the next piece of a request body (a 408 after it).
         timeout_keep_alive_s: how long an idle keep-alive connection stays open.
+        header_timeout_s: the longest a connection may take to send a request's headers, counted from
+            its opening (or its previous answer); past it, a 408 and the connection is closed (a client
+            that sends part of its headers and stalls would otherwise hold its socket for ever).
+        max_connections: open connections at once; one more is answered 503 and closed at once, so
+            stalled clients cannot exhaust the process's file descriptors (the server raises its soft
+            file limit to fit this many, where the hard limit allows).
         backlog: the listen backlog (connections the kernel queues before ``accept``).
         disconnect_poll_s: how often a non-streaming request checks whether its client is still there.
         exit_after_failure_s: after an engine failure, answer ``/health`` with 503 for this long, then stop
             serving with :data:`EXIT_ENGINE_FAILED` (``None``: keep answering 503, never stop).
+        api_key: when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (a 401
+            otherwise); left out of ``repr`` so that it is never printed or logged.
 
     Example::
 
@@ -38,13 +46,18 @@ class ServeSettings:
     backlog: int = 2048
     disconnect_poll_s: float = 0.1
     exit_after_failure_s: float | None = None
+    header_timeout_s: float = 10.0
+    max_connections: int = 1024
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        for name in ("max_concurrent_requests", "max_body_bytes", "backlog"):
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key must be a non-empty string or None")
+        for name in ("max_concurrent_requests", "max_body_bytes", "backlog", "max_connections"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("body_timeout_s", "timeout_keep_alive_s", "disconnect_poll_s", "exit_after_failure_s"):
+        for name in ("body_timeout_s", "timeout_keep_alive_s", "header_timeout_s", "disconnect_poll_s", "exit_after_failure_s"):
             v = getattr(self, name)
             if v is None and name == "exit_after_failure_s":
                 continue
