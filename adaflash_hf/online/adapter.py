@@ -244,7 +244,7 @@ class OnlineAdapter:
             if err is not None:
                 self._head_err[0] += err
                 self._head_err[1] += 1
-        if self.config.sample_unit == "request" and self.config.method == "opd":
+        if self.config.sample_unit == "request" and self.config.anchors_at_served_rounds:
             self._keep_served(verified)
         if self.config.sample_unit != "round" or self.config.method == "off" or self.stopped or self._closing:
             return

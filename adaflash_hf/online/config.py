@@ -52,6 +52,9 @@ class OnlineConfig:
         head_weight / weight_decay: the length head's loss weight; AdamW weight decay.
         sample_unit: ``"request"`` (a finished request, up to ``max_anchors`` blocks anchored in its
             response, target recomputed) or ``"round"`` (one verified round).
+        served_anchors: request samples: anchor the blocks at the rounds really served (the length head
+            learns their real acceptance) instead of at random response positions, as offline; ``None``
+            (default): for OPD only, as the paper. Set it to compare objectives on the same blocks.
         label_mode: round samples only: ``"verified"`` (labels up to the first rejection) or
             ``"rollout"`` (every slot, along the target's own greedy continuation).
         train_dtype: the shadow's dtype (default: fp32 master weights for a bf16 / fp16 drafter).
@@ -90,6 +93,7 @@ class OnlineConfig:
     head_weight: float = 1.0
     weight_decay: float = 0.0
     sample_unit: str = "request"
+    served_anchors: bool | None = None
     max_anchors: int = 512
     label_mode: str = "verified"
     train_dtype: torch.dtype | None = None
@@ -129,6 +133,11 @@ class OnlineConfig:
         self.head_weight, self.weight_decay = float(self.head_weight), float(self.weight_decay)
         self.max_anchors, self.seed = int(self.max_anchors), int(self.seed)
         self.max_consecutive_failures = self.max_consecutive_failures or None
+
+    @property
+    def anchors_at_served_rounds(self) -> bool:
+        """Whether request samples are anchored at their served rounds (``served_anchors``, default: OPD)."""
+        return self.method == "opd" if self.served_anchors is None else bool(self.served_anchors)
 
     @property
     def objective(self) -> str:
