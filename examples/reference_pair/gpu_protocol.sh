@@ -25,7 +25,7 @@ fi
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 T=adaflash_hf/reference/target; D=${DRAFTER:-adaflash_hf/reference/drafter}
 stamp "installed"
-timeout 200 $PY -m adaflash_hf.online.protocol --target $T --drafter $D --dataset ${WARM_DATASET:-alpaca_eval} --methods off \
+[[ ${WARMUP:-1} == 1 ]] && timeout 200 $PY -m adaflash_hf.online.protocol --target $T --drafter $D --dataset ${WARM_DATASET:-alpaca_eval} --methods off \
   --held-out 32 --updates 0 --device $DEVICE --out /tmp/warmup > "$OUT/runs/warmup.log" 2>&1
 stamp "warm-up done (rc $?)"
 DEADLINE=$((BUDGET_S - 20)); PIDS=()
