@@ -187,6 +187,11 @@ class OnlineAdapter:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
+    def busy(self) -> bool:
+        """Whether an update is training (or swapping / publishing) right now."""
+        return self._busy
+
+    @property
     def write_failures(self) -> int:
         return self.publisher.failures if self.publisher is not None else 0
 

@@ -29,7 +29,7 @@ from .config import OnlineConfig
 from .experiment import stream_order
 from .versions import write_text_atomic
 
-__all__ = ["ProtocolSettings", "run_protocol"]
+__all__ = ["ProtocolSettings", "RoundRouter", "eos_ids", "prompt_ids", "run_protocol", "serving_engine"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class ProtocolSettings:
     max_len: int = 2048
 
 
-class _Router:
+class RoundRouter:
     """The engine's round sink: the adapter while the stream is served, a measurement's tally otherwise."""
 
     def __init__(self):
@@ -92,7 +92,7 @@ def _measure(engine, router, prompts, references, settings: ProtocolSettings, eo
     }
 
 
-def _engine(target, drafter, settings: ProtocolSettings, router):
+def serving_engine(target, drafter, settings: ProtocolSettings, router):
     from ..engine import Engine
 
     return Engine(target, drafter, length_policy=settings.policy if drafter is not None else None,
@@ -103,8 +103,8 @@ def _engine(target, drafter, settings: ProtocolSettings, router):
 def _run_method(target, drafter, method, stream, held, refs, eos, settings, config, record) -> dict:
     """One method's curve: held-out measurements after 0, 1, ... updates (``record(curve)`` after each)."""
     d = copy_drafter(drafter, target)
-    router = _Router()
-    engine = _engine(target, d, settings, router)
+    router = RoundRouter()
+    engine = serving_engine(target, d, settings, router)
     curve = [{"update": 0, "served": 0, **_measure(engine, router, held, refs, settings, eos)}]
     record(curve)
     if method == "off":
@@ -139,8 +139,8 @@ def run_protocol(target, drafter, tokenizer, stream, held_out, methods=("opd", "
     """Held-out tau per update per method (module docstring); ``stream`` / ``held_out``: lists of prompt ids.
     ``checkpoint(result)`` is called after every measurement (a run stopped early keeps what it measured)."""
     config = config or OnlineConfig()
-    eos = _eos_ids(tokenizer, target)
-    plain = _engine(target, None, settings, None)
+    eos = eos_ids(tokenizer, target)
+    plain = serving_engine(target, None, settings, None)
     refs = [o.token_ids for o in plain.generate(held_out, settings.max_new_tokens, eos_token_id=eos)]
     del plain
     result = {"settings": asdict(settings), "config": {k: str(v) for k, v in asdict(config).items()},
@@ -161,14 +161,14 @@ def run_protocol(target, drafter, tokenizer, stream, held_out, methods=("opd", "
     return result
 
 
-def _eos_ids(tokenizer, target) -> tuple[int, ...]:
+def eos_ids(tokenizer, target) -> tuple[int, ...]:
     ids = set()
     for e in (tokenizer.eos_token_id, getattr(target.generation_config, "eos_token_id", None)):
         ids.update([e] if isinstance(e, int) else (e or []))
     return tuple(sorted(ids))
 
 
-def _prompt_ids(tokenizer, records, limit_tokens: int) -> list[list[int]]:
+def prompt_ids(tokenizer, records, limit_tokens: int) -> list[list[int]]:
     from ..generation.prompts import encode_prompt
 
     ids = [list(encode_prompt(tokenizer, r.get("messages", r.get("text")))) for r in records]
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(a.target)
     target = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32).to(a.device).eval()
     drafter = AdaFlashDrafter.from_pretrained(a.drafter, dtype=torch.float32).to(a.device).eval()
-    ids = _prompt_ids(tok, eval_prompts(a.dataset)[a.skip :], settings.max_len - settings.max_new_tokens)
+    ids = prompt_ids(tok, eval_prompts(a.dataset)[a.skip :], settings.max_len - settings.max_new_tokens)
     held, rest = ids[: a.held_out], ids[a.held_out :]
     stream = stream_order(rest[: a.stream] if a.stream else rest, a.seed) * a.repeat_stream
     os.makedirs(a.out, exist_ok=True)
