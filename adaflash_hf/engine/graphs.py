@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .kernels.attention import BACKENDS, INACTIVE, SlotAttention, default_backend
-from .kernels.fused import FusedTarget, SlotStore
+from .kernels.fused import CAPTURE_MODE, FusedTarget, SlotStore
 from .kv_cache import SlotKVCache
 from .target import PackedLayout, decoder_forward, repeat
 
@@ -149,7 +149,10 @@ class GraphRunner:
                 self._restore_inputs(state)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: another thread's CUDA calls (an online adapter training on its side stream) must not
+        # invalidate this capture; in the default global mode they did, and every later capture then failed
+        # with "beginAllocateToPool: already recording" (H200, examples/online_serving_cost.py).
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_MODE):
             self._forward(*bucket)
         self._restore_inputs(state)
         torch.cuda.synchronize()

@@ -50,6 +50,10 @@ from torch import nn
 
 from .stock_layers import unsupported_layers
 
+# Every CUDA graph capture of the engine: errors only for the capturing thread's own unsafe calls, so that other
+# threads of the process (an online adapter's worker) may run CUDA work while the engine captures.
+CAPTURE_MODE = "thread_local"
+
 _MAX_ROWS = 16  # skinny_linear.MAX_ROWS (that module needs Triton, imported only when used)
 _TUNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its tuning (FusedTarget.build)
 
@@ -188,7 +192,7 @@ def _graph_ms(fn: Callable[[], None], reps: int = 10) -> float:
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE):  # other threads may run CUDA work meanwhile
         fn()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
