@@ -1,7 +1,8 @@
-"""Small files written so that a reader never sees half of one: temporary file beside it, fsync, rename.
+"""Files and folders written so that a reader never sees half of one: temporary beside it, fsync, rename.
 
-Shared by everything that publishes a file another process may read while it is written (the online version
-store's ``LATEST`` marker, ``train_drafter``'s regeneration cache). Standard library only.
+Shared by everything that publishes what another process may read while it is written (the online version
+store's versions and ``LATEST`` marker, the online guard's refused updates, ``train_drafter``'s regeneration
+cache). Standard library only.
 
 Example:
     >>> write_text_atomic("out/LATEST", "v00002\n")  # doctest: +SKIP
@@ -10,10 +11,12 @@ Example:
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["TMP_PREFIX", "fsync_path", "publishable", "write_text_atomic"]
+__all__ = ["TMP_PREFIX", "fsync_path", "publishable", "remove_temporaries", "write_dir_atomic", "write_text_atomic"]
 
 TMP_PREFIX = ".tmp-adaflash-"  # temporary names start so; a folder's owner may sweep leftovers by it
 
@@ -72,3 +75,40 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
             pass
         raise
     fsync_path(path.parent, directory=True)
+
+
+def write_dir_atomic(final: str | os.PathLike, fill: Callable[[Path], object]) -> Path:
+    """Write the folder ``final`` atomically: ``fill(tmp)`` writes its files into a temporary folder beside
+    it (raising to abandon it), then permissions, fsync and one rename into place. On error nothing of it
+    remains; ``final`` must not exist yet."""
+    final = Path(final)
+    tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX + final.name + "-", dir=final.parent))
+    try:
+        fill(tmp)
+        for p in tmp.rglob("*"):
+            if p.is_file() and not p.is_symlink():
+                publishable(p, directory=False)
+                fsync_path(p)
+            elif p.is_dir() and not p.is_symlink():
+                publishable(p, directory=True)
+        publishable(tmp, directory=True)
+        fsync_path(tmp, directory=True)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_path(final.parent, directory=True)
+    return final
+
+
+def remove_temporaries(folder: str | os.PathLike) -> None:
+    """Remove what writes cut short left in ``folder`` (names starting with :data:`TMP_PREFIX`)."""
+    for p in Path(folder).iterdir():
+        if p.name.startswith(TMP_PREFIX):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                try:
+                    p.unlink()
+                except OSError:
+                    pass

@@ -13,11 +13,17 @@ target's greedy output afterwards.
 - Issue 34: SIGKILL at random points of a tight publish-and-prune loop never leaves a half-written
   or half-deleted `vNNNNN`; every listed version and `LATEST` load; a negative control (the old
   in-place delete) is caught by the same check.
+- Issue 33, item 6: an update that lowers greedy acceptance on held-back requests is refused and kept
+  aside (the reference pair, whose drafter accepts well: a shadow spoilt on purpose is refused, an honest
+  small-lr update swapped in); a swap after which served tau falls is rolled back and the restored weights
+  published (control: tau holds, no rollback); outputs stay plain greedy throughout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import json
 import os
 import random
 import shutil
@@ -30,9 +36,11 @@ from pathlib import Path
 import pytest
 import torch
 from generation_helpers import PAD_ID, make_drafter, make_target, ragged_prompts
+from online_helpers import CollectRequests, real_requests, same, snapshot
 
 from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.online import OnlineAdapter, VersionPublisher, VersionStore, latest_version, list_versions
+from adaflash_hf.online.worker import copy_drafter
 
 
 class Collect:
@@ -357,3 +365,152 @@ def test_the_kill_check_catches_in_place_pruning(setup, tmp_path):
             print(f"in-place pruning left a partial version after {kill + 1} kill(s): {_partial_versions(out, files)}")
             return
     pytest.fail("20 kills of in-place pruning left no partial version: the kill test may have no teeth")
+
+
+# --------------------------------------------------------------------------- guard and rollback (issue 33, item 6)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The reference pair (its drafter accepts several tokens per block) and six finished requests of it."""
+    from adaflash_hf import load_reference_pair
+
+    target, drafter, tok = load_reference_pair()
+    target.requires_grad_(False)
+    sink = CollectRequests()
+    for text in ("Question: Tom has 3 apples and buys 5 more. How many", "def add(a, b):", "The capital of France is",
+                 "Once upon a time, there was a", "import numpy as np\n", "List three primary colors:"):
+        ids = torch.tensor([tok(text)["input_ids"]])
+        target.generate(ids, assistant_model=drafter, round_sink=sink, do_sample=False, max_new_tokens=40)
+    assert len(sink.requests) == 6
+    return target, drafter, sink.requests
+
+
+def _online_metric(stats: dict, name: str) -> float:
+    """What the server's GET /metrics says for ``adaflash_online_<name>`` given the adapter's stats."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from adaflash_hf.engine.serve.metrics import ServerMetrics
+
+    text = ServerMetrics(block_size=8, online_stats=lambda: stats).render().decode()
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == f"adaflash_online_{name}")
+
+
+def _spoil_after_training(adapter):
+    """The worker's train, then large noise on the shadow's weights (a finite, much worse drafter)."""
+    train = adapter.worker.train
+
+    def spoilt(samples, n, **kwargs):
+        result = train(samples, n, **kwargs)
+        gen = torch.Generator().manual_seed(n)
+        with torch.no_grad():
+            for p in adapter.worker.shadow.parameters():
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+        return result
+
+    adapter.worker.train = spoilt
+
+
+@pytest.mark.parametrize("spoilt", [True, False])
+def test_an_update_that_lowers_held_back_acceptance_is_refused_and_kept_aside(reference, tmp_path, spoilt):
+    target, drafter, requests = reference
+    d = copy_drafter(drafter, target)
+    start = snapshot(d)
+    adapter = OnlineAdapter(d, target, samples_per_update=len(requests), guard_samples=2, epochs=1, lr=1e-6,
+                            output_dir=str(tmp_path))
+    try:
+        if spoilt:
+            _spoil_after_training(adapter)
+        for r in requests:
+            adapter.on_request(r)
+        assert adapter.wait_for_update(120)
+        stats, h = adapter.stats, adapter.stats["history"][-1]
+        assert h["held_back"] == 2 and h["samples"] == len(requests) - 2 and stats["failures"] == 0
+        assert h["guard_serving"] > 2.0, h  # the reference drafter accepts: a measure with teeth
+        if spoilt:
+            assert h["guard_candidate"] < h["guard_serving"] and not h["swapped"] and h["version"] is None
+            assert same(start, snapshot(d)) and list_versions(tmp_path) == [] and latest_version(tmp_path) is None
+            assert (stats["updates"], stats["swaps_refused"], stats["served_version"]) == (0, 1, 0)
+            assert _online_metric(stats, "swaps_refused_total") == 1.0
+            kept = tmp_path / "refused" / "update-0001"
+            reason = json.loads((kept / "reason.json").read_text())
+            assert reason["serving_accept_len"] == h["guard_serving"] and reason["candidate_accept_len"] == h["guard_candidate"]
+            assert reason["update"] == 1 and reason["samples"] == 4 and reason["held_back"] == 2
+            assert stats["last_refusal"]["path"] == h["path"] == str(kept)
+            refused = snapshot(AdaFlashDrafter.from_pretrained(kept))
+            assert not same(start, refused, "layers.")  # the spoilt weights, kept for inspection
+            assert adapter.worker.shadow is None  # rebuilt from the serving weights for the next update
+        else:
+            assert h["guard_candidate"] >= h["guard_serving"] and h["swapped"] and h["version"] == 1
+            assert not same(start, snapshot(d)) and not (tmp_path / "refused").exists()
+            assert (stats["updates"], stats["swaps_refused"], stats["served_version"]) == (1, 0, 1)
+        ids = requests[1].prompt_ids[None]
+        plain = target.generate(ids, do_sample=False, max_new_tokens=24)
+        assert torch.equal(target.generate(ids, assistant_model=d, do_sample=False, max_new_tokens=24), plain)
+    finally:
+        adapter.close(timeout=10)
+
+
+def _round(rounds, accepted: int):
+    """A served round of the tiny pair that accepted ``accepted`` drafts (what the rollback watch counts)."""
+    return dataclasses.replace(rounds[0], num_accepted=accepted)
+
+
+@pytest.mark.parametrize("falls", [True, False])
+def test_served_tau_falling_after_a_swap_rolls_it_back(setup, tmp_path, falls):
+    target, rounds = setup
+    d = make_drafter(target, block_size=8, num_layers=1, seed=0)
+    requests = real_requests(target, d, seeds=(0,))
+    out = tmp_path / "out"
+    adapter = OnlineAdapter(d, target, samples_per_update=2, epochs=1, lr=1e-2, rollback_rounds=4, rollback_margin=0.05,
+                            output_dir=str(out))
+    try:
+        for _ in range(4):  # the window before the swap: tau 6
+            adapter.on_round(_round(rounds, 5))
+        start = snapshot(d)
+        for r in requests:
+            adapter.on_request(r)
+        assert adapter.wait_for_update(60) and adapter.stats["updates"] == 1
+        swapped = snapshot(d)
+        assert not same(start, swapped)
+        for _ in range(3):
+            adapter.on_round(_round(rounds, 0 if falls else 5))
+        assert adapter.wait_for_update(60) and adapter.stats["rollbacks"] == 0  # not judged before 4 rounds
+        adapter.on_round(_round(rounds, 0 if falls else 4))  # tau after: 1 (falls) or 5.75 (within 5%)
+        assert adapter.wait_for_update(60)
+        stats = adapter.stats
+        if falls:
+            assert same(start, snapshot(d)) and stats["rollbacks"] == 1 and stats["updates"] == 1
+            assert stats["versions"] == [1, 2] and stats["served_version"] == 2
+            assert _online_metric(stats, "rollbacks_total") == 1.0 and _online_metric(stats, "served_version") == 2.0
+            assert latest_version(out) == out / "v00002" and same(start, snapshot(AdaFlashDrafter.from_pretrained(out / "v00002")))
+            undone, rollback = stats["history"]
+            assert (rollback["rollback_of"], rollback["swapped"], rollback["tau_before"]) == (1, True, 1.0)
+            assert (undone["tau_before"], undone["tau_after"], undone["rounds_after"]) == (6.0, 1.0, 4)
+            assert adapter.worker.shadow is None  # rebuilt from the restored weights
+        else:
+            assert same(swapped, snapshot(d)) and stats["rollbacks"] == 0 and stats["versions"] == [1]
+            assert latest_version(out) == out / "v00001"
+        assert stats["failures"] == 0 and _serves_exactly(adapter, target)
+    finally:
+        adapter.close(timeout=10)
+
+
+@pytest.mark.parametrize("margin", [0.0, -1.0])
+def test_guarded_updates_serve_exactly_the_targets_greedy_output(setup, margin):
+    """With the guard on (request samples held back), a swapped update (margin 0) and a refused one (margin -1:
+    a candidate must gain a whole token per block) alike leave the output plain greedy."""
+    target, _ = setup
+    d = make_drafter(target, block_size=8, num_layers=1, seed=0)
+    requests = real_requests(target, d, seeds=(0, 1))
+    adapter = OnlineAdapter(d, target, samples_per_update=4, guard_samples=1, guard_margin=margin, epochs=1, lr=1e-2)
+    try:
+        for r in requests:
+            adapter.on_request(r)
+        assert adapter.wait_for_update(60)
+        stats = adapter.stats
+        assert (stats["updates"], stats["swaps_refused"]) == ((1, 0) if margin == 0 else (0, 1))
+        assert stats["history"][-1]["held_back"] == 1 and stats["failures"] == 0
+        assert _serves_exactly(adapter, target)
+    finally:
+        adapter.close(timeout=10)

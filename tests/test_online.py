@@ -414,3 +414,40 @@ def test_rollout_labels_follow_the_targets_own_greedy_continuation(pair):
         assert before > 0
     finally:
         adapter.close()
+
+
+# --------------------------------------------------------------------------- guard settings (issue 33, item 6)
+
+
+@pytest.mark.parametrize("command", [["adapt", "--prompts-file", "p.jsonl"], ["serve", "--online"]])
+def test_guard_flags_reach_the_config_and_unset_ones_keep_its_defaults(command):
+    from adaflash_hf.cli import UsageError, build_parser
+    from adaflash_hf.cli.online_args import check_online_args, online_config
+    from adaflash_hf.online import OnlineConfig
+
+    def parse(*flags):
+        args = build_parser(only=(command[0],)).parse_args([*command, "--output-dir", "out", *flags])
+        args.reference = True
+        return args
+
+    default = OnlineConfig()
+    cfg = online_config(parse())
+    assert (cfg.guard_samples, cfg.guard_margin, cfg.rollback_rounds, cfg.rollback_margin) == (
+        default.guard_samples, default.guard_margin, default.rollback_rounds, default.rollback_margin)
+    assert cfg.held_back == 16  # 16 of the default 128 requests
+    cfg = online_config(parse("--guard-samples", "0", "--guard-margin", "-0.25", "--rollback-rounds", "64",
+                              "--rollback-margin", "0.2"))
+    assert (cfg.held_back, cfg.guard_margin, cfg.rollback_rounds, cfg.rollback_margin) == (0, -0.25, 64, 0.2)
+    with pytest.raises(UsageError, match="guard_samples"):
+        check_online_args(parse("--samples-per-update", "8", "--guard-samples", "8"))
+
+
+def test_guard_settings_are_validated():
+    from adaflash_hf.online import OnlineConfig
+
+    assert OnlineConfig(samples_per_update=4).held_back == 0  # fewer than 8: off
+    assert OnlineConfig(sample_unit="round").held_back == 0  # round samples cannot judge a candidate
+    with pytest.raises(ValueError, match="sample_unit='request'"):
+        OnlineConfig(sample_unit="round", guard_samples=4)
+    with pytest.raises(ValueError, match="rollback_margin"):
+        OnlineConfig(rollback_margin=-0.1)

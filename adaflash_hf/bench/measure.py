@@ -167,10 +167,14 @@ def online_report(method, cell, adapter, config, waited, online) -> None:
     if stats["failures"]:
         cell.notes.append(f"{stats['failures']} online update(s) FAILED (weights kept): {stats['last_error']}")
         print(f"warning: {cell.method} on {cell.dataset}: {stats['failures']} online update(s) failed: {stats['last_error']}", file=sys.stderr)
-    if online is None or not stats["history"]:
+    if stats["swaps_refused"] or stats["rollbacks"]:
+        cell.notes.append(f"online guard: {stats['swaps_refused']} update(s) refused, {stats['rollbacks']} rolled back")
+    # Served weights only, one per update: refused updates never served, a rollback's tau_before is the undone update's.
+    served = [h for h in stats["history"] if h["swapped"] and h["rollback_of"] is None]
+    if online is None or not served:
         return
-    points = [(h["update"] - 1, h["tau_before"], h["rounds_before"]) for h in stats["history"]]
-    last = stats["history"][-1]
+    points = [(h["update"] - 1, h["tau_before"], h["rounds_before"]) for h in served]
+    last = served[-1]
     points.append((last["update"], last["tau_after"], last["rounds_after"]))
     for update, tau, rounds in points:
         if tau is not None and rounds:

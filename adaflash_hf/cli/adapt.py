@@ -96,10 +96,15 @@ def _report(args, stats) -> None:
         print("|---|---|---|---|---|---|")
         fmt = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
         for h in stats["history"]:
-            print(f"| {h['update']} | {h['version'] if h['version'] is not None else '-'} | {h['samples']} | "
+            version = "refused" if not h["swapped"] else ("-" if h["version"] is None else str(h["version"]))
+            if h["rollback_of"] is not None:
+                version += " (rollback)"
+            print(f"| {h['update']} | {version} | {h['samples']} | "
                   f"{fmt(h['loss_first'])} -> {fmt(h['loss_last'])} | {fmt(h['tau_before'], 2)} | "
                   f"{fmt(h['tau_after'], 2)} ({h['rounds_after']}) |")
-        print("\ntau before: mean tokens per round served with the previous weights; tau after: with this update's weights.")
+        print("\ntau before: mean tokens per round served with the previous weights; tau after: with this update's weights. "
+              "refused: the update lowered acceptance on held-back requests and never served; rollback: the update's "
+              "previous weights restored after served tau fell.")
     elif args.method == "off":
         tau = stats["tau_since_update"]
         print(f"--method off: no training; tau over the stream {'-' if tau is None else f'{tau:.2f}'}")

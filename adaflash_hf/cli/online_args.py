@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from ..loading import HUB_ID, UsageError
-from .common import positive_float, positive_int
+from .common import nonneg_float, nonneg_int, number, positive_float, positive_int
 
 
 def add_online_args(g, method_flag: str = "--method", output_required: bool = True) -> None:
@@ -29,6 +29,18 @@ def add_online_args(g, method_flag: str = "--method", output_required: bool = Tr
     g.add_argument("--head-lr", type=positive_float, default=None, help="length-head learning rate")
     g.add_argument("--layout", choices=("native", "dflash"), default="native", help="version layout (dflash: what SGLang / vLLM load)")
     g.add_argument("--keep-versions", type=positive_int, default=None, help="rolling window of versions kept on disk")
+    g.add_argument("--guard-samples", type=nonneg_int, default=None,
+                   help="requests of each update held back from training to judge it: it is swapped in only if its "
+                        "acceptance on them is not lower than the serving weights', else kept aside in OUTPUT_DIR/refused "
+                        "(default: samples-per-update // 8; 0: off; request samples only)")
+    g.add_argument("--guard-margin", type=number(float, lambda v: True, "a number"), default=None,
+                   help="acceptance (tokens per block) a candidate may lose on the held-back requests and still be "
+                        "swapped in (negative: what it must gain)")
+    g.add_argument("--rollback-rounds", type=nonneg_int, default=None,
+                   help="served rounds after a swap that judge it against as many rounds before it; a fall of served "
+                        "tau beyond --rollback-margin restores the previous weights (0: never)")
+    g.add_argument("--rollback-margin", type=nonneg_float, default=None,
+                   help="relative fall of served tau after a swap that rolls it back")
 
 
 def check_online_args(args) -> None:
@@ -39,6 +51,10 @@ def check_online_args(args) -> None:
         raise UsageError(f"--hub-repo {args.hub_repo!r} is not a Hub repository id", "use the form org/name")
     if args.hub_repo and not args.output_dir:
         raise UsageError("--push-to-hub needs --output-dir", "pass --output-dir DIR: every version is written there first")
+    try:  # the settings' own checks (e.g. --guard-samples below --samples-per-update), before anything loads
+        online_config(args)
+    except ValueError as e:
+        raise UsageError(f"online adaptation flags: {e}", "see the flags' --help") from None
 
 
 def online_config(args):
@@ -46,7 +62,9 @@ def online_config(args):
     from ..online import OnlineConfig
 
     flags = {"sample_unit": args.sample_unit, "samples_per_update": args.samples_per_update, "epochs": args.epochs,
-             "batch_size": args.train_batch_size, "lr": args.lr, "head_lr": args.head_lr, "keep_versions": args.keep_versions}
+             "batch_size": args.train_batch_size, "lr": args.lr, "head_lr": args.head_lr, "keep_versions": args.keep_versions,
+             "guard_samples": args.guard_samples, "guard_margin": args.guard_margin, "rollback_rounds": args.rollback_rounds,
+             "rollback_margin": args.rollback_margin}
     return OnlineConfig(
         method=args.method, output_dir=args.output_dir, hub_repo=args.hub_repo, version_layout=args.layout,
         hub_private=True if args.hub_private else None, seed=getattr(args, "seed", 0) or 0,

@@ -84,7 +84,7 @@ def add_arguments(p) -> None:
 
 
 _ONLINE_ONLY = ("output_dir", "hub_repo", "sample_unit", "samples_per_update", "epochs", "train_batch_size", "lr",
-                "head_lr", "keep_versions")
+                "head_lr", "keep_versions", "guard_samples", "guard_margin", "rollback_rounds", "rollback_margin")
 
 
 def _check_models(args) -> bool:

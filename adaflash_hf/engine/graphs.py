@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from .kernels.attention import BACKENDS, INACTIVE, SlotAttention, default_backend
-from .kernels.fused import CAPTURE_MODE, FusedTarget, SlotStore
+from ..spec.capture import CAPTURE_LOCK, CAPTURE_MODE
+from .kernels.fused import FusedTarget, SlotStore
 from .kv_cache import SlotKVCache
 from .target import PackedLayout, decoder_forward, repeat
 
@@ -149,13 +150,11 @@ class GraphRunner:
                 self._restore_inputs(state)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's CUDA calls (an online adapter training on its side stream) must not
-        # invalidate this capture; in the default global mode they did, and every later capture then failed
-        # with "beginAllocateToPool: already recording" (H200, examples/online_serving_cost.py).
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_MODE):
-            self._forward(*bucket)
-        self._restore_inputs(state)
-        torch.cuda.synchronize()
+        with CAPTURE_LOCK:  # other threads' CUDA work must not invalidate the capture (spec/capture.py)
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_MODE):
+                self._forward(*bucket)
+            self._restore_inputs(state)
+            torch.cuda.synchronize()
         self.graphs[bucket] = graph
         self.capture_seconds += time.perf_counter() - t0
         return graph

@@ -3,7 +3,9 @@
 - :class:`OnlineAdapter` (``adapter.py``): the `RoundSink` that buffers finished requests (or
   verified rounds) and swaps trained weights in between rounds; :class:`OnlineConfig`
   (``config.py``) holds its settings; ``worker.py`` trains the shadow drafter in the background
-  through the offline training objective; ``lock.py`` is the round lock.
+  through the offline training objective; ``guard.py`` swaps an update in only if it does not lower
+  acceptance on held-back requests, and rolls a swap back when served tau falls after it; ``lock.py``
+  is the round lock.
 - :class:`ReplayBuffer` (``buffer.py``): bounded by samples and bytes; what a sample costs.
 - :class:`VersionStore` / :func:`latest_version` (``versions.py``): atomic numbered versions;
   :class:`VersionPublisher` (``publish.py``): a version + its card + its Hub push, for the adapter

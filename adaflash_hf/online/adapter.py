@@ -7,8 +7,13 @@ Flow::
                                                                              │ shadow copy of the drafter,
                                                                              │ side CUDA stream on GPU,
                                                                              │ training's objective
+                                                                             │ guard (guard.py): accept_len on
+                                                                             │ held-back requests, before and
+                                                                             │ after training ── lower? ──> kept
+                                                                             │ aside (refused/), no swap
     serving drafter <──── swap under the round lock (between rounds) ───────┘
-                                   └──> VersionPublisher (publish.py): numbered version ──> Hub push
+          │                        └──> VersionPublisher (publish.py): numbered version ──> Hub push
+          └── served tau falls after a swap (rollback_rounds) ──> previous weights restored, published
 
 * **Never blocks generation.** ``on_request`` / ``on_round`` copy the sample into the buffer and return; all
   training runs on a worker thread (plus a side CUDA stream on GPU) on a *shadow* copy of the
@@ -23,6 +28,10 @@ Flow::
   serving weights stay the last good ones, the shadow is rebuilt from them, the failure is logged
   and counted, and after ``max_consecutive_failures`` in a row the adapter stops adapting (serving
   is unaffected).
+* **Guard and rollback** (:mod:`adaflash_hf.online.guard`). An update that lowers greedy acceptance on
+  requests held back from its training is refused (no swap, no version; kept aside with its reason,
+  counted in ``stats["swaps_refused"]``, not a failure). A swap after which served tau falls is undone:
+  the previous weights serve again and are published as a new version (``stats["rollbacks"]``).
 * **Memory.** What a sample stores and costs: :mod:`adaflash_hf.online.buffer`.
 
 Example:
@@ -46,9 +55,11 @@ import torch
 from torch import nn
 
 from ..modeling import AdaFlashDrafter
+from ..spec.capture import CAPTURE_LOCK
 from ..spec.hooks import DrafterHooks, hooks_for, register_hooks, replace_hooks, unregister_hooks
 from .buffer import ReplayBuffer, RequestSample, Sample
 from .config import LABEL_MODES, METHODS, SAMPLE_UNITS, OnlineConfig
+from .guard import RollbackWatch, UpdateGuard
 from .hub import redact
 from .lock import RoundLock
 from .publish import VersionPublisher, card_context
@@ -78,7 +89,15 @@ class UpdateRecord:
     (running until the next update). ``head_mae_before`` / ``head_mae_after``: the length head's mean
     absolute error ``|ratio - (accepted + 1) / B|`` on the same served rounds (those whose block the
     verify length did not cut), i.e. on rounds no update had trained on yet. ``grad_norm``: the drafter's
-    mean gradient norm per step before clipping."""
+    mean gradient norm per step before clipping.
+
+    The guard (:mod:`~adaflash_hf.online.guard`): ``held_back`` requests judged the update,
+    ``guard_serving`` / ``guard_candidate`` are the serving weights' and the trained shadow's
+    ``accept_len`` on them (None when the guard is off); ``swapped`` is False for a refused update (its
+    ``version`` is None, ``path`` the folder it was kept aside in, ``tau_before`` the tau served so far
+    with the weights it did not replace, ``update`` the number it would have had). A rollback is its own
+    record: ``rollback_of`` names the update undone, ``version`` the restored weights' new version,
+    ``tau_before`` the tau served with the undone weights."""
 
     update: int
     samples: int
@@ -96,6 +115,11 @@ class UpdateRecord:
     version: int | None = None
     path: str | None = None
     domains: dict = field(default_factory=dict)
+    swapped: bool = True
+    held_back: int = 0
+    guard_serving: float | None = None
+    guard_candidate: float | None = None
+    rollback_of: int | None = None
 
 
 class OnlineAdapter:
@@ -136,6 +160,7 @@ class OnlineAdapter:
         )  # fmt: skip
         self.hub = self.publisher.hub if self.publisher is not None else None
         self.worker = ShadowTrainer(drafter, target, config)
+        self.guard = UpdateGuard(config)
         self.device = self.worker.device
 
         # Serving-side coordination: the loops find the lock (and, once attached, this sink) here.
@@ -165,6 +190,11 @@ class OnlineAdapter:
         self.last_error: str | None = None
         self.history: list[UpdateRecord] = []
         self.domains_seen: Counter = Counter()
+        self.swaps_refused = 0
+        self.rollbacks = 0
+        self.last_refusal: dict | None = None
+        self.rollback = RollbackWatch(self.config.rollback_rounds, self.config.rollback_margin)
+        self._rollback_due: dict | None = None  # set by a round, taken by the worker thread
 
     def _init_worker_thread(self) -> None:
         self._cv = threading.Condition()
@@ -241,14 +271,21 @@ class OnlineAdapter:
         """Like :meth:`on_round`, optionally with the context's target features (``[1, T, K*H]``)
         already at hand (then the worker does not recompute them; they count against the buffer's
         byte bound)."""
+        tokens = int(verified.num_accepted) + 1
         with self._stats_lock:
-            self._tau_sum += int(verified.num_accepted) + 1
+            self._tau_sum += tokens
             self._tau_n += 1
             self.rounds_seen += 1
             err = verified.head_error(self.drafter.config.block_size)
             if err is not None:
                 self._head_err[0] += err
                 self._head_err[1] += 1
+            due = self.rollback.observe(tokens)
+            if due is not None:
+                self._rollback_due = due
+        if due is not None:  # the worker thread restores the weights; this round returns at once
+            with self._cv:
+                self._cv.notify_all()
         if self.config.sample_unit == "request" and self.config.anchors_at_served_rounds:
             self._keep_served(verified)
         if self.config.sample_unit != "round" or self.config.method == "off" or self.stopped or self._closing:
@@ -295,12 +332,17 @@ class OnlineAdapter:
         n = len(self.buffer)
         return n >= self.config.samples_per_update or (bool(self._force) and n > 0)
 
+    def _rollback_pending(self) -> bool:
+        """A rollback decided that the worker thread (alive to make it) has not made yet."""
+        return self._rollback_due is not None and self._thread is not None and self._thread.is_alive()
+
     def wait_for_update(self, timeout: float | None = None) -> bool:
-        """Block until the worker is idle: every update triggered so far has finished (succeeded or
-        failed) and the buffer holds fewer than ``samples_per_update`` samples. False on timeout."""
+        """Block until the worker is idle: every update triggered so far has finished (succeeded,
+        refused or failed), a rollback decided has been made, and the buffer holds fewer than
+        ``samples_per_update`` samples. False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._busy or self._ready_locked():
+            while self._busy or self._ready_locked() or self._rollback_pending():
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -387,19 +429,27 @@ class OnlineAdapter:
 
     @property
     def stats(self) -> dict:
-        """Counters, buffer state, per-update history (tau before / after, losses), Hub state."""
+        """Counters, buffer state, per-update history (tau before / after, losses, the guard's
+        measurements, rollbacks: :class:`UpdateRecord`), Hub state. ``swaps_refused`` / ``last_refusal``:
+        updates the guard kept aside and the newest one's reason; ``rollbacks``: swaps undone;
+        ``served_version``: the version serving now (0: the starting weights)."""
         with self._stats_lock:
             tau = self._tau_sum / self._tau_n if self._tau_n else None
             rounds_since = self._tau_n
             mae = self._head_err[0] / self._head_err[1] if self._head_err[1] else None
             history = [asdict(h) for h in self.history]
-        if history:  # the newest version's tau_after is live until the next update
-            history[-1]["tau_after"], history[-1]["rounds_after"] = tau, rounds_since
-            history[-1]["head_mae_after"] = mae
+            last_refusal = dict(self.last_refusal) if self.last_refusal is not None else None
+            served_version = self._served_version()
+        serving = next((h for h in reversed(history) if h["swapped"]), None)
+        if serving is not None:  # the serving weights' tau_after is live until the next swap
+            serving["tau_after"], serving["rounds_after"], serving["head_mae_after"] = tau, rounds_since, mae
         return {
             "method": self.config.method,
             "updates": self.updates,
             "failures": self.failures,
+            "swaps_refused": self.swaps_refused,
+            "rollbacks": self.rollbacks,
+            "last_refusal": last_refusal,
             "consecutive_failures": self.consecutive_failures,
             "stopped": self.stopped,
             "last_loss": self.last_loss,
@@ -413,7 +463,7 @@ class OnlineAdapter:
             "tau_since_update": tau,
             "rounds_since_update": rounds_since,
             "head_error": mae,
-            "served_version": next((r["version"] for r in reversed(history) if r["version"] is not None), 0),
+            "served_version": served_version,
             "write_failures": self.write_failures,
             "versions": [r["version"] for r in history if r["version"] is not None],
             "domains": dict(self.domains_seen),
@@ -425,35 +475,47 @@ class OnlineAdapter:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._ready_locked():
+                while not self._ready_locked() and self._rollback_due is None:
                     if self._closing or self.stopped:
                         return
                     self._cv.wait()
-                samples = self.buffer.take(self.config.samples_per_update)
-                leftover = self.buffer.mark()  # samples arriving from now on are kept for the next update
-                self._started += 1
+                ready = self._ready_locked()
+                if ready:
+                    samples = self.buffer.take(self.config.samples_per_update)
+                    leftover = self.buffer.mark()  # samples arriving from now on are kept for the next update
+                    self._started += 1
                 self._busy = True
             try:
-                self._update(samples, leftover)
+                self._roll_back_if_due()
+                if ready:
+                    self._update(samples, leftover)
             except BaseException as e:  # noqa: BLE001 - the worker must survive anything
                 logger.error("online adapter worker error: %s", redact(f"{type(e).__name__}: {e}"))
             finally:
                 with self._cv:
                     self._busy = False
-                    self._finished += 1
+                    self._finished += int(ready)
                     self._cv.notify_all()
 
     def _update(self, samples: list[Sample], leftover: int | None = None) -> None:
         t0 = time.perf_counter()
         domains = Counter(s.domain for s in samples if s.domain is not None)
-        worker = self.worker
+        worker, index = self.worker, self._started
+        samples, held = self.guard.split(samples, index)
         try:
-            stream_ctx = torch.cuda.stream(worker.stream) if worker.stream is not None else nullcontext()
-            with stream_ctx:
+            with self._side_stream():
                 if worker.stream is not None:
-                    worker.stream.wait_stream(torch.cuda.default_stream(worker.device))
-                result = worker.train(samples, self._started, should_stop=self._abandon.is_set)
-            self._swap()
+                    with CAPTURE_LOCK:  # an event recorded on the legacy stream (spec/capture.py)
+                        worker.stream.wait_stream(torch.cuda.default_stream(worker.device))
+                serving = self.guard.measure(worker, held, index)  # before training: the shadow holds the serving weights
+                result = worker.train(samples, index, should_stop=self._abandon.is_set)
+                candidate = self.guard.measure(worker, held, index)
+            if self._roll_back_if_due():  # the shadow trained on the weights just undone: the update goes too
+                logger.info("online update discarded: it was trained from weights that were just rolled back")
+                return
+            refusal = self.guard.refusal(serving, candidate, len(held))
+            if refusal is None:
+                self._swap()
         except UpdateAbandoned:
             worker.reset()  # the shadow stopped mid-update: rebuilt from the serving weights if ever needed
             logger.info("online update abandoned (the adapter is closing); serving weights unchanged")
@@ -461,7 +523,16 @@ class OnlineAdapter:
         except Exception as e:  # noqa: BLE001
             self._on_failure(e)
             return
-        record = self._record_update(samples, result, domains, time.perf_counter() - t0)
+        record = UpdateRecord(
+            update=self.updates + 1, samples=len(samples), loss_first=result["loss_first"], loss_last=result["loss_last"],
+            head_loss_last=result["head_loss_last"], grad_norm=result.get("grad_norm"), tau_before=None, rounds_before=0,
+            seconds=time.perf_counter() - t0,
+            domains=dict(domains), held_back=len(held), guard_serving=serving, guard_candidate=candidate,
+        )  # fmt: skip
+        if refusal is not None:
+            self._refuse(record, refusal, index)
+            return
+        self._record_swapped(record)
         if self.config.clear_after_update and leftover is not None:
             # What the update trained on left the buffer when it was taken; the samples that were left
             # over then (already superseded) go, counted in samples_dropped; those that arrived while it
@@ -474,31 +545,65 @@ class OnlineAdapter:
         )  # fmt: skip
         self._publish(record)
 
-    def _record_update(self, samples, result: dict, domains: Counter, seconds: float) -> "UpdateRecord":
+    def _side_stream(self):
+        """The worker's side CUDA stream as the current stream (a no-op off CUDA)."""
+        return torch.cuda.stream(self.worker.stream) if self.worker.stream is not None else nullcontext()
+
+    def _served_version(self) -> int:
+        """The version serving now (0: the starting weights, or none written yet); under the stats lock."""
+        return next((r.version for r in reversed(self.history) if r.version is not None), 0)
+
+    def _serving_record(self) -> UpdateRecord | None:
+        """The newest record whose weights were swapped in (an update or a rollback); under the stats lock."""
+        return next((r for r in reversed(self.history) if r.swapped), None)
+
+    def _record_swapped(self, record: UpdateRecord) -> None:
+        """Append the record of weights just swapped in: its tau_before is what served since the previous
+        swap, which is that swap's record's tau_after."""
         with self._stats_lock:
-            tau_before, rounds_before = self._last_swap_tau
-            if self.history:
-                self.history[-1].tau_after, self.history[-1].rounds_after = tau_before, rounds_before
-                self.history[-1].head_mae_after = self._last_swap_mae
-            record = UpdateRecord(
-                update=self.updates + 1,
-                samples=len(samples),
-                loss_first=result["loss_first"],
-                loss_last=result["loss_last"],
-                head_loss_last=result["head_loss_last"],
-                grad_norm=result.get("grad_norm"),
-                tau_before=tau_before,
-                rounds_before=rounds_before,
-                head_mae_before=self._last_swap_mae,
-                seconds=seconds,
-                domains=dict(domains),
-            )
+            record.tau_before, record.rounds_before = self._last_swap_tau
+            record.head_mae_before = self._last_swap_mae
+            previous = self._serving_record()
+            if previous is not None:
+                previous.tau_after, previous.rounds_after = record.tau_before, record.rounds_before
+                previous.head_mae_after = self._last_swap_mae
             self.history.append(record)
+            if record.rollback_of is not None:
+                self.rollbacks += 1
+                return
             self.updates += 1
             self.consecutive_failures = 0
-            self.last_loss = result["loss_last"]
-            self.domains_seen.update(domains)
-        return record
+            self.last_loss = record.loss_last
+            self.domains_seen.update(record.domains)
+
+    def _refuse(self, record: UpdateRecord, refusal: dict, index: int) -> None:
+        """Keep a candidate that lowered held-back acceptance aside (:mod:`.guard`): no swap, no version, the
+        shadow rebuilt from the serving weights. Not a failure: the worker ran without fault."""
+        record.swapped = False
+        with self._stats_lock:
+            record.tau_before = self._tau_sum / self._tau_n if self._tau_n else None
+            record.rounds_before = self._tau_n
+            served = self._served_version()
+        reason = {**refusal, "update": record.update, "worker_update_index": index, "samples": record.samples,
+                  "serving_version": served, "loss_first": record.loss_first, "loss_last": record.loss_last}  # fmt: skip
+        if self.worker.stream is not None:
+            self.worker.stream.synchronize()  # the side stream's last writes to the shadow, before it is saved
+        if self.config.output_dir:
+            try:
+                with self._side_stream():
+                    record.path = str(self.guard.keep_aside(self.worker.shadow, next(self.drafter.parameters()).dtype, reason))
+            except Exception as e:  # noqa: BLE001 - keeping it aside is a record, never a reason to stop
+                self.last_error = redact(f"could not keep a refused update aside: {type(e).__name__}: {e}")
+                logger.warning("%s", self.last_error)
+        self.worker.reset()
+        with self._stats_lock:
+            self.history.append(record)
+            self.swaps_refused += 1
+            self.consecutive_failures = 0
+            self.last_loss = record.loss_last
+            self.last_refusal = {**reason, "path": record.path}
+        logger.warning("online update %d refused, serving weights unchanged: %s%s", record.update, refusal["reason"],
+                       f"; kept aside in {record.path}" if record.path else "")  # fmt: skip
 
     def _on_failure(self, e: BaseException) -> None:
         self.worker.reset()  # rebuilt from the (unchanged, last good) serving weights next time
@@ -517,16 +622,43 @@ class OnlineAdapter:
                 self.consecutive_failures,
             )
 
-    # ------------------------------------------------------------------ swap
+    # ------------------------------------------------------------------ swap / rollback
     def _swap(self) -> None:
-        """Copy the shadow's weights into the serving drafter while no round is drafting."""
-        new_state = self.worker.shadow.state_dict()
+        """Copy the shadow's weights into the serving drafter while no round is drafting; keep the weights
+        they replace (on the CPU) while the rollback watch judges the swap."""
+        previous = None
+        if self.rollback.can_judge:
+            previous = {k: v.detach().to("cpu", copy=True) for k, v in self.drafter.state_dict().items()}
+        self._install(self.worker.shadow.state_dict(), judge=(previous, self.updates + 1))
+
+    def _roll_back_if_due(self) -> bool:
+        """Restore the weights the newest swap replaced when served tau fell after it (:mod:`.guard`), and
+        publish them as a new version so that ``LATEST`` names what serves. Whether it did."""
+        with self._stats_lock:
+            due, self._rollback_due = self._rollback_due, None
+        if due is None:
+            return False
+        self._install(due["previous"])
+        self.worker.reset()  # the shadow holds the undone weights: rebuilt from the restored ones
+        logger.warning("online rollback of update %d: served tau fell from %.3f to %.3f over %d rounds after its swap; "
+                       "its previous weights serve again", due["update"], due["tau_before"], due["tau_after"],
+                       due["rounds"])  # fmt: skip
+        record = UpdateRecord(update=due["update"], samples=0, loss_first=None, loss_last=None, head_loss_last=None,
+                              tau_before=None, rounds_before=0, rollback_of=due["update"])  # fmt: skip
+        self._record_swapped(record)
+        self._publish(record)
+        return True
+
+    def _install(self, new_state: dict, judge: tuple[dict | None, int] | None = None) -> None:
+        """Copy ``new_state`` into the serving drafter under the round lock (exclusive: between rounds).
+        ``judge``: (the replaced weights or None, update number) for the rollback watch; None for a
+        rollback, after which the rounds served with the undone weights judge nothing more."""
         serving = self.drafter.state_dict()
         if new_state.keys() != serving.keys():
-            raise RuntimeError("shadow and serving drafter disagree on their tensors; not swapping")
+            raise RuntimeError("new and serving drafter weights disagree on their tensors; not swapping")
         self._swap_pending.set()
         try:
-            with self.round_lock.exclusive():
+            with self.round_lock.exclusive(), CAPTURE_LOCK:  # device syncs and copies on the legacy stream
                 self._swap_pending.clear()
                 cuda_devices = {t.device for t in serving.values() if t.device.type == "cuda"}
                 if self.worker.stream is not None:
@@ -543,6 +675,10 @@ class OnlineAdapter:
                     self._tau_sum, self._tau_n = 0, 0
                     self._last_swap_mae = self._head_err[0] / self._head_err[1] if self._head_err[1] else None
                     self._head_err = [0.0, 0]
+                    if judge is None:
+                        self.rollback.reset()
+                    else:
+                        self.rollback.arm(*judge)
         finally:
             self._swap_pending.clear()
 
@@ -566,6 +702,9 @@ class OnlineAdapter:
             "tau_before": record.tau_before,
             "domains": record.domains,
             "layout": self.config.version_layout,
+            "guard_serving": record.guard_serving,
+            "guard_candidate": record.guard_candidate,
+            "rollback_of": record.rollback_of,
         }
 
         def card(number: int) -> dict:
@@ -573,8 +712,10 @@ class OnlineAdapter:
                 record.version = number
             return self._card_context()
 
-        done = self.publisher.publish(self.drafter, card, meta, f"AdaFlash online update {record.update} (version {{version}})",
-                                      what="online version")  # fmt: skip
+        what = f"rollback of update {record.update}" if record.rollback_of is not None else f"update {record.update}"
+        with self._side_stream():  # the weights are read off the legacy stream (spec/capture.py)
+            done = self.publisher.publish(self.drafter, card, meta, f"AdaFlash online {what} (version {{version}})",
+                                          what="online version")  # fmt: skip
         with self._stats_lock:
             record.version, record.path = (done[0], str(done[1])) if done is not None else (None, None)
             if done is None:  # the swap stands (serving uses the new weights); only its copy on disk failed

@@ -129,6 +129,8 @@ def versions_table(history: list[dict]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for h in history:
+        if not h.get("swapped", True):
+            continue  # a refused update (online guard): never a version
         doms = ", ".join(f"{k} ({v})" for k, v in sorted((h.get("domains") or {}).items())) or "n/a"
         lines.append(
             f"| {_fmt(h.get('version'))} | {_fmt(h.get('samples'))} | {_fmt(h.get('loss_first'))} -> "

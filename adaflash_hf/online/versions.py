@@ -37,12 +37,11 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from ..atomic_io import TMP_PREFIX, fsync_path, publishable, write_text_atomic
+from ..atomic_io import TMP_PREFIX, fsync_path, remove_temporaries, write_dir_atomic, write_text_atomic
 
 __all__ = [
     "LATEST_MARKER",
@@ -152,17 +151,6 @@ class VersionStore:
         return numbered[-1][0] + 1 if numbered else 1
 
     # ------------------------------------------------------------------ writing
-    def _remove_stale_temporaries(self) -> None:
-        for p in self.root.iterdir():
-            if p.name.startswith(TMP_PREFIX):
-                if p.is_dir() and not p.is_symlink():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    try:
-                        p.unlink()
-                    except OSError:
-                        pass
-
     def write(
         self,
         save_fn: Callable[[str], object],
@@ -174,12 +162,11 @@ class VersionStore:
         ``LATEST`` marker written last. Returns the version directory. On error nothing of the
         new version remains and the previous one stays the latest.
         """
-        self._remove_stale_temporaries()
+        remove_temporaries(self.root)
         n = self.next_number()
         name = version_name(n)
-        final = self.root / name
-        tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX + name + "-", dir=self.root))
-        try:
+
+        def fill(tmp: Path) -> None:
             save_fn(str(tmp))
             for fname, text in (files or {}).items():
                 if os.path.basename(fname) != fname or fname in ("", ".", ".."):
@@ -187,21 +174,10 @@ class VersionStore:
                 (tmp / fname).write_text(text, encoding="utf-8")
             meta = {"version": n, "name": name, "created_unix": time.time(), **(metadata or {})}
             (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str), encoding="utf-8")
-            for p in tmp.rglob("*"):
-                if p.is_file() and not p.is_symlink():
-                    publishable(p, directory=False)
-                    fsync_path(p)
-                elif p.is_dir() and not p.is_symlink():
-                    publishable(p, directory=True)
             if not is_complete(tmp):
                 raise ValueError(f"save_fn wrote no config.json or no weights ({', '.join(_WEIGHTS)})")
-            publishable(tmp, directory=True)
-            fsync_path(tmp, directory=True)
-            os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        fsync_path(self.root, directory=True)
+
+        final = write_dir_atomic(self.root / name, fill)
         write_text_atomic(self.root / LATEST_MARKER, name + "\n")
         if self.link_latest:
             self._update_link(name)

@@ -337,6 +337,34 @@ class ShadowTrainer:
         n = max(len(samples), 1)
         return {"loss": main_sum / n, "head_loss": head_sum / n}
 
+    @torch.no_grad()
+    def accept_len(self, model: AdaFlashDrafter, samples: list[RequestSample], seed: int) -> float:
+        """Mean greedy accepted length + 1 per block of ``model``'s drafts on request ``samples``
+        (training's ``accept_len``: drafts against the target's argmax), in eval mode, ``batch_size``
+        samples per forward. The blocks are the served rounds' anchors when the samples carry them, else
+        anchors drawn from ``seed``: given the same samples and seed, every model is scored on the same
+        blocks, so two models compare pairwise."""
+        from ..training.blocks import sample_anchors
+
+        wrapper = self.request_model(model)
+        was_training = model.training
+        model.eval()  # no dropout in a measurement
+        accepted, blocks = 0.0, 0
+        try:
+            for start in range(0, len(samples), self.config.batch_size):
+                batch = self.request_batch(samples[start : start + self.config.batch_size], self.device)
+                if "anchors" not in batch:
+                    mask = batch["loss_mask"] & batch["attention_mask"]  # where the wrapper draws its anchors
+                    gen = torch.Generator(device=mask.device).manual_seed(seed + start)
+                    batch["anchors"], batch["anchor_valid"] = sample_anchors(mask, self.block_size, self.config.max_anchors,
+                                                                             generator=gen)  # fmt: skip
+                out = wrapper(**batch)
+                n = int(out["num_blocks"])
+                accepted, blocks = accepted + (float(out["accept_len"]) - 1.0) * n, blocks + n
+        finally:
+            model.train(was_training)
+        return accepted / blocks + 1.0 if blocks else 1.0
+
 
 def served_blocks(batch: list[RequestSample], max_anchors: int) -> dict[str, torch.Tensor]:
     """Blocks anchored at each request's served rounds, with the length head's labels from real verification:

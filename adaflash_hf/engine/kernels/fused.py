@@ -48,11 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...spec.capture import CAPTURE_LOCK, CAPTURE_MODE
 from .stock_layers import unsupported_layers
-
-# Every CUDA graph capture of the engine: errors only for the capturing thread's own unsafe calls, so that other
-# threads of the process (an online adapter's worker) may run CUDA work while the engine captures.
-CAPTURE_MODE = "thread_local"
 
 _MAX_ROWS = 16  # skinny_linear.MAX_ROWS (that module needs Triton, imported only when used)
 _TUNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its tuning (FusedTarget.build)
@@ -192,7 +189,7 @@ def _graph_ms(fn: Callable[[], None], reps: int = 10) -> float:
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE):  # other threads may run CUDA work meanwhile
+    with CAPTURE_LOCK, torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE):  # spec/capture.py
         fn()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
