@@ -7,6 +7,7 @@ was in progress at its start or end. Writes ``serving_cost.json`` (per chunk: re
 whether an update was training, updates so far) and ``serving_cost.png`` (tok/s and tau per chunk, both runs).
 
     python examples/online_serving_cost.py --dataset alpaca_eval --requests 2048 --out $OUT/cost
+    python examples/online_serving_cost.py --smoke          # CPU: built-in prompts, 12 requests, an update every 4
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 import torch
 
+from adaflash_hf import load_reference_pair
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.online import OnlineAdapter, OnlineConfig
 from adaflash_hf.online.adapter import copy_drafter
@@ -31,9 +33,10 @@ def serve(target, drafter, stream, method: str, args, eos, record) -> dict:
     router = RoundRouter()
     settings = ProtocolSettings(concurrency=args.concurrency, max_new_tokens=args.max_new_tokens)
     engine = serving_engine(target, d, settings, router)
-    adapter = OnlineAdapter(d, target, OnlineConfig(method=method, lr=args.lr, seed=0))
+    adapter = OnlineAdapter(d, target, OnlineConfig(method=method, lr=args.lr, seed=0,
+                                                    samples_per_update=args.samples_per_update))
     router.sink = adapter
-    rows, served = [], 0
+    rows, served, texts = [], 0, []
     try:
         for start in range(0, len(stream), args.chunk):
             chunk = stream[start : start + args.chunk]
@@ -45,16 +48,18 @@ def serve(target, drafter, stream, method: str, args, eos, record) -> dict:
             dt = time.perf_counter() - t0
             served += len(chunk)
             tokens = sum(len(o.token_ids) for o in outs)
+            texts.extend(o.token_ids for o in outs)
             rows.append({"served": served, "tok_s": tokens / dt, "seconds": dt, "tokens": tokens,
                          "tau": mean_tokens_per_round([a for o in outs for a in o.accepted]),
                          "training": busy_before or adapter.busy, "updates": adapter.updates})
             print(f"[{method}] {served} requests: {rows[-1]['tok_s']:.0f} tok/s, tau {rows[-1]['tau']:.3f}, "
                   f"training={rows[-1]['training']}, updates {adapter.updates}", flush=True)
-            record({"chunks": rows})
+            record({"chunks": rows, "outputs": texts})
+        adapter.wait_for_update(120)  # the update triggered last: counted, not timed
     finally:
         adapter.close(abandon=True)
     history = adapter.stats["history"]
-    return {"chunks": rows, "update_seconds": [h["seconds"] for h in history]}
+    return {"chunks": rows, "outputs": texts, "updates": adapter.updates, "update_seconds": [h["seconds"] for h in history]}
 
 
 def plot(result: dict, path: str) -> None:
@@ -81,25 +86,34 @@ def plot(result: dict, path: str) -> None:
 def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from adaflash_hf.training.data import eval_prompts
+    from adaflash_hf.training.data import builtin_prompts, eval_prompts
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="adaflash_hf/reference/target")
-    p.add_argument("--drafter", default="adaflash_hf/reference/drafter")
+    p.add_argument("--target", help="a target folder (default: the embedded reference pair)")
+    p.add_argument("--drafter", help="its drafter folder (with --target)")
     p.add_argument("--dataset", default="alpaca_eval")
     p.add_argument("--requests", type=int, default=2048, help="requests served per run (the source cycled)")
     p.add_argument("--chunk", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-5)
+    p.add_argument("--samples-per-update", type=int, default=128)
     p.add_argument("--methods", default="off,opd")
+    p.add_argument("--smoke", action="store_true", help="CPU check: built-in prompts, 12 requests, an update every 4")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", default="serving_cost")
     a = p.parse_args(argv)
-    tok = AutoTokenizer.from_pretrained(a.target)
-    target = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32).to(a.device).eval()
-    drafter = AdaFlashDrafter.from_pretrained(a.drafter, dtype=torch.float32).to(a.device).eval()
-    ids = prompt_ids(tok, eval_prompts(a.dataset), 2048 - a.max_new_tokens)
+    if a.smoke:
+        a.requests, a.chunk, a.concurrency, a.max_new_tokens, a.samples_per_update, a.device = 12, 4, 4, 16, 4, "cpu"
+    if a.target:
+        tok = AutoTokenizer.from_pretrained(a.target)
+        target = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32)
+        drafter = AdaFlashDrafter.from_pretrained(a.drafter, dtype=torch.float32)
+    else:
+        target, drafter, tok = load_reference_pair()
+    target, drafter = target.to(a.device).eval(), drafter.to(a.device).eval()
+    records = builtin_prompts("chat") if a.smoke else eval_prompts(a.dataset)
+    ids = prompt_ids(tok, records, 2048 - a.max_new_tokens)
     stream = (ids * (a.requests // len(ids) + 1))[: a.requests]
     eos = eos_ids(tok, target)
     result = {"dataset": a.dataset, "concurrency": a.concurrency, "chunk": a.chunk, "lr": a.lr, "methods": {}}
@@ -112,7 +126,11 @@ def main(argv=None) -> int:
     for method in a.methods.split(","):
         save(method, serve(target, drafter, stream, method, a, eos, lambda r, m=method: save(m, r)))
     plot(result, os.path.join(a.out, "serving_cost.png"))
-    return 0
+    outputs = [r.get("outputs") for r in result["methods"].values()]
+    same = all(o == outputs[0] for o in outputs)  # greedy: every run gives the target's own tokens
+    updates = {m: r["updates"] for m, r in result["methods"].items()}
+    print(f"updates per run: {updates}; online run updated: {updates.get('opd', 0) > 0}; outputs equal across runs: {same}")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ EXPECTED = {
     "bf16_identity.py": ["float32 control: 0 of"],
     "replay_bench.py": ["identical to plain greedy: True | rows failed: 0"],
     "fast_generate_gpu.py": ["section errors: []"],
+    "online_serving_cost.py": ["online run updated: True", "outputs equal across runs: True"],
     "server_load_test.py": ["answered 8/8, equal to alone 8/8", "'partial_headers: 408'", "'idle: closed'", "passed: True"],
 }
 

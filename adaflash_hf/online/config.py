@@ -40,7 +40,9 @@ class OnlineConfig:
             baseline, no length head) or ``"off"`` (collects tau statistics only).
         samples_per_update: buffered samples that trigger an update (paper: 128 requests).
         epochs / batch_size: passes over the update's samples / samples per optimizer step.
-        lr / head_lr: AdamW learning rates of the drafter and of the length head.
+        lr / head_lr: AdamW learning rates of the drafter and of the length head. ``lr`` is a tenth of the
+            paper's 3e-4: from the shipped, already trained drafter, 3e-4 lowered held-out tau by a fifth within
+            one update (OPD and OSD alike), 3e-5 raised it (BENCHMARKS.md section 3).
         grad_clip: max gradient norm, applied to the drafter and to the head separately (so the
             head's loss cannot even rescale a drafter step).
         warmup_steps: the learning rates ramp up linearly over the shadow's first steps (0: off).
@@ -106,7 +108,7 @@ class OnlineConfig:
     samples_per_update: int = 128
     epochs: int = 2
     batch_size: int = 2
-    lr: float = 3e-4
+    lr: float = 3e-5
     head_lr: float = 2e-4
     grad_clip: float | None = 1.0
     warmup_steps: int = 0
