@@ -24,7 +24,7 @@ from .adapter import OnlineAdapter, copy_drafter
 from .versions import write_text_atomic
 
 
-class _HeadError:
+class HeadError:
     """Round sink of one measurement: the length head's mean absolute error over the rounds whose
     real acceptance is known (`VerifiedRound.head_error`); None without a head."""
 
@@ -48,7 +48,7 @@ def _measure(target, drafter, batches, max_new_tokens, references, policy, pad) 
     block), so batching changes the speed of the measurement, not tau."""
     accepted = rounds = verified = 0
     identical = True
-    head = _HeadError(drafter.config.block_size)
+    head = HeadError(drafter.config.block_size)
     for (ids, mask), ref in zip(batches, references):
         out, stats = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False, return_stats=True, length_policy=policy, pad_token_id=pad, round_sink=head)
         accepted, rounds, verified = accepted + sum(stats.accepted), rounds + stats.rounds, verified + sum(stats.verify_lengths)

@@ -26,7 +26,7 @@ import torch
 from ..spec.rounds import mean_tokens_per_round, position_counts
 from .adapter import OnlineAdapter, copy_drafter
 from .config import OnlineConfig
-from .experiment import stream_order
+from .experiment import HeadError, stream_order
 from .versions import write_text_atomic
 
 __all__ = ["ProtocolSettings", "RoundRouter", "eos_ids", "prompt_ids", "run_protocol", "serving_engine"]
@@ -59,22 +59,10 @@ class RoundRouter:
             on_request(finished)
 
 
-class _HeadError:
-    """The length head's mean absolute error over the measured rounds whose real acceptance is known."""
-
-    def __init__(self, block_size: int):
-        self.block_size, self.total, self.count = block_size, 0.0, 0
-
-    def on_round(self, verified) -> None:
-        err = verified.head_error(self.block_size)
-        if err is not None:
-            self.total, self.count = self.total + err, self.count + 1
-
-
 def _measure(engine, router, prompts, references, settings: ProtocolSettings, eos) -> dict:
     """Greedy tau of the engine's drafter on ``prompts`` (no adapter), and whether every output is plain greedy's."""
     block = engine.block_size
-    head = router.sink = _HeadError(block)
+    head = router.sink = HeadError(block)
     outs = engine.generate(prompts, settings.max_new_tokens, eos_token_id=eos)
     router.sink = None
     accepted = [a for o in outs for a in o.accepted]
@@ -86,7 +74,7 @@ def _measure(engine, router, prompts, references, settings: ProtocolSettings, eo
         "identical": all(o.token_ids == r for o, r in zip(outs, references)),
         "rounds": len(accepted),
         "mean_verify_length": sum(verify) / max(len(verify), 1),
-        "head_mae": head.total / head.count if head.count else None,
+        "head_mae": head.mae,
         "acceptance_by_position": [a / v if v else None for v, a in by_pos],
         "accepted_density": [density.get(k, 0) / max(len(accepted), 1) for k in range(block)],
     }

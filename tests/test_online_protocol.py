@@ -1,0 +1,37 @@
+"""The online protocol through the engine (`adaflash_hf.online.protocol`) on a tiny pair: every held-out output is
+checked against plain greedy decoding, an update happens between the measurements, and each measurement carries
+acceptance per draft position and the accepted-draft density."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from generation_helpers import make_drafter, make_target, ragged_prompts
+
+from adaflash_hf.online import OnlineConfig
+from adaflash_hf.online.protocol import ProtocolSettings, run_protocol
+
+
+def test_protocol_measures_checks_and_updates():
+    target = make_target(layers=2, seed=3)
+    drafter = make_drafter(target, block_size=4, seed=1)
+    _, _, rows = ragged_prompts(11, [5, 7, 6], seed=2)
+    prompts = [r.tolist() for r in rows]
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    saved = []
+    result = run_protocol(target, drafter, SimpleNamespace(eos_token_id=None), prompts[3:], prompts[:3],
+                          methods=("opd", "off"), settings=ProtocolSettings(updates=1, concurrency=4, max_new_tokens=8, max_len=64),
+                          config=OnlineConfig(samples_per_update=4, epochs=1, lr=1e-3, guard_samples=0, rollback_rounds=0),
+                          checkpoint=lambda r: saved.append(len(r["methods"])))
+    opd, off = result["methods"]["opd"], result["methods"]["off"]
+    assert [c["update"] for c in opd["curve"]] == [0, 1] and [c["update"] for c in off["curve"]] == [0]
+    assert len(opd["updates"]) == 1 and opd["complete"] and off["complete"]
+    for c in opd["curve"] + off["curve"]:
+        assert c["identical"], c  # every held-out output is plain greedy decoding's
+        assert len(c["acceptance_by_position"]) == 3 and sum(c["accepted_density"]) == pytest.approx(1.0)
+        assert c["tau"] >= 1.0 and c["rounds"] > 0
+    assert opd["curve"][0]["tau"] == off["curve"][0]["tau"]  # the same drafter before any update
+    assert saved and saved[-1] == 2  # a checkpoint after every measurement
+    assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())  # it trains copies, never the drafter passed in
