@@ -12,7 +12,7 @@ each concurrency (prompts decoded together in one left-padded batch) times every
 - ``prompt_lookup_exact``: prompt lookup's rounds *computed* from plain's greedy outputs of the same
   prompts (`.prompt_lookup_tau`), at any concurrency, in no model time: under greedy decoding its
   candidates and acceptance are a function of the prompt and the greedy continuation, so its tau,
-  rounds and verify lengths are exact (every target forward is a round, the prefill's included);
+  rounds and verify lengths are exact (tau and rounds leave the prefill forward out, as for every method: `..spec.rounds`);
   no speed figure (``not timed (computed)``). Greedy runs only. Beside ``prompt_lookup`` at
   concurrency 1 the two are cross-checked: any difference in rounds is a failure;
 - ``dflash_native``: transformers' own DFlash path, ``speculation_type="dflash"`` (batch 1 only);

@@ -9,6 +9,7 @@ import time
 import torch
 
 from ..generation.prompts import left_pad
+from ..spec.rounds import tau_from_totals
 from .methods import BenchContext, adaflash_policy
 from .timing import run_batch
 
@@ -141,9 +142,9 @@ def _fill_rounds(cell, t: _Timings) -> None:
         cell.verify_time_s = merged.verify_time_s
     elif t.rounds_est:
         cell.rounds = t.rounds_est
-        cell.tau = (cell.new_tokens - len(t.rows)) / t.rounds_est
+        cell.tau = tau_from_totals(cell.new_tokens, len(t.rows), t.rounds_est)
         cell.tau_estimated = True
-        cell.notes.append("tau estimated as (new tokens - 1 per prompt) / target verify forwards; no per-round stats")
+        cell.notes.append("tau from totals: (new tokens - 1 per prompt) / target forwards after the prefill; no per-round stats")
 
 
 def online_report(method, cell, adapter, config, waited, online) -> None:
@@ -193,6 +194,7 @@ def merge_stats(acc, stats):
     acc.verify_lengths += list(stats.verify_lengths)
     acc.rows += list(stats.rows)
     acc.fallback_rounds += stats.fallback_rounds
+    acc.prefill_forwards += stats.prefill_forwards
     acc.new_tokens += stats.new_tokens
     acc.draft_time_s += stats.draft_time_s
     acc.verify_time_s += stats.verify_time_s

@@ -18,13 +18,14 @@ which compares with the real run.
 Logits processors that forbid candidate tokens (``no_repeat_ngram_size``, ``bad_words_ids``, ...) are
 not modelled: the bench skips the computation when the target's generation config sets one.
 
-Every target forward is a round here, the first included (it verifies the candidates found in the
-prompt together with the prefill), so tau is the new tokens per target forward.
+Every target forward is recorded, the first included (it verifies the candidates found in the prompt
+together with the prefill), but tau leaves that prefill forward out as for every method
+(`adaflash_hf.spec.rounds`): ``(new tokens - 1) / (target forwards - 1)``.
 
 Example:
     >>> r = prompt_lookup_rounds([5, 6, 7, 5, 6], [7, 5, 9, 9], max_new_tokens=4)
-    >>> r.accepted, r.verify_lengths, r.tau
-    ([2, 0], [4, 1], 2.0)
+    >>> r.accepted, r.verify_lengths, r.rounds, r.tau  # (4 - 1) / (2 - 1)
+    ([2, 0], [4, 1], 1, 3.0)
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ class PromptLookupSettings:
 
 @dataclass
 class PromptLookupRounds(RoundTally):
-    """One sequence's rounds: ``accepted`` candidates per target forward (the target's own token
-    not counted) and ``verify_lengths`` (candidates + 1: the positions that forward scored)."""
+    """One sequence's target forwards, its prefill's first: ``accepted`` candidates per forward (the
+    target's own token not counted) and ``verify_lengths`` (candidates + 1: the positions it scored)."""
 
     accepted: list[int] = field(default_factory=list)
     verify_lengths: list[int] = field(default_factory=list)
+    prefill_forwards: int = 1
 
 
 class _FirstOccurrence:
@@ -157,9 +159,10 @@ def as_generation_stats(rounds: list[PromptLookupRounds], settings: PromptLookup
     """Several sequences' rounds as one `GenerationStats` (what a bench cell's figures are filled from).
 
     Example:
-        >>> s = as_generation_stats([prompt_lookup_rounds([1, 2, 1], [2, 1], max_new_tokens=2)], PromptLookupSettings())
-        >>> s.tau, s.block_size
-        (2.0, 11)
+        >>> s = as_generation_stats([prompt_lookup_rounds([5, 6, 7, 5, 6], [7, 5, 9, 9], max_new_tokens=4)],
+        ...                         PromptLookupSettings())
+        >>> s.tau, s.rounds, s.block_size
+        (3.0, 1, 11)
     """
     from ..generation.stats import GenerationStats
 
@@ -167,5 +170,6 @@ def as_generation_stats(rounds: list[PromptLookupRounds], settings: PromptLookup
     for row, r in enumerate(rounds):
         for verify_len, accepted in zip(r.verify_lengths, r.accepted):
             stats.record(row, verify_len, accepted)
-        stats.new_tokens += sum(r.accepted) + r.rounds
+        stats.new_tokens += sum(r.accepted) + len(r.accepted)
+        stats.prefill_forwards += r.prefill_forwards
     return stats

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..spec.rounds import mean_tokens_per_round
+
 __all__ = ["DraftReplay", "PerPositionTrace", "RecordedTrace", "TraceRound", "paper_dflash_trace"]
 
 # The paper's DFlash acceptance per draft slot on Qwen3-8B is given at its ends only (slot 1 0.89,
@@ -74,7 +76,7 @@ class RecordedTrace:
     @property
     def tau(self) -> float:
         """Tokens per round when every block is verified whole (accepted drafts + the target's own)."""
-        return 1.0 + sum(r.accepted for r in self.rounds) / len(self.rounds)
+        return mean_tokens_per_round([r.accepted for r in self.rounds])
 
     def draw(self, rng: random.Random, block_size: int) -> TraceRound:
         r = self.rounds[rng.randrange(len(self.rounds))]

@@ -128,8 +128,8 @@ class _Run:
         fill_computed(cell, reference, stats)
         cell.notes.append(
             f"computed from plain's greedy outputs (concurrency {cell.concurrency}), not decoded or timed: exact for "
-            "batch-1 greedy prompt lookup wherever those outputs are its greedy continuation; every target forward is "
-            "a round, the prefill's included"
+            "batch-1 greedy prompt lookup wherever those outputs are its greedy continuation; tau leaves the prefill "
+            "forward out, as every method's does"
         )
         log(self.config, _progress(cell))
 

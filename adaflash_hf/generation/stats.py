@@ -11,8 +11,9 @@ __all__ = ["GenerationStats"]
 class GenerationStats(RoundTally):
     """What one speculative `generate` call did, round by round (all rows of a batch together).
 
-    `tau` is the mean number of tokens committed per round (accepted drafts + the target's own
-    token), the figure papers report as acceptance length.
+    `tau` is the mean number of tokens committed per verify round (accepted drafts + the target's own
+    token), the figure papers report as acceptance length (convention: `adaflash_hf.spec.rounds`).
+    ``prefill_forwards``: recorded entries that are prefill forwards (prompt lookup's; 0 for the drafter).
 
     Example:
         >>> out, stats = target.generate(ids, assistant_model=drafter, return_stats=True)  # doctest: +SKIP
@@ -28,6 +29,7 @@ class GenerationStats(RoundTally):
     new_tokens: int = 0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    prefill_forwards: int = 0
 
     def record(self, row: int, verify_len: int, accepted: int) -> None:
         self.rows.append(row)
@@ -52,6 +54,7 @@ class GenerationStats(RoundTally):
             "accepted": list(self.accepted),
             "verify_lengths": list(self.verify_lengths),
             "fallback_rounds": self.fallback_rounds,
+            "prefill_forwards": self.prefill_forwards,
             "new_tokens": self.new_tokens,
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s,

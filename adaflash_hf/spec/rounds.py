@@ -2,8 +2,21 @@
 
 Both loops (``generate`` and the engine) build a :class:`VerifiedRound` per row per round with
 :meth:`VerifiedRound.from_block` and hand it to a :class:`RoundSink`; a finished sequence becomes a
-:class:`FinishedRequest`. tau, the mean tokens committed per verify round, is
-:func:`tokens_per_round` (from totals) or :func:`mean_tokens_per_round` (from per-round counts).
+:class:`FinishedRequest`.
+
+tau, for every method (the drafter, prompt lookup, transformers' assisted generation, plain decoding)
+and every report, is the papers' "average acceptance length" (DFlash, AdaFlash, EAGLE): tokens
+committed by the target's verify forwards divided by the number of verify forwards. Each sequence's
+prefill forward is not a verify round, and the one token it produces is not counted; so with ``N``
+new tokens over ``S`` sequences and ``F`` target forwards in all,
+
+    tau = (N - S) / (F - S)
+
+Plain decoding is 1.0. Prompt lookup's and the AR assistant's prefill forward also scores the
+candidates drafted from the prompt: it is still not a round, but the candidates it accepts stay in
+``N - S`` (which makes tau computable from ``N`` and ``F`` alone, and rounds prompt lookup's tau up
+by those candidates, never down). Every tau goes through :func:`tokens_per_round`: from per-round
+counts (:class:`RoundTally`, :func:`mean_tokens_per_round`) or from totals (:func:`tau_from_totals`).
 """
 
 from __future__ import annotations
@@ -14,11 +27,13 @@ from typing import Protocol
 import torch
 
 __all__ = ["FinishedRequest", "RoundSink", "RoundTally", "VerifiedRound", "mean_tokens_per_round", "position_counts",
-           "tokens_per_round"]
+           "tau_from_totals", "tokens_per_round"]
 
 
 def tokens_per_round(accepted_total: int, rounds: int) -> float:
-    """tau from totals: ``(accepted drafts + one target token per round) / rounds``; 0.0 without rounds.
+    """tau (the module's convention): ``(accepted + one target token per round) / rounds`` over the
+    verify rounds (prefill forwards left out); ``accepted_total`` is every token committed beyond the
+    prefill's own and the rounds' own. 0.0 without rounds.
 
     Example:
         >>> tokens_per_round(4, 3)
@@ -35,6 +50,17 @@ def mean_tokens_per_round(accepted: list[int]) -> float:
         2.3333333333333335
     """
     return tokens_per_round(sum(accepted), len(accepted))
+
+
+def tau_from_totals(new_tokens: int, sequences: int, rounds: int) -> float:
+    """tau of a method seen only from outside: ``new_tokens`` over ``sequences``, ``rounds`` target
+    forwards after each sequence's prefill. Each sequence's first new token is its prefill's.
+
+    Example:
+        >>> tau_from_totals(new_tokens=10, sequences=1, rounds=3)  # (10 - 1) / 3
+        3.0
+    """
+    return tokens_per_round(new_tokens - sequences - rounds, rounds)
 
 
 def position_counts(accepted: list[int], verify_lengths: list[int], positions: int) -> list[list[int]]:
@@ -55,24 +81,32 @@ def position_counts(accepted: list[int], verify_lengths: list[int], positions: i
 
 
 class RoundTally:
-    """Round counts of anything that keeps per-round ``accepted`` drafts and ``verify_lengths`` lists
-    (``generate``'s stats, an engine request's output): rounds, tau, mean verify length."""
+    """Round counts of anything that keeps per-forward ``accepted`` candidates and ``verify_lengths``
+    lists (``generate``'s stats, an engine request's output, prompt lookup's rounds): rounds, tau,
+    mean verify length.
+
+    ``prefill_forwards`` of the entries are prefill forwards that also scored candidates (prompt
+    lookup records them; the drafter's prefill scores none and is not recorded): not rounds, but
+    what they accepted counts (the module's convention)."""
 
     accepted: list[int]
     verify_lengths: list[int]
+    prefill_forwards: int = 0
 
     @property
     def rounds(self) -> int:
-        return len(self.accepted)
+        """Verify rounds: the recorded forwards less the prefill ones."""
+        return len(self.accepted) - self.prefill_forwards
 
     @property
     def tau(self) -> float:
-        """Mean tokens committed per verify round (accepted + 1); 0.0 before any round."""
-        return mean_tokens_per_round(self.accepted)
+        """Mean tokens committed per verify round (the module's convention); 0.0 before any round."""
+        return tokens_per_round(sum(self.accepted), self.rounds)
 
     @property
     def mean_verify_length(self) -> float:
-        return sum(self.verify_lengths) / self.rounds if self.rounds else 0.0
+        """Mean tokens scored per recorded forward (a prefill forward's candidates + 1 included)."""
+        return sum(self.verify_lengths) / len(self.verify_lengths) if self.verify_lengths else 0.0
 
 
 @dataclass

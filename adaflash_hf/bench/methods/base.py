@@ -27,8 +27,8 @@ class BenchContext:
 class MethodOutput:
     """A runner's answer: the generated sequences (prompt included), and our stats when it has them.
 
-    ``rounds`` is a verify-round count for methods without `GenerationStats` (batch 1; tau is then
-    estimated as ``(new_tokens - 1) / rounds``: the prefill's token is not a round's).
+    ``rounds`` is a verify-round count (target forwards after the prefill) for methods without
+    `GenerationStats` (batch 1); tau is then `spec.rounds.tau_from_totals`.
     """
 
     sequences: Any  # torch.Tensor
