@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("workload")
     g.add_argument("--datasets", type=_csv, default=["gsm8k"], help="comma list of dataset names (blend included) or jsonl:PATH")
     g.add_argument("--data-dir", help="root of local eval datasets (default: $ADAFLASH_DATA, else the project's shared/data); a named set not found there loads from the Hub through datasets, else from the built-in sample")
+    g.add_argument("--split", default="all", choices=("validation", "test", "all"),
+                   help="all (default): every record of each named set, as listed; validation / test: that slice, "
+                   "training duplicates removed (adaflash_hf.training.splits); bench.json records the counts")
     g.add_argument("--num-prompts", type=int, default=None, help=_default_help("num_prompts"))
     g.add_argument("--max-new-tokens", type=int, default=None, help=_default_help("max_new_tokens"))
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs checked against plain)")
@@ -105,7 +108,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         warmup=args.warmup, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens, length_rate=args.length_rate,
         halving_batch=args.halving_batch, online_sample_unit=args.online_sample_unit,
         online_samples_per_update=args.online_samples_per_update, online_epochs=args.online_epochs,
-        online_lr=args.online_lr, online_wait=args.online_wait, out=args.out, data_dir=args.data_dir,
+        online_lr=args.online_lr, online_wait=args.online_wait, out=args.out, data_dir=args.data_dir, split=args.split,
         command=getattr(args, "command", None), plots=not args.no_plots, verbose=not args.quiet,
     )  # fmt: skip
 

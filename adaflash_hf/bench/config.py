@@ -20,6 +20,8 @@ class BenchConfig:
     ``datasets``: names understood by `adaflash_hf.training.data.eval_prompts` (gsm8k, mathqa,
     math500, aime2025, mbpp, codealpaca, sharegpt, alpaca_eval, spec_bench, eagle_bench, blend) or
     ``jsonl:PATH`` (one record a line with a ``"prompt"`` string or a ``"messages"`` list).
+    ``split``: ``"all"`` (every record as listed), or the ``"validation"`` / ``"test"`` slice of each
+    named set with training duplicates removed (`adaflash_hf.training.splits`).
     ``concurrency``: batch sizes; N prompts are decoded together in one left-padded batch.
     ``temperature`` 0 means greedy, and only greedy runs are compared token for token.
     ``warmup``: prompts decoded untimed before each (method, concurrency) is first timed.
@@ -62,6 +64,7 @@ class BenchConfig:
     online_wait: bool = True
     out: str | None = None
     data_dir: str | None = None
+    split: str = "all"
     command: str | None = None
     plots: bool = True
     verbose: bool = True

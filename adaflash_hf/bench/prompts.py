@@ -1,5 +1,6 @@
 """The prompts of a benchmark dataset: a named eval set (`adaflash_hf.training.data`: the local data
-folder, else the Hub through `datasets`, else the built-in sample with a one-line note) or ``jsonl:PATH``."""
+folder, else the Hub through `datasets`, else the built-in sample with a one-line note) or ``jsonl:PATH``;
+of a named set, all its records or a slice deduplicated against the training data (`training.splits`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ from pathlib import Path
 from ..loading import read_jsonl
 
 
-def load_prompts(spec: str, limit: int, data_dir) -> tuple[str, list[list[dict] | str]]:
+def load_prompts(spec: str, limit: int, data_dir, split: str = "all") -> tuple[str, list[list[dict] | str]]:
     """(label, prompts) of a dataset name or ``jsonl:PATH``: chat message lists, or raw strings
-    for continuation prompts (records with a ``"text"`` field and no ``"messages"``)."""
+    for continuation prompts (records with a ``"text"`` field and no ``"messages"``).
+    ``split``: ``"all"``, every record as listed (no deduplication); ``"validation"`` / ``"test"``: that
+    slice of a named set, training duplicates removed (`training.splits.eval_split`)."""
+    if split != "all" and spec.startswith("jsonl:"):
+        raise ValueError(f"--split {split} applies to named eval sets, not {spec}")
     if spec.startswith("jsonl:"):
         path = Path(spec[len("jsonl:") :])
         records = [rec for _, rec in read_jsonl(str(path), "--datasets")]
@@ -21,13 +26,19 @@ def load_prompts(spec: str, limit: int, data_dir) -> tuple[str, list[list[dict] 
 
         label = spec.strip().lower()
         try:
-            records = D.eval_prompts(spec, limit=limit, data_dir=data_dir)
+            if split == "all":
+                records = D.eval_prompts(spec, limit=limit, data_dir=data_dir)
+            else:
+                from ..training.splits import eval_split
+
+                records = eval_split(spec, split, data_dir=data_dir)
         except D.HubUnavailable as e:
             # No local copy and no Hub (offline, not cached): the sample shipped with the package.
             domain = D.dataset_domain(label)
             records = D.builtin_prompts(domain, limit=limit)
             print(f"note: {label}: no local data folder and no Hub access ({e}); using the built-in {domain} "
-                  f"sample ({len(records)} prompts)", file=sys.stderr)
+                  f"sample ({len(records)} prompts)" + (f"; --split {split} not applied to it" if split != "all" else ""),
+                  file=sys.stderr)
     out = []
     for i, rec in enumerate(records[:limit]):
         if isinstance(rec.get("messages"), list):

@@ -22,6 +22,12 @@ def _header(result: BenchResult) -> list[str]:
         f"- versions: torch {env['torch']}, transformers {env['transformers']}, adaflash-hf {env['adaflash_hf']}, python {env['python']}",
         f"- command: `{env['command']}`",
     ]
+    for label, c in result.config.get("split_counts", {}).items():
+        lines.append(
+            f"- {label}: {result.config['split']} slice" + (": not applied (built-in sample)" if c is None else
+            f" of {c['total']} records less {c['exact_duplicates']} exact and {c['near_duplicates']} near duplicates "
+            f"of training prompts: validation {c['validation']}, test {c['test']}")
+        )  # fmt: skip
     if hw.get("copy_bandwidth_bytes_per_s"):
         lines.append(
             f"- memory-bandwidth floor: {hw['target_weight_bytes'] / 1e9:.2f} GB of target weights / "

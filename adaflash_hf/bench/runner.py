@@ -60,6 +60,18 @@ def _config_dict(config: BenchConfig, tokenizer) -> dict:
     return out
 
 
+def _split_counts(name: str, data_dir) -> dict | None:
+    """`split_counts` of a named set, so bench.json says what the slice left out; None when the set fell back
+    to the built-in sample (not deduplicated, see `load_prompts`)."""
+    from ..training import data as D
+    from ..training.splits import split_counts
+
+    try:
+        return split_counts(name, data_dir)
+    except D.HubUnavailable:
+        return None
+
+
 @dataclass
 class _Run:
     """One run's shared state: what every cell of the grid needs."""
@@ -178,7 +190,10 @@ def run_bench(config: BenchConfig) -> BenchResult:
 
     # Plain first: it is the correctness reference of every other method.
     methods = sorted(dict.fromkeys(config.methods), key=lambda m: m != "plain")
-    datasets = [load_prompts(d, config.num_prompts, config.data_dir) for d in config.datasets]
+    datasets = [load_prompts(d, config.num_prompts, config.data_dir, config.split) for d in config.datasets]
+    if config.split != "all":
+        result.config["split_counts"] = {label: _split_counts(d, config.data_dir)
+                                         for d, (label, _) in zip(config.datasets, datasets)}  # fmt: skip
     encoded = {label: [encode_prompt(tokenizer, m) for m in msgs] for label, msgs in datasets}
     run = _Run(config, ctx, result, pad_id, eos_ids, warm_pool=encoded[datasets[0][0]])
     for label, _ in datasets:
