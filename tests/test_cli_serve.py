@@ -59,6 +59,7 @@ def _cases(c, port):
         "target-without-drafter": (["--target", c["target"]], ["no drafter given", "--plain"]),
         "drafter-as-target": (["--target", c["drafter"], "--drafter", c["drafter"]], ["is a drafter checkpoint"]),
         "port-in-use": (["--port", str(port)], ["cannot listen on", f"127.0.0.1:{port}"]),
+        "online-flag-without-online": (["--lr", "1e-4", "--guard-samples", "4"], ["without --online: --lr, --guard-samples"]),
     }
 
 

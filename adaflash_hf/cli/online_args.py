@@ -13,34 +13,48 @@ from .common import nonneg_float, nonneg_int, number, positive_float, positive_i
 
 def add_online_args(g, method_flag: str = "--method", output_required: bool = True) -> None:
     """Add the adapter's flags to the argparse group ``g`` (``method_flag``: its name for the method)."""
-    g.add_argument("--output-dir", required=output_required, help="where the numbered versions are written")
-    g.add_argument("--hub-repo", "--push-to-hub", dest="hub_repo", metavar="REPO",
-                   help="also push every version to this Hub model repo (org/name)")
-    g.add_argument("--hub-private", action="store_true", help="create the Hub repo as private")
-    g.add_argument(method_flag, dest="method", choices=("opd", "osd", "off"), default="opd",
-                   help="opd: AdaFlash on-policy distillation; osd: forward-KL baseline; off: measure only")
-    g.add_argument("--sample-unit", choices=("request", "round"), default=None,
-                   help="what one sample is: a finished request (the paper's unit; default) or one verified round")
-    g.add_argument("--samples-per-update", type=positive_int, default=None,
-                   help="samples buffered per update (default 128 requests, as the paper)")
-    g.add_argument("--epochs", type=positive_int, default=None, help="passes over an update's samples")
-    g.add_argument("--train-batch-size", type=positive_int, default=None, help="samples per optimizer step")
-    g.add_argument("--lr", type=positive_float, default=None, help="drafter learning rate")
-    g.add_argument("--head-lr", type=positive_float, default=None, help="length-head learning rate")
-    g.add_argument("--layout", choices=("native", "dflash"), default="native", help="version layout (dflash: what SGLang / vLLM load)")
-    g.add_argument("--keep-versions", type=positive_int, default=None, help="rolling window of versions kept on disk")
-    g.add_argument("--guard-samples", type=nonneg_int, default=None,
-                   help="requests of each update held back from training to judge it: it is swapped in only if its "
-                        "acceptance on them is not lower than the serving weights', else kept aside in OUTPUT_DIR/refused "
-                        "(default: samples-per-update // 8; 0: off; request samples only)")
-    g.add_argument("--guard-margin", type=number(float, lambda v: True, "a number"), default=None,
-                   help="acceptance (tokens per block) a candidate may lose on the held-back requests and still be "
-                        "swapped in (negative: what it must gain)")
-    g.add_argument("--rollback-rounds", type=nonneg_int, default=None,
-                   help="served rounds after a swap that judge it against as many rounds before it; a fall of served "
-                        "tau beyond --rollback-margin restores the previous weights (0: never)")
-    g.add_argument("--rollback-margin", type=nonneg_float, default=None,
-                   help="relative fall of served tau after a swap that rolls it back")
+    _DEFAULTS.clear()
+
+    def add(*flags, **kwargs):  # remembers each flag's default, for online_flags_given
+        action = g.add_argument(*flags, **kwargs)
+        _DEFAULTS[action.dest] = (action.option_strings[0], action.default)
+
+    add("--output-dir", required=output_required, help="where the numbered versions are written")
+    add("--hub-repo", "--push-to-hub", dest="hub_repo", metavar="REPO",
+        help="also push every version to this Hub model repo (org/name)")
+    add("--hub-private", action="store_true", help="create the Hub repo as private")
+    add(method_flag, dest="method", choices=("opd", "osd", "off"), default="opd",
+        help="opd: AdaFlash on-policy distillation; osd: forward-KL baseline; off: measure only")
+    add("--sample-unit", choices=("request", "round"), default=None,
+        help="what one sample is: a finished request (the paper's unit; default) or one verified round")
+    add("--samples-per-update", type=positive_int, default=None,
+        help="samples buffered per update (default 128 requests, as the paper)")
+    add("--epochs", type=positive_int, default=None, help="passes over an update's samples")
+    add("--train-batch-size", type=positive_int, default=None, help="samples per optimizer step")
+    add("--lr", type=positive_float, default=None, help="drafter learning rate")
+    add("--head-lr", type=positive_float, default=None, help="length-head learning rate")
+    add("--layout", choices=("native", "dflash"), default="native", help="version layout (dflash: what SGLang / vLLM load)")
+    add("--keep-versions", type=positive_int, default=None, help="rolling window of versions kept on disk")
+    add("--guard-samples", type=nonneg_int, default=None,
+        help="requests of each update held back from training to judge it: it is swapped in only if its "
+             "acceptance on them is not lower than the serving weights', else kept aside in OUTPUT_DIR/refused "
+             "(default: samples-per-update // 8; 0: off; request samples only)")
+    add("--guard-margin", type=number(float, lambda v: True, "a number"), default=None,
+        help="acceptance (tokens per block) a candidate may lose on the held-back requests and still be "
+             "swapped in (negative: what it must gain)")
+    add("--rollback-rounds", type=nonneg_int, default=None,
+        help="served rounds after a swap that judge it against as many rounds before it; a fall of served "
+             "tau beyond --rollback-margin restores the previous weights (0: never)")
+    add("--rollback-margin", type=nonneg_float, default=None,
+        help="relative fall of served tau after a swap that rolls it back")
+
+
+_DEFAULTS: dict[str, tuple[str, object]] = {}  # dest -> (first flag, default), as add_online_args added them
+
+
+def online_flags_given(args) -> list[str]:
+    """The adapter flags set to something other than their default (``serve`` refuses them without --online)."""
+    return [flag for dest, (flag, default) in _DEFAULTS.items() if getattr(args, dest, default) != default]
 
 
 def check_online_args(args) -> None:

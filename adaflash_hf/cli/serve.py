@@ -9,7 +9,7 @@ import sys
 from ..loading import UsageError, check_drafter_path, check_target_path, one_line
 from ..spec.policy import ENGINE_POLICIES
 from .common import PROG, add_model_args, check_either_reference, load_models_from_args, number, positive_int
-from .online_args import add_online_args, check_online_args, online_config
+from .online_args import add_online_args, check_online_args, online_config, online_flags_given
 
 seconds = number(float, lambda v: v >= 0, "a number of seconds >= 0")
 API_KEY_ENV = "ADAFLASH_API_KEY"  # as vLLM reads VLLM_API_KEY
@@ -83,10 +83,6 @@ def add_arguments(p) -> None:
     add_online_args(g, method_flag="--online-method", output_required=False)
 
 
-_ONLINE_ONLY = ("output_dir", "hub_repo", "sample_unit", "samples_per_update", "epochs", "train_batch_size", "lr",
-                "head_lr", "keep_versions", "guard_samples", "guard_margin", "rollback_rounds", "rollback_margin")
-
-
 def _check_models(args) -> bool:
     """Checks the model flags; whether a drafter is needed. No flags at all: the reference pair."""
     check_either_reference(args)
@@ -107,8 +103,9 @@ def _check_models(args) -> bool:
         if args.plain:
             raise UsageError("--online adapts the drafter; --plain serves none", "leave out --plain, or --online")
         check_online_args(args)
-    elif any(getattr(args, k) is not None for k in _ONLINE_ONLY) or args.hub_private or args.method != "opd":
-        raise UsageError("online adaptation flags given without --online", "add --online, or leave them out")
+    elif online_flags_given(args):
+        raise UsageError(f"online adaptation flags given without --online: {', '.join(online_flags_given(args))}",
+                         "add --online, or leave them out")
     return need_drafter
 
 
