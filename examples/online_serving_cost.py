@@ -20,6 +20,7 @@ import time
 import torch
 
 from adaflash_hf import load_reference_pair
+from adaflash_hf.engine.warmup import warmup
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.online import OnlineAdapter, OnlineConfig
 from adaflash_hf.online.adapter import copy_drafter
@@ -33,6 +34,9 @@ def serve(target, drafter, stream, method: str, args, eos, record) -> dict:
     router = RoundRouter()
     settings = ProtocolSettings(concurrency=args.concurrency, max_new_tokens=args.max_new_tokens)
     engine = serving_engine(target, d, settings, router)
+    # Capture and compile before timing (both runs alike): the first chunks would otherwise time graph captures.
+    warmup(engine, args.concurrency)
+    engine.generate(stream[: args.chunk], args.max_new_tokens, eos_token_id=eos)
     adapter = OnlineAdapter(d, target, OnlineConfig(method=method, lr=args.lr, seed=0,
                                                     samples_per_update=args.samples_per_update))
     router.sink = adapter
