@@ -451,3 +451,61 @@ def test_guard_settings_are_validated():
         OnlineConfig(sample_unit="round", guard_samples=4)
     with pytest.raises(ValueError, match="rollback_margin"):
         OnlineConfig(rollback_margin=-0.1)
+
+
+# --------------------------------------------------------------------------- pacing (issue 33, item 5)
+
+
+@pytest.mark.parametrize("share, busy, pause", [(1.0, 2.0, None), (0.5, 2.0, 2.0), (0.25, 1.0, 3.0), (0.1, 0.5, 4.5)])
+def test_pacer_sleeps_so_steps_take_at_most_their_share(share, busy, pause):
+    from adaflash_hf.online.pacing import Pacer
+
+    slept = []
+    pacer = Pacer(share, clock=iter([10.0, 10.0 + busy]).__next__, sleep=slept.append)
+    pacer.start()
+    pacer.done()
+    assert slept == ([] if pause is None else [pytest.approx(pause)])
+    if slept:
+        assert busy / (busy + slept[0]) == pytest.approx(share)
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5, float("nan")])
+def test_train_share_out_of_range_is_refused(share):
+    from adaflash_hf.online import OnlineConfig
+
+    with pytest.raises(ValueError, match="train_share"):
+        OnlineConfig(train_share=share)
+
+
+@pytest.mark.parametrize("command, default", [(["adapt", "--prompts-file", "p.jsonl"], 1.0), (["serve", "--online"], 0.25)])
+def test_train_share_flag_reaches_the_config(command, default):
+    from adaflash_hf.cli import UsageError, build_parser
+    from adaflash_hf.cli.online_args import online_config
+
+    def config(*flags):
+        args = build_parser(only=(command[0],)).parse_args([*command, "--output-dir", "out", *flags])
+        args.reference = True
+        return online_config(args)
+
+    assert config().train_share == default
+    assert config("--train-share", "0.5").train_share == 0.5
+    with pytest.raises(UsageError, match="--train-share"):
+        config("--train-share", "0")
+
+
+def test_a_paced_update_sleeps_between_its_steps(pair, monkeypatch):
+    """The worker sleeps after every optimizer step when train_share < 1 (and never at 1.0)."""
+    import adaflash_hf.online.pacing as pacing
+
+    for share, expect_sleep in ((1.0, False), (0.5, True)):
+        slept = []
+        monkeypatch.setattr(pacing.time, "sleep", slept.append)
+        d = fresh_drafter(pair)
+        adapter = OnlineAdapter(d, pair, sample_unit="round", samples_per_update=4, epochs=1, batch_size=2,
+                                train_share=share)
+        try:
+            samples = [Sample.from_round(r, logits_dtype=None) for r in real_rounds(pair, d)[:4]]
+            adapter.worker.train(samples, 0)
+        finally:
+            adapter.close()
+        assert (len(slept) == 2) if expect_sleep else not slept, (share, slept)

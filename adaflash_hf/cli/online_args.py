@@ -11,8 +11,12 @@ from ..loading import HUB_ID, UsageError
 from .common import nonneg_float, nonneg_int, number, positive_float, positive_int
 
 
-def add_online_args(g, method_flag: str = "--method", output_required: bool = True) -> None:
-    """Add the adapter's flags to the argparse group ``g`` (``method_flag``: its name for the method)."""
+SERVE_TRAIN_SHARE = 0.25  # a server keeps most of its throughput while it learns (BENCHMARKS section 3)
+
+
+def add_online_args(g, method_flag: str = "--method", output_required: bool = True, train_share: float | None = None) -> None:
+    """Add the adapter's flags to the argparse group ``g`` (``method_flag``: its name for the method;
+    ``train_share``: the default of --train-share, ``None`` for OnlineConfig's)."""
     _DEFAULTS.clear()
 
     def add(*flags, **kwargs):  # remembers each flag's default, for online_flags_given
@@ -33,6 +37,9 @@ def add_online_args(g, method_flag: str = "--method", output_required: bool = Tr
     add("--train-batch-size", type=positive_int, default=None, help="samples per optimizer step")
     add("--lr", type=positive_float, default=None, help="drafter learning rate")
     add("--head-lr", type=positive_float, default=None, help="length-head learning rate")
+    add("--train-share", type=number(float, lambda v: 0 < v <= 1, "a number in (0, 1]"), default=train_share,
+        help="the most of the wall clock an update may train (it sleeps between steps, so serving beside it "
+             f"loses less; default: {'1.0' if train_share is None else train_share})")
     add("--layout", choices=("native", "dflash"), default="native", help="version layout (dflash: what SGLang / vLLM load)")
     add("--keep-versions", type=positive_int, default=None, help="rolling window of versions kept on disk")
     add("--guard-samples", type=nonneg_int, default=None,
@@ -76,7 +83,7 @@ def online_config(args):
     from ..online import OnlineConfig
 
     flags = {"sample_unit": args.sample_unit, "samples_per_update": args.samples_per_update, "epochs": args.epochs,
-             "batch_size": args.train_batch_size, "lr": args.lr, "head_lr": args.head_lr, "keep_versions": args.keep_versions,
+             "batch_size": args.train_batch_size, "lr": args.lr, "head_lr": args.head_lr, "train_share": args.train_share, "keep_versions": args.keep_versions,
              "guard_samples": args.guard_samples, "guard_margin": args.guard_margin, "rollback_rounds": args.rollback_rounds,
              "rollback_margin": args.rollback_margin}
     return OnlineConfig(

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,10 @@ class OnlineConfig:
         grad_clip: max gradient norm, applied to the drafter and to the head separately (so the
             head's loss cannot even rescale a drafter step).
         warmup_steps: the learning rates ramp up linearly over the shadow's first steps (0: off).
+        train_share: the most of the wall clock an update's optimizer steps may take (``(0, 1]``; 1.0: train
+            flat out). Below 1 the worker sleeps after each step (:class:`~adaflash_hf.online.pacing.Pacer`), so
+            an engine serving beside it loses less and the update lasts ``1 / train_share`` times longer;
+            ``adaflash serve --online`` defaults to 0.25.
         alpha / clip / temperature / clip_mode: OPD settings (``adaflash_hf.training.losses.opd_loss``);
             ``clip_mode="token"`` (default) is the released code's per-token clip, ``"entry"`` the
             paper's per-vocabulary-entry clip (BENCHMARKS.md compares them).
@@ -112,6 +117,7 @@ class OnlineConfig:
     head_lr: float = 2e-4
     grad_clip: float | None = 1.0
     warmup_steps: int = 0
+    train_share: float = 1.0
     alpha: float = 0.8
     clip: float | None = 0.01
     temperature: float = 1.0
@@ -154,6 +160,9 @@ class OnlineConfig:
         if int(self.warmup_steps) < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         self.warmup_steps = int(self.warmup_steps)
+        if not (math.isfinite(float(self.train_share)) and 0 < float(self.train_share) <= 1):
+            raise ValueError(f"train_share must be in (0, 1], got {self.train_share}")
+        self.train_share = float(self.train_share)
         for name in ("samples_per_update", "epochs", "batch_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

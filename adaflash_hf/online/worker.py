@@ -38,6 +38,7 @@ from ..training.losses import default_gamma, position_weights
 from ..training.objective import DrafterObjective
 from .buffer import RequestSample, Sample
 from .config import OnlineConfig
+from .pacing import Pacer
 
 __all__ = ["NonFiniteLossError", "ShadowTrainer", "UpdateAbandoned", "copy_drafter"]
 
@@ -297,6 +298,7 @@ class ShadowTrainer:
         grad_norms: list[float] = []
         head_last = None
         wrapper = self.request_model(shadow) if cfg.sample_unit == "request" else None
+        pacer = Pacer(cfg.train_share)
         with torch.enable_grad():
             for _ in range(cfg.epochs):
                 order = list(range(n))
@@ -306,10 +308,12 @@ class ShadowTrainer:
                     if should_stop():
                         raise UpdateAbandoned("the adapter is closing")
                     batch = [samples[i] for i in order[start : start + cfg.batch_size]]
+                    pacer.start()
                     losses = self._batch_losses(shadow, batch, wrapper)
                     for _, main, head, k in losses:
                         main_sum, head_sum, count = main_sum + float(main) * k, head_sum + float(head) * k, count + k
                     grad_norms.append(self._step(losses, groups))
+                    pacer.done()
                 epoch_losses.append(main_sum / max(count, 1))
                 head_last = head_sum / max(count, 1)
         for name, p in shadow.named_parameters():
