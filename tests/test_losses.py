@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from adaflash_hf.losses import (
+from adaflash_hf.training.losses import (
     block_ce_loss,
     default_gamma,
     forward_kl_loss,

@@ -9,7 +9,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, TrainingArguments
 
 from adaflash_hf import AdaFlashDrafter
-from adaflash_hf.losses import default_gamma
+from adaflash_hf.training.losses import default_gamma
 from adaflash_hf.training.blocks import (
     IGNORE_INDEX,
     anchor_candidates,

@@ -81,7 +81,7 @@ def run_online_experiment(target, drafter, tokenizer, stream, held_out, methods=
     the drafter's own quality, not the length head's choice. The stream is served in left-padded
     batches of `stream_batch` prompts (batched speculative decoding; every row is a request).
     `checkpoint(result)`, when given, is called after every measurement (partial results survive
-    a timeout). `alpha`, `clip`, `clip_mode`: the OPD loss settings (``adaflash_hf.losses.opd_loss``).
+    a timeout). `alpha`, `clip`, `clip_mode`: the OPD loss settings (``adaflash_hf.training.losses.opd_loss``).
     `measure_fixed`: under another policy, also measure with `fixed` (``fixed_tau``: the drafter's own
     quality beside what the policy served).
     """
