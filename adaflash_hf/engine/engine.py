@@ -45,7 +45,8 @@ import torch
 
 from ..spec.hooks import hooks_for, round_callbacks
 from ..spec.length_policy import LengthPolicy, choose_verify_length, load_scaled_rate
-from ..spec.policy import round_layout
+from ..spec.policy import resolve_policy, round_layout
+from ..spec.round_cost import RoundCost
 from ..spec.rounds import RoundSink, VerifiedRound
 from ..spec.verify import SampledRows, accept_block
 from .admission import AdmissionController, fit_token_budget
@@ -61,6 +62,10 @@ from .target import PackedLayout, check_target_supported, make_target_cache, tar
 
 __all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo"]
 
+# Under the cost policy, rounds the head's last ratios say to decode plainly skip the drafter's body; every this many
+# such rounds in a row the body runs anyway, so the ratios (and a return to drafting) follow the text.
+PLAIN_PROBE_ROUNDS = 8
+
 
 class Engine(RequestLifecycle):
     """Continuous-batching speculative decoding over a slotted KV cache.
@@ -68,10 +73,15 @@ class Engine(RequestLifecycle):
     Args:
         target: a Qwen3 / Llama ``*ForCausalLM`` (eval mode).
         drafter: an :class:`AdaFlashDrafter` bound to ``target``; ``None``: plain decoding.
-        length_policy: ``adaptive`` (the length head's ``k_hat`` per request, packed into one forward) or
-            ``fixed`` (the whole block, DFlash); the same setting as ``generate``'s; default: ``adaptive``
-            when the drafter's length head is trained, else ``fixed``.
-        rectangular: with ``adaptive``, pad every request to the round's largest ``k_hat`` (the cost of a
+        length_policy: ``cost`` (each request's ``k_hat`` from the length head, chosen together against
+            ``round_cost``, packed into one forward), ``adaptive`` (the paper's floor rule on the length head) or
+            ``fixed`` (the whole block, DFlash); the same setting as ``generate``'s; default: ``cost``
+            when the drafter's length head is trained, else ``fixed``. Under ``cost`` a round whose requests all
+            decode plainly by their last head ratios skips the drafter's body (every ``PLAIN_PROBE_ROUNDS``-th
+            such round runs it to refresh them).
+        round_cost: the :class:`~adaflash_hf.spec.round_cost.RoundCost` the ``cost`` policy weighs (default: SPEC
+            section 6's H200 table; :func:`~.warmup.measure_round_cost` measures this engine's own).
+        rectangular: with ``cost`` / ``adaptive``, pad every request to the round's largest ``k_hat`` (the cost of a
             padded ``[b, max k_hat]`` batch; for comparison only).
         max_slots: concurrent requests (KV slots for target and drafter).
         max_len: positions per slot: ``len(prompt) + max_new_tokens`` must not exceed it.
@@ -120,8 +130,12 @@ class Engine(RequestLifecycle):
                  token_budget: int = 512, length_rate: float | None = None, length_min: int | None = None,
                  halving_batch: int | None = None, ema_beta: float = 0.2, round_sink: RoundSink | None = None,
                  step_hook: Callable[[StepInfo], None] | None = None, cuda_graphs: bool | None = None,
-                 fused_kernels: bool = True, decode_steps: int = 8, profile: bool = False, draft_replay=None):
+                 fused_kernels: bool = True, decode_steps: int = 8, profile: bool = False, draft_replay=None,
+                 round_cost: RoundCost | None = None):
         layout = round_layout(drafter, length_policy, rectangular)
+        self.policy = resolve_policy(length_policy, drafter) if drafter is not None else None
+        self.round_cost = round_cost if round_cost is not None else RoundCost()
+        self._plain_rounds = 0  # rounds in a row whose drafter body the cost policy skipped
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         check_target_supported(target)
@@ -513,20 +527,44 @@ class Engine(RequestLifecycle):
         return logits, hidden
 
     def _skip_drafting(self, running) -> bool:
-        """True when no request could verify more than its bonus token this round, whatever the drafter
-        says: the load-scaled length rate caps every ``k_hat`` at 1 (``packed`` / ``rectangular``), or
-        every request has one token left. Skipping is lossless (a 1-token verify is plain decoding).
-        Not while a round sink is attached: it is promised the length head's prediction for every round."""
+        """True when no request would verify more than its bonus token this round: every request has one token
+        left; under ``adaptive`` the load-scaled length rate caps every ``k_hat`` at 1; under ``cost`` the round
+        decodes plainly by the requests' last head ratios (one that never drafted counts as accepting everything),
+        but for every ``PLAIN_PROBE_ROUNDS + 1``-th such round in a row, which drafts to refresh the ratios.
+        Skipping is lossless (a 1-token verify is plain decoding). Not while a round sink is attached: it is
+        promised the length head's prediction for every round."""
         if self.on_round is not None:
             return False
         if all(r.remaining <= 1 for r in running):
             return True
-        if self.layout in ("packed", "rectangular"):
-            rate = self._length_rate(len(running))
-            most = choose_verify_length(LengthPolicy.ADAPTIVE, 1, self.block_size, ratio=torch.ones(1), rate=rate,
-                                        min_len=self.length_min)
-            return int(most) <= 1  # the policy is monotone in the ratio: a ratio of 1 gives the largest k_hat
-        return False
+        if self.layout not in ("packed", "rectangular"):
+            return False
+        if self.policy is LengthPolicy.COST:
+            guess = torch.tensor([1.0 if r.head_ratio is None else r.head_ratio for r in running])
+            plain = bool((self._verify_lengths(running, guess) <= 1).all())
+            self._plain_rounds = self._plain_rounds + 1 if plain else 0
+            if self._plain_rounds > PLAIN_PROBE_ROUNDS:
+                self._plain_rounds = 0
+                return False
+            return plain
+        rate = self._length_rate(len(running))
+        most = choose_verify_length(LengthPolicy.ADAPTIVE, 1, self.block_size, ratio=torch.ones(1), rate=rate,
+                                    min_len=self.length_min)
+        return int(most) <= 1  # the policy is monotone in the ratio: a ratio of 1 gives the largest k_hat
+
+    def _verify_lengths(self, running, ratio: torch.Tensor | None) -> torch.Tensor:
+        """Each running request's ``k_hat`` (host ``[n]``) under the engine's policy from the length head's ``ratio``
+        (``None``: the whole block). The one place the engine calls :func:`choose_verify_length`."""
+        n, B = len(running), self.block_size
+        if ratio is None or self.layout == "fixed":
+            return choose_verify_length(LengthPolicy.FIXED, n, B)
+        ratio = ratio.float().cpu().view(-1)  # read 1 of the round (the cost rule and the floor rule run on the host)
+        if self.policy is LengthPolicy.COST:
+            for r, a in zip(running, ratio.tolist()):
+                r.head_ratio = a
+        return choose_verify_length(self.policy, n, B, ratio=ratio, rate=self._length_rate(n), min_len=self.length_min,
+                                    device="cpu", round_cost=self.round_cost,
+                                    max_len=torch.tensor([r.remaining for r in running]))
 
     def _length_rate(self, batch: int) -> float:
         """The length head's rate for a round of ``batch`` requests (fixed unless ``halving_batch`` is set)."""
@@ -563,11 +601,9 @@ class Engine(RequestLifecycle):
             if not skip:
                 remaining = torch.tensor([r.remaining for r in running])
                 adaptive = self.layout != "fixed" and ratio is not None
-                policy = LengthPolicy.ADAPTIVE if adaptive else LengthPolicy.FIXED
                 if adaptive and self.draft_replay is not None:
                     ratio = self.draft_replay.ratios(running, ratio, B)
-                rate = self._length_rate(n) if adaptive else 1.0
-                k_hat = choose_verify_length(policy, n, B, ratio=ratio, rate=rate, min_len=self.length_min).cpu()  # read 1
+                k_hat = self._verify_lengths(running, ratio if adaptive else None)  # read 1 when adaptive
                 self.host_syncs += int(adaptive)
                 draft_len = torch.minimum(k_hat - 1, remaining - 1).clamp(min=0)
             width = int(draft_len.max()) if n else 0
