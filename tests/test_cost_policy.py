@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import adaflash_hf.engine.engine as engine_mod
+from adaflash_hf.engine.verify_lengths import PLAIN_PROBE_ROUNDS
 from adaflash_hf.engine import Engine
 from adaflash_hf.spec.length_policy import choose_verify_length, cost_aware_verify_length, survival_curve
 from adaflash_hf.spec.round_cost import SPEC_H200_MS, SPEC_ROWS, SPEC_TOKENS_PER_ROW, RoundCost
@@ -182,7 +183,7 @@ def test_engine_plain_rounds_skip_the_drafter_body(pair, monkeypatch, graphs, co
     ran = sum(bodies)
     if plain:
         assert set(lens) == {1} and eng.skipped_drafts == eng.num_steps - 1  # all but the prefill round
-        assert 0 < ran <= eng.num_steps // (engine_mod.PLAIN_PROBE_ROUNDS + 1) + 1  # probes only
+        assert 0 < ran <= eng.num_steps // (PLAIN_PROBE_ROUNDS + 1) + 1  # probes only
     else:
         assert max(lens) == 8 and ran >= eng.num_steps - 2  # every verify round drafts
 

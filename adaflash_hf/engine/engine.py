@@ -3,7 +3,9 @@
 One :meth:`Engine.step` is one round for every running request:
 
 1. draft: one drafter forward over all running requests (per-slot drafter context cache), the
-   length head's ``k_hat_i`` at a fixed rate (load is left to admission; :func:`load_scaled_rate` on request);
+   verify lengths ``k_hat_i`` from the length head (:mod:`.verify_lengths`): under ``cost`` chosen together
+   against the round's cost (:class:`~adaflash_hf.spec.round_cost.RoundCost`), under ``adaptive`` the paper's
+   floor rule at a fixed rate (:func:`load_scaled_rate` on request);
 2. admit: queued requests whose prompt fits what is left of the token budget, up to the EMA
    estimate of how many fit (:class:`AdmissionController`);
 3. one packed target forward over the new prompts (prefill) and every running request's bonus +
@@ -44,7 +46,6 @@ from typing import Callable
 import torch
 
 from ..spec.hooks import hooks_for, round_callbacks
-from ..spec.length_policy import LengthPolicy, choose_verify_length, load_scaled_rate
 from ..spec.policy import resolve_policy, round_layout
 from ..spec.round_cost import RoundCost
 from ..spec.rounds import RoundSink, VerifiedRound
@@ -59,15 +60,12 @@ from .lifecycle import NON_FINITE, RequestLifecycle
 from .requests import EngineOutput, Request, RequestHandle, RequestRejected, StepInfo, check_request
 from .sampling import SamplingParams, checked_probs, processed_probs
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
+from .verify_lengths import VerifyLengths
 
 __all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo"]
 
-# Under the cost policy, rounds the head's last ratios say to decode plainly skip the drafter's body; every this many
-# such rounds in a row the body runs anyway, so the ratios (and a return to drafting) follow the text.
-PLAIN_PROBE_ROUNDS = 8
 
-
-class Engine(RequestLifecycle):
+class Engine(VerifyLengths, RequestLifecycle):
     """Continuous-batching speculative decoding over a slotted KV cache.
 
     Args:
@@ -525,52 +523,6 @@ class Engine(RequestLifecycle):
             logits = torch.cat([pre_logits, logits.float()])
             hidden = torch.cat([pre_hidden, hidden]) if hidden is not None else None
         return logits, hidden
-
-    def _skip_drafting(self, running) -> bool:
-        """True when no request would verify more than its bonus token this round: every request has one token
-        left; under ``adaptive`` the load-scaled length rate caps every ``k_hat`` at 1; under ``cost`` the round
-        decodes plainly by the requests' last head ratios (one that never drafted counts as accepting everything),
-        but for every ``PLAIN_PROBE_ROUNDS + 1``-th such round in a row, which drafts to refresh the ratios.
-        Skipping is lossless (a 1-token verify is plain decoding). Not while a round sink is attached: it is
-        promised the length head's prediction for every round."""
-        if self.on_round is not None:
-            return False
-        if all(r.remaining <= 1 for r in running):
-            return True
-        if self.layout not in ("packed", "rectangular"):
-            return False
-        if self.policy is LengthPolicy.COST:
-            guess = torch.tensor([1.0 if r.head_ratio is None else r.head_ratio for r in running])
-            plain = bool((self._verify_lengths(running, guess) <= 1).all())
-            self._plain_rounds = self._plain_rounds + 1 if plain else 0
-            if self._plain_rounds > PLAIN_PROBE_ROUNDS:
-                self._plain_rounds = 0
-                return False
-            return plain
-        rate = self._length_rate(len(running))
-        most = choose_verify_length(LengthPolicy.ADAPTIVE, 1, self.block_size, ratio=torch.ones(1), rate=rate,
-                                    min_len=self.length_min)
-        return int(most) <= 1  # the policy is monotone in the ratio: a ratio of 1 gives the largest k_hat
-
-    def _verify_lengths(self, running, ratio: torch.Tensor | None) -> torch.Tensor:
-        """Each running request's ``k_hat`` (host ``[n]``) under the engine's policy from the length head's ``ratio``
-        (``None``: the whole block). The one place the engine calls :func:`choose_verify_length`."""
-        n, B = len(running), self.block_size
-        if ratio is None or self.layout == "fixed":
-            return choose_verify_length(LengthPolicy.FIXED, n, B)
-        ratio = ratio.float().cpu().view(-1)  # read 1 of the round (the cost rule and the floor rule run on the host)
-        if self.policy is LengthPolicy.COST:
-            for r, a in zip(running, ratio.tolist()):
-                r.head_ratio = a
-        return choose_verify_length(self.policy, n, B, ratio=ratio, rate=self._length_rate(n), min_len=self.length_min,
-                                    device="cpu", round_cost=self.round_cost,
-                                    max_len=torch.tensor([r.remaining for r in running]))
-
-    def _length_rate(self, batch: int) -> float:
-        """The length head's rate for a round of ``batch`` requests (fixed unless ``halving_batch`` is set)."""
-        if self.halving_batch is None:
-            return self.length_rate
-        return load_scaled_rate(self.length_rate, batch, self.halving_batch)
 
     def _propose(self, running):
         """One drafter forward for all running requests: drafts ``[n, B-1]`` and ``finite [n]`` (device), the
