@@ -134,6 +134,7 @@ class Engine(VerifyLengths, RequestLifecycle):
         self.policy = resolve_policy(length_policy, drafter) if drafter is not None else None
         self.round_cost = round_cost if round_cost is not None else RoundCost()
         self._plain_rounds = 0  # rounds in a row whose drafter body the cost policy skipped
+        self._drafted_plain = False  # the cost policy's last drafted round verified nothing but bonus tokens
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         check_target_supported(target)

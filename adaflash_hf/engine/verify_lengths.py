@@ -20,7 +20,7 @@ PLAIN_PROBE_ROUNDS = 8
 
 class VerifyLengths:
     """Mixin of :class:`~.engine.Engine` (it owns ``policy``, ``layout``, ``block_size``, ``round_cost``,
-    ``length_rate``, ``length_min``, ``halving_batch``, ``on_round`` and ``_plain_rounds``)."""
+    ``length_rate``, ``length_min``, ``halving_batch``, ``on_round``, ``_plain_rounds`` and ``_drafted_plain``)."""
 
     def _skip_drafting(self, running) -> bool:
         """True when no request would verify more than its bonus token this round: every request has one token
@@ -36,8 +36,10 @@ class VerifyLengths:
         if self.layout not in ("packed", "rectangular"):
             return False
         if self.policy is LengthPolicy.COST:
+            if not self._drafted_plain:  # the last ratios asked for drafts: no need to ask them again
+                return False
             guess = torch.tensor([1.0 if r.head_ratio is None else r.head_ratio for r in running])
-            plain = bool((self._verify_lengths(running, guess) <= 1).all())
+            plain = bool((self._verify_lengths(running, guess, guess=True) <= 1).all())
             self._plain_rounds = self._plain_rounds + 1 if plain else 0
             if self._plain_rounds > PLAIN_PROBE_ROUNDS:
                 self._plain_rounds = 0
@@ -48,19 +50,22 @@ class VerifyLengths:
                                     min_len=self.length_min)
         return int(most) <= 1  # the policy is monotone in the ratio: a ratio of 1 gives the largest k_hat
 
-    def _verify_lengths(self, running, ratio: torch.Tensor | None) -> torch.Tensor:
+    def _verify_lengths(self, running, ratio: torch.Tensor | None, guess: bool = False) -> torch.Tensor:
         """Each running request's ``k_hat`` (host ``[n]``) under the engine's policy from the length head's ``ratio``
-        (``None``: the whole block). The one place the engine calls :func:`choose_verify_length`."""
+        (``None``: the whole block). The one place the engine calls :func:`choose_verify_length`. Unless this is a
+        ``guess`` (before drafting), the cost policy keeps the ratios and whether the round decodes plainly."""
         n, B = len(running), self.block_size
         if ratio is None or self.layout == "fixed":
             return choose_verify_length(LengthPolicy.FIXED, n, B)
         ratio = ratio.float().cpu().view(-1)  # read 1 of the round (the cost rule and the floor rule run on the host)
-        if self.policy is LengthPolicy.COST:
+        k_hat = choose_verify_length(self.policy, n, B, ratio=ratio, rate=self._length_rate(n), min_len=self.length_min,
+                                     device="cpu", round_cost=self.round_cost,
+                                     max_len=torch.tensor([r.remaining for r in running]))
+        if self.policy is LengthPolicy.COST and not guess:
             for r, a in zip(running, ratio.tolist()):
                 r.head_ratio = a
-        return choose_verify_length(self.policy, n, B, ratio=ratio, rate=self._length_rate(n), min_len=self.length_min,
-                                    device="cpu", round_cost=self.round_cost,
-                                    max_len=torch.tensor([r.remaining for r in running]))
+            self._drafted_plain = bool((k_hat <= 1).all())
+        return k_hat
 
     def _length_rate(self, batch: int) -> float:
         """The length head's rate for a round of ``batch`` requests (fixed unless ``halving_batch`` is set)."""

@@ -140,8 +140,8 @@ def survival_curve(accept_ratio, block_size: int, rate: float = 1.0) -> np.ndarr
         [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
     """
     width = block_size - 1
-    a = np.nan_to_num(np.asarray(accept_ratio, dtype=np.float64).reshape(-1), nan=0.0)
-    target = np.clip(a * block_size * rate - 1.0, 0.0, width)
+    a = np.asarray(accept_ratio, dtype=np.float64).reshape(-1)
+    target = np.minimum(np.maximum(np.where(np.isnan(a), 0.0, a) * (block_size * rate) - 1.0, 0.0), width)
     p_grid, f_grid = _power_sum_table(width)
     p = np.interp(target, f_grid, p_grid)
     return p[:, None] ** np.arange(1, width + 1)[None, :]

@@ -33,16 +33,18 @@ SPEC_H200_MS = (  # SPEC section 6, flex attention column: ms of one verify forw
 )
 
 
-def _interp(x, xs: np.ndarray, ys: np.ndarray):
-    """Piecewise linear ``ys(x)`` along the last axis of ``ys``: flat below ``xs[0]``, the last segment's slope
-    past ``xs[-1]`` (so a measured table never caps the cost of a shape larger than it measured)."""
-    x = np.asarray(x, dtype=np.float64)
+FAR = 1e6  # the grids are extended to FAR times their last point along the last segment's slope
+
+
+def _extend(xs: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``xs, ys`` (``ys`` along its last axis) with one far point on the last segment's line, so that
+    ``np.interp`` (flat outside its grid) is linear past the measured end: a table never caps the cost of a
+    shape larger than it measured. Below the first point it stays flat."""
     if len(xs) == 1:
-        return np.broadcast_to(ys[..., 0], np.broadcast_shapes(x.shape, ys.shape[:-1])).copy()
-    j = np.clip(np.searchsorted(xs, x, side="right") - 1, 0, len(xs) - 2)
-    x0, x1 = xs[j], xs[j + 1]
-    w = np.maximum(x - x0, 0.0) / (x1 - x0)  # below xs[0]: w = 0 (flat); past xs[-1]: w > 1 (extrapolated)
-    return ys[..., j] * (1 - w) + ys[..., j + 1] * w
+        return np.array([xs[0], xs[0] * FAR]), np.stack([ys[..., 0], ys[..., 0]], axis=-1)
+    x_far = xs[-1] * FAR
+    slope = (ys[..., -1] - ys[..., -2]) / (xs[-1] - xs[-2])
+    return np.append(xs, x_far), np.concatenate([ys, (ys[..., -1] + slope * (x_far - xs[-1]))[..., None]], axis=-1)
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,10 @@ class RoundCost:
             raise ValueError("RoundCost.verify times must be finite and > 0")
         if not (math.isfinite(self.draft_fraction) and self.draft_fraction >= 0):
             raise ValueError(f"RoundCost.draft_fraction must be finite and >= 0, got {self.draft_fraction}")
-        object.__setattr__(self, "_grid", (np.asarray(self.rows, np.float64), np.asarray(self.tokens_per_row, np.float64),
-                                           table))
+        rgrid, by_rows = _extend(np.asarray(self.rows, np.float64), table.T)  # [Q, R+1]
+        qgrid, _ = _extend(np.asarray(self.tokens_per_row, np.float64), table)
+        object.__setattr__(self, "_grid", (rgrid, by_rows, qgrid))
+        object.__setattr__(self, "_per_rows", {})  # rows -> the verify curve over tokens per row (rounds repeat sizes)
 
     @classmethod
     def flat(cls, draft_fraction: float = 0.0) -> "RoundCost":
@@ -101,11 +105,14 @@ class RoundCost:
     def verify_time(self, rows: int, tokens):
         """Time of one verify forward of ``rows`` requests carrying ``tokens`` tokens in all (an int, or an array of
         candidate totals: an array back)."""
-        if rows < 1:
-            raise ValueError(f"rows must be >= 1, got {rows}")
-        rgrid, qgrid, table = self._grid
-        per_q = _interp(rows, rgrid, table.T)  # [len(tokens_per_row)] at this many rows
-        out = _interp(np.asarray(tokens, dtype=np.float64) / rows, qgrid, per_q)
+        curve = self._per_rows.get(rows)
+        if curve is None:
+            if rows < 1:
+                raise ValueError(f"rows must be >= 1, got {rows}")
+            rgrid, by_rows, qgrid = self._grid
+            per_q = np.array([np.interp(rows, rgrid, col) for col in by_rows])  # [len(tokens_per_row)] at this many rows
+            curve = self._per_rows[rows] = _extend(qgrid[:-1], per_q)
+        out = np.interp(np.asarray(tokens, dtype=np.float64) / rows, *curve)
         return float(out) if np.ndim(out) == 0 else out
 
     def draft_time(self, rows: int, block_size: int) -> float:
