@@ -327,12 +327,13 @@ class Engine(VerifyLengths, RequestLifecycle):
         return True
 
     def _read_and_chain(self, packed: torch.Tensor, running, admitted, drafts: RoundDrafts, accepted, next_tokens) -> list[int]:
-        """The round's one device read. When every request verified a whole block under the fixed policy, the next
+        """The round's one device read. When the round verified drafts (any layout) and admitted nothing, the next
         round's drafter body is queued first, behind the copy (:meth:`.DraftGraphs.run_chain`): the device drafts while
-        the host waits for the copy and commits, and the next round takes that body if it drafts for the same requests."""
-        if not (self.draft_graphs is not None and self.draft_graphs.chain_source is not None and self.layout == "fixed"
+        the host waits for the copy and commits, and the next round takes that body if it drafts for the same requests.
+        A round of bonus tokens only chains nothing: under ``cost`` the next round is likely plain too (no body)."""
+        if not (self.draft_graphs is not None and self.draft_graphs.chain_source is not None and self.layout != "off"
                 and running and not admitted and self.on_round is None and self.draft_replay is None
-                and all(q == self.block_size for q in drafts.q_lens)):
+                and max(drafts.q_lens) > 1):
             return packed.tolist()
         copied = None
         if packed.is_cuda:  # a pinned, non-blocking copy: the host waits for it alone, not for the body behind it
@@ -341,7 +342,7 @@ class Engine(VerifyLengths, RequestLifecycle):
             copied = torch.cuda.Event()
             copied.record()
         with hooks_for(self.drafter).weights_lock:
-            self.draft_graphs.run_chain([r.slot for r in running], accepted, next_tokens)
+            self.draft_graphs.run_chain([r.slot for r in running], accepted, next_tokens, drafts.q_lens)
         if copied is None:
             return packed.tolist()
         copied.synchronize()

@@ -47,7 +47,7 @@ def _draft_buckets(engine, concurrency: int, prompt_lens: Sequence[int]) -> set[
             for C in range(lo, min(hi, d.ctx_buckets[-1]) + 1):
                 Cb = pick_bucket(d.ctx_buckets, C)
                 out |= {("body", Cb, Rb), ("body", Cb, 0)}
-    if engine.layout == "fixed":  # the next round's body, queued before the read (DraftGraphs.run_chain)
+    if engine.layout != "off":  # the next round's body, queued before the read (DraftGraphs.run_chain)
         out |= {d.chain_bucket(n) for n in range(1, concurrency + 1)} - {None}
     most = pick_bucket(d.pos_buckets, concurrency * (B - 1))  # drafted positions, packed: 1 .. B - 1 per request
     return out | {("head", Pb) for Pb in d.pos_buckets if Pb <= most}
