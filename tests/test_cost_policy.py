@@ -204,3 +204,26 @@ def test_engine_identity_both_head_policies(mode, policy):
     for o, p in zip(outs, prompts):
         assert o.token_ids == plain_greedy_ids(target, p, 20)
     assert any(1 < v < 8 for o in outs for v in o.verify_lengths)
+
+
+def test_engine_measures_its_own_round_cost(pair):
+    """``measure_round_cost`` times the engine's own buckets (eagerly here: the static path on the CPU) into a valid
+    RoundCost over the rows it can hold, frees what it borrowed, and the engine decodes identically under it."""
+    from adaflash_hf.engine.warmup import measure_round_cost
+
+    target, drafter = pair
+    eng = Engine(target, drafter, length_policy="cost", max_slots=4, max_len=96, token_budget=64, cuda_graphs=True)
+    cost = measure_round_cost(eng, context=16, reps=1)
+    assert cost.rows == (1, 2, 4) and cost.tokens_per_row == (1, 2, 4, 8)
+    assert cost.verify_time(1, 1) == 1.0 and cost.draft_fraction > 0
+    assert eng.cache.num_free == 4 and eng.idle
+    eng.round_cost = cost
+    prompts = engine_prompts([5, 7], seed=13)
+    for o, p in zip(eng.generate(prompts, max_new_tokens=12), prompts):
+        assert o.token_ids == plain_greedy_ids(target, p, 12)
+    with pytest.raises(ValueError, match="rows must be in"):
+        measure_round_cost(eng, rows=[8])
+    with pytest.raises(ValueError, match="context must be"):
+        measure_round_cost(eng, context=90)
+    with pytest.raises(RuntimeError, match="graph path"):
+        measure_round_cost(Engine(target, drafter, max_slots=2, max_len=32, cuda_graphs=False))
