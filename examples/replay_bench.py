@@ -32,6 +32,8 @@ small excerpt in ``tests/fixtures/data``).
 Usage:
     python examples/replay_bench.py --out $OUT                     # H200, about 6-8 minutes
     python examples/replay_bench.py --smoke --out /tmp/replay      # CPU, tiny shapes, ~20 s
+    # packed verify lengths by the paper's floor rule instead of the default cost rule; the cost rule on this GPU's
+    # own measured cost: --length-policy adaptive / --measure-cost (and --length-rate for the head's calibration)
 """
 
 from __future__ import annotations
@@ -284,6 +286,8 @@ def main(argv=None) -> int:
     ap.add_argument("--length-policy", default="cost", choices=("cost", "adaptive"),
                     help="the packed layout's verify-length rule: cost (the default rule) or adaptive (the paper's floor rule)")
     ap.add_argument("--length-rate", type=float, default=None, help="the length head's rate (default: the drafter config's, 1.0)")
+    ap.add_argument("--measure-cost", action="store_true", help="the packed engine's cost model measured on this GPU "
+                    "(engine.warmup.measure_round_cost) instead of SPEC section 6's table")
     args = ap.parse_args(argv)
     smoke = args.smoke
     device = args.device or ("cuda" if torch.cuda.is_available() and not smoke else "cpu")
@@ -390,6 +394,14 @@ def main(argv=None) -> int:
     replays = {m: DraftReplay(refs, None) for m in ("fixed", "packed")}  # one each: request ids are per engine
     engines = {m: Engine(target, **layout_args(drafter, m, args.length_policy), draft_replay=replays[m],
                          length_rate=args.length_rate, **kw) for m in replays}
+    if args.measure_cost:
+        from adaflash_hf.engine.warmup import measure_round_cost
+
+        t = time.perf_counter()
+        cost = engines["packed"].round_cost = measure_round_cost(engines["packed"], context=min(plen, kw["max_len"] - 2 * BLOCK))
+        res["meta"]["round_cost"] = {"rows": cost.rows, "tokens_per_row": cost.tokens_per_row, "verify": cost.verify,
+                                     "draft_fraction": cost.draft_fraction, "seconds": time.perf_counter() - t}
+        log(f"measured round cost in {time.perf_counter() - t:.1f}s: draft fraction {cost.draft_fraction:.3f}")
     warmed = set()
     for name, tr in traces.items():
         for rp in replays.values():
