@@ -170,10 +170,10 @@ def cost_aware_verify_length(
     than the expected acceptance earns, plain decoding (every ``k_hat`` 1).
 
     Example:
-        >>> ratio = torch.tensor([1.0, 0.25])
+        >>> ratio = torch.tensor([0.1, 0.25])
         >>> cost_aware_verify_length(ratio, 16, RoundCost.flat()).tolist()
         [16, 16]
-        >>> cost_aware_verify_length(ratio, 16, RoundCost.flat(draft_fraction=5.0)).tolist()
+        >>> cost_aware_verify_length(ratio, 16, RoundCost.flat(draft_fraction=5.0)).tolist()  # drafting cannot pay
         [1, 1]
     """
     _check_len_bounds(block_size, min_len)
