@@ -32,6 +32,8 @@ small excerpt in ``tests/fixtures/data``).
 Usage:
     python examples/replay_bench.py --out $OUT                     # H200, about 6-8 minutes
     python examples/replay_bench.py --smoke --out /tmp/replay      # CPU, tiny shapes, ~20 s
+    # packed verify lengths by the paper's floor rule instead of the default cost rule; the cost rule on this GPU's
+    # own measured cost: --length-policy adaptive / --measure-cost (and --length-rate for the head's calibration)
 """
 
 from __future__ import annotations
@@ -210,7 +212,8 @@ def markdown(res: dict) -> str:
     m = res["meta"]
     out = ["# ACCEPTANCE REPLAY, Qwen3-8B shape (random bf16 weights), engine tok/s", "",
            f"{m.get('gpu') or m['device']}; {m['prompt_len']}-token prompts, {m['max_new_tokens']} new tokens per "
-           f"request, one request per concurrency slot, all submitted at once; drafter: {m.get('drafter', '')}. "
+           f"request, one request per concurrency slot, all submitted at once; drafter: {m.get('drafter', '')}; packed "
+           f"verify lengths by `{m.get('packed_policy', 'adaptive')}`, length rate {m.get('length_rate') or 'of the drafter config'}. "
            "Replay: the drafts follow the trace, the engine's forwards, kernels and verify lengths are real. "
            "Not a model's result. tok/s: decode, after every request has its first token, to the end of the run (the "
            "closed batch's tail included); full batch: the same up to the first request's end (median of the runs).", ""]
@@ -280,6 +283,11 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels-at", default="", help="concurrencies whose off and paper-trace rows also get a device-kernel "
                     "profile (mid-run target forwards, by kind)")
     ap.add_argument("--budget-s", type=float, default=450.0, help="rows that would start after this are skipped")
+    ap.add_argument("--length-policy", default="cost", choices=("cost", "adaptive"),
+                    help="the packed layout's verify-length rule: cost (the default rule) or adaptive (the paper's floor rule)")
+    ap.add_argument("--length-rate", type=float, default=None, help="the length head's rate (default: the drafter config's, 1.0)")
+    ap.add_argument("--measure-cost", action="store_true", help="the packed engine's cost model measured on this GPU "
+                    "(engine.warmup.measure_round_cost) instead of SPEC section 6's table")
     args = ap.parse_args(argv)
     smoke = args.smoke
     device = args.device or ("cuda" if torch.cuda.is_available() and not smoke else "cpu")
@@ -296,7 +304,8 @@ def main(argv=None) -> int:
     res = {"meta": {"label": "ACCEPTANCE REPLAY (not a model's result)", "device": device,
                     "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "", "torch": torch.__version__,
                     "smoke": smoke, "concurrency": conc, "prompt_len": plen, "max_new_tokens": max_new,
-                    "reps": args.reps, "block_size": BLOCK}, "traces": {}, "rows": [], "checks": {}}
+                    "reps": args.reps, "block_size": BLOCK, "packed_policy": args.length_policy,
+                    "length_rate": args.length_rate}, "traces": {}, "rows": [], "checks": {}}
 
     def save():
         res["meta"]["total_s"] = time.perf_counter() - common.T0
@@ -383,7 +392,16 @@ def main(argv=None) -> int:
     del off
     common.free_memory()
     replays = {m: DraftReplay(refs, None) for m in ("fixed", "packed")}  # one each: request ids are per engine
-    engines = {m: Engine(target, **layout_args(drafter, m), draft_replay=replays[m], **kw) for m in replays}
+    engines = {m: Engine(target, **layout_args(drafter, m, args.length_policy), draft_replay=replays[m],
+                         length_rate=args.length_rate, **kw) for m in replays}
+    if args.measure_cost:
+        from adaflash_hf.engine.warmup import measure_round_cost
+
+        t = time.perf_counter()
+        cost = engines["packed"].round_cost = measure_round_cost(engines["packed"], context=min(plen, kw["max_len"] - 2 * BLOCK))
+        res["meta"]["round_cost"] = {"rows": cost.rows, "tokens_per_row": cost.tokens_per_row, "verify": cost.verify,
+                                     "draft_fraction": cost.draft_fraction, "seconds": time.perf_counter() - t}
+        log(f"measured round cost in {time.perf_counter() - t:.1f}s: draft fraction {cost.draft_fraction:.3f}")
     warmed = set()
     for name, tr in traces.items():
         for rp in replays.values():

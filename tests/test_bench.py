@@ -235,7 +235,7 @@ def test_online_methods_record_tau_per_update(full_run, setup):
     assert "## Online updates" in md and "| alpha | 1 | osd | 0: " in md
 
 
-def test_adaflash_uses_the_adaptive_policy_with_a_trained_head(setup, tmp_path):
+def test_adaflash_uses_the_cost_policy_with_a_trained_head(setup, tmp_path):
     drafter = build_drafter(setup["target"], num_layers=1, block_size=4, seed=2)
     drafter.config.length_head_trained = True
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
@@ -247,7 +247,7 @@ def test_adaflash_uses_the_adaptive_policy_with_a_trained_head(setup, tmp_path):
     cell = res.cell("adaflash", "alpha", 2)
     assert res.ok and cell.identical is True
     notes = " ".join(cell.notes)
-    assert "verify-length policy adaptive" in notes and "--no-online-wait" in notes
+    assert "verify-length policy cost" in notes and "--no-online-wait" in notes
     assert all(torch.equal(v, before[k]) for k, v in drafter.state_dict().items())  # a private copy trained
 
 

@@ -170,12 +170,12 @@ RAGGED = [1, 4, 9, 2, 13, 6, 3, 7]
 MAX_NEW = [12, 5, 1, 9, 12, 7, 3, 10]
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_modes_greedy_identical_real_drafter(pair, mode):
-    """The real (random) drafter and length head: every mode equals plain greedy, per request."""
+@pytest.mark.parametrize("mode,policy", [(m, "cost") for m in MODES] + [("packed", "adaptive"), ("rectangular", "adaptive")])
+def test_modes_greedy_identical_real_drafter(pair, mode, policy):
+    """The real (random) drafter and length head: every mode, under either length-head rule, equals plain greedy."""
     target, drafter = pair
     prompts = engine_prompts(RAGGED, seed=4)
-    engine = Engine(target, **layout_args(drafter, mode), max_slots=3, max_len=32, token_budget=40)
+    engine = Engine(target, **layout_args(drafter, mode, policy), max_slots=3, max_len=32, token_budget=40)
     handles = [engine.submit(p, n) for p, n in zip(prompts, MAX_NEW)]
     engine.run_until_idle()
     for h, p, n in zip(handles, prompts, MAX_NEW):

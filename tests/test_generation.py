@@ -46,6 +46,9 @@ GREEDY_CASES = [
     ("llama", 9, 5, 16, "adaptive", "high", "random", "sdpa", "rejected"),
     ("qwen3", 10, 8, 8, "fixed", None, "oracle3", "sdpa", "first3"),
     ("llama", 11, 6, 4, "adaptive", None, "oracle", "eager", "some"),
+    ("qwen3", 12, 6, 8, "cost", "high", "oracle", "sdpa", "full"),  # batch 1: a verify costs ~a plain step
+    ("llama", 13, 7, 8, "cost", "low", "oracle", "sdpa", "no_drafts"),  # nothing expected accepted: plain decoding
+    ("qwen3", 14, 5, 16, "cost", "high", "random", "eager", "rejected"),
 ]
 
 

@@ -14,7 +14,7 @@ from collections import Counter
 from ..loading import PROMPTS_HINT, UsageError, load_models, read_jsonl, record_messages, resolve_device_dtype
 
 PROG = "adaflash"
-from ..spec.policy import POLICY_NAMES
+from ..spec.policy import HEAD_POLICIES, POLICY_NAMES
 
 
 # ============================================================================ parsing
@@ -87,8 +87,9 @@ def add_sampling_args(p, max_new_tokens: int):
     g.add_argument("--top-k", type=nonneg_int, default=0, help="top-k sampling, 0 = off (with --temperature > 0)")
     g.add_argument("--seed", type=int, default=0, help="torch seed set before each generate call (sampling)")
     g.add_argument("--length-policy", choices=POLICY_NAMES, default=None,
-                   help="verify length per round: adaptive (length head), fixed (full block, DFlash), expected_gain "
-                        "(default: adaptive when the drafter has a trained length head, else fixed)")
+                   help="verify length per round: cost (length head, each round's lengths weighed against what a verify "
+                        "costs at that batch), adaptive (length head, the paper's floor rule), fixed (full block, DFlash), "
+                        "expected_gain (default: cost when the drafter has a trained length head, else fixed)")
     g.add_argument("--no-chat-template", action="store_true", help="feed prompt text as is instead of through the chat template")
     return g
 
@@ -110,9 +111,9 @@ def load_models_from_args(args, need_drafter: bool = True):
 
 
 def check_policy(drafter, policy: str | None) -> None:
-    if policy == "adaptive" and getattr(drafter, "length_head", None) is None:
+    if policy in [p.value for p in HEAD_POLICIES] and getattr(drafter, "length_head", None) is None:
         raise UsageError(
-            "--length-policy adaptive needs a drafter with a length head; this one has none",
+            f"--length-policy {policy} needs a drafter with a length head; this one has none",
             "use --length-policy fixed or expected_gain",
         )
 

@@ -6,7 +6,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..spec.policy import POLICY_NAMES
+from ..spec.policy import POLICY_NAMES, default_policy
 from .common import PROG, check_policy, encode, positive_int, progress, verify_summary, write
 
 HELP = "generate with the embedded reference pair; print text, tau, verify lengths, speedup, lossless check"
@@ -28,7 +28,7 @@ DEMO_PROMPTS = (
 def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens generated per prompt")
     p.add_argument("--prompt", action="append", help="a prompt of your own (repeatable; default: three built-in prompts)")
-    p.add_argument("--length-policy", choices=POLICY_NAMES, default=None, help="default: adaptive (the drafter's trained length head)")
+    p.add_argument("--length-policy", choices=POLICY_NAMES, default=None, help="default: cost (the drafter's trained length head)")
     p.add_argument("--threads", type=positive_int, default=1, help="CPU threads (1 is fastest for this tiny pair)")
 
 
@@ -53,7 +53,7 @@ def run(args) -> int:
     start = time.perf_counter()
     target, drafter, tok = load_reference_pair()
     check_policy(drafter, args.length_policy)
-    policy = args.length_policy or ("adaptive" if drafter.config.use_length_head and drafter.config.length_head_trained else "fixed")
+    policy = args.length_policy or default_policy(drafter.config).value
     prompts = args.prompt or list(DEMO_PROMPTS)
     n_target = sum(p.numel() for p in target.parameters())
     n_drafter = sum(p.numel() for p in drafter.parameters())

@@ -41,7 +41,7 @@ def add_arguments(p) -> None:
     g.add_argument("--prompts-file", help=f"prompts: {PROMPTS_HINT}")
     g.add_argument("--system", help="system message prepended to every prompt")
     g = add_sampling_args(p, 128)
-    g.add_argument("--length-rate", type=positive_float, default=None, help="adaptive policy: scale of k_hat = floor(a*B*rate)")
+    g.add_argument("--length-rate", type=positive_float, default=None, help="length head scale: adaptive k_hat = floor(a*B*rate); cost: expected accepted a*B*rate - 1")
     g.add_argument("--length-min", type=positive_int, default=None, help="smallest verify length (bonus slot included)")
     g.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together")
     g.add_argument("--no-drafter", action="store_true", help="plain decoding with the target only (for comparison)")

@@ -64,8 +64,9 @@ def add_arguments(p) -> None:
                    help="after an engine failure, answer /health with 503 this long, then exit with status 3")
     g = p.add_argument_group("engine")
     g.add_argument("--length-policy", choices=ENGINE_POLICIES, default=None,
-                   help="adaptive: each request verifies the length head's k_hat; fixed: the full block "
-                        "(default: adaptive when the drafter's length head is trained, else fixed)")
+                   help="cost: each request verifies the length head's k_hat, chosen against what a verify costs at "
+                        "the round's batch (plain decoding where drafting does not pay); adaptive: the paper's floor rule "
+                        "on the head; fixed: the full block (default: cost when the drafter's length head is trained, else fixed)")
     g.add_argument("--plain", action="store_true", help="serve the target alone (plain decoding, no drafter)")
     g.add_argument("--max-slots", type=positive_int, default=16, help="requests decoded concurrently (KV slots)")
     g.add_argument("--max-len", type=number(int, lambda v: v >= 2, "an integer >= 2"), default=None,

@@ -247,7 +247,7 @@ class DraftGraphs(GraphRunner):
         self.chain_source: torch.Tensor | None = None
         self.chain_acc = torch.zeros(R, dtype=torch.long, device=device)
         self.chain_next = torch.zeros(R, dtype=torch.long, device=device)
-        self._chained: tuple[list[int], int] | None = None  # (slots, R_b) of the chained body not yet taken
+        self._chained: tuple | None = None  # (slots, R_b, verify lengths, their offsets) of the chained body not yet taken
         self.padded_tokens = 0
         self._rows = 0  # R_b of the last body run (the head reads its block states)
         self.fused, self.fusion_note = None, "no fused target" if fused is None else ""
@@ -321,7 +321,7 @@ class DraftGraphs(GraphRunner):
             self._body(*sizes)
 
     def _chain(self, Cb: int, Rb: int) -> None:
-        """The body of the next round, computed on the device from this round's verify: every row's ``B`` verified
+        """The body of the next round, computed on the device from this round's verify: every row's verified
         positions as context (the first ``a + 1`` are the accepted ones; the block, placed right after them, overwrites
         the K/V of the rest) and its next token as the bonus."""
         m = min(Rb * self.B, self.chain_source.shape[0])
@@ -408,11 +408,11 @@ class DraftGraphs(GraphRunner):
 
     def _chained_for(self, slots: list[int], ctx: list[torch.Tensor], bonus) -> bool:
         """Whether the chained body was queued for this call: the same slots, and each context the first rows of that
-        request's block of :attr:`chain_source` (the features a round commits, a view: checked by address)."""
+        request's verify segment of :attr:`chain_source` (the features a round commits, a view: checked by address)."""
         if self._chained is None or bonus is None or self._chained[0] != list(slots):
             return False
-        src, B = self.chain_source, self.B
-        return all(c.shape[0] <= B and c.data_ptr() == src[i * B].data_ptr() for i, c in enumerate(ctx))
+        src, q, offs = self.chain_source, self._chained[2], self._chained[3]
+        return all(c.shape[0] <= q[i] and c.data_ptr() == src[offs[i]].data_ptr() for i, c in enumerate(ctx))
 
     @torch.no_grad()
     def run_body(self, slots: list[int], ctx: list[torch.Tensor], bonus: list[int] | None) -> torch.Tensor | None:
@@ -441,26 +441,30 @@ class DraftGraphs(GraphRunner):
         return ("chain", pick_bucket(self.ctx_buckets, Rb * self.B), Rb) if Rb * self.B <= self.ctx_buckets[-1] else None
 
     @torch.no_grad()
-    def run_chain(self, slots: list[int], accepted: torch.Tensor, next_tokens: torch.Tensor) -> bool:
+    def run_chain(self, slots: list[int], accepted: torch.Tensor, next_tokens: torch.Tensor,
+                  q_lens: Sequence[int] | None = None) -> bool:
         """Queue the next round's body before this round's results are read: request ``i`` (slot ``slots[i]``) verified
-        a full block whose features are rows ``i*B .. i*B + B - 1`` of :attr:`chain_source`, accepted
-        ``accepted[i]`` drafts and goes on from ``next_tokens[i]`` (device tensors). Nothing on the host changes: the
+        ``q_lens[i]`` tokens (default: the whole block) whose features are its segment of :attr:`chain_source` (the
+        segments packed in request order), accepted ``accepted[i]`` drafts and goes on from ``next_tokens[i]`` (device
+        tensors). Nothing on the host changes: the
         result is the next round's body when that round drafts for the same slots, else it is
         never read (its K/V writes lie past every slot's length). :meth:`run_body` takes it instead of running when called
         for the same slots with those features (the round after). Returns False when no bucket fits."""
         n, B = len(slots), self.B
+        q = np.full(n, B, dtype=np.int64) if q_lens is None else np.asarray(q_lens, dtype=np.int64)
         bucket = self.chain_bucket(n)
-        if bucket is None or self.chain_source is None:
+        if bucket is None or self.chain_source is None or q.shape != (n,) or not ((q >= 1) & (q <= B)).all():
             return False
         _, Cb, Rb = bucket
         starts = np.array([self.cache.length(s) for s in slots], dtype=np.int64)
         if int(starts.max()) + 2 * B > self.cache.max_len:
             return False
+        T = int(q.sum())  # <= n * B <= Cb: every verified row is context (the accepted ones first)
         host = np.zeros((5, max(Cb, Rb)), dtype=np.int64)
-        host[0, : n * B] = repeat(starts, [B] * n) + np.tile(np.arange(B), n)
-        host[0, n * B : Cb] = np.arange(Cb - n * B) % self.cache.max_len
-        host[1, : n * B] = repeat(slots, [B] * n)
-        host[1, n * B : Cb] = self.scratch
+        host[0, :T] = repeat(starts, q) + segments(q)[1]
+        host[0, T:Cb] = np.arange(Cb - T) % self.cache.max_len
+        host[1, :T] = repeat(slots, q)
+        host[1, T:Cb] = self.scratch
         host[2, :n], host[2, n:Rb] = slots, self.scratch
         host[3, :n] = starts  # the block starts after the accepted context: added on the device
         host[4, :n] = 1  # live rows (the bonus comes from chain_next)
@@ -469,7 +473,7 @@ class DraftGraphs(GraphRunner):
         self.chain_acc[:n].copy_(accepted)
         self.chain_next[:n].copy_(next_tokens)
         self.replay(bucket)
-        self._chained = (list(slots), Rb)
+        self._chained = (list(slots), Rb, q.tolist(), np.concatenate([[0], np.cumsum(q)]).tolist())
         return True
 
     @torch.no_grad()

@@ -3,7 +3,9 @@
 One :meth:`Engine.step` is one round for every running request:
 
 1. draft: one drafter forward over all running requests (per-slot drafter context cache), the
-   length head's ``k_hat_i`` at a fixed rate (load is left to admission; :func:`load_scaled_rate` on request);
+   verify lengths ``k_hat_i`` from the length head (:mod:`.verify_lengths`): under ``cost`` chosen together
+   against the round's cost (:class:`~adaflash_hf.spec.round_cost.RoundCost`), under ``adaptive`` the paper's
+   floor rule at a fixed rate (:func:`load_scaled_rate` on request);
 2. admit: queued requests whose prompt fits what is left of the token budget, up to the EMA
    estimate of how many fit (:class:`AdmissionController`);
 3. one packed target forward over the new prompts (prefill) and every running request's bonus +
@@ -44,8 +46,8 @@ from typing import Callable
 import torch
 
 from ..spec.hooks import hooks_for, round_callbacks
-from ..spec.length_policy import LengthPolicy, choose_verify_length, load_scaled_rate
-from ..spec.policy import round_layout
+from ..spec.policy import resolve_policy, round_layout
+from ..spec.round_cost import RoundCost
 from ..spec.rounds import RoundSink, VerifiedRound
 from ..spec.verify import SampledRows, accept_block
 from .admission import AdmissionController, fit_token_budget
@@ -58,20 +60,26 @@ from .lifecycle import NON_FINITE, RequestLifecycle
 from .requests import EngineOutput, Request, RequestHandle, RequestRejected, StepInfo, check_request
 from .sampling import SamplingParams, checked_probs, processed_probs
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
+from .verify_lengths import VerifyLengths
 
 __all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo"]
 
 
-class Engine(RequestLifecycle):
+class Engine(VerifyLengths, RequestLifecycle):
     """Continuous-batching speculative decoding over a slotted KV cache.
 
     Args:
         target: a Qwen3 / Llama ``*ForCausalLM`` (eval mode).
         drafter: an :class:`AdaFlashDrafter` bound to ``target``; ``None``: plain decoding.
-        length_policy: ``adaptive`` (the length head's ``k_hat`` per request, packed into one forward) or
-            ``fixed`` (the whole block, DFlash); the same setting as ``generate``'s; default: ``adaptive``
-            when the drafter's length head is trained, else ``fixed``.
-        rectangular: with ``adaptive``, pad every request to the round's largest ``k_hat`` (the cost of a
+        length_policy: ``cost`` (each request's ``k_hat`` from the length head, chosen together against
+            ``round_cost``, packed into one forward), ``adaptive`` (the paper's floor rule on the length head) or
+            ``fixed`` (the whole block, DFlash); the same setting as ``generate``'s; default: ``cost``
+            when the drafter's length head is trained, else ``fixed``. Under ``cost`` a round whose requests all
+            decode plainly by their last head ratios skips the drafter's body (every ``PLAIN_PROBE_ROUNDS``-th
+            such round runs it to refresh them).
+        round_cost: the :class:`~adaflash_hf.spec.round_cost.RoundCost` the ``cost`` policy weighs (default: SPEC
+            section 6's H200 table; :func:`~.warmup.measure_round_cost` measures this engine's own).
+        rectangular: with ``cost`` / ``adaptive``, pad every request to the round's largest ``k_hat`` (the cost of a
             padded ``[b, max k_hat]`` batch; for comparison only).
         max_slots: concurrent requests (KV slots for target and drafter).
         max_len: positions per slot: ``len(prompt) + max_new_tokens`` must not exceed it.
@@ -120,8 +128,13 @@ class Engine(RequestLifecycle):
                  token_budget: int = 512, length_rate: float | None = None, length_min: int | None = None,
                  halving_batch: int | None = None, ema_beta: float = 0.2, round_sink: RoundSink | None = None,
                  step_hook: Callable[[StepInfo], None] | None = None, cuda_graphs: bool | None = None,
-                 fused_kernels: bool = True, decode_steps: int = 8, profile: bool = False, draft_replay=None):
+                 fused_kernels: bool = True, decode_steps: int = 8, profile: bool = False, draft_replay=None,
+                 round_cost: RoundCost | None = None):
         layout = round_layout(drafter, length_policy, rectangular)
+        self.policy = resolve_policy(length_policy, drafter) if drafter is not None else None
+        self.round_cost = round_cost if round_cost is not None else RoundCost()
+        self._plain_rounds = 0  # rounds in a row whose drafter body the cost policy skipped
+        self._drafted_plain = False  # the cost policy's last drafted round verified nothing but bonus tokens
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         check_target_supported(target)
@@ -314,12 +327,13 @@ class Engine(RequestLifecycle):
         return True
 
     def _read_and_chain(self, packed: torch.Tensor, running, admitted, drafts: RoundDrafts, accepted, next_tokens) -> list[int]:
-        """The round's one device read. When every request verified a whole block under the fixed policy, the next
+        """The round's one device read. When the round verified drafts (any layout) and admitted nothing, the next
         round's drafter body is queued first, behind the copy (:meth:`.DraftGraphs.run_chain`): the device drafts while
-        the host waits for the copy and commits, and the next round takes that body if it drafts for the same requests."""
-        if not (self.draft_graphs is not None and self.draft_graphs.chain_source is not None and self.layout == "fixed"
+        the host waits for the copy and commits, and the next round takes that body if it drafts for the same requests.
+        A round of bonus tokens only chains nothing: under ``cost`` the next round is likely plain too (no body)."""
+        if not (self.draft_graphs is not None and self.draft_graphs.chain_source is not None and self.layout != "off"
                 and running and not admitted and self.on_round is None and self.draft_replay is None
-                and all(q == self.block_size for q in drafts.q_lens)):
+                and max(drafts.q_lens) > 1):
             return packed.tolist()
         copied = None
         if packed.is_cuda:  # a pinned, non-blocking copy: the host waits for it alone, not for the body behind it
@@ -328,7 +342,7 @@ class Engine(RequestLifecycle):
             copied = torch.cuda.Event()
             copied.record()
         with hooks_for(self.drafter).weights_lock:
-            self.draft_graphs.run_chain([r.slot for r in running], accepted, next_tokens)
+            self.draft_graphs.run_chain([r.slot for r in running], accepted, next_tokens, drafts.q_lens)
         if copied is None:
             return packed.tolist()
         copied.synchronize()
@@ -512,28 +526,6 @@ class Engine(RequestLifecycle):
             hidden = torch.cat([pre_hidden, hidden]) if hidden is not None else None
         return logits, hidden
 
-    def _skip_drafting(self, running) -> bool:
-        """True when no request could verify more than its bonus token this round, whatever the drafter
-        says: the load-scaled length rate caps every ``k_hat`` at 1 (``packed`` / ``rectangular``), or
-        every request has one token left. Skipping is lossless (a 1-token verify is plain decoding).
-        Not while a round sink is attached: it is promised the length head's prediction for every round."""
-        if self.on_round is not None:
-            return False
-        if all(r.remaining <= 1 for r in running):
-            return True
-        if self.layout in ("packed", "rectangular"):
-            rate = self._length_rate(len(running))
-            most = choose_verify_length(LengthPolicy.ADAPTIVE, 1, self.block_size, ratio=torch.ones(1), rate=rate,
-                                        min_len=self.length_min)
-            return int(most) <= 1  # the policy is monotone in the ratio: a ratio of 1 gives the largest k_hat
-        return False
-
-    def _length_rate(self, batch: int) -> float:
-        """The length head's rate for a round of ``batch`` requests (fixed unless ``halving_batch`` is set)."""
-        if self.halving_batch is None:
-            return self.length_rate
-        return load_scaled_rate(self.length_rate, batch, self.halving_batch)
-
     def _propose(self, running):
         """One drafter forward for all running requests: drafts ``[n, B-1]`` and ``finite [n]`` (device), the
         drafted positions' raw logits packed ``[P, V]`` with each request's ``offsets``, ratios (device; finite,
@@ -563,11 +555,9 @@ class Engine(RequestLifecycle):
             if not skip:
                 remaining = torch.tensor([r.remaining for r in running])
                 adaptive = self.layout != "fixed" and ratio is not None
-                policy = LengthPolicy.ADAPTIVE if adaptive else LengthPolicy.FIXED
                 if adaptive and self.draft_replay is not None:
                     ratio = self.draft_replay.ratios(running, ratio, B)
-                rate = self._length_rate(n) if adaptive else 1.0
-                k_hat = choose_verify_length(policy, n, B, ratio=ratio, rate=rate, min_len=self.length_min).cpu()  # read 1
+                k_hat = self._verify_lengths(running, ratio if adaptive else None)  # read 1 when adaptive
                 self.host_syncs += int(adaptive)
                 draft_len = torch.minimum(k_hat - 1, remaining - 1).clamp(min=0)
             width = int(draft_len.max()) if n else 0

@@ -6,18 +6,24 @@ functions on their first shapes. Left to the first requests, that puts seconds o
 first tokens. :func:`workload_buckets` lists every bucket a workload of up to ``concurrency`` running
 requests can reach (each request verifying 1 .. block size tokens, the drafted positions packed, slots ``0 .. concurrency - 1``,
 prompts of the given lengths, those admitted in one round of one length); :func:`warmup` runs one short request per prompt length (the eager
-prefill's compiles) and captures the rest.
+prefill's compiles) and captures the rest. :func:`measure_round_cost` times the captured buckets into the engine's own
+:class:`~adaflash_hf.spec.round_cost.RoundCost` (what the ``cost`` verify-length policy weighs).
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from typing import Sequence
 
-from .graphs import pick_bucket
+import torch
 
-__all__ = ["warmup", "workload_buckets"]
+from ..spec.round_cost import RoundCost
+from .graphs import pick_bucket
+from .target import PackedLayout
+
+__all__ = ["measure_round_cost", "warmup", "workload_buckets"]
 
 
 def _target_buckets(engine, concurrency: int) -> set[tuple]:
@@ -47,7 +53,7 @@ def _draft_buckets(engine, concurrency: int, prompt_lens: Sequence[int]) -> set[
             for C in range(lo, min(hi, d.ctx_buckets[-1]) + 1):
                 Cb = pick_bucket(d.ctx_buckets, C)
                 out |= {("body", Cb, Rb), ("body", Cb, 0)}
-    if engine.layout == "fixed":  # the next round's body, queued before the read (DraftGraphs.run_chain)
+    if engine.layout != "off":  # the next round's body, queued before the read (DraftGraphs.run_chain)
         out |= {d.chain_bucket(n) for n in range(1, concurrency + 1)} - {None}
     most = pick_bucket(d.pos_buckets, concurrency * (B - 1))  # drafted positions, packed: 1 .. B - 1 per request
     return out | {("head", Pb) for Pb in d.pos_buckets if Pb <= most}
@@ -92,3 +98,75 @@ def warmup(engine, concurrency: int = 1, prompt_lens: Sequence[int] = ()) -> flo
         for k, v in saved.items():
             setattr(engine, k, v)
     return time.perf_counter() - t0
+
+
+def _time_replays(runner, bucket: tuple, device, reps: int) -> float:
+    """Median seconds of one replay of ``bucket`` on ``runner`` (its inputs prepared), after one untimed replay."""
+    runner.replay(bucket)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            runner.replay(bucket)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            runner.replay(bucket)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_round_cost(engine, rows: Sequence[int] | None = None, tokens_per_row: Sequence[int] | None = None,
+                       context: int = 256, reps: int = 5) -> RoundCost:
+    """This engine's own :class:`RoundCost`: its decode forward (the CUDA graph of each bucket; eager off CUDA) timed
+    for ``rows`` requests x ``tokens_per_row`` tokens each over ``context`` cached tokens (CUDA events), and the
+    drafter's body + head at each row count against the whole-block verify (the median ratio is ``draft_fraction``).
+    Needs an idle engine with the graph path (``cuda_graphs`` on); the slots it borrows are freed after. Defaults:
+    powers of two up to ``max_slots`` and the block size. Pass the result as ``Engine(..., round_cost=...)`` or set
+    ``engine.round_cost``.
+
+    Example:
+        >>> engine.round_cost = measure_round_cost(engine)  # doctest: +SKIP
+    """
+    if not engine.idle or engine.graphs is None or engine.draft_graphs is None:
+        raise RuntimeError("measure_round_cost needs an idle engine with a drafter on the graph path (cuda_graphs on)")
+    B, g, d = engine.block_size, engine.graphs, engine.draft_graphs
+    most = g.token_buckets[-1]  # tokens one decode forward may carry: every row count is also timed at a whole block
+    rows = sorted(set(rows or [r for r in (1, 2, 4, 8, 16, 32, 64, 128, 256) if r <= engine.max_slots and r * B <= most]))
+    tokens_per_row = sorted(set(tokens_per_row or [q for q in (1, 2, 4, 8, 16, 32) if q <= B]))
+    if not rows or rows[0] < 1 or rows[-1] > engine.max_slots or not 1 <= tokens_per_row[0] <= tokens_per_row[-1] <= B \
+            or rows[-1] * B > most:
+        raise ValueError(f"rows must be in [1, max_slots={engine.max_slots}] with rows x block {B} <= {most} tokens, "
+                         f"tokens_per_row in [1, {B}]; got rows {rows}, tokens_per_row {tokens_per_row}")
+    if not 0 < context <= engine.max_len - 2 * B:
+        raise ValueError(f"context must be in [1, max_len - 2 * block = {engine.max_len - 2 * B}], got {context}")
+    slots = [engine.cache.alloc() for _ in range(rows[-1])]
+    try:
+        for s in slots:
+            engine.cache.advance(s, context)
+            engine.dcache.alloc(s)
+            engine.dcache.advance(s, context)
+        ms, fractions = [], []
+        feat = d.feats.shape[1]
+        for n in rows:
+            row = []
+            for q in tokens_per_row:
+                layout = PackedLayout.from_cache(engine.cache, slots[:n], [q] * n)
+                row.append(_time_replays(g, g.prepare([0] * (n * q), layout), engine.device, reps))
+            ms.append(row)
+            body = d.prepare(slots[:n], [torch.zeros(B // 2, feat, dtype=d.feats.dtype, device=engine.device)] * n, [0] * n)
+            drafter_s = _time_replays(d, body, engine.device, reps)
+            d._rows = body[2]
+            d.run_head([B - 1] * n)  # fills the head's inputs for the whole width
+            drafter_s += _time_replays(d, ("head", pick_bucket(d.pos_buckets, n * (B - 1))), engine.device, reps)
+            whole = _time_replays(g, g.prepare([0] * (n * B), PackedLayout.from_cache(engine.cache, slots[:n], [B] * n)),
+                                  engine.device, reps)
+            fractions.append(drafter_s / whole)
+    finally:
+        for s in slots:
+            engine.cache.free(s)
+            engine.dcache.free(s)
+    return RoundCost.from_ms(rows, tokens_per_row, ms, draft_fraction=statistics.median(fractions))

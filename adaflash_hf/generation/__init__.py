@@ -10,7 +10,7 @@ def speculative_generate(target, drafter, input_ids, attention_mask=None, **gene
     """Speculative decoding of a (padded) batch; each row equals that row generated alone.
 
     A thin spelling of `target.generate(input_ids, attention_mask=..., assistant_model=drafter,
-    **generate_kwargs)` that works for any batch size. Options: `length_policy` (`adaptive`,
+    **generate_kwargs)` that works for any batch size. Options: `length_policy` (`cost`, `adaptive`,
     `fixed`, `expected_gain`), `length_rate`, `length_min`, `return_stats`, `round_sink`, `fast_path`
     (`"auto"`: on CUDA the rounds run on the engine's fused layers and CUDA graphs; see `fast_path.py`).
 

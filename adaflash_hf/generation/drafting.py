@@ -42,12 +42,13 @@ class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         assistant_model, main_model_input_embeddings, main_model_output_embeddings,
             generation_config, logits_processor: as for `DFlashTokenCandidateGenerator`
             (`for_target` fills them in from a target).
-        length_policy: `adaptive` (length head; the default when the drafter has a trained one),
-            `fixed` (full block, classic DFlash) or `expected_gain` (per-position: the draft's own
+        length_policy: `cost` (length head, the batch's lengths weighed against the default
+            `RoundCost`; the default when the drafter has a trained head), `adaptive` (length head,
+            the paper's floor rule), `fixed` (full block, classic DFlash) or `expected_gain` (per-position: the draft's own
             top-1 probability stands in for each slot's conditional acceptance, and the prefix with
             most expected tokens per verify cost wins).
-        length_rate, length_min: the adaptive policy's `k_hat = clamp(floor(a*B*rate), min, B)`;
-            default to the drafter config's.
+        length_rate, length_min: the adaptive policy's `k_hat = clamp(floor(a*B*rate), min, B)`
+            (for `cost`, `rate` scales the head's expected length); default to the drafter config's.
         verify_token_cost: cost of one more verified token relative to a whole round
             (expected-gain policy); SPEC's H200 table gives ~0.01-0.05 at batch 1.
 

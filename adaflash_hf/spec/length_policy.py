@@ -10,20 +10,27 @@ when none is asked for, and :func:`choose_verify_length` is the one dispatch eve
 from __future__ import annotations
 
 import math
+from functools import lru_cache
+
+import numpy as np
 import torch
 
 from .policy import POLICY_NAMES, LengthPolicy, default_policy, resolve_policy
+from .round_cost import RoundCost
 
 __all__ = [
     "LengthPolicy",
     "POLICY_NAMES",
+    "RoundCost",
     "adaptive_verify_length",
     "choose_verify_length",
+    "cost_aware_verify_length",
     "default_policy",
     "resolve_policy",
     "expected_gain_verify_length",
     "fixed_verify_length",
     "load_scaled_rate",
+    "survival_curve",
 ]
 
 
@@ -38,18 +45,28 @@ def choose_verify_length(
     min_len: int = 1,
     verify_token_cost: float = 0.05,
     device: torch.device | str | None = None,
+    round_cost: RoundCost | None = None,
+    max_len: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each row's verify length ``k_hat`` (``LongTensor[batch]``, bonus slot included) under ``policy``.
 
-    ``adaptive`` reads the length head's ``ratio``; ``expected_gain`` stands the draft's own top-1
+    ``cost`` (the default with a trained length head) reads the length head's ``ratio`` and chooses every
+    row's ``k_hat`` together against ``round_cost`` (default :class:`RoundCost`, SPEC section 6), each row at
+    most ``max_len`` (e.g. the tokens it has left), on ``device`` (default: the ratio's);
+    ``adaptive`` is the paper's floor rule on the ``ratio``; ``expected_gain`` stands the draft's own top-1
     probability (from ``draft_logits [b, B-1, V]``) in for each slot's conditional acceptance;
     ``fixed`` verifies the whole block (on ``device``).
 
     Example:
         >>> choose_verify_length("adaptive", 2, 16, ratio=torch.tensor([0.5, 1.0]), rate=0.5).tolist()
         [4, 8]
+        >>> choose_verify_length("cost", 2, 16, ratio=torch.tensor([0.5, 1.0]), round_cost=RoundCost.flat()).tolist()
+        [16, 16]
     """
     policy = LengthPolicy(policy)
+    if policy is LengthPolicy.COST:
+        k_hat = cost_aware_verify_length(ratio, block_size, round_cost, rate=rate, min_len=min_len, max_len=max_len)
+        return k_hat.to(device if device is not None else ratio.device)
     if policy is LengthPolicy.ADAPTIVE:
         return adaptive_verify_length(ratio, block_size, rate=rate, min_len=min_len)
     if policy is LengthPolicy.EXPECTED_GAIN:
@@ -96,6 +113,101 @@ def adaptive_verify_length(
     a = torch.nan_to_num(a, nan=0.0)
     k_hat = torch.floor(a * (block_size * rate)).clamp(min_len, block_size)
     return k_hat.long()
+
+
+@lru_cache(maxsize=8)
+def _power_sum_table(width: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(p, f(p))`` on a fine grid of ``p`` in ``[0, 1]``, ``f(p) = sum_{m=1..width} p^m`` (increasing in ``p``)."""
+    p = np.linspace(0.0, 1.0, 2049)
+    return p, (p[:, None] ** np.arange(1, width + 1)[None, :]).sum(axis=1)
+
+
+def survival_curve(accept_ratio, block_size: int, rate: float = 1.0) -> np.ndarray:
+    """The length head's estimate per row as a per-position survival curve ``[b, B-1]``: entry ``m-1`` is the
+    probability that the first ``m`` drafts are all accepted, which is also the expected tokens draft slot
+    ``m`` adds to the round when verified.
+
+    The model: the head predicts ``a ~ (accepted + 1) / B`` (its training label), so with ``rate`` as a
+    calibration scale (the drafter config's ``length_rate``) the expected accepted length is
+    ``L = clamp(a * B * rate - 1, 0, B - 1)``. Drafts are taken to be accepted one by one with the same
+    conditional probability ``p`` (a geometric accepted length, truncated at the block), ``p`` solving
+    ``sum_{m=1..B-1} p^m = L``; the survival of position ``m`` is ``p^m``. A point estimate says nothing of
+    the spread, and a geometric tail keeps some worth in positions past ``L`` (rounds that accept more than
+    predicted), so a cheap verify still reaches them. NaN ratios read as 0.
+
+    Example:
+        >>> survival_curve(torch.tensor([0.0, 1.0]), block_size=4).tolist()
+        [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+    """
+    width = block_size - 1
+    a = np.asarray(accept_ratio, dtype=np.float64).reshape(-1)
+    target = np.minimum(np.maximum(np.where(np.isnan(a), 0.0, a) * (block_size * rate) - 1.0, 0.0), width)
+    p_grid, f_grid = _power_sum_table(width)
+    p = np.interp(target, f_grid, p_grid)
+    return p[:, None] ** np.arange(1, width + 1)[None, :]
+
+
+def cost_aware_verify_length(
+    accept_ratio: torch.Tensor,
+    block_size: int,
+    round_cost: RoundCost | None = None,
+    rate: float = 1.0,
+    min_len: int = 1,
+    max_len: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The round's verify lengths that maximise expected committed tokens per unit of round time (``LongTensor[b]``,
+    on the CPU).
+
+    Each row's length-head ratio becomes a survival curve (:func:`survival_curve`): verifying draft slot ``m``
+    of row ``i`` adds ``s[i, m]`` expected tokens. The round's time is shared by all its rows:
+    ``round_cost.verify_time(b, b + slots) + round_cost.draft_time(b, B)`` when any slot is verified, and
+    ``verify_time(b, b)`` alone when none is (plain decoding: the drafter need not run). Slots are handed out
+    greedily, most valuable first (the curves fall along each row, so each row's slots come in order), and the
+    number of slots that gives the best ``(b + sum of their s) / time`` wins; among equal rates the most slots
+    (a verify that costs nothing extra may accept more than predicted). A row never gets more than
+    ``max_len[i]`` (``[b]``) nor fewer than ``min_len`` slots in all (the bonus one included), when ``max_len``
+    allows. A flat cost verifies every row's whole block; a steep one, fewer tokens; a drafter that costs more
+    than the expected acceptance earns, plain decoding (every ``k_hat`` 1).
+
+    Example:
+        >>> ratio = torch.tensor([0.1, 0.25])
+        >>> cost_aware_verify_length(ratio, 16, RoundCost.flat()).tolist()
+        [16, 16]
+        >>> cost_aware_verify_length(ratio, 16, RoundCost.flat(draft_fraction=5.0)).tolist()  # drafting cannot pay
+        [1, 1]
+    """
+    _check_len_bounds(block_size, min_len)
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate must be a finite number > 0, got {rate}")
+    a = accept_ratio.detach().float().cpu()
+    if a.dim() == 2 and a.shape[1] == 1:
+        a = a.squeeze(1)
+    if a.dim() != 1:
+        raise ValueError(f"accept_ratio must be [b] or [b, 1], got shape {tuple(accept_ratio.shape)}")
+    b, width = a.shape[0], block_size - 1
+    cap = np.full(b, block_size, dtype=np.int64)
+    if max_len is not None:
+        cap = np.asarray(torch.as_tensor(max_len).cpu(), dtype=np.int64).reshape(-1)
+        if cap.shape != (b,) or (cap < 1).any():
+            raise ValueError(f"max_len must be [b={b}] lengths >= 1, got {cap.tolist()}")
+    cost = round_cost if round_cost is not None else RoundCost()
+    if b == 0 or width == 0:
+        return torch.ones(b, dtype=torch.long)
+    surv = survival_curve(a.numpy(), block_size, rate)  # [b, W]
+    m = np.arange(1, width + 1)[None, :]
+    allowed = m < np.minimum(cap, block_size)[:, None]  # slot m verifies draft m: k_hat = m + 1 <= cap
+    forced = allowed & (m < min_len)
+    key = np.where(forced, 2.0, np.where(allowed, surv, -1.0))
+    # Slot-major order (all rows' slot 1, then slot 2, ...) and a stable sort: equal values keep slots in order.
+    flat_key, flat_surv = key.T.reshape(-1), surv.T.reshape(-1)
+    order = np.argsort(-flat_key, kind="stable")[: int(allowed.sum())]
+    gain = b + np.concatenate([[0.0], np.cumsum(flat_surv[order])])
+    t = np.arange(order.shape[0] + 1)
+    time = cost.verify_time(b, b + t) + np.where(t > 0, cost.draft_time(b, block_size), 0.0)
+    rate_of = np.where(t >= int(forced.sum()), gain / time, -np.inf)
+    best = int(np.flatnonzero(rate_of >= rate_of.max() * (1 - 1e-9))[-1])  # the most slots among the best
+    k_hat = 1 + np.bincount(order[:best] % b, minlength=b)
+    return torch.from_numpy(k_hat).long()
 
 
 def fixed_verify_length(batch: int, block_size: int, device: torch.device | str | None = None) -> torch.Tensor:

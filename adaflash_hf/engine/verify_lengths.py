@@ -1,0 +1,74 @@
+"""Each engine round's verify lengths: the one place the engine calls :func:`~adaflash_hf.spec.length_policy.choose_verify_length`,
+and when a round may skip the drafter's body because nothing it drafts would be verified.
+
+Under the ``cost`` policy the verify lengths come from the length head's ratios, which need the drafter's body.
+Before running it, the round is decided on the requests' *last* ratios: when they say every request decodes plainly,
+the body is skipped (only the new context is stored, which keeps the drafter's cache exact). Every
+``PLAIN_PROBE_ROUNDS + 1``-th such round in a row drafts anyway, so the ratios, and a return to drafting, follow the text.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..spec.length_policy import LengthPolicy, choose_verify_length, load_scaled_rate
+
+__all__ = ["PLAIN_PROBE_ROUNDS", "VerifyLengths"]
+
+PLAIN_PROBE_ROUNDS = 8
+
+
+class VerifyLengths:
+    """Mixin of :class:`~.engine.Engine` (it owns ``policy``, ``layout``, ``block_size``, ``round_cost``,
+    ``length_rate``, ``length_min``, ``halving_batch``, ``on_round``, ``_plain_rounds`` and ``_drafted_plain``)."""
+
+    def _skip_drafting(self, running) -> bool:
+        """True when no request would verify more than its bonus token this round: every request has one token
+        left; under ``adaptive`` the load-scaled length rate caps every ``k_hat`` at 1; under ``cost`` the round
+        decodes plainly by the requests' last head ratios (one that never drafted counts as accepting everything),
+        but for every ``PLAIN_PROBE_ROUNDS + 1``-th such round in a row, which drafts to refresh the ratios.
+        Skipping is lossless (a 1-token verify is plain decoding). Not while a round sink is attached: it is
+        promised the length head's prediction for every round."""
+        if self.on_round is not None:
+            return False
+        if all(r.remaining <= 1 for r in running):
+            return True
+        if self.layout not in ("packed", "rectangular"):
+            return False
+        if self.policy is LengthPolicy.COST:
+            if not self._drafted_plain:  # the last ratios asked for drafts: no need to ask them again
+                return False
+            guess = torch.tensor([1.0 if r.head_ratio is None else r.head_ratio for r in running])
+            plain = bool((self._verify_lengths(running, guess, guess=True) <= 1).all())
+            self._plain_rounds = self._plain_rounds + 1 if plain else 0
+            if self._plain_rounds > PLAIN_PROBE_ROUNDS:
+                self._plain_rounds = 0
+                return False
+            return plain
+        rate = self._length_rate(len(running))
+        most = choose_verify_length(LengthPolicy.ADAPTIVE, 1, self.block_size, ratio=torch.ones(1), rate=rate,
+                                    min_len=self.length_min)
+        return int(most) <= 1  # the policy is monotone in the ratio: a ratio of 1 gives the largest k_hat
+
+    def _verify_lengths(self, running, ratio: torch.Tensor | None, guess: bool = False) -> torch.Tensor:
+        """Each running request's ``k_hat`` (host ``[n]``) under the engine's policy from the length head's ``ratio``
+        (``None``: the whole block). The one place the engine calls :func:`choose_verify_length`. Unless this is a
+        ``guess`` (before drafting), the cost policy keeps the ratios and whether the round decodes plainly."""
+        n, B = len(running), self.block_size
+        if ratio is None or self.layout == "fixed":
+            return choose_verify_length(LengthPolicy.FIXED, n, B)
+        ratio = ratio.float().cpu().view(-1)  # read 1 of the round (the cost rule and the floor rule run on the host)
+        k_hat = choose_verify_length(self.policy, n, B, ratio=ratio, rate=self._length_rate(n), min_len=self.length_min,
+                                     device="cpu", round_cost=self.round_cost,
+                                     max_len=torch.tensor([r.remaining for r in running]))
+        if self.policy is LengthPolicy.COST and not guess:
+            for r, a in zip(running, ratio.tolist()):
+                r.head_ratio = a
+            self._drafted_plain = bool((k_hat <= 1).all())
+        return k_hat
+
+    def _length_rate(self, batch: int) -> float:
+        """The length head's rate for a round of ``batch`` requests (fixed unless ``halving_batch`` is set)."""
+        if self.halving_batch is None:
+            return self.length_rate
+        return load_scaled_rate(self.length_rate, batch, self.halving_batch)

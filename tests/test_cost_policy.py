@@ -1,0 +1,229 @@
+"""The cost-aware verify length (issue 35): the rule's properties table by table, a brute-force optimum, its cost
+model and bad inputs, and the engine under it (greedy identity, plain rounds without the drafter's body)."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import adaflash_hf.engine.engine as engine_mod
+from adaflash_hf.engine.verify_lengths import PLAIN_PROBE_ROUNDS
+from adaflash_hf.engine import Engine
+from adaflash_hf.spec.length_policy import choose_verify_length, cost_aware_verify_length, survival_curve
+from adaflash_hf.spec.round_cost import SPEC_H200_MS, SPEC_ROWS, SPEC_TOKENS_PER_ROW, RoundCost
+
+from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids
+
+FLAT = RoundCost.flat()
+STEEP = RoundCost(rows=(1,), tokens_per_row=(1, 16), verify=((1.0, 5.5),), draft_fraction=0.0)  # a token 0.3 of a step
+TOKEN_A_STEP = RoundCost(rows=(1,), tokens_per_row=(1, 16), verify=((1.0, 16.0),), draft_fraction=0.0)
+HEAVY_DRAFT = RoundCost.flat(draft_fraction=50.0)
+SPEC_COST = RoundCost()
+
+# (name, ratios, block, cost, expected k_hat): the issue's properties, each a row
+CASES = [
+    ("flat cost: whole block, high ratio", [0.9, 0.6], 16, FLAT, [16, 16]),
+    ("flat cost: whole block, low ratio", [0.1, 0.2, 0.15], 8, FLAT, [8, 8, 8]),
+    ("flat cost, a drafter that costs: whole block still", [0.5, 0.7], 16, RoundCost.flat(0.5), [16, 16]),
+    ("nothing predicted, drafter costs: plain", [0.0, 0.0], 8, RoundCost.flat(0.1), [1, 1]),
+    ("drafting cannot pay: plain", [0.3, 0.5, 0.2], 16, HEAVY_DRAFT, [1, 1, 1]),
+    ("every draft sure, a token a step: whole block (ties: the most slots)", [1.0], 16, TOKEN_A_STEP, [16]),
+    ("a token a step, unsure drafts: plain", [0.45, 0.9], 16, TOKEN_A_STEP, [1, 1]),
+    ("steeper: fewer tokens", [0.45, 0.45], 16, STEEP, [5, 5]),
+    ("SPEC cost, batch 1, sure drafts: whole block", [1.0], 16, SPEC_COST, [16]),
+]
+
+
+@pytest.mark.parametrize("name,ratios,block,cost,expected", CASES, ids=[c[0] for c in CASES])
+def test_cost_rule_table(name, ratios, block, cost, expected):
+    assert cost_aware_verify_length(torch.tensor(ratios), block, cost).tolist() == expected
+
+
+def test_steep_cost_verifies_fewer_tokens_than_flat():
+    ratio = torch.tensor([0.45] * 8)
+    flat, steep = (cost_aware_verify_length(ratio, 16, c) for c in (FLAT, STEEP))
+    assert flat.tolist() == [16] * 8
+    assert 1 < steep.min() and steep.max() < 16
+    # the SPEC table: 128 requests make a verify token dear, one request makes it cheap
+    at1 = cost_aware_verify_length(torch.tensor([0.45]), 16, SPEC_COST)
+    at128 = cost_aware_verify_length(torch.full((128,), 0.45), 16, SPEC_COST)
+    assert at128.float().mean() < at1.float().mean()
+
+
+def _throughput(surv: np.ndarray, ks, cost: RoundCost, block: int) -> float:
+    n, drafted = len(ks), sum(k - 1 for k in ks)
+    gain = n + sum(surv[i, : k - 1].sum() for i, k in enumerate(ks))
+    return gain / (cost.verify_time(n, n + drafted) + (cost.draft_time(n, block) if drafted else 0.0))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_allocation_is_the_brute_force_optimum(seed):
+    g = torch.Generator().manual_seed(seed)
+    block, n = 5, 3
+    ratio = torch.rand(n, generator=g)
+    curve = torch.rand(2, generator=g).tolist()  # a random convex-ish cost: base + slope * tokens^power
+    cost = RoundCost(rows=(1, 3), tokens_per_row=(1, 2, 3, 4, 5),
+                     verify=tuple(tuple(1 + r * curve[0] * q ** (1 + curve[1]) / 5 for q in range(1, 6)) for r in (0.2, 1.0)),
+                     draft_fraction=0.3 * seed / 5)
+    surv = survival_curve(ratio.numpy(), block)
+    best = max(_throughput(surv, ks, cost, block) for ks in itertools.product(range(1, block + 1), repeat=n))
+    got = cost_aware_verify_length(ratio, block, cost).tolist()
+    assert _throughput(surv, got, cost, block) == pytest.approx(best, rel=1e-9)
+    # negative control: some other allocation is strictly worse, so the check can fail
+    worst = min(_throughput(surv, ks, cost, block) for ks in itertools.product(range(1, block + 1), repeat=n))
+    assert worst < best * 0.999
+
+
+def test_monotone_in_ratio_rate_and_cost():
+    others = torch.tensor([0.3, 0.6])
+    lens = [cost_aware_verify_length(torch.cat([torch.tensor([a]), others]), 16, SPEC_COST)[0].item()
+            for a in np.linspace(0, 1, 21)]
+    assert lens == sorted(lens) and lens[0] == 1 and lens[-1] == 16
+    ratio = torch.full((64,), 0.3)
+    by_rate = [cost_aware_verify_length(ratio, 16, SPEC_COST, rate=r).sum().item() for r in (0.5, 1.0, 2.0, 3.0)]
+    assert by_rate == sorted(by_rate) and by_rate[0] < by_rate[-1]
+    by_draft = [cost_aware_verify_length(ratio, 16, RoundCost(draft_fraction=f)).sum().item() for f in (0.0, 0.2, 1.0, 5.0)]
+    assert by_draft[-1] == 64  # plain decoding once the drafter is dear enough
+    assert by_draft[0] > 64
+
+
+def test_row_limits_and_min_len():
+    ratio = torch.tensor([1.0, 1.0, 0.0])
+    k = cost_aware_verify_length(ratio, 8, FLAT, max_len=torch.tensor([3, 8, 1]))
+    assert k.tolist() == [3, 8, 1]
+    k = cost_aware_verify_length(torch.tensor([0.0, 0.0]), 8, TOKEN_A_STEP, min_len=3)
+    assert k.tolist() == [3, 3]  # min_len forces slots even where drafting does not pay
+
+
+def test_survival_curve_expects_the_heads_length():
+    B = 16
+    a = torch.tensor([1 / 16, 3.55 / 16, 7.06 / 16, 1.0])
+    surv = survival_curve(a.numpy(), B)
+    assert np.allclose(surv.sum(axis=1), (a.numpy() * B - 1).clip(0, B - 1), atol=0.02)
+    assert (np.diff(surv, axis=1) <= 1e-12).all()  # falls along the block
+    doubled = survival_curve(a.numpy(), B, rate=2.0).sum(axis=1)
+    assert np.allclose(doubled, (a.numpy() * B * 2 - 1).clip(0, B - 1), atol=0.02)  # the rate is a calibration scale
+    assert survival_curve(np.array([np.nan]), B).max() == 0
+
+
+def test_round_cost_follows_spec_table():
+    for i, r in enumerate(SPEC_ROWS):
+        for j, q in enumerate(SPEC_TOKENS_PER_ROW):
+            assert SPEC_COST.verify_time(r, r * q) * SPEC_H200_MS[0][0] == pytest.approx(SPEC_H200_MS[i][j])
+    tokens = np.arange(200, 4096, 100)
+    assert (np.diff(SPEC_COST.verify_time(200, tokens)) > 0).all()  # past the table: still growing
+    assert SPEC_COST.verify_time(48, 48 * 3) == pytest.approx((8.6 + 9.2 + 9.9 + 11.9) / 4 / 6.0)  # bilinear: 32..64 rows, 2..4 tokens
+    assert FLAT.verify_time(128, 2048) == 1.0 and FLAT.draft_time(128, 16) == 0.0
+    m = RoundCost.from_ms((1, 8), (1, 4), ((2.0, 4.0), (3.0, 8.0)), draft_fraction=0.1)
+    assert m.verify_time(8, 32) == 4.0 and m.draft_time(1, 4) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(rows=(16, 1)), "rows must be strictly ascending"),
+    (dict(tokens_per_row=(0.5, 2, 4, 8, 16)), "tokens_per_row must be"),
+    (dict(verify=((1.0,),)), "verify must be 5 x 5"),
+    (dict(verify=tuple(tuple(-1.0 for _ in range(5)) for _ in range(5))), "finite and > 0"),
+    (dict(draft_fraction=float("nan")), "draft_fraction"),
+])
+def test_round_cost_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RoundCost(**kwargs)
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((torch.ones(2, 2), 8), {}, r"accept_ratio must be \[b\]"),
+    ((torch.ones(2), 8), dict(rate=0.0), "rate must be"),
+    ((torch.ones(2), 8), dict(min_len=9), "min_len must be"),
+    ((torch.ones(2), 0), {}, "block_size must be"),
+    ((torch.ones(2), 8), dict(max_len=torch.tensor([1])), "max_len must be"),
+    ((torch.ones(2), 8), dict(max_len=torch.tensor([0, 3])), "max_len must be"),
+])
+def test_cost_rule_validation(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cost_aware_verify_length(*args, **kwargs)
+
+
+def test_dispatch_and_device():
+    k = choose_verify_length("cost", 2, 8, ratio=torch.tensor([1.0, 0.0]), round_cost=RoundCost.flat(0.1))
+    assert k.tolist() == [8, 8] and k.dtype == torch.long
+    with pytest.raises(ValueError, match="not a valid LengthPolicy"):
+        choose_verify_length("costly", 2, 8, ratio=torch.ones(2))
+
+
+# --------------------------------------------------------------------------- the engine under the rule
+@pytest.fixture(scope="module")
+def pair():
+    target = make_target("qwen3")
+    return target, make_drafter(target, block_size=8)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("cost,plain", [(HEAVY_DRAFT, True), (FLAT, False)])
+def test_engine_plain_rounds_skip_the_drafter_body(pair, monkeypatch, graphs, cost, plain):
+    """A drafter too dear to pay: every round decodes plainly and the body runs only on probes; a flat cost (the
+    negative control): the body runs every round and whole blocks are verified. Output identical either way."""
+    target, drafter = pair
+    force_length_head(drafter, ratio_high=True)
+    bodies = []
+    if graphs:
+        real = engine_mod.DraftGraphs.run_body
+        monkeypatch.setattr(engine_mod.DraftGraphs, "run_body",
+                            lambda self, slots, ctx, bonus: (bodies.append(bonus is not None), real(self, slots, ctx, bonus))[1])
+    else:
+        real = engine_mod.draft_blocks
+        monkeypatch.setattr(engine_mod, "draft_blocks", lambda *a, **k: (bodies.append(True), real(*a, **k))[1])
+    prompts = engine_prompts([5, 7], seed=11)
+    eng = Engine(target, drafter, length_policy="cost", round_cost=cost, max_slots=2, max_len=64, token_budget=64,
+                 cuda_graphs=graphs)
+    outs = eng.generate(prompts, max_new_tokens=30)
+    for o, p in zip(outs, prompts):
+        assert o.token_ids == plain_greedy_ids(target, p, 30)
+    lens = [v for o in outs for v in o.verify_lengths]
+    ran = sum(bodies)
+    if plain:
+        assert set(lens) == {1} and eng.skipped_drafts == eng.num_steps - 1  # all but the prefill round
+        assert 0 < ran <= eng.num_steps // (PLAIN_PROBE_ROUNDS + 1) + 1  # probes only
+    else:
+        assert max(lens) == 8 and ran >= eng.num_steps - 2  # every verify round drafts
+
+
+@pytest.mark.parametrize("mode", ["packed", "rectangular"])
+@pytest.mark.parametrize("policy", ["cost", "adaptive"])
+def test_engine_identity_both_head_policies(mode, policy):
+    """The random length head (ratios differ per request and round) under a steep cost: lengths between 1 and the
+    block, outputs equal to plain greedy."""
+    from adaflash_hf.engine import layout_args
+
+    target = make_target("llama")
+    drafter = make_drafter(target, block_size=8, seed=3)
+    prompts = engine_prompts([4, 9, 6], seed=12)
+    eng = Engine(target, **layout_args(drafter, mode, policy), max_slots=3, max_len=48, token_budget=48, round_cost=STEEP)
+    assert eng.policy.value == policy
+    outs = eng.generate(prompts, max_new_tokens=20)
+    for o, p in zip(outs, prompts):
+        assert o.token_ids == plain_greedy_ids(target, p, 20)
+    assert any(1 < v < 8 for o in outs for v in o.verify_lengths)
+
+
+def test_engine_measures_its_own_round_cost(pair):
+    """``measure_round_cost`` times the engine's own buckets (eagerly here: the static path on the CPU) into a valid
+    RoundCost over the rows it can hold, frees what it borrowed, and the engine decodes identically under it."""
+    from adaflash_hf.engine.warmup import measure_round_cost
+
+    target, drafter = pair
+    eng = Engine(target, drafter, length_policy="cost", max_slots=4, max_len=96, token_budget=64, cuda_graphs=True)
+    cost = measure_round_cost(eng, context=16, reps=1)
+    assert cost.rows == (1, 2, 4) and cost.tokens_per_row == (1, 2, 4, 8)
+    assert cost.verify_time(1, 1) == 1.0 and cost.draft_fraction > 0
+    assert eng.cache.num_free == 4 and eng.idle
+    eng.round_cost = cost
+    prompts = engine_prompts([5, 7], seed=13)
+    for o, p in zip(eng.generate(prompts, max_new_tokens=12), prompts):
+        assert o.token_ids == plain_greedy_ids(target, p, 12)
+    with pytest.raises(ValueError, match="rows must be in"):
+        measure_round_cost(eng, rows=[8])
+    with pytest.raises(ValueError, match="context must be"):
+        measure_round_cost(eng, context=90)
+    with pytest.raises(RuntimeError, match="graph path"):
+        measure_round_cost(Engine(target, drafter, max_slots=2, max_len=32, cuda_graphs=False))
