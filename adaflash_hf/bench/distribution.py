@@ -139,6 +139,15 @@ def _occurrences(rows: list[list[int]], order: int) -> tuple[torch.Tensor, torch
     return torch.tensor(occ_row, dtype=torch.long), torch.tensor(occ_gram, dtype=torch.long), len(ids)
 
 
+def _count_matrix(rows: list[list[int]], order: int, device) -> torch.Tensor:
+    """Sparse ``[distinct n-grams, rows]`` counts of one order, on `device`."""
+    occ_row, occ_gram, k = _occurrences(rows, order)
+    if k == 0:
+        raise ValueError(f"no {order}-grams: rows are shorter than {order} tokens")
+    ones = torch.ones(len(occ_row), dtype=torch.float64)
+    return torch.sparse_coo_tensor(torch.stack([occ_gram, occ_row]), ones, (k, len(rows)), check_invariants=True).coalesce().to(device)
+
+
 def _statistics(counts: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """TV and chi-square homogeneity of groups ``labels == 1`` / ``== 0`` for every label column.
 
@@ -156,7 +165,8 @@ def _statistics(counts: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tenso
 
 def _permuted_labels(labels: torch.Tensor, strata: torch.Tensor, count: int, gen: torch.Generator) -> torch.Tensor:
     """``[R, count]`` relabellings of ``labels`` shuffled within each stratum (rows are laid out stratum by stratum)."""
-    keys = strata[None, :].double() + torch.rand(count, labels.shape[0], generator=gen, dtype=torch.float64)
+    noise = torch.rand(count, labels.shape[0], generator=gen, dtype=torch.float64).to(labels.device)  # CPU stream: reproducible
+    keys = strata[None, :].double() + noise
     order = keys.argsort(dim=1)  # strata are contiguous: each row draws a label from its own stratum
     return labels[order].T.contiguous()
 
@@ -187,20 +197,18 @@ def two_sample_check(reference: Sequence[Rows], sampler: Sequence[Rows], setting
     tests = 2 * len(settings.orders)
     level = settings.alpha / tests
     result = CheckResult(label, (int((labels_t == 0).sum()), int(labels_t.sum())), level)
+    counts = [_count_matrix(rows, order, device) for order in settings.orders]
+    labels_d = labels_t.to(device)
+    observed = [[s.item() for s in _statistics(c, labels_d[:, None])] for c in counts]
+    null = [([], []) for _ in counts]
     gen = torch.Generator().manual_seed(settings.seed)
-    for order in settings.orders:
-        occ_row, occ_gram, k = _occurrences(rows, order)
-        if k == 0:
-            raise ValueError(f"no {order}-grams: rows are shorter than {order} tokens")
-        counts = torch.sparse_coo_tensor(torch.stack([occ_gram, occ_row]), torch.ones(len(occ_row), dtype=torch.float64),
-                                         (k, len(rows)), check_invariants=True).coalesce().to(device)  # fmt: skip
-        observed = [s.item() for s in _statistics(counts, labels_t[:, None].to(device))]
-        null = [[], []]
-        for start in range(0, settings.permutations, settings.chunk):
-            n = min(settings.chunk, settings.permutations - start)
-            for acc, s in zip(null, _statistics(counts, _permuted_labels(labels_t, strata_t, n, gen).to(device))):
-                acc.append(s.cpu())
-        for name, obs, perm in zip(("tv", "chi2"), observed, null):
+    for start in range(0, settings.permutations, settings.chunk):  # one relabelling serves every order
+        perm = _permuted_labels(labels_d, strata_t.to(device), min(settings.chunk, settings.permutations - start), gen)
+        for c, acc in zip(counts, null):
+            for a, s in zip(acc, _statistics(c, perm)):
+                a.append(s.cpu())
+    for order, obs_pair, acc in zip(settings.orders, observed, null):
+        for name, obs, perm in zip(("tv", "chi2"), obs_pair, acc):
             perm = torch.cat(perm)
             p = (1 + int((perm >= obs * (1 - 1e-12)).sum())) / (settings.permutations + 1)
             threshold = float(torch.quantile(perm, 1 - level))
