@@ -322,6 +322,34 @@ def test_reference_computed_when_plain_not_requested_and_sampling_not_compared(s
     assert "only under greedy" in res.cell("prompt_lookup_exact", "beta", 2).skip_reason
 
 
+SAMPLED = ("plain", "hf_assisted", "prompt_lookup", "fixed", "adaptive", "engine_fixed", "engine_adaptive")
+
+
+def test_sampling_run_decodes_every_method_and_says_so(setup, tmp_path):
+    """Under sampling every method really runs (prompt lookup too: its computed twin is greedy only), its tau is
+    counted, nothing is compared token for token, and the report states the settings and the seed."""
+    res = run_bench(_config(setup, tmp_path, methods=list(SAMPLED), concurrency=[1], datasets=setup["datasets"][1:],
+                            temperature=0.7, top_p=0.95, seed=5, plots=False, warmup=0))  # fmt: skip
+    assert res.ok and res.config["greedy"] is False and res.config["seed"] == 5
+    for m in SAMPLED:
+        cell = res.cell(m, "beta", 1)
+        assert not cell.skipped and cell.error is None and cell.identical is None, (m, cell.skip_reason, cell.error)
+        if m != "plain":
+            assert cell.rounds > 0 and cell.tau >= 1, m
+    md = (tmp_path / "bench.md").read_text()
+    assert "sampling, temperature 0.7, top-p 0.95, top-k off; seed 5" in md and "not compared token for token" in md
+    run_bench(_config(setup, tmp_path / "g", methods=["plain"], concurrency=[1], datasets=setup["datasets"][1:],
+                               num_prompts=1, plots=False, warmup=0))  # fmt: skip
+    assert "- decoding: greedy; every method's outputs compared" in (tmp_path / "g" / "bench.md").read_text()
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
+                                 dict(temperature=float("nan"))])
+def test_bad_sampling_settings_refused_before_loading(bad):
+    with pytest.raises(ValueError, match="temperature >= 0"):
+        run_bench(BenchConfig(methods=["plain"], **bad))  # no models given: the error must come first
+
+
 def test_cli_mounts_as_subcommand():
     parser = argparse.ArgumentParser(prog="adaflash")
     sub = parser.add_subparsers(dest="cmd")

@@ -24,6 +24,7 @@ EXPECTED = {
     "replay_bench.py": ["identical to plain greedy: True | rows failed: 0"],
     "fast_generate_gpu.py": ["section errors: []"],
     "online_serving_cost.py": ["online run updated: True", "outputs equal across runs: True"],
+    "sampling_distribution_check.py": ["real checks pass and controls fail: True", "controls failed: 2/2"],
     "server_load_test.py": ["answered 8/8, equal to alone 8/8", "'partial_headers: 408'", "'idle: closed'", "passed: True"],
 }
 
@@ -38,7 +39,7 @@ def test_every_example_is_covered():
 # flags beside --smoke: the engine check on a tiny pair (the reference pair runs through the engine in
 # tests/test_fresh_checkout.py, `bench --reference` with engine_fixed)
 EXTRA_FLAGS = {"engine_gpu_check.py": ["--tiny"]}
-LONGEST = ("engine_gpu_check.py", "fast_generate_gpu.py", "train_with_trainer.py")
+LONGEST = ("engine_gpu_check.py", "fast_generate_gpu.py", "sampling_distribution_check.py", "train_with_trainer.py")
 
 
 def smoke_jobs(scripts, root: Path) -> tuple[list[Job], dict]:

@@ -21,6 +21,7 @@ def _header(result: BenchResult) -> list[str]:
         f"- hardware: {env['hardware']} ({env['device']}, {env['dtype']})",
         f"- versions: torch {env['torch']}, transformers {env['transformers']}, adaflash-hf {env['adaflash_hf']}, python {env['python']}",
         f"- command: `{env['command']}`",
+        f"- decoding: {decoding(result.config)}",
     ]
     for label, c in result.config.get("split_counts", {}).items():
         lines.append(
@@ -35,6 +36,23 @@ def _header(result: BenchResult) -> list[str]:
             f"({hw['floor_tokens_per_s']:.0f} tok/s at batch 1)"
         )
     return lines
+
+
+def decoding(config: dict) -> str:
+    """How the run decoded, as the report's header says it: greedy (checked token for token against plain) or
+    sampling (its settings and seed; not compared token for token).
+
+    Example:
+        >>> decoding(dict(greedy=False, temperature=0.7, top_p=0.95, top_k=0, seed=0))[:38]
+        'sampling, temperature 0.7, top-p 0.95'
+    """
+    if config.get("greedy", True):
+        return "greedy; every method's outputs compared token for token with plain greedy"
+    top_k = config.get("top_k") or "off"
+    return (f"sampling, temperature {config['temperature']:g}, top-p {config['top_p']:g}, top-k {top_k}; seed "
+            f"{config['seed']} (torch.manual_seed(seed + batch index) before each batch of every method, seed before "
+            "the warmup): outputs are not compared token for token (their distribution: "
+            "examples/sampling_distribution_check.py)")
 
 
 def _main_table(result: BenchResult) -> list[str]:

@@ -177,6 +177,9 @@ def run_bench(config: BenchConfig) -> BenchResult:
         raise ValueError(f"unknown method(s) {unknown}: choose from {', '.join(METHODS)}")
     if config.num_prompts < 1 or any(c < 1 for c in config.concurrency):
         raise ValueError("num_prompts and every concurrency must be >= 1")
+    if not (config.temperature >= 0 and 0 < config.top_p <= 1 and config.top_k >= 0):  # NaN fails too
+        raise ValueError(f"need temperature >= 0 (0: greedy), top_p in (0, 1] and top_k >= 0 (0: off); got "
+                         f"{config.temperature!r}, {config.top_p!r}, {config.top_k!r}")
     device, dtype = resolve_device_dtype(config.device, config.dtype)
     target, drafter, tokenizer, assistant = load_models(
         config.target, config.drafter, config.tokenizer, reference=config.reference, assistant=config.assistant,
