@@ -136,3 +136,24 @@ def test_bench_cross_check_flags_a_computed_cell_that_disagrees(real_tau, real_i
         assert "tau" in result.failures[0]["message"] and result.failures[0]["method"] == "prompt_lookup_exact"
     else:
         assert any("cross-checked" in n for n in computed.notes) is real_identical
+
+
+# Non-default grid points (`bench.prompt_lookup_grid`): the real run gets the n-gram size through
+# `generate(max_matching_ngram_size=...)`, the computation through `PromptLookupSettings`.
+OTHER_SETTINGS = [PromptLookupSettings(15, 3), PromptLookupSettings(20, 4)]
+
+
+@pytest.mark.parametrize("settings", OTHER_SETTINGS, ids=lambda s: f"{s.num_tokens}x{s.max_ngram}")
+def test_computed_rounds_equal_the_real_run_off_default(runs, settings):
+    target, _, _ = load_reference_pair()
+    differs_from_default = False
+    for name in ("cat", "king", "add"):
+        ids, plain, _, default_real, max_new, eos_ids = runs[name]
+        with torch.inference_mode():
+            out, real = recorded_prompt_lookup(target, torch.tensor([ids]), None, settings.num_tokens, max_new_tokens=max_new,
+                                               do_sample=False, max_matching_ngram_size=settings.max_ngram)  # fmt: skip
+        assert out[0, len(ids) :].tolist() == plain
+        computed = prompt_lookup_rounds(ids, plain, max_new, eos_ids, settings)
+        assert (computed.accepted, computed.verify_lengths) == (real.accepted, real.verify_lengths)
+        differs_from_default |= real.verify_lengths != default_real.verify_lengths
+    assert differs_from_default  # negative control: the setting reaches transformers (else this test proves nothing)

@@ -29,7 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--reference", action="store_true", help="use the embedded reference pair (adaflash_hf.reference)")
     g.add_argument("--assistant", help="small autoregressive assistant for hf_assisted")
     g = parser.add_argument_group("workload")
-    g.add_argument("--datasets", type=_csv, default=["gsm8k"], help="comma list of dataset names (blend included) or jsonl:PATH")
+    g.add_argument("--datasets", type=_csv, default=["gsm8k"],
+                   help="comma list of dataset names (blend included) or jsonl:PATH; spec_bench_all: MT-bench (both turns) "
+                   "and Spec-Bench's five other categories")
     g.add_argument("--data-dir", help="root of local eval datasets (default: $ADAFLASH_DATA, else the project's shared/data); a named set not found there loads from the Hub through datasets, else from the built-in sample")
     g.add_argument("--split", default="all", choices=("validation", "test", "all"),
                    help="all (default): every record of each named set, as listed; validation / test: that slice, "
@@ -44,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--methods", type=_csv, default=None,
         help=f"comma list from: {', '.join(DEFAULT_METHODS)} ({_default_help('methods')}). prompt_lookup_exact is "
-        "computed, not timed: prompt lookup's tau from plain's greedy outputs (exact under greedy, any concurrency)",
+        "computed, not timed: prompt lookup's tau from plain's greedy outputs (exact under greedy, any concurrency); also "
+        "prompt_lookup_grid (computed, best of tokens 10/15/20 x n-gram 2/3/4) and prompt_lookup_tuned (timed, the "
+        "setting chosen on validation)",
     )
     g = parser.add_argument_group("runtime")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
@@ -53,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed before each method and concurrency")
     g.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
                    help="candidate tokens per round of prompt_lookup and prompt_lookup_exact")
+    g.add_argument("--prompt-lookup-choice", metavar="BENCH_JSON",
+                   help="a --split validation run's bench.json (with prompt_lookup_grid): each set's best prompt-lookup "
+                   "setting, reported by prompt_lookup_grid (computed) and prompt_lookup_tuned (timed)")
     g.add_argument("--length-rate", type=float, default=None,
                    help="adaptive methods: rate of k_hat = floor(a*B*rate) (default: the drafter config's)")
     g.add_argument("--halving-batch", type=int, default=None,
@@ -105,7 +112,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         datasets=args.datasets, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, concurrency=args.concurrency,
         methods=args.methods, device=args.device, dtype=args.dtype, attn_implementation=args.attn_implementation,
-        warmup=args.warmup, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens, length_rate=args.length_rate,
+        warmup=args.warmup, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+        prompt_lookup_choice=args.prompt_lookup_choice, length_rate=args.length_rate,
         halving_batch=args.halving_batch, online_sample_unit=args.online_sample_unit,
         online_samples_per_update=args.online_samples_per_update, online_epochs=args.online_epochs,
         online_lr=args.online_lr, online_wait=args.online_wait, out=args.out, data_dir=args.data_dir, split=args.split,

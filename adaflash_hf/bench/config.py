@@ -27,6 +27,9 @@ class BenchConfig:
     ``warmup``: prompts decoded untimed before each (method, concurrency) is first timed.
     ``prompt_lookup_num_tokens``: candidate tokens per round of the ``prompt_lookup`` baseline (and of
     ``prompt_lookup_exact``, its rounds computed from plain's greedy outputs, untimed).
+    ``prompt_lookup_choice``: a ``--split validation`` run's ``bench.json`` whose ``prompt_lookup_grid`` cells
+    chose each set's prompt-lookup setting, reported here by ``prompt_lookup_grid`` and ``prompt_lookup_tuned``
+    (`.prompt_lookup_grid`). ``datasets`` may name a suite, ``spec_bench_all`` (`training.data.SUITES`).
     ``length_rate``: the length head's ``k_hat = clamp(floor(a * B * rate), 1, B)`` rate for every adaptive
     method (``None``: the drafter config's); ``halving_batch``: the engine methods scale that rate down with
     the batch (half at this many requests; ``None``, the default: fixed rate, load left to admission).
@@ -55,6 +58,7 @@ class BenchConfig:
     attn_implementation: str = "sdpa"
     warmup: int = 1
     prompt_lookup_num_tokens: int = 10
+    prompt_lookup_choice: str | None = None
     length_rate: float | None = None
     halving_batch: int | None = None
     online_sample_unit: str = "request"

@@ -56,6 +56,7 @@ class _Timings:
     def __init__(self):
         self.rows, self.walls, self.ttfts, self.tpots = [], [], [], []
         self.merged, self.rounds_est, self.waited = None, 0, 0.0
+        self.settings = None  # the method's knobs (MethodOutput.settings), the same for every batch
 
     def add(self, out, rows, wall, ttft) -> None:
         self.rows += rows
@@ -69,6 +70,7 @@ class _Timings:
             self.merged = merge_stats(self.merged, out.stats)
         if out.rounds is not None:
             self.rounds_est += out.rounds
+        self.settings = out.settings
 
 
 def measure(method, ctx, cell, layouts, config, eos_ids, warm_pool, warmed, pad_id, device, on_cuda, hardware, online=None):
@@ -121,6 +123,7 @@ def _fill(cell, t: _Timings, method, ctx, hardware, cuda_device) -> None:
     cell.ttft_s = sum(t.ttfts) / len(t.ttfts) if t.ttfts else None
     cell.tpot_s = sum(t.tpots) / len(t.tpots) if t.tpots else None
     cell.peak_memory_bytes = torch.cuda.max_memory_allocated(cuda_device) if cuda_device is not None else None
+    cell.settings = t.settings
     _fill_rounds(cell, t)
     if method.name == "adaptive" and ctx.drafter is not None and not getattr(ctx.drafter.config, "length_head_trained", True):
         cell.notes.append("length head not trained (config.length_head_trained is False)")

@@ -5,9 +5,24 @@ of a named set, all its records or a slice deduplicated against the training dat
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..loading import read_jsonl
+
+
+@dataclass
+class PromptSet:
+    """One benchmark set: its label, first-turn prompts, and each prompt's later user turns (multi-turn
+    sets such as MT-bench; empty lists elsewhere). See `.multiturn` for how later turns are benchmarked."""
+
+    label: str
+    prompts: list
+    later_turns: list[list[str]] = field(default_factory=list)
+
+    @property
+    def multi_turn(self) -> bool:
+        return any(self.later_turns)
 
 
 def load_prompts(spec: str, limit: int, data_dir, split: str = "all") -> tuple[str, list[list[dict] | str]]:
@@ -15,6 +30,17 @@ def load_prompts(spec: str, limit: int, data_dir, split: str = "all") -> tuple[s
     for continuation prompts (records with a ``"text"`` field and no ``"messages"``).
     ``split``: ``"all"``, every record as listed (no deduplication); ``"validation"`` / ``"test"``: that
     slice of a named set, training duplicates removed (`training.splits.eval_split`)."""
+    s = load_prompt_set(spec, limit, data_dir, split)
+    return s.label, s.prompts
+
+
+def load_prompt_set(spec: str, limit: int, data_dir, split: str = "all") -> PromptSet:
+    """`load_prompts` with each record's later user turns (``"turns"[1:]``, e.g. MT-bench's second question).
+
+    Example:
+        >>> load_prompt_set("mt_bench", 2, None).later_turns[0]  # doctest: +SKIP
+        ['Rewrite your previous response. Start every sentence with the letter A.']
+    """
     if split != "all" and spec.startswith("jsonl:"):
         raise ValueError(f"--split {split} applies to named eval sets, not {spec}")
     if spec.startswith("jsonl:"):
@@ -39,8 +65,10 @@ def load_prompts(spec: str, limit: int, data_dir, split: str = "all") -> tuple[s
             print(f"note: {label}: no local data folder and no Hub access ({e}); using the built-in {domain} "
                   f"sample ({len(records)} prompts)" + (f"; --split {split} not applied to it" if split != "all" else ""),
                   file=sys.stderr)
-    out = []
+    out, later = [], []
     for i, rec in enumerate(records[:limit]):
+        turns = rec.get("turns")
+        later.append([str(t) for t in turns[1:]] if isinstance(turns, list) else [])
         if isinstance(rec.get("messages"), list):
             out.append(rec["messages"])
         elif isinstance(rec.get("prompt"), str):
@@ -51,4 +79,4 @@ def load_prompts(spec: str, limit: int, data_dir, split: str = "all") -> tuple[s
             raise ValueError(f"{spec}: record {i} has no 'prompt' string, 'messages' list or 'text' string")
     if not out:
         raise ValueError(f"{spec}: no prompts")
-    return label, out
+    return PromptSet(label, out, later)

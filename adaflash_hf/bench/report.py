@@ -151,8 +151,10 @@ def _correctness(result: BenchResult) -> list[str]:
 
 
 def markdown(result: BenchResult) -> str:
-    """``bench.md``: the environment, the results table, details, online updates, correctness."""
-    sections = (_header, _main_table, _details, _online_table, _correctness)
+    """``bench.md``: the environment, the results table, the per-set summary, details, online updates, correctness."""
+    from .summary import summary_table
+
+    sections = (_header, _main_table, summary_table, _details, _online_table, _correctness)
     return "\n".join(line for section in sections for line in section(result)) + "\n"
 
 

@@ -37,6 +37,7 @@ class BenchCell:
     floor_ms_per_token: float | None = None
     floor_share: float | None = None
     identical: bool | None = None
+    settings: dict | None = None  # the method's knobs where it has some (prompt lookup's), see MethodOutput
     mismatched_prompts: list = field(default_factory=list)
     notes: list = field(default_factory=list)
 

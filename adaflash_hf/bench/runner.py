@@ -11,11 +11,14 @@ import torch
 
 from ..generation.prompts import encode_prompt, left_pad
 from ..loading import load_models, resolve_device_dtype
+from ..training import data as D
 from .config import BASELINES, BenchConfig
 from .environment import environment, hardware
 from .measure import fill_computed, measure
 from .methods import METHODS, BenchContext
-from .prompts import load_prompts
+from .multiturn import greedy_answers, turn_label, turn_prompts
+from .prompt_lookup_grid import check_choice, read_choice
+from .prompts import load_prompt_set
 from .results import BenchCell, BenchResult
 from .timing import run_batch
 
@@ -63,7 +66,6 @@ def _config_dict(config: BenchConfig, tokenizer) -> dict:
 def _split_counts(name: str, data_dir) -> dict | None:
     """`split_counts` of a named set, so bench.json says what the slice left out; None when the set fell back
     to the built-in sample (not deduplicated, see `load_prompts`)."""
-    from ..training import data as D
     from ..training.splits import split_counts
 
     try:
@@ -83,6 +85,7 @@ class _Run:
     eos_ids: set
     warm_pool: list = field(default_factory=list)
     warmed: set = field(default_factory=set)
+    references: dict = field(default_factory=dict)  # label -> plain's greedy rows of its first concurrency
 
     @property
     def on_cuda(self) -> bool:
@@ -119,6 +122,8 @@ class _Run:
             else:
                 compare(cell, rows, reference, self.result, self.ctx.target, prompts)
             log(config, _progress(cell))
+        if greedy and reference is not None:
+            self.references.setdefault(label, reference)
         _fill_speedups(group)
         cross_check(group, self.result)
         return group
@@ -133,11 +138,12 @@ class _Run:
             log(self.config, f"[{cell.dataset} c={cell.concurrency}] {method.name}: skipped ({reason})")
             return
         try:
-            stats = method.from_plain(self.ctx, prompts, reference, self.config.max_new_tokens, self.eos_ids)
+            out = method.from_plain(self.ctx, prompts, reference, self.config.max_new_tokens, self.eos_ids)
         except Exception as exc:  # reported like a method that raised; the other cells go on
             self.error(method, cell, exc)
             return
-        fill_computed(cell, reference, stats)
+        fill_computed(cell, reference, out.stats)
+        cell.settings = out.settings
         cell.notes.append(
             f"computed from plain's greedy outputs (concurrency {cell.concurrency}), not decoded or timed: exact for "
             "batch-1 greedy prompt lookup wherever those outputs are its greedy continuation; tau leaves the prefill "
@@ -180,6 +186,13 @@ def run_bench(config: BenchConfig) -> BenchResult:
     if not (config.temperature >= 0 and 0 < config.top_p <= 1 and config.top_k >= 0):  # NaN fails too
         raise ValueError(f"need temperature >= 0 (0: greedy), top_p in (0, 1] and top_k >= 0 (0: off); got "
                          f"{config.temperature!r}, {config.top_p!r}, {config.top_k!r}")
+    # Plain first: it is the correctness reference of every other method.
+    methods = sorted(dict.fromkeys(config.methods), key=lambda m: m != "plain")
+    names = D.expand_datasets(config.datasets)
+    sets = [load_prompt_set(d, config.num_prompts, config.data_dir, config.split) for d in names]
+    choice = read_choice(config.prompt_lookup_choice) if config.prompt_lookup_choice else None
+    labels = [turn_label(s.label, t) for s in sets for t in range(1, 2 + max(map(len, s.later_turns), default=0))]
+    check_choice(choice, labels, methods, config.split)
     device, dtype = resolve_device_dtype(config.device, config.dtype)
     target, drafter, tokenizer, assistant = load_models(
         config.target, config.drafter, config.tokenizer, reference=config.reference, assistant=config.assistant,
@@ -191,17 +204,11 @@ def run_bench(config: BenchConfig) -> BenchResult:
     result = BenchResult(config=_config_dict(config, tokenizer), environment=environment(config, device, dtype),
                          hardware=hardware(target, drafter, device))  # fmt: skip
 
-    # Plain first: it is the correctness reference of every other method.
-    methods = sorted(dict.fromkeys(config.methods), key=lambda m: m != "plain")
-    datasets = [load_prompts(d, config.num_prompts, config.data_dir, config.split) for d in config.datasets]
     if config.split != "all":
-        result.config["split_counts"] = {label: _split_counts(d, config.data_dir)
-                                         for d, (label, _) in zip(config.datasets, datasets)}  # fmt: skip
-    encoded = {label: [encode_prompt(tokenizer, m) for m in msgs] for label, msgs in datasets}
-    run = _Run(config, ctx, result, pad_id, eos_ids, warm_pool=encoded[datasets[0][0]])
-    for label, _ in datasets:
-        for conc in config.concurrency:
-            result.cells.extend(run.group(label, encoded[label], conc, methods))
+        result.config["split_counts"] = {s.label: _split_counts(d, config.data_dir) for d, s in zip(names, sets)}
+    run = _Run(config, ctx, result, pad_id, eos_ids, warm_pool=[encode_prompt(tokenizer, m) for m in sets[0].prompts])
+    for s in sets:
+        _run_set(run, s, methods, choice or {})
 
     if result.failures:
         loud(f"{len(result.failures)} failure(s); see 'failures' in the result")
@@ -210,6 +217,25 @@ def run_bench(config: BenchConfig) -> BenchResult:
 
         write_outputs(result, config.out, plots=config.plots)
     return result
+
+
+def _run_set(run: _Run, pset, methods: list[str], choice: dict) -> None:
+    """Every turn of one set at every concurrency: turn 1, then each later turn on the conversations so far
+    (the target's greedy answers in them, `.multiturn`)."""
+    conversations = dict(enumerate(pset.prompts))
+    turn = 1
+    while conversations:
+        label = turn_label(pset.label, turn)
+        run.ctx.prompt_lookup_tuned = choice.get(label)  # this set's setting chosen on validation, if any
+        order = sorted(conversations)
+        encoded = [encode_prompt(run.ctx.tokenizer, conversations[i]) for i in order]
+        for conc in run.config.concurrency:
+            run.result.cells.extend(run.group(label, encoded, conc, methods))
+        turn += 1
+        if not any(len(t) >= turn - 1 for t in pset.later_turns):
+            break
+        answers = dict(zip(order, greedy_answers(run, encoded, run.references.get(label))))
+        conversations = turn_prompts(conversations, pset.later_turns, answers, turn)
 
 
 # ----------------------------------------------------------------------------- correctness & speedups
@@ -255,7 +281,7 @@ def compare(cell, rows, reference, result, target=None, prompts=None):
 
 # A computed method and the real one it stands for: when the real one decoded plain's outputs exactly,
 # its rounds are the same function of those outputs, so every round figure must agree.
-CROSS_CHECKS = {"prompt_lookup_exact": "prompt_lookup"}
+CROSS_CHECKS = {"prompt_lookup_exact": "prompt_lookup", "prompt_lookup_grid": "prompt_lookup_tuned"}
 
 
 def cross_check(group: list[BenchCell], result: BenchResult) -> None:

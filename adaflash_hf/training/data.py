@@ -83,6 +83,10 @@ EVAL_DATASETS = (
     "prose",
     "blend",
 )
+# Spec-Bench's categories besides its multi-turn one; that one is MT-bench's 80 two-turn questions, the same
+# records as `mt_bench` (question ids, categories and turns equal), so a suite names it once, as mt_bench.
+SPEC_BENCH_CATEGORIES = ("translation", "summarization", "qa", "math_reasoning", "rag")
+SUITES = {"spec_bench_all": ("mt_bench", *(f"spec_bench:{c}" for c in SPEC_BENCH_CATEGORIES))}
 PROSE_PROMPT_CHARS = 160  # a held-out prose chunk's opening (~32 tokens, as the drafter's training prompts)
 EAGLE_TASKS = ("alpaca", "gsm8k", "humaneval", "qa", "sum")
 BLEND_PARTS = ("gsm8k", "mathqa", "codealpaca", "sharegpt")
@@ -513,13 +517,25 @@ def builtin_prompts(domain: str, limit: int | None = None) -> list[dict]:
     return out[:limit] if limit is not None else out
 
 
+def expand_datasets(names: list[str]) -> list[str]:
+    """Dataset names with each suite (`SUITES`) replaced by its sets, in order, each name once.
+
+    Example:
+        >>> expand_datasets(["gsm8k", "spec_bench_all"])[:3]
+        ['gsm8k', 'mt_bench', 'spec_bench:translation']
+    """
+    out = [n for name in names for n in SUITES.get(name.strip().lower(), (name,))]
+    return list(dict.fromkeys(out))
+
+
 def eval_prompts(dataset_name: str, limit: int | None = None, seed: int = 0, data_dir=None) -> list[dict]:
     """Evaluation prompts of one dataset (first ``limit`` records, in file order).
 
     Names: gsm8k, mathqa, math500, aime2025, aime2024, mbpp (sanitized test ids 11-510), humaneval,
     codealpaca (code_alpaca_2k), sharegpt (first human turn of eval500), alpaca_eval, mt_bench,
     spec_bench (all categories, or ``spec_bench:<category>``: translation, summarization, qa,
-    math_reasoning, rag, and MT-bench's), eagle_bench (all 5 tasks, or ``eagle_bench:<task>``), and ``blend``: an equal mix of
+    math_reasoning, rag, and MT-bench's; the suite ``spec_bench_all`` of `expand_datasets` lists mt_bench and
+    the five others), eagle_bench (all 5 tasks, or ``eagle_bench:<task>``), and ``blend``: an equal mix of
     gsm8k, mathqa, codealpaca and sharegpt drawn with ``random.Random(seed)`` and interleaved
     round-robin, so any prefix is balanced. Each record: ``{"messages": [{"role": "user", ...}],
     "dataset": name, "reference": str | None, ...}``; blend records also carry ``"source"``.
@@ -569,6 +585,9 @@ __all__ = [
     "chat_samples",
     "all_train_samples",
     "eval_prompts",
+    "expand_datasets",
+    "SUITES",
+    "SPEC_BENCH_CATEGORIES",
     "chunk_text",
     "gsm8k_final_answer",
     "clean_gsm8k_answer",

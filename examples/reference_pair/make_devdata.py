@@ -20,7 +20,7 @@ import tarfile
 from pathlib import Path
 
 # The benchmark sets that are not a domain's eval source (the bench reads them by name).
-BENCH_ONLY = ("math500/test.jsonl", "mathqa/test_1000.jsonl")
+BENCH_ONLY = ("math500/test.jsonl", "mathqa/test_1000.jsonl", "spec_bench/question.jsonl", "mt_bench/question.jsonl")
 # The sets of the tau tables (BENCHMARKS.md), counted after an --eval-only pack.
 BENCH_SETS = ("gsm8k", "mathqa", "math500", "codealpaca", "sharegpt", "prose")
 

@@ -21,6 +21,7 @@ class BenchContext:
     prompt_lookup_num_tokens: int = 10
     length_rate: float | None = None  # the length head's rate (None: the drafter config's)
     halving_batch: int | None = None  # engine methods: load-scaled rate (None: fixed rate, the default)
+    prompt_lookup_tuned: Any = None  # the current set's `PromptLookupSettings` chosen on validation (prompt_lookup_grid)
 
 
 @dataclass
@@ -28,12 +29,14 @@ class MethodOutput:
     """A runner's answer: the generated sequences (prompt included), and our stats when it has them.
 
     ``rounds`` is a verify-round count (target forwards after the prefill) for methods without
-    `GenerationStats` (batch 1); tau is then `spec.rounds.tau_from_totals`.
+    `GenerationStats` (batch 1); tau is then `spec.rounds.tau_from_totals`. ``settings``: the knobs it ran
+    with, where it has some (prompt lookup's), recorded in the cell.
     """
 
-    sequences: Any  # torch.Tensor
+    sequences: Any  # torch.Tensor; None for a computed (`Method.from_plain`) method
     stats: Any = None
     rounds: int | None = None
+    settings: dict | None = None
 
 
 @dataclass
@@ -43,8 +46,9 @@ class Method:
     reason when the method cannot run in that configuration, else None. ``online``: an
     ``OnlineAdapter`` method (``"osd"``, ``"opd"``): each cell then runs on a fresh copy of the
     drafter with an adapter attached, fed by every round the cell serves. ``from_plain``: a method
-    computed, not run: ``from_plain(ctx, prompts, plain_rows, max_new_tokens, eos_ids)`` returns the
-    `GenerationStats` it would have had, from plain's greedy rows of the same prompts (``run`` is None)."""
+    computed, not run: ``from_plain(ctx, prompts, plain_rows, max_new_tokens, eos_ids)`` returns a
+    `MethodOutput` (no sequences) with the `GenerationStats` it would have had, from plain's greedy rows
+    of the same prompts (``run`` is None)."""
 
     name: str
     run: Callable | None

@@ -90,14 +90,28 @@ def recorded_prompt_lookup(target, input_ids, attention_mask, num_tokens, stream
     return out, rounds
 
 
-def run_prompt_lookup(ctx, input_ids, attention_mask, streamer):
+def _settings_dict(settings) -> dict:
+    return {"num_tokens": settings.num_tokens, "max_ngram": settings.max_ngram}
+
+
+def _timed_prompt_lookup(ctx, input_ids, attention_mask, streamer, settings) -> MethodOutput:
+    """Batch-1 prompt lookup at `settings` (the n-gram size passed to `generate` as ``max_matching_ngram_size``)."""
     from ..prompt_lookup_tau import as_generation_stats
 
-    settings = prompt_lookup_settings(ctx)
     out, rounds = recorded_prompt_lookup(
-        ctx.target, input_ids, attention_mask, settings.num_tokens, streamer, **ctx.generate_kwargs
-    )
-    return MethodOutput(out, stats=as_generation_stats([rounds], settings))
+        ctx.target, input_ids, attention_mask, settings.num_tokens, streamer,
+        max_matching_ngram_size=settings.max_ngram, **ctx.generate_kwargs,
+    )  # fmt: skip
+    return MethodOutput(out, stats=as_generation_stats([rounds], settings), settings=_settings_dict(settings))
+
+
+def run_prompt_lookup(ctx, input_ids, attention_mask, streamer):
+    return _timed_prompt_lookup(ctx, input_ids, attention_mask, streamer, prompt_lookup_settings(ctx))
+
+
+def run_prompt_lookup_tuned(ctx, input_ids, attention_mask, streamer):
+    """``prompt_lookup_tuned``: transformers' prompt lookup at the set's setting chosen on validation."""
+    return _timed_prompt_lookup(ctx, input_ids, attention_mask, streamer, ctx.prompt_lookup_tuned)
 
 
 # Generation-config fields whose logits processors can forbid a candidate token: prompt lookup then
@@ -121,7 +135,21 @@ def prompt_lookup_from_plain(ctx, prompts, rows, max_new_tokens, eos_ids):
 
     settings = prompt_lookup_settings(ctx)
     rounds = [prompt_lookup_rounds(p, r, max_new_tokens, eos_ids, settings) for p, r in zip(prompts, rows)]
-    return as_generation_stats(rounds, settings)
+    return MethodOutput(None, stats=as_generation_stats(rounds, settings), settings=_settings_dict(settings))
+
+
+def prompt_lookup_grid_from_plain(ctx, prompts, rows, max_new_tokens, eos_ids):
+    """``prompt_lookup_grid``: every grid point computed from plain's greedy `rows`; the cell's figures are
+    the setting chosen on validation (``ctx.prompt_lookup_tuned``), else the best on these prompts."""
+    from ..prompt_lookup_grid import best_setting, grid_record, grid_rounds
+
+    stats = grid_rounds(prompts, rows, max_new_tokens, eos_ids)
+    chosen, on = ctx.prompt_lookup_tuned, "validation (--prompt-lookup-choice)"
+    if chosen is None:
+        chosen, on = best_setting(stats), "these prompts"
+    if chosen not in stats:  # a validation file from another grid: compute its point too
+        stats.update(grid_rounds(prompts, rows, max_new_tokens, eos_ids, grid=(chosen,)))
+    return MethodOutput(None, stats=stats[chosen], settings=grid_record(stats, chosen, on))
 
 
 def run_dflash_native(ctx, input_ids, attention_mask, streamer):

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# BENCHMARKS' top table on the test slices (issue 36 items 2-4), the shipped reference pair, greedy, float32, 128 tokens:
+# the six sets, MT-bench (both turns) and Spec-Bench's five other categories (spec_bench_all), each set capped at
+# PROMPTS prompts of its slice. Three phases, several `adaflash bench` processes sharing the one GPU in each:
+#   1. validation: plain + prompt_lookup_grid (concurrency 64): each set's best prompt-lookup setting -> val_*/bench.json
+#   2. test, tau: plain, fixed, adaptive (rate 2), prompt lookup default (prompt_lookup_exact) and best of grid
+#      (prompt_lookup_grid, the setting chosen in 1), concurrency 64, every output compared with plain
+#   3. test, wall-clock at batch 1 on the first WALL_PROMPTS prompts: plain, prompt_lookup, prompt_lookup_tuned,
+#      fixed, adaptive (the processes of this phase share the GPU with each other, not with phase 2)
+# Needs the eval + training data (the slices drop training duplicates): carry .evaldata (written by
+# `python examples/reference_pair/make_devdata.py --out .evaldata`) and .slimwhl. --smoke: CPU, 2 prompts, 16 tokens.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+SIX=gsm8k,mathqa,math500,codealpaca,sharegpt,prose
+if [[ ${1:-} == --smoke ]]; then
+  PROMPTS=2; WALL_PROMPTS=1; TOKENS=16; CONC=2; EXTRA="--device cpu --warmup 0"; WALL_EXTRA="--device cpu --warmup 0"
+  PROCS=("gsm8k,mt_bench" "spec_bench:qa"); LIMITS=(900 900 900)
+else
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .slimwhl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site; python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 1
+  mkdir -p /tmp/ev && tar xzf .evaldata/data.tar.gz -C /tmp/ev && export ADAFLASH_DATA=/tmp/ev/data
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  PROMPTS=${PROMPTS:-500}; WALL_PROMPTS=${WALL_PROMPTS:-16}; TOKENS=128; CONC=64; EXTRA="--warmup 0"; WALL_EXTRA="--warmup 1"
+  # one group per process: the big sets alone or in pairs, the small ones together (Spec-Bench's categories, ~40 test
+  # prompts each, are spec_bench_all less mt_bench, which runs beside sharegpt)
+  PROCS=("gsm8k,math500" "mathqa,prose" "codealpaca" "sharegpt,mt_bench" "spec_bench:translation,spec_bench:summarization,spec_bench:qa"
+         "spec_bench:math_reasoning,spec_bench:rag"); LIMITS=(120 200 180)
+fi
+B="python3 -m adaflash_hf.bench --reference --max-new-tokens $TOKENS --dtype fp32 --length-rate 2 --no-plots --quiet"
+phase() {  # phase NAME TIMEOUT ARGS...: one process per group, in parallel; the group's index names its folder
+  local name=$1 limit=$2; shift 2
+  local i=0 pids=()
+  for g in "${PROCS[@]}"; do
+    timeout "$limit" $B --datasets "$g" "$@" --out "$OUT/${name}_$i" > "$OUT/${name}_$i.log" 2>&1 &
+    pids+=($!); i=$((i + 1))
+  done
+  local rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  echo "phase $name: $(date -u +%T) rc=$rc"
+}
+SECONDS=0
+phase val ${LIMITS[0]} --split validation --num-prompts $PROMPTS --concurrency $CONC --methods plain,prompt_lookup_grid $EXTRA
+# every validation run's choices in one file (each group's sets are in its own val_i/bench.json)
+python3 - "$OUT" <<'EOF'
+import json, sys, glob
+runs = [json.load(open(p)) for p in sorted(glob.glob(f"{sys.argv[1]}/val_*/bench.json"))]
+merged = dict(runs[0], results=[c for r in runs for c in r["results"]])
+json.dump(merged, open(f"{sys.argv[1]}/validation_choice.json", "w"))
+EOF
+CHOICE="--prompt-lookup-choice $OUT/validation_choice.json"
+phase tau ${LIMITS[1]} --split test --num-prompts $PROMPTS --concurrency $CONC $CHOICE $EXTRA \
+  --methods plain,fixed,adaptive,prompt_lookup_exact,prompt_lookup_grid
+phase wall ${LIMITS[2]} --split test --num-prompts $WALL_PROMPTS --concurrency 1 $CHOICE $WALL_EXTRA \
+  --methods plain,prompt_lookup,prompt_lookup_exact,prompt_lookup_tuned,prompt_lookup_grid,fixed,adaptive
+echo "total ${SECONDS}s"
+grep -h "BENCH FAILURE" "$OUT"/*.log | head -20
+grep -L "No failures" "$OUT"/*/bench.md
