@@ -10,7 +10,7 @@ MT-bench (none of them a training source of the pair).
 Writes ``head_calibration.json`` and ``head_calibration.md`` into ``--out``.
 
 Usage:
-    python examples/head_calibration.py --prompts 20 --out docs/logs/head_calibration_cpu   # CPU, minutes
+    python examples/head_calibration.py --prompts 20 --threads 1 --out docs/logs/head_calibration_cpu  # CPU, minutes
     python examples/head_calibration.py --smoke --out /tmp/calib                             # CPU, seconds
 """
 
@@ -105,8 +105,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=20, help="prompts per set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default; 1 is "
+                    "fastest on a few shared cores)")
     ap.add_argument("--smoke", action="store_true", help="2 sets x 2 prompts x 24 tokens")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sets = list(SETS[:2]) if args.smoke else [s for s in args.sets.split(",") if s]
     n, max_new = (2, 24) if args.smoke else (args.prompts, args.max_new_tokens)
     if not sets or n < 1 or max_new < 1:
