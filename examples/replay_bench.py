@@ -314,6 +314,8 @@ def parse(argv):
         raise SystemExit(f"bad --arrivals / --modes {bad}: arrivals closed or poisson:LOAD (LOAD > 0); modes of "
                          f"{', '.join(LAYOUTS)}, off among them (the ratios' reference)")
     args.conc, args.real_conc = ([1, 3], [1, 3]) if args.smoke else (ints(args.concurrency), ints(args.real_concurrency))
+    if args.smoke:  # one Poisson load is enough to run its path
+        arrivals = ["closed", "poisson:0.9"]
     args.arrival_list, args.mode_list = arrivals, modes + ["default"]
     return args
 
