@@ -346,7 +346,7 @@ def main(argv=None) -> int:
     deadline = common.T0 + args.budget_s
     res = {"meta": {"label": "ACCEPTANCE REPLAY (not a model's result) + the reference pair's real runs", "device": device,
                     "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "", "torch": torch.__version__,
-                    "smoke": smoke, "concurrency": conc, "real_concurrency": args.real_conc, "real_sets": sets,
+                    "smoke": smoke, "concurrency": conc, "real_concurrency": args.real_conc, "real_sets": sets if args.real_conc else [],
                     "arrivals": args.arrival_list, "modes": args.mode_list, "prompt_len": plen, "max_new_tokens": max_new,
                     "reps": args.reps, "block_size": BLOCK}, "traces": {}, "rows": [], "checks": {}}
 

@@ -26,7 +26,7 @@ import math
 import torch
 
 from ..spec.length_policy import adaptive_verify_length
-from ..spec.rounds import mean_tokens_per_round
+from ..spec.rounds import mean_tokens_per_round, position_counts
 
 __all__ = ["BUCKET_EDGES", "by_bucket", "by_position", "fitted_scale", "k_hats", "rule_outcome"]
 
@@ -76,15 +76,17 @@ def by_position(rounds, block_size: int, rate: float = 1.0) -> list[dict]:
     rounds whose ``k_hat > j``) and ``lost`` (share of rounds that would accept slot ``j`` but do not verify it)."""
     _check(rounds, block_size)
     n, out = len(rounds), []
-    khat = k_hats(rounds, block_size, rate)
+    acc, khat = [r.accepted for r in rounds], k_hats(rounds, block_size, rate)
+    whole = position_counts(acc, [block_size] * n, block_size - 1)  # [n, rounds accepting slot j] per slot
+    ruled = position_counts(acc, khat, block_size - 1)  # [rounds verifying slot j, of them accepting it]
     prev = 1.0
     for j in range(1, block_size):
         pred = sum(min(max(r.ratio * block_size - j, 0.0), 1.0) for r in rounds) / n
-        real = sum(r.accepted >= j for r in rounds) / n
+        real = whole[j - 1][1] / n
         out.append({"position": j, "predicted": pred, "realised": real,
                     "ratio": real / pred if pred else (math.inf if real else 1.0),
-                    "cond": real / prev if prev else 0.0, "verified": sum(k > j for k in khat) / n,
-                    "lost": sum(r.accepted >= j and k <= j for r, k in zip(rounds, khat)) / n})
+                    "cond": real / prev if prev else 0.0, "verified": ruled[j - 1][0] / n,
+                    "lost": (whole[j - 1][1] - ruled[j - 1][1]) / n})
         prev = real
     return out
 
