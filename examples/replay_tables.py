@@ -58,7 +58,7 @@ def issue_table(res, kind, traces, arrival) -> list[str]:
 
 def detail_table(res, kind, name, arrival) -> list[str]:
     """Every concurrency of one trace (or set, for real runs) and arrival pattern."""
-    conc, rows, m = res["meta"]["concurrency" if kind == "replay" else "real_concurrency"], res["rows"], res["meta"]
+    conc, rows = res["meta"]["concurrency" if kind == "replay" else "real_concurrency"], res["rows"]
     closed = arrival == "closed"
     out = ["| c | off | fixed | adaptive | default | adaptive / fixed | adaptive / off | fixed / off | default / max(off, "
            "fixed) | " + ("tau fixed / adaptive | adaptive verify len" if closed else "mean latency s off / fixed / adaptive "
