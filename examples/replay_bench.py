@@ -1,20 +1,30 @@
-"""ACCEPTANCE REPLAY at the Qwen3-8B shape on one H200: the engine's tok/s of ``off`` / ``fixed`` / ``packed``
-per concurrency under known acceptance traces (issue 18, item 3). Replay, not a model's result.
+"""ACCEPTANCE REPLAY at the Qwen3-8B shape on one H200, plus the reference pair's own engine runs (issue 35 item 4):
+the engine's tok/s of ``off`` / ``fixed`` / ``packed`` (the paper's adaptive floor rule) / ``default`` per
+concurrency under known acceptance traces, closed batch and open-loop Poisson arrivals. Replay, not a model's result.
 
 Random weights accept nothing, so the drafted tokens are made to follow a trace
 (:mod:`adaflash_hf.bench.replay`): the 8B-shaped target (random bf16 weights) and a 5-layer drafter of
 the z-lab DFlash shape (block 16, length head) run every forward and kernel of every round, the drafts
 agree with the target's own greedy continuation for the trace's accepted count of that round and are
-wrong right after, and the length head's ratio is the trace's. The engine's real verify lengths, packing,
-graphs and reads are what is timed.
+wrong right after, and the length head's ratio is the trace's. Each trace is replayed at the verify-length
+settings of the drafter that recorded it (``ReplayPolicy``: the shipped head's rate 2.0, not the replay drafter's
+1.0). The engine's real verify lengths, packing, graphs and reads are what is timed.
 
 Traces (``--traces``):
   ``paper``      the paper's DFlash per-slot acceptance on Qwen3-8B (slot 1 0.89 ... slot 15 0.13,
-                 geometric between the published ends: tau 7.06), oracle head (k_hat = accepted + 1);
+                 geometric between the published ends: tau 7.06), oracle head (k_hat = accepted + 1, rate 1.0);
   ``paper_ref``  the same acceptance, head ratios of the reference pair's length head for rounds that
-                 accepted as many (its real calibration, recorded on the first ``--domains`` set);
-  ``<domain>``   the reference pair's own rounds on that set (``fixed`` mode, whole blocks), accepted
-                 counts and head ratios as recorded.
+                 accepted as many (its real calibration, recorded on ``--ratio-set``), at the pair's policy;
+  ``<set>``      the reference pair's own rounds on that eval set (``fixed`` mode, whole blocks, float32), accepted
+                 counts and head ratios as recorded. Each such set also gets the pair's real engine runs at
+                 ``--real-concurrency`` (closed batch, EOS honoured, every mode; identity against ``off``).
+
+Modes (``--modes``, round layouts of ``adaflash_hf.spec.policy.LAYOUTS``) and ``default``: what the trace's drafter
+runs when no policy is asked for (its config's default policy); where its settings equal a mode's, that mode's
+row stands for it (``same_as``). Arrivals (``--arrivals``): ``closed`` (one request per slot, all at once) and
+``poisson:LOAD`` (open loop, ``max(c, --poisson-min-requests)`` requests at LOAD x ``off``'s closed-batch request
+rate at that concurrency, at most c in the engine: mean latency and tok/s). One engine per setting, its graphs
+captured once and reused by every trace and arrival pattern.
 
 The target's greedy argmax is made decisive before anything runs: the embedding is scaled up so the
 residual stream carries the input token, and the LM head rows are a permutation of the embedding
@@ -23,17 +33,17 @@ cost, but bf16 rounding that differs between batch shapes cannot flip an argmax,
 precomputed continuation is what every verify accepts. Every output is checked against it (the
 ``off`` engine's and, for one prompt, HF ``generate``'s).
 
-Writes ``replay_bench.json`` and ``replay_bench.md`` into ``--out`` (default ``$OUT``), rewritten after
-every row; prints progress and a summary.
+Writes ``replay_bench.json`` and ``replay_bench.md`` (issue 35's table per arrival pattern, then the rows behind it;
+``replay_tables.py``) into ``--out`` (default ``$OUT``), rewritten after every row; rows are run in order of
+importance (reference pair, closed batch, then each Poisson load) and skipped past ``--budget-s``.
 
 The reference pair's prompts come from ``$ADAFLASH_DATA`` (default: ``shared/data`` in the checkout, else the
 small excerpt in ``tests/fixtures/data``).
 
 Usage:
-    python examples/replay_bench.py --out $OUT                     # H200, about 6-8 minutes
-    python examples/replay_bench.py --smoke --out /tmp/replay      # CPU, tiny shapes, ~20 s
-    # packed verify lengths by the paper's floor rule instead of the default cost rule; the cost rule on this GPU's
-    # own measured cost: --length-policy adaptive / --measure-cost (and --length-rate for the head's calibration)
+    python examples/replay_bench.py --out $OUT                     # H200, every row: see BENCHMARKS section 9
+    python examples/replay_bench.py --out $OUT --traces paper,paper_ref,gsm8k --arrivals closed --concurrency 1,32,128
+    python examples/replay_bench.py --smoke --out /tmp/replay      # CPU, tiny shapes
 """
 
 from __future__ import annotations
@@ -52,7 +62,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_common as common  # noqa: E402  (the 8B builder, prompt loading, timing helpers)
 
+from replay_tables import markdown  # noqa: E402
+
+from adaflash_hf.bench.arrivals import poisson_arrivals, run_open_loop  # noqa: E402
 from adaflash_hf.bench.replay import DraftReplay, RecordedTrace, paper_dflash_trace  # noqa: E402
+from adaflash_hf.engine import LAYOUTS, Engine, layout_args, round_layout  # noqa: E402
+from adaflash_hf.engine.warmup import measure_round_cost  # noqa: E402
 from adaflash_hf.spec.rounds import mean_tokens_per_round  # noqa: E402
 
 log = common.log
@@ -90,35 +105,97 @@ def build_drafter(target, device, smoke: bool):
     return d.eval()
 
 
-def record_traces(device, domains, n, max_new, smoke):
-    """The reference pair's rounds per domain (fixed mode, bf16 on the GPU; float32 on the CPU)."""
-    out = {}
-    dtype = torch.float32 if smoke else torch.bfloat16
-    for dom in domains:
+def mode_args(drafter, mode: str, policy) -> dict:
+    """The ``Engine`` arguments of ``mode``: a round layout of :data:`LAYOUTS` (``packed:adaptive``: that layout's
+    lengths by the paper's floor rule instead of the ``cost`` rule), or ``default``, what the trace's drafter runs when
+    no policy is asked for (``policy``: its :class:`ReplayPolicy`)."""
+    if mode == "default":
+        return {"drafter": drafter, "length_policy": policy.length_policy}
+    layout, _, rule = mode.partition(":")
+    return layout_args(drafter, layout, rule or "cost")
+
+
+class Engines:
+    """One engine per distinct set of ``Engine`` arguments (graphs captured once, reused by every trace and arrival
+    pattern), each with its own :class:`DraftReplay` (request ids are per engine) unless ``refs`` is ``None``."""
+
+    def __init__(self, target, drafter, refs, **kw):
+        self.target, self.drafter, self.refs, self.kw, self.built = target, drafter, refs, kw, {}
+        self.round_cost = None  # measured on the device (--measure-cost): every engine built after takes it
+
+    def get(self, mode: str, policy):
+        """``(engine, replay, key)`` for ``mode`` under ``policy``; ``key`` names the settings (two modes of equal
+        key are the same run)."""
+        args = mode_args(self.drafter, mode, policy)
+        key = round_layout(args["drafter"], args.get("length_policy"), args.get("rectangular", False)) + (
+            f":{args['length_policy']}" if "length_policy" in args else "")
+        if key not in self.built:
+            replay = DraftReplay(self.refs, None) if self.refs is not None and args["drafter"] is not None else None
+            self.built[key] = (Engine(self.target, **args, draft_replay=replay, round_cost=self.round_cost, **self.kw), replay)
+        eng, replay = self.built[key]
+        policy.apply(eng)
+        return eng, replay, key
+
+
+def reference_pair_phase(res, row, device, sets, args, smoke):
+    """Per set: the reference pair (float32) records its whole-block rounds (the replay's traces, with the pair's
+    policy) and runs for real at ``res['meta']['real_concurrency']`` in every mode; returns ``{set: RecordedTrace}``."""
+    traces, conc = {}, res["meta"]["real_concurrency"]
+    n_rec, max_new = (2, 24) if smoke else (args.record_prompts, args.max_new_tokens)
+    for name in sets:
         t = time.perf_counter()
-        target, drafter, prompts, eos, source = common.reference_pair(device, dtype, dom, n)
-        longest = max(len(p) for p in prompts)
-        rec = RecordedTrace.record(target, drafter, prompts, max_new, name=f"reference pair, {dom}", eos_token_id=eos,
-                                   max_slots=len(prompts), token_budget=max(4096, longest + len(prompts) * BLOCK))
-        acc = [r.accepted for r in rec.rounds]
-        out[dom] = rec
-        log(f"trace {dom} ({source}): {len(acc)} whole-block rounds, tau {rec.tau:.2f}, "
-            f"mean head ratio {statistics.mean(r.ratio for r in rec.rounds):.3f} ({time.perf_counter() - t:.1f}s)")
-        del target, drafter
+        target, drafter, prompts, eos, source = common.reference_pair(device, torch.float32, name, max([n_rec, *conc]))
+        prompts = [prompts[i % len(prompts)] for i in range(max([n_rec, *conc]))]
+        longest = max(map(len, prompts))
+        rec = RecordedTrace.record(target, drafter, prompts[:n_rec], max_new, name=f"reference pair, {name}",
+                                   eos_token_id=eos, max_slots=n_rec, token_budget=max(4096, longest + n_rec * BLOCK))
+        traces[name] = rec
+        log(f"trace {name} ({source}): {len(rec.rounds)} whole-block rounds, tau {rec.tau:.2f}, mean head ratio "
+            f"{statistics.mean(r.ratio for r in rec.rounds):.3f}, policy {rec.policy} ({time.perf_counter() - t:.1f}s)")
+        if name not in res["meta"]["real_sets"]:
+            continue
+        engines = Engines(target, drafter, None, max_slots=max(conc), max_len=longest + max_new + 8,
+                          token_budget=max(4096, longest + max(conc) * BLOCK), cuda_graphs=True)
+        for c in conc:
+            off = engines.get("off", rec.policy)[0]
+            refs = {tuple(p): o.token_ids for p, o in zip(prompts[:c], off.generate(prompts[:c], max_new, eos_token_id=eos))}
+            for mode in res["meta"]["modes"]:
+                eng, _, key = engines.get(mode, rec.policy)
+                row(dict(kind="real", mode=mode, trace=name, concurrency=c, arrival="closed"),
+                    lambda: run_row(eng, None, prompts[:c], refs, max_new, device, args.reps, True, eos=eos), key)
+        del engines, target, drafter
         common.free_memory()
-    return out
+    return traces
 
 
-def submit_and_prefill(eng, prompts, max_new) -> list:
+def poisson_row(eng, replay, prompts, refs, max_new, device, rate, c, seed) -> dict:
+    """One open-loop row: ``len(prompts)`` Poisson arrivals at ``rate`` requests per second, at most ``c`` in the
+    engine (:func:`run_open_loop`), with the identity and trace checks; graph captures inside it are reported."""
+    captures = lambda: eng.graphs.capture_seconds + (eng.draft_graphs.capture_seconds if eng.draft_graphs else 0.0)  # noqa: E731
+    c0 = captures()
+    r = run_open_loop(eng, prompts, max_new, poisson_arrivals(len(prompts), rate, seed), c, sync=lambda: common.sync(device))
+    outs = r.pop("outputs")
+    acc = [a for o in outs for a in o.accepted]
+    row = {**{k: v for k, v in r.items() if k not in ("submitted_s", "done_s")},
+           "rate": rate, "requests": len(prompts), "capture_s": captures() - c0,
+           "tau": mean_tokens_per_round(acc) if acc else 1.0,
+           "identical": sum(o.token_ids == refs[tuple(p)] for o, p in zip(outs, prompts))}
+    if replay is not None:
+        ok, total = replay.followed(outs)
+        row["trace_followed"] = f"{ok}/{total}"
+    return row
+
+
+def submit_and_prefill(eng, prompts, max_new, eos=None) -> list:
     """Submit ``prompts`` and step the engine until each has its first token (a few rounds when the prompts
     exceed the token budget); returns the handles."""
-    handles = [eng.submit(p, max_new) for p in prompts]
+    handles = [eng.submit(p, max_new, eos_token_id=eos) for p in prompts]
     while not all(h.token_ids for h in handles):
         eng.step()
     return handles
 
 
-def timed_run(eng, prompts, max_new, device) -> dict:
+def timed_run(eng, prompts, max_new, device, eos=None) -> dict:
     """One timed run of ``prompts`` (all submitted at once), three rates from the same run (graph captures inside
     it subtracted): ``e2e``, every token over the whole run; ``decode``, the tokens after prefill over the time
     after it (from the first moment every request has its first token to the end: the closed batch's tail, where
@@ -133,7 +210,7 @@ def timed_run(eng, prompts, max_new, device) -> dict:
         return time.perf_counter(), captures()
 
     t0, c0 = mark()
-    handles = submit_and_prefill(eng, prompts, max_new)
+    handles = submit_and_prefill(eng, prompts, max_new, eos)
     (t1, c1), tok1, rounds = mark(), sum(len(h.token_ids) for h in handles), 0
     while not any(h.done for h in handles):
         eng.step()
@@ -149,14 +226,14 @@ def timed_run(eng, prompts, max_new, device) -> dict:
             "full": (tok2 - tok1) / span(t1, t2, c1, c2) if rounds else None, "rounds": rounds, "outputs": outs}
 
 
-def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile, kernels=False, out_dir=None):
-    """One (mode, trace, concurrency) row: warm-up if asked, timed runs, identity and trace checks,
+def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile=False, kernels=False, out_dir=None, eos=None):
+    """One closed-batch (mode, trace, concurrency) row: warm-up if asked, timed runs, identity and trace checks,
     optionally the profiled per-step phases and the device kernels of mid-run forwards (with a host + device
     trace written into ``out_dir``)."""
     if warm:
-        eng.generate(prompts, max_new_tokens=max_new)
+        eng.generate(prompts, max_new_tokens=max_new, eos_token_id=eos)
     steps0, fwd0 = eng.num_steps, len(eng.forward_tokens)
-    runs = [timed_run(eng, prompts, max_new, device) for _ in range(reps)]
+    runs = [timed_run(eng, prompts, max_new, device, eos) for _ in range(reps)]
     outs = runs[-1]["outputs"]
     acc = [a for o in outs for a in o.accepted]
     vl = [v for o in outs for v in o.verify_lengths]
@@ -208,104 +285,78 @@ def decode_kernels(eng, prompts, max_new, device, steps: int = 6, trace: str | N
             "groups_ms_per_forward": {g: round(v, 3) for g, v in groups.items()}}
 
 
-def markdown(res: dict) -> str:
-    m = res["meta"]
-    out = ["# ACCEPTANCE REPLAY, Qwen3-8B shape (random bf16 weights), engine tok/s", "",
-           f"{m.get('gpu') or m['device']}; {m['prompt_len']}-token prompts, {m['max_new_tokens']} new tokens per "
-           f"request, one request per concurrency slot, all submitted at once; drafter: {m.get('drafter', '')}; packed "
-           f"verify lengths by `{m.get('packed_policy', 'adaptive')}`, length rate {m.get('length_rate') or 'of the drafter config'}. "
-           "Replay: the drafts follow the trace, the engine's forwards, kernels and verify lengths are real. "
-           "Not a model's result. tok/s: decode, after every request has its first token, to the end of the run (the "
-           "closed batch's tail included); full batch: the same up to the first request's end (median of the runs).", ""]
-    off = {r["concurrency"]: r for r in res["rows"] if r["mode"] == "off" and "tok_per_s" in r}
-    for name, tr in res.get("traces", {}).items():
-        out += [f"## trace `{name}`: {tr['description']} (trace tau {tr['tau']:.2f})", "",
-                "| concurrency | off tok/s | fixed tok/s (x off) | packed tok/s (x off, x fixed) | tau fixed / packed "
-                "| packed verify len | identical | trace followed | end-to-end tok/s |", "|---|---|---|---|---|---|---|---|---|"]
-        for c in m["concurrency"]:
-            f = next((r for r in res["rows"] if r.get("trace") == name and r["mode"] == "fixed" and r["concurrency"] == c), {})
-            p = next((r for r in res["rows"] if r.get("trace") == name and r["mode"] == "packed" and r["concurrency"] == c), {})
-            o = off.get(c, {})
-            ot, ft, pt = o.get("tok_per_s"), f.get("tok_per_s"), p.get("tok_per_s")
-            ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
-            num = lambda v: f"{v:.0f}" if v else (f.get("error") or p.get("error") or "-")[:40]  # noqa: E731
-            out.append(f"| {c} | {num(ot)} | {num(ft)} ({ratio(ft, ot)}) | {num(pt)} ({ratio(pt, ot)}, {ratio(pt, ft)}) | "
-                       f"{f.get('tau', 0):.2f} / {p.get('tau', 0):.2f} | {p.get('mean_verify_len', 0):.2f} | "
-                       f"{o.get('identical', '-')}/{f.get('identical', '-')}/{p.get('identical', '-')} of {c} | "
-                       f"{f.get('trace_followed', '-')}, {p.get('trace_followed', '-')} | "
-                       + " / ".join(f"{r['end_to_end_tok_per_s']:.0f}" if "end_to_end_tok_per_s" in r else "-" for r in (o, f, p)) + " |")
-        out.append("")
-        out += [f"Full batch (trace `{name}`): decode tok/s while every request of the concurrency runs (the closed "
-                "batch's tail left out)", "", "| concurrency | off | fixed (x off) | packed (x off, x fixed) | rounds off / fixed / packed |",
-                "|---|---|---|---|---|"]
-        for c in m["concurrency"]:
-            rows = [off.get(c, {})] + [next((r for r in res["rows"] if r.get("trace") == name and r["mode"] == mode
-                                             and r["concurrency"] == c), {}) for mode in ("fixed", "packed")]
-            o, f, p = (r.get("full_batch_tok_per_s") for r in rows)
-            ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
-            num = lambda v: f"{v:.0f}" if v else "-"  # noqa: E731
-            out.append(f"| {c} | {num(o)} | {num(f)} ({ratio(f, o)}) | {num(p)} ({ratio(p, o)}, {ratio(p, f)}) | "
-                       + " / ".join(str(r.get("full_batch_rounds", "-")) for r in rows) + " |")
-        out.append("")
-    prof = [r for r in res["rows"] if "phases" in r]
-    if prof:
-        out += ["## Per step (profiled run, device synced per phase)", "", "| trace | mode | concurrency | phases |",
-                "|---|---|---|---|"]
-        out += [f"| {r.get('trace', '-')} | {r['mode']} | {r['concurrency']} | {common.fmt_phases(r['phases'])} |" for r in prof]
-        out.append("")
-    for r in (r for r in res["rows"] if r.get("kernels")):
-        k = r["kernels"]
-        out += [f"## Device kernels, {r['mode']} at concurrency {r['concurrency']} (torch.profiler, {k['forwards']} target "
-                f"forwards mid-run, no prefill: {k['kernel_ms_per_forward']:.2f} ms of kernel time per forward in "
-                f"{k['wall_ms_per_forward']:.2f} ms of wall time, profiler on)", "",
-                "By kind, ms per forward: " + ", ".join(f"{g} {v:.2f}" for g, v in k["groups_ms_per_forward"].items()), "",
-                "| ms per forward | calls per forward | kernel |", "|---|---|---|"]
-        out += [f"| {t['us'] / 1e3 / k['forwards']:.3f} | {t['count'] / k['forwards']:.1f} | `{t['name'][:90]}` |" for t in k["top"]]
-        out.append("")
-    if res.get("checks"):
-        out += ["## Checks", "", "```", json.dumps(res["checks"], indent=1, default=str), "```", ""]
-    return "\n".join(out)
-
-
-def main(argv=None) -> int:
+def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "replay_bench_out"))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, every step")
     ap.add_argument("--device", default=None)
     ap.add_argument("--concurrency", default="1,8,32,64,128")
-    ap.add_argument("--traces", default="paper,paper_ref,gsm8k,sharegpt")
-    ap.add_argument("--domains", default="gsm8k,sharegpt", help="sets whose reference-pair rounds are recorded")
+    ap.add_argument("--traces", default="paper,paper_ref,gsm8k,alpaca_eval,humaneval",
+                    help="paper, paper_ref and sets of the reference pair's own rounds")
+    ap.add_argument("--ratio-set", default=None, help="the set whose recorded head ratios paper_ref uses (default: "
+                    "the first set in --traces, else gsm8k)")
+    ap.add_argument("--arrivals", default="closed,poisson:0.5,poisson:0.9",
+                    help="closed (all at once) and poisson:LOAD (open loop at LOAD x off's closed-batch request rate)")
+    ap.add_argument("--modes", default="off,fixed,packed:adaptive",
+                    help=f"round layouts of {LAYOUTS} (packed / rectangular: lengths by the cost rule; packed:adaptive: by "
+                    "the paper's floor rule); 'default' (the trace drafter's own policy) is always run")
+    ap.add_argument("--measure-cost", action="store_true", help="the cost rule weighs this GPU's measured round cost "
+                    "(engine.warmup.measure_round_cost) instead of SPEC section 6's table")
+    ap.add_argument("--real-concurrency", default="1,32,128", help="the reference pair's own engine runs ('' for none)")
     ap.add_argument("--record-prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=1, help="timed runs per row after the warm-up (median)")
-    ap.add_argument("--profile-at", default="1,128", help="concurrencies that also get a profiled run")
-    ap.add_argument("--kernels-at", default="", help="concurrencies whose off and paper-trace rows also get a device-kernel "
-                    "profile (mid-run target forwards, by kind)")
-    ap.add_argument("--budget-s", type=float, default=450.0, help="rows that would start after this are skipped")
-    ap.add_argument("--length-policy", default="cost", choices=("cost", "adaptive"),
-                    help="the packed layout's verify-length rule: cost (the default rule) or adaptive (the paper's floor rule)")
-    ap.add_argument("--length-rate", type=float, default=None, help="the length head's rate (default: the drafter config's, 1.0)")
-    ap.add_argument("--measure-cost", action="store_true", help="the packed engine's cost model measured on this GPU "
-                    "(engine.warmup.measure_round_cost) instead of SPEC section 6's table")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--poisson-min-requests", type=int, default=4, help="a Poisson row sends max(c, this) requests")
+    ap.add_argument("--reps", type=int, default=1, help="timed closed-batch runs per row after the warm-up (median)")
+    ap.add_argument("--profile-at", default="", help="concurrencies whose paper-trace closed rows also get a profiled run")
+    ap.add_argument("--kernels-at", default="", help="concurrencies whose off and paper-trace closed rows also get a "
+                    "device-kernel profile (mid-run target forwards, by kind)")
+    ap.add_argument("--budget-s", type=float, default=500.0, help="rows that would start after this are skipped")
     args = ap.parse_args(argv)
+    ints = lambda v: [int(c) for c in v.split(",") if c]  # noqa: E731
+    arrivals = [a for a in args.arrivals.split(",") if a]
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [a for a in arrivals if a != "closed" and not (a.startswith("poisson:") and _load(a) > 0)]
+    bad += [m for m in modes if m.partition(":")[0] not in LAYOUTS or m.partition(":")[2] not in ("", "cost", "adaptive")]
+    if bad or not arrivals or "off" not in modes:
+        raise SystemExit(f"bad --arrivals / --modes {bad}: arrivals closed or poisson:LOAD (LOAD > 0); modes of "
+                         f"{', '.join(LAYOUTS)}, off among them (the ratios' reference)")
+    args.conc, args.real_conc = ([1, 3], [1, 3]) if args.smoke else (ints(args.concurrency), ints(args.real_concurrency))
+    if args.smoke:  # one Poisson load is enough to run its path
+        arrivals = ["closed", "poisson:0.9"]
+    args.arrival_list, args.mode_list = arrivals, modes + ["default"]
+    return args
+
+
+def _load(arrival: str) -> float:
+    try:
+        return float(arrival.split(":", 1)[1])
+    except ValueError:
+        return -1.0
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
     smoke = args.smoke
+    if smoke:
+        torch.set_num_threads(1)  # tiny shapes: one thread beats a few shared ones
     device = args.device or ("cuda" if torch.cuda.is_available() and not smoke else "cpu")
-    conc = [1, 3] if smoke else [int(c) for c in args.concurrency.split(",")]
-    max_new = 12 if smoke else args.max_new_tokens
+    conc, max_new = args.conc, (12 if smoke else args.max_new_tokens)
     plen = 16 if smoke else args.prompt_len
-    domains = ["gsm8k"] if smoke else [d for d in args.domains.split(",") if d]
     traces_wanted = ["paper", "paper_ref", "gsm8k"] if smoke else [t for t in args.traces.split(",") if t]
+    sets = [t for t in traces_wanted if t not in ("paper", "paper_ref")]
+    ratio_set = args.ratio_set or (sets[0] if sets else "gsm8k")
+    record_sets = sets + ([ratio_set] if "paper_ref" in traces_wanted and ratio_set not in sets else [])
     profile_at = {int(c) for c in args.profile_at.split(",") if c}
     kernels_at = {3} if smoke else {int(c) for c in args.kernels_at.split(",") if c}  # smoke: the path, no profiler on CPU
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     deadline = common.T0 + args.budget_s
-    res = {"meta": {"label": "ACCEPTANCE REPLAY (not a model's result)", "device": device,
+    res = {"meta": {"label": "ACCEPTANCE REPLAY (not a model's result) + the reference pair's real runs", "device": device,
                     "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "", "torch": torch.__version__,
-                    "smoke": smoke, "concurrency": conc, "prompt_len": plen, "max_new_tokens": max_new,
-                    "reps": args.reps, "block_size": BLOCK, "packed_policy": args.length_policy,
-                    "length_rate": args.length_rate}, "traces": {}, "rows": [], "checks": {}}
+                    "smoke": smoke, "concurrency": conc, "real_concurrency": args.real_conc, "real_sets": sets if args.real_conc else [],
+                    "arrivals": args.arrival_list, "modes": args.mode_list, "prompt_len": plen, "max_new_tokens": max_new,
+                    "reps": args.reps, "block_size": BLOCK}, "traces": {}, "rows": [], "checks": {}}
 
     def save():
         res["meta"]["total_s"] = time.perf_counter() - common.T0
@@ -314,35 +365,57 @@ def main(argv=None) -> int:
             tmp.write_text(text)
             tmp.replace(out_dir / name)
 
-    # 1. Traces (the reference pair's rounds are recorded first: the 8B model then has the GPU to itself).
+    done = {}  # (kind, trace, c, arrival, engine key) -> the row already run with those settings
+
+    def row(meta, fn, key):
+        r, cell = dict(meta), (meta["kind"], meta.get("trace"), meta["concurrency"], meta["arrival"], key)
+        if cell in done:  # e.g. default = packed: the same engine and settings, one run
+            r.update({k: v for k, v in done[cell].items() if k not in meta}, same_as=done[cell]["mode"])
+        elif time.perf_counter() > deadline:
+            r["error"] = "skipped: time budget"
+        else:
+            try:
+                r.update(fn())
+                done[cell] = r
+            except Exception:  # noqa: BLE001 - record and go on
+                r["error"] = traceback.format_exc()
+                log(f"{meta} FAILED\n{r['error']}")
+        if "tok_per_s" in r:
+            log(f"{r['kind']:6s} {r['mode']:7s} {r.get('trace') or '-':11s} c={r['concurrency']:4d} {r['arrival']:12s} "
+                f"{r['tok_per_s']:9.1f} tok/s  tau {r['tau']:.2f}  identical {r['identical']}/{r['requests']}"
+                + (f"  latency {r['latency_s']:.2f}s" if "latency_s" in r else "") + (f"  = {r['same_as']}" if "same_as" in r else ""))
+        elif "error" in r and "same_as" not in r:
+            log(f"{meta}: {r['error'].splitlines()[-1]}")
+        res["rows"].append(r)
+        save()
+
+    # 1. The reference pair: its rounds per set (the traces) and its own engine runs.
     root = Path(__file__).resolve().parent.parent
     for data in (root / "shared" / "data", root / "tests" / "fixtures" / "data"):  # unless ADAFLASH_DATA says
         if data.is_dir():
             os.environ.setdefault("ADAFLASH_DATA", str(data))
     res["meta"]["data"] = os.environ.get("ADAFLASH_DATA")
     recorded = {}
-    need = [d for d in domains if d in traces_wanted] or (domains[:1] if "paper_ref" in traces_wanted else [])
     try:
-        recorded = record_traces(device, need, 2 if smoke else args.record_prompts, 24 if smoke else 64, smoke)
+        recorded = reference_pair_phase(res, row, device, record_sets, args, smoke)
     except Exception:  # noqa: BLE001 - the paper trace still runs
         res["checks"]["record_error"] = traceback.format_exc()
-        log("recording traces FAILED\n" + res["checks"]["record_error"])
+        log("the reference pair's phase FAILED\n" + res["checks"]["record_error"])
     traces = {}
     for name in traces_wanted:
         if name == "paper":
             traces[name] = paper_dflash_trace(BLOCK)
-        elif name == "paper_ref" and need and need[0] in recorded:
-            traces[name] = paper_dflash_trace(BLOCK, ratio_from=recorded[need[0]])
+        elif name == "paper_ref" and ratio_set in recorded:
+            traces[name] = paper_dflash_trace(BLOCK, ratio_from=recorded[ratio_set])
         elif name in recorded:
             traces[name] = recorded[name]
     for name, tr in traces.items():
-        res["traces"][name] = {"description": tr.name, "tau": tr.tau,
+        head = "oracle head" if name == "paper" else f"shipped head, rate {tr.policy.length_rate:g}"
+        res["traces"][name] = {"description": tr.name, "tau": tr.tau, "head": head, "policy": tr.policy.to_json(),
                                **({"rounds": tr.to_json()["rounds"]} if isinstance(tr, RecordedTrace) else {"probs": tr.probs})}
     save()
 
     # 2. The 8B-shaped target and the drafter; prompts and their greedy continuations (the off engine).
-    from adaflash_hf.engine import Engine, layout_args
-
     t = time.perf_counter()
     target = common.qwen3_8b_shape(device, smoke)
     perm = decisive_argmax(target)
@@ -353,12 +426,23 @@ def main(argv=None) -> int:
     log(f"built the 8B-shaped target + drafter in {time.perf_counter() - t:.1f}s ({res['meta']['drafter']})")
     vocab = target.get_input_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab - 1, (plen,), generator=g).tolist() for _ in range(max(conc))]
-    budget = max(4096, max(conc) * BLOCK + plen)
-    kw = dict(max_slots=max(conc), max_len=plen + max_new + 8, token_budget=budget, cuda_graphs=True)
+    n_prompts = max(max(conc), args.poisson_min_requests)
+    prompts = [torch.randint(0, vocab - 1, (plen,), generator=g).tolist() for _ in range(n_prompts)]
+    kw = dict(max_slots=max(conc), max_len=plen + max_new + 8, token_budget=max(4096, max(conc) * BLOCK + plen),
+              cuda_graphs=True)
     t = time.perf_counter()
-    off = Engine(target, None, **kw)
-    refs = {tuple(p): o.token_ids for p, o in zip(prompts, off.generate(prompts, max_new_tokens=max_new))}
+    engines = Engines(target, drafter, {}, **kw)
+    if args.measure_cost:
+        t = time.perf_counter()
+        probe = Engine(target, **layout_args(drafter, "packed"), **kw)
+        cost = engines.round_cost = measure_round_cost(probe, context=plen)
+        del probe
+        res["meta"]["round_cost"] = {"rows": cost.rows, "tokens_per_row": cost.tokens_per_row, "verify": cost.verify,
+                                     "draft_fraction": cost.draft_fraction, "seconds": time.perf_counter() - t}
+        log(f"measured round cost in {time.perf_counter() - t:.1f}s: draft fraction {cost.draft_fraction:.3f}")
+    off = engines.get("off", paper_dflash_trace(BLOCK).policy)[0]
+    engines.refs.update({tuple(p): o.token_ids for p, o in zip(prompts, off.generate(prompts, max_new_tokens=max_new))})
+    refs = engines.refs
     walk = sum(o[i + 1] == int(perm[o[i]]) for o in refs.values() for i in range(len(o) - 1))
     res["checks"]["argmax_is_the_permutation"] = f"{walk}/{sum(len(o) - 1 for o in refs.values())}"
     hf = common.greedy_refs(target, prompts[:1], min(16, max_new))[0]
@@ -367,52 +451,38 @@ def main(argv=None) -> int:
         f"{res['checks']['argmax_is_the_permutation']}; off == HF generate: {res['checks']['off_equals_hf_generate']}")
     save()
 
-    def row(mode, c, trace_name, fn):
-        r = {"mode": mode, "concurrency": c, **({"trace": trace_name} if trace_name else {})}
-        if time.perf_counter() > deadline:
-            r["error"] = "skipped: time budget"
-            log(f"{mode} {trace_name or ''} c={c}: skipped (time budget)")
-        else:
-            try:
-                r.update(fn())
-                log(f"{mode:6s} {trace_name or '-':9s} c={c:4d} {r['tok_per_s']:9.1f} tok/s (full batch "
-                    f"{r['full_batch_tok_per_s'] or 0:.1f})  tau {r['tau']:.2f}  verify "
-                    f"{r['mean_verify_len']:.2f}  identical {r['identical']}/{r['requests']}  "
-                    f"followed {r.get('trace_followed', '-')}" + (f"  | {common.fmt_phases(r['phases'])}" if "phases" in r else ""))
-            except Exception:  # noqa: BLE001 - record and go on
-                r["error"] = traceback.format_exc()
-                log(f"{mode} {trace_name} c={c} FAILED\n{r['error']}")
-        res["rows"].append(r)
-        save()
-
-    # 3. off per concurrency, then fixed and packed per trace and concurrency.
-    for c in conc:
-        row("off", c, None, lambda c=c: run_row(off, None, prompts[:c], refs, max_new, device, args.reps, True, c in profile_at,
-                                                          c in kernels_at, out_dir))
-    del off
-    common.free_memory()
-    replays = {m: DraftReplay(refs, None) for m in ("fixed", "packed")}  # one each: request ids are per engine
-    engines = {m: Engine(target, **layout_args(drafter, m, args.length_policy), draft_replay=replays[m],
-                         length_rate=args.length_rate, **kw) for m in replays}
-    if args.measure_cost:
-        from adaflash_hf.engine.warmup import measure_round_cost
-
-        t = time.perf_counter()
-        cost = engines["packed"].round_cost = measure_round_cost(engines["packed"], context=min(plen, kw["max_len"] - 2 * BLOCK))
-        res["meta"]["round_cost"] = {"rows": cost.rows, "tokens_per_row": cost.tokens_per_row, "verify": cost.verify,
-                                     "draft_fraction": cost.draft_fraction, "seconds": time.perf_counter() - t}
-        log(f"measured round cost in {time.perf_counter() - t:.1f}s: draft fraction {cost.draft_fraction:.3f}")
+    # 3. Closed batch first (every trace), then each Poisson load: off first at each concurrency (its closed-batch
+    # request rate sets the Poisson rates), then every mode of every trace.
     warmed = set()
-    for name, tr in traces.items():
-        for rp in replays.values():
-            rp.trace = tr
+    for arrival in ["closed"] + [a for a in args.arrival_list if a != "closed"]:
+        closed = arrival == "closed"
         for c in conc:
-            for mode, eng in engines.items():
-                warm = (mode, c) not in warmed
-                warmed.add((mode, c))
-                row(mode, c, name, lambda eng=eng, mode=mode, c=c, warm=warm: run_row(
-                    eng, replays[mode], prompts[:c], refs, max_new, device, args.reps, warm,
-                    c in profile_at and name == "paper", c in kernels_at and name == "paper", out_dir))
+            todo = [(None, "off")]  # closed-batch off rows always run: their request rate sets the Poisson rates
+            if not closed or "closed" in args.arrival_list:
+                todo += [(name, m) for name in traces for m in args.mode_list if m != "off"]
+            for name, mode in todo:
+                tr = traces.get(name) or paper_dflash_trace(BLOCK)
+                eng, replay, key = engines.get(mode, tr.policy)
+                if replay is not None:
+                    replay.trace = tr
+                meta = dict(kind="replay", mode=mode, concurrency=c, arrival=arrival, **({"trace": name} if name else {}))
+                if closed:
+                    warm = (key, c) not in warmed
+                    warmed.add((key, c))
+                    first = name in (None, "paper")
+                    fn = lambda eng=eng, replay=replay, warm=warm, first=first: run_row(
+                        eng, replay, prompts[:c], refs, max_new, device, args.reps, warm, first and c in profile_at,
+                        first and c in kernels_at, out_dir)
+                else:
+                    off_row = next((r for r in res["rows"] if r["kind"] == "replay" and r["mode"] == "off"
+                                    and r["concurrency"] == c and r["arrival"] == "closed" and "end_to_end_tok_per_s" in r), None)
+                    if off_row is None:
+                        continue
+                    rate = _load(arrival) * off_row["end_to_end_tok_per_s"] / max_new
+                    n = max(c, args.poisson_min_requests)
+                    fn = lambda eng=eng, replay=replay, rate=rate, n=n: poisson_row(
+                        eng, replay, prompts[:n], refs, max_new, device, rate, c, seed=c)
+                row(meta, fn, key)
     bad = [r for r in res["rows"] if "identical" in r and r["identical"] != r["requests"]]
     res["checks"]["rows_not_identical"] = len(bad)
     save()

@@ -9,13 +9,15 @@ import random
 
 import pytest
 
-from adaflash_hf.bench.replay import DraftReplay, PerPositionTrace, RecordedTrace, TraceRound, paper_dflash_trace
+from adaflash_hf.bench.replay import (DraftReplay, PerPositionTrace, RecordedTrace, ReplayPolicy, TraceRound,
+                                     paper_dflash_trace)
 from adaflash_hf.engine import Engine, layout_args
 
 from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids
 
 B = 8
 MAX_NEW = 20
+RATE1 = ReplayPolicy("adaptive", 1.0, 1, B)
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +34,7 @@ def _run(pair, mode, trace, graphs=True):
     replay = DraftReplay(refs, trace, seed=2)
     eng = Engine(target, **layout_args(drafter, mode), max_slots=3, max_len=48, token_budget=64, cuda_graphs=graphs,
                  draft_replay=replay)
+    trace.policy.apply(eng)
     return eng.generate(prompts, max_new_tokens=MAX_NEW), replay
 
 
@@ -55,17 +58,32 @@ def test_replay_is_lossless_and_follows_the_trace(replay_pair, mode, graphs):
 
 @pytest.mark.parametrize("accepted", [0, 2, B - 1])
 def test_recorded_trace_sets_tau_exactly(replay_pair, accepted):
-    outs, _ = _run(replay_pair, "fixed", RecordedTrace([TraceRound(accepted, 1.0)]))
+    outs, _ = _run(replay_pair, "fixed", RecordedTrace([TraceRound(accepted, 1.0)], RATE1))
     for o in outs:  # every round but a last one cut by max_new_tokens accepts the trace's count
         assert o.accepted[:-1] == [accepted] * (len(o.accepted) - 1)
         assert o.accepted[-1] <= accepted
 
 
-def test_replayed_ratio_sets_the_verify_length(replay_pair):
-    outs, _ = _run(replay_pair, "packed", RecordedTrace([TraceRound(B - 1, 3 / B)]))
-    # k_hat = 3 from the ratio whatever the live head says; the trace would accept more: cut at 2 drafts
-    assert {v for o in outs for v in o.verify_lengths[:-1]} == {3}
-    assert {a for o in outs for a in o.accepted[:-1]} == {2}
+@pytest.mark.parametrize("rate", [1.0, 2.0])
+def test_replayed_ratio_sets_the_verify_length_at_the_traces_rate(replay_pair, rate):
+    trace = RecordedTrace([TraceRound(B - 1, 3 / B)], ReplayPolicy("adaptive", rate, 1, B))
+    outs, _ = _run(replay_pair, "packed", trace)
+    # k_hat = floor(3 * rate) from the ratio and the trace's rate whatever the live head and the drafter's own rate
+    # say; the trace would accept more: cut at k_hat - 1 drafts
+    k = int(3 * rate)
+    assert {v for o in outs for v in o.verify_lengths[:-1]} == {k}
+    assert {a for o in outs for a in o.accepted[:-1]} == {k - 1}
+    _, _, prompts, refs = replay_pair
+    assert [o.token_ids for o in outs] == [refs[tuple(p)] for p in prompts]
+
+
+def test_policy_refuses_another_block_size(replay_pair):
+    target, drafter, _, refs = replay_pair
+    eng = Engine(target, **layout_args(drafter, "packed"), max_slots=1, max_len=48, token_budget=64)
+    with pytest.raises(ValueError, match="block size 16"):
+        ReplayPolicy("adaptive", 2.0, 1, 16).apply(eng)
+    with pytest.raises(ValueError, match="block size"):
+        paper_dflash_trace(16, ratio_from=RecordedTrace([TraceRound(1, 0.2)], RATE1))
 
 
 def test_per_position_draws_match_the_slot_probabilities():
@@ -85,8 +103,9 @@ def test_paper_trace_ends_and_mean_acceptance():
 
 
 def test_ratio_from_a_recorded_head():
-    rec = RecordedTrace([TraceRound(1, 0.2), TraceRound(5, 0.7)])
+    rec = RecordedTrace([TraceRound(1, 0.2), TraceRound(5, 0.7)], ReplayPolicy("adaptive", 2.0, 1, B))
     t = PerPositionTrace([1.0] * 5 + [0.0] * 2, ratio_from=rec)  # always 5 accepted
+    assert t.policy == rec.policy and PerPositionTrace([0.5]).policy == ReplayPolicy.oracle(2)
     assert t.draw(random.Random(0), 8) == TraceRound(5, 0.7)
     assert rec.ratio_for(2, random.Random(0)) == 0.2  # nearest recorded count
 
@@ -97,12 +116,28 @@ def test_bad_per_position_trace_is_rejected(probs):
         PerPositionTrace(probs)
 
 
-def test_record_keeps_whole_blocks_and_round_trips(replay_pair):
+def test_record_keeps_whole_blocks_and_the_drafters_policy_and_round_trips(replay_pair):
     target, drafter, prompts, _ = replay_pair
-    rec = RecordedTrace.record(target, drafter, prompts, MAX_NEW, name="tiny", max_slots=3, token_budget=64)
+    cfg = drafter.config
+    saved = cfg.length_rate, cfg.length_min, getattr(cfg, "length_head_trained", False)
+    cfg.length_rate, cfg.length_min, cfg.length_head_trained = 1.75, 2, True
+    try:
+        rec = RecordedTrace.record(target, drafter, prompts, MAX_NEW, name="tiny", max_slots=3, token_budget=64)
+    finally:
+        cfg.length_rate, cfg.length_min, cfg.length_head_trained = saved
     assert rec.rounds and all(0 <= r.accepted < B and 0.0 < r.ratio < 1.0 for r in rec.rounds)
+    assert rec.policy == ReplayPolicy("adaptive", 1.75, 2, B)
     back = RecordedTrace.from_json(rec.to_json())
-    assert back.rounds == rec.rounds and back.name == "tiny"
+    assert back.rounds == rec.rounds and back.name == "tiny" and back.policy == rec.policy
+    old = {k: v for k, v in rec.to_json().items() if k != "policy"}  # saved before traces carried their policy
+    with pytest.raises(ValueError, match="no 'policy'"):
+        RecordedTrace.from_json(old)
+
+
+@pytest.mark.parametrize("bad", [dict(length_policy="sometimes"), dict(length_rate=0.0), dict(length_min=9)])
+def test_bad_policy_is_rejected(bad):
+    with pytest.raises(ValueError):
+        ReplayPolicy(**{**dict(length_policy="adaptive", length_rate=1.0, length_min=1, block_size=B), **bad})
 
 
 def test_replay_rejects_sampled_requests(replay_pair):

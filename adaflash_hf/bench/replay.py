@@ -21,24 +21,31 @@ Traces:
   accepted counts are not cut by a verify length), each with its length head's ratio
   (:meth:`RecordedTrace.record`).
 
+Every trace carries the :class:`ReplayPolicy` its ratios are meant for (the recording drafter's length
+policy, rate, minimum and block size; a shipped head calibrated for rate 2.0 replayed at rate 1.0 would
+verify half of what it verifies in use). :meth:`ReplayPolicy.apply` sets it on the replaying engine.
+
 Example:
     >>> from adaflash_hf.engine import Engine
     >>> refs = {tuple(p): Engine(target).generate([p], 64)[0].token_ids
     ...         for p in prompts}  # doctest: +SKIP
-    >>> replay = DraftReplay(refs, paper_dflash_trace())  # doctest: +SKIP
+    >>> trace = paper_dflash_trace()
+    >>> replay = DraftReplay(refs, trace)  # doctest: +SKIP
     >>> engine = Engine(target, drafter, length_policy="adaptive", draft_replay=replay)  # doctest: +SKIP
+    >>> trace.policy.apply(engine)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import math
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from ..spec.rounds import mean_tokens_per_round
 
-__all__ = ["DraftReplay", "PerPositionTrace", "RecordedTrace", "TraceRound", "paper_dflash_trace"]
+__all__ = ["DraftReplay", "PerPositionTrace", "RecordedTrace", "ReplayPolicy", "TraceRound", "paper_dflash_trace"]
 
 # The paper's DFlash acceptance per draft slot on Qwen3-8B is given at its ends only (slot 1 0.89,
 # slot 15 0.13). A geometric fall between them gives tau 7.06, the paper's own mean acceptance
@@ -55,20 +62,88 @@ class TraceRound:
     ratio: float
 
 
-class RecordedTrace:
-    """Rounds recorded from a real drafter / target pair: each round's accepted drafts (whole block
-    verified) and its length head's ratio. ``draw`` picks a recorded round at random.
+@dataclass(frozen=True)
+class ReplayPolicy:
+    """The verify-length settings a trace's head ratios are meant for: the policy the recording drafter runs
+    by default (``length_policy``, a :data:`adaflash_hf.spec.policy.POLICY_NAMES` name), its length rate and
+    minimum, and its block size (a ratio is a fraction of it).
 
     Example:
-        >>> t = RecordedTrace([TraceRound(3, 0.25), TraceRound(0, 0.1)], name="demo")
-        >>> t.tau
-        2.5
+        >>> ReplayPolicy("adaptive", length_rate=2.0, length_min=1, block_size=16).length_rate
+        2.0
     """
 
-    def __init__(self, rounds: list[TraceRound], name: str = "recorded"):
+    length_policy: str
+    length_rate: float
+    length_min: int
+    block_size: int
+
+    def __post_init__(self):
+        from ..spec.policy import POLICY_NAMES
+
+        if self.length_policy not in POLICY_NAMES:
+            raise ValueError(f"unknown length_policy {self.length_policy!r}: choose one of {', '.join(POLICY_NAMES)}")
+        if not (math.isfinite(self.length_rate) and self.length_rate > 0):
+            raise ValueError(f"length_rate must be a finite number > 0, got {self.length_rate}")
+        if self.block_size < 2 or not 1 <= self.length_min <= self.block_size:
+            raise ValueError(f"need block_size >= 2 and 1 <= length_min <= block_size, got {self.block_size}, "
+                             f"{self.length_min}")
+
+    @classmethod
+    def from_drafter(cls, drafter) -> "ReplayPolicy":
+        """What ``drafter`` runs when no policy is asked for (its config's default policy, rate and minimum)."""
+        from ..spec.policy import default_policy
+
+        cfg = drafter.config
+        return cls(default_policy(cfg).value, float(getattr(cfg, "length_rate", 1.0)), int(getattr(cfg, "length_min", 1)),
+                   int(cfg.block_size))
+
+    @classmethod
+    def oracle(cls, block_size: int) -> "ReplayPolicy":
+        """The settings of an oracle head's ratio ``(L + 1) / B``: rate 1.0 verifies exactly ``L + 1``."""
+        return cls("adaptive", 1.0, 1, block_size)
+
+    def apply(self, engine) -> None:
+        """Make ``engine`` (a replaying :class:`adaflash_hf.engine.Engine`) verify as this policy's drafter would:
+        its length rate and minimum. Raises ``ValueError`` when the engine's block size differs (the ratios
+        would mean other lengths)."""
+        if engine.drafter is None:
+            return  # plain decoding verifies nothing
+        if engine.block_size != self.block_size:
+            raise ValueError(f"the trace was recorded at block size {self.block_size}, the engine drafts "
+                             f"{engine.block_size}: its head ratios would mean other verify lengths")
+        engine.length_rate, engine.length_min = self.length_rate, self.length_min
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ReplayPolicy":
+        missing = [k for k in ("length_policy", "length_rate", "length_min", "block_size") if k not in data]
+        if missing:
+            raise ValueError(f"a trace's policy needs {', '.join(missing)} (the recording drafter's settings)")
+        return cls(str(data["length_policy"]), float(data["length_rate"]), int(data["length_min"]), int(data["block_size"]))
+
+
+class RecordedTrace:
+    """Rounds recorded from a real drafter / target pair: each round's accepted drafts (whole block
+    verified) and its length head's ratio, with the :class:`ReplayPolicy` of the drafter that recorded them.
+    ``draw`` picks a recorded round at random.
+
+    Example:
+        >>> t = RecordedTrace([TraceRound(3, 0.25), TraceRound(0, 0.1)], ReplayPolicy("adaptive", 2.0, 1, 16), "demo")
+        >>> t.tau, t.policy.length_rate
+        (2.5, 2.0)
+    """
+
+    def __init__(self, rounds: list[TraceRound], policy: ReplayPolicy, name: str = "recorded"):
         if not rounds:
             raise ValueError("a recorded trace needs at least one round")
-        self.rounds, self.name = list(rounds), name
+        if not isinstance(policy, ReplayPolicy):
+            raise ValueError(f"a recorded trace needs the ReplayPolicy of its drafter, got {policy!r}")
+        if any(not 0 <= r.accepted < policy.block_size for r in rounds):
+            raise ValueError(f"accepted counts must lie in [0, block_size - 1 = {policy.block_size - 1}]")
+        self.rounds, self.policy, self.name = list(rounds), policy, name
         self._by_accepted: dict[int, list[float]] = {}
         for r in self.rounds:
             self._by_accepted.setdefault(r.accepted, []).append(r.ratio)
@@ -90,11 +165,17 @@ class RecordedTrace:
         return ratios[rng.randrange(len(ratios))]
 
     def to_json(self) -> dict:
-        return {"name": self.name, "rounds": [[r.accepted, r.ratio] for r in self.rounds]}
+        return {"name": self.name, "policy": self.policy.to_json(), "rounds": [[r.accepted, r.ratio] for r in self.rounds]}
 
     @classmethod
     def from_json(cls, data: dict) -> "RecordedTrace":
-        return cls([TraceRound(int(a), float(q)) for a, q in data["rounds"]], data.get("name", "recorded"))
+        """The trace :meth:`to_json` wrote; raises ``ValueError`` without its ``policy`` (a trace saved before
+        traces carried one: its ratios' rate is unknown)."""
+        if "policy" not in data:
+            raise ValueError("the trace has no 'policy' (the recording drafter's length policy, rate, minimum and "
+                             "block size): record it again")
+        return cls([TraceRound(int(a), float(q)) for a, q in data["rounds"]], ReplayPolicy.from_json(data["policy"]),
+                   data.get("name", "recorded"))
 
     @classmethod
     def record(cls, target, drafter, prompts: list[list[int]], max_new_tokens: int, name: str = "recorded",
@@ -114,7 +195,7 @@ class RecordedTrace:
         engine_kwargs.setdefault("max_len", max(len(p) for p in prompts) + max_new_tokens + 8)
         Engine(target, drafter, length_policy="fixed", round_sink=keep, **engine_kwargs).generate(
             prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-        return cls(rounds, name)
+        return cls(rounds, ReplayPolicy.from_drafter(drafter), name)
 
 
 class PerPositionTrace:
@@ -124,20 +205,26 @@ class PerPositionTrace:
 
     The head's ratio: the oracle ``(L + 1) / B`` (``ratio_from=None``: the verify length is exactly what
     is accepted, an upper bound for any head), or a ratio a recorded head gave for a round of the same
-    ``L`` (``ratio_from``: a :class:`RecordedTrace`).
+    ``L`` (``ratio_from``: a :class:`RecordedTrace`). ``policy``: the oracle's (rate 1.0, over the ``block_size``
+    given to ``paper_dflash_trace``, else ``len(probs) + 1``) or ``ratio_from``'s.
 
     Example:
         >>> PerPositionTrace([1.0, 0.5, 0.0]).tau
         2.5
     """
 
-    def __init__(self, probs: list[float], ratio_from: RecordedTrace | None = None, name: str = "per-position"):
+    def __init__(self, probs: list[float], ratio_from: RecordedTrace | None = None, name: str = "per-position",
+                 block_size: int | None = None):
         probs = [float(p) for p in probs]
         if not probs or any(not 0.0 <= p <= 1.0 for p in probs):
             raise ValueError(f"per-slot acceptance must be probabilities in [0, 1], got {probs}")
         if any(b > a for a, b in zip(probs, probs[1:])):
             raise ValueError(f"per-slot acceptance must not increase with the slot, got {probs}")
+        if ratio_from is not None and block_size is not None and block_size != ratio_from.policy.block_size:
+            raise ValueError(f"ratios recorded at block size {ratio_from.policy.block_size} cannot stand for a "
+                             f"head at block size {block_size}")
         self.probs, self.ratio_from, self.name = probs, ratio_from, name
+        self.policy = ratio_from.policy if ratio_from is not None else ReplayPolicy.oracle(block_size or len(probs) + 1)
 
     @property
     def tau(self) -> float:
@@ -157,7 +244,7 @@ def paper_dflash_trace(block_size: int = 16, ratio_from: RecordedTrace | None = 
     n = block_size - 1
     step = (last / first) ** (1.0 / max(n - 1, 1))
     name = "paper DFlash per-slot" + (f" (ratios from {ratio_from.name})" if ratio_from is not None else " (oracle head)")
-    return PerPositionTrace([first * step**j for j in range(n)], ratio_from, name)
+    return PerPositionTrace([first * step**j for j in range(n)], ratio_from, name, block_size)
 
 
 class DraftReplay:
