@@ -3,12 +3,13 @@
 # the six sets, MT-bench (both turns) and Spec-Bench's five other categories (spec_bench_all), each set capped at
 # PROMPTS prompts of its slice. Three phases, several `adaflash bench` processes sharing the one GPU in each:
 #   1. validation: plain + prompt_lookup_grid (concurrency 64): each set's best prompt-lookup setting -> val_*/bench.json
-#   2. test, tau: plain, fixed, adaptive (rate 2), prompt lookup default (prompt_lookup_exact) and best of grid
+#   2. test, tau: plain, fixed, cost (the default rule), adaptive (the paper's floor rule, rate 2), prompt lookup default (prompt_lookup_exact) and best of grid
 #      (prompt_lookup_grid, the setting chosen in 1), concurrency 64, every output compared with plain
 #   3. test, wall-clock at batch 1 on the first WALL_PROMPTS prompts: plain, prompt_lookup, prompt_lookup_tuned,
-#      fixed, adaptive (the processes of this phase share the GPU with each other, not with phase 2)
+#      fixed, cost, adaptive (the processes of this phase share the GPU with each other, not with phase 2)
 # Needs the eval + training data (the slices drop training duplicates): carry .evaldata (written by
-# `python examples/reference_pair/make_devdata.py --out .evaldata`) and .slimwhl. --smoke: CPU, 2 prompts, 16 tokens.
+# `python examples/reference_pair/make_devdata.py --out .evaldata`) and .slimwhl. LIMITS="V T W": each phase's
+# timeout in seconds (default "120 200 180"). --smoke: CPU, 2 prompts, 16 tokens.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,7 +26,7 @@ else
   # one group per process: the big sets alone or in pairs, the small ones together (Spec-Bench's categories, ~40 test
   # prompts each, are spec_bench_all less mt_bench, which runs beside sharegpt)
   PROCS=("gsm8k,math500" "mathqa,prose" "codealpaca" "sharegpt,mt_bench" "spec_bench:translation,spec_bench:summarization,spec_bench:qa"
-         "spec_bench:math_reasoning,spec_bench:rag"); LIMITS=(120 200 180)
+         "spec_bench:math_reasoning,spec_bench:rag"); read -r -a LIMITS <<< "${LIMITS:-120 200 180}"
 fi
 B="python3 -m adaflash_hf.bench --reference --max-new-tokens $TOKENS --dtype fp32 --length-rate 2 --no-plots --quiet"
 phase() {  # phase NAME TIMEOUT ARGS...: one process per group, in parallel; the group's index names its folder
@@ -49,9 +50,9 @@ json.dump(merged, open(f"{sys.argv[1]}/validation_choice.json", "w"))
 EOF
 CHOICE="--prompt-lookup-choice $OUT/validation_choice.json"
 phase tau ${LIMITS[1]} --split test --num-prompts $PROMPTS --concurrency $CONC $CHOICE $EXTRA \
-  --methods plain,fixed,adaptive,prompt_lookup_exact,prompt_lookup_grid
+  --methods plain,fixed,cost,adaptive,prompt_lookup_exact,prompt_lookup_grid
 phase wall ${LIMITS[2]} --split test --num-prompts $WALL_PROMPTS --concurrency 1 $CHOICE $WALL_EXTRA \
-  --methods plain,prompt_lookup,prompt_lookup_exact,prompt_lookup_tuned,prompt_lookup_grid,fixed,adaptive
+  --methods plain,prompt_lookup,prompt_lookup_exact,prompt_lookup_tuned,prompt_lookup_grid,fixed,cost,adaptive
 echo "total ${SECONDS}s"
 grep -h "BENCH FAILURE" "$OUT"/*.log | head -20
 grep -L "No failures" "$OUT"/*/bench.md

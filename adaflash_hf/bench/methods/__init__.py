@@ -40,6 +40,10 @@ METHODS: dict[str, Method] = {
     "adaptive": Method(
         "adaptive", ours("adaptive"), "AdaFlash loop, length-head verify length", needs_drafter=True, skip=needs_length_head
     ),
+    "cost": Method(
+        "cost", ours("cost"), "AdaFlash loop, cost-aware verify length (the default with a trained length head)",
+        needs_drafter=True, skip=needs_length_head,
+    ),
     "expected_gain": Method("expected_gain", ours("expected_gain"), "AdaFlash loop, expected-gain verify length", needs_drafter=True),
     "osd": Method(
         "osd", ours("fixed"), "AdaFlash loop, fixed verify, online speculative distillation (forward KL)",
@@ -53,6 +57,10 @@ METHODS: dict[str, Method] = {
     "engine_fixed": Method("engine_fixed", engine("fixed"), "serving engine, fixed full-block verify", needs_drafter=True),
     "engine_adaptive": Method(
         "engine_adaptive", engine("adaptive"), "serving engine, per-request verify lengths packed in one forward",
+        needs_drafter=True, skip=needs_length_head,
+    ),
+    "engine_cost": Method(
+        "engine_cost", engine("cost"), "serving engine, cost-aware verify lengths packed in one forward",
         needs_drafter=True, skip=needs_length_head,
     ),
 }  # fmt: skip
