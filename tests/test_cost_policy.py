@@ -227,3 +227,14 @@ def test_engine_measures_its_own_round_cost(pair):
         measure_round_cost(eng, context=90)
     with pytest.raises(RuntimeError, match="graph path"):
         measure_round_cost(Engine(target, drafter, max_slots=2, max_len=32, cuda_graphs=False))
+
+
+def test_the_dispatch_reads_the_head_ratio_as_its_label_not_scaled_by_the_floor_rules_rate():
+    """choose_verify_length's cost rule ignores ``rate`` (the floor rule's scale): at c=128 on the SPEC cost the
+    lengths are the same whatever the rate; a ratio doubled by hand (what rate 2.0 used to do) gives others
+    (the control)."""
+    ratio = torch.full((128,), 0.25)
+    for rate in (1.0, 2.0, 3.0):
+        k = choose_verify_length("cost", 128, 16, ratio=ratio, rate=rate, round_cost=SPEC_COST)
+        assert torch.equal(k, cost_aware_verify_length(ratio, 16, SPEC_COST)), rate
+    assert not torch.equal(cost_aware_verify_length(ratio * 2, 16, SPEC_COST), cost_aware_verify_length(ratio, 16, SPEC_COST))

@@ -50,8 +50,8 @@ def choose_verify_length(
 ) -> torch.Tensor:
     """Each row's verify length ``k_hat`` (``LongTensor[batch]``, bonus slot included) under ``policy``.
 
-    ``cost`` (the default with a trained length head) reads the length head's ``ratio`` and chooses every
-    row's ``k_hat`` together against ``round_cost`` (default :class:`RoundCost`, SPEC section 6), each row at
+    ``cost`` (the default with a trained length head) reads the length head's ``ratio`` (as its label: ``rate``
+    is not applied) and chooses every row's ``k_hat`` together against ``round_cost`` (default :class:`RoundCost`, SPEC section 6), each row at
     most ``max_len`` (e.g. the tokens it has left), on ``device`` (default: the ratio's);
     ``adaptive`` is the paper's floor rule on the ``ratio``; ``expected_gain`` stands the draft's own top-1
     probability (from ``draft_logits [b, B-1, V]``) in for each slot's conditional acceptance;
@@ -65,7 +65,11 @@ def choose_verify_length(
     """
     policy = LengthPolicy(policy)
     if policy is LengthPolicy.COST:
-        k_hat = cost_aware_verify_length(ratio, block_size, round_cost, rate=rate, min_len=min_len, max_len=max_len)
+        # ``rate`` is the floor rule's scale (verify past the predicted mean to catch the spread); the cost rule
+        # models the spread itself, so it reads the ratio as its training label, (accepted + 1) / B. With the
+        # shipped rate 2.0 applied here, it expected twice the acceptance the head predicts and drafted at c=128
+        # where plain decoding is faster (BENCHMARKS section 9, replay of 2026-12-03).
+        k_hat = cost_aware_verify_length(ratio, block_size, round_cost, min_len=min_len, max_len=max_len)
         return k_hat.to(device if device is not None else ratio.device)
     if policy is LengthPolicy.ADAPTIVE:
         return adaptive_verify_length(ratio, block_size, rate=rate, min_len=min_len)
@@ -128,7 +132,8 @@ def survival_curve(accept_ratio, block_size: int, rate: float = 1.0) -> np.ndarr
     ``m`` adds to the round when verified.
 
     The model: the head predicts ``a ~ (accepted + 1) / B`` (its training label), so with ``rate`` as a
-    calibration scale (the drafter config's ``length_rate``) the expected accepted length is
+    calibration scale (1.0: the label's meaning; :func:`choose_verify_length` always passes 1.0, the drafter
+    config's ``length_rate`` being the floor rule's) the expected accepted length is
     ``L = clamp(a * B * rate - 1, 0, B - 1)``. Drafts are taken to be accepted one by one with the same
     conditional probability ``p`` (a geometric accepted length, truncated at the block), ``p`` solving
     ``sum_{m=1..B-1} p^m = L``; the survival of position ``m`` is ``p^m``. A point estimate says nothing of

@@ -18,9 +18,12 @@ if [[ ${1:-} == --smoke ]]; then
   PROMPTS=2; WALL_PROMPTS=1; TOKENS=16; CONC=2; EXTRA="--device cpu --warmup 0"; WALL_EXTRA="--device cpu --warmup 0"
   PROCS=("gsm8k,mt_bench" "spec_bench:qa"); LIMITS=(900 900 900)
 else
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .slimwhl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site; python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 1
-  mkdir -p /tmp/ev && tar xzf .evaldata/data.tar.gz -C /tmp/ev && export ADAFLASH_DATA=/tmp/ev/data
+  if [[ ${INSTALL:-1} == 1 ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .slimwhl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site; python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 1
+    mkdir -p /tmp/ev && tar xzf .evaldata/data.tar.gz -C /tmp/ev
+  fi
+  export PYTHONPATH=/tmp/site ADAFLASH_DATA=/tmp/ev/data
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   PROMPTS=${PROMPTS:-500}; WALL_PROMPTS=${WALL_PROMPTS:-16}; TOKENS=128; CONC=64; EXTRA="--warmup 0"; WALL_EXTRA="--warmup 1"
   # one group per process: the big sets alone or in pairs, the small ones together (Spec-Bench's categories, ~40 test
@@ -51,8 +54,10 @@ EOF
 CHOICE="--prompt-lookup-choice $OUT/validation_choice.json"
 phase tau ${LIMITS[1]} --split test --num-prompts $PROMPTS --concurrency $CONC $CHOICE $EXTRA \
   --methods plain,fixed,cost,adaptive,prompt_lookup_exact,prompt_lookup_grid
-phase wall ${LIMITS[2]} --split test --num-prompts $WALL_PROMPTS --concurrency 1 $CHOICE $WALL_EXTRA \
+[[ ${WALL:-1} == 1 ]] && phase wall ${LIMITS[2]} --split test --num-prompts $WALL_PROMPTS --concurrency 1 $CHOICE $WALL_EXTRA \
   --methods plain,prompt_lookup,prompt_lookup_exact,prompt_lookup_tuned,prompt_lookup_grid,fixed,cost,adaptive
 echo "total ${SECONDS}s"
 grep -h "BENCH FAILURE" "$OUT"/*.log | head -20
 grep -L "No failures" "$OUT"/*/bench.md
+# one file back: the device tool returns a handful of files
+tar czf "$OUT/eval_runs.tar.gz" -C "$OUT" --exclude eval_runs.tar.gz . && find "$OUT" -mindepth 1 -not -name eval_runs.tar.gz -delete
