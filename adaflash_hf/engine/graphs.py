@@ -151,8 +151,15 @@ class GraphRunner:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with CAPTURE_LOCK:  # other threads' CUDA work must not invalidate the capture (spec/capture.py)
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_MODE):
-                self._forward(*bucket)
+            try:
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_MODE):
+                    self._forward(*bucket)
+            except BaseException:
+                # A capture that fails can leave its pool marked as recording, and every later capture into it then
+                # fails with "beginAllocateToPool: already recording" (seen on the H200 in a bench run, 2026-12-03):
+                # later captures, the fallback's included, take a fresh pool.
+                self.pool = torch.cuda.graph_pool_handle()
+                raise
             self._restore_inputs(state)
             torch.cuda.synchronize()
         self.graphs[bucket] = graph
