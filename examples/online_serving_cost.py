@@ -138,7 +138,8 @@ def main(argv=None) -> int:
     plot(result, os.path.join(a.out, "serving_cost.png"))
     same = result["outputs_equal_across_runs"]  # greedy: every run gives the target's own tokens
     updates = {m: r["updates"] for m, r in result["methods"].items()}
-    print(f"updates per run: {updates}; outputs equal across runs: {same}")
+    updated = any(n > 0 for run, n in updates.items() if not run.startswith("off"))
+    print(f"updates per run: {updates}; online run updated: {updated}; outputs equal across runs: {same}")
     return 0 if same else 1
 
 
