@@ -335,48 +335,33 @@ def _load(arrival: str) -> float:
         return -1.0
 
 
-def main(argv=None) -> int:
-    args = parse(argv)
-    smoke = args.smoke
-    if smoke:
-        torch.set_num_threads(1)  # tiny shapes: one thread beats a few shared ones
-    device = args.device or ("cuda" if torch.cuda.is_available() and not smoke else "cpu")
-    conc, max_new = args.conc, (12 if smoke else args.max_new_tokens)
-    plen = 16 if smoke else args.prompt_len
-    traces_wanted = ["paper", "paper_ref", "gsm8k"] if smoke else [t for t in args.traces.split(",") if t]
-    sets = [t for t in traces_wanted if t not in ("paper", "paper_ref")]
-    ratio_set = args.ratio_set or (sets[0] if sets else "gsm8k")
-    record_sets = sets + ([ratio_set] if "paper_ref" in traces_wanted and ratio_set not in sets else [])
-    profile_at = {int(c) for c in args.profile_at.split(",") if c}
-    kernels_at = {3} if smoke else {int(c) for c in args.kernels_at.split(",") if c}  # smoke: the path, no profiler on CPU
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    deadline = common.T0 + args.budget_s
-    res = {"meta": {"label": "ACCEPTANCE REPLAY (not a model's result) + the reference pair's real runs", "device": device,
-                    "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "", "torch": torch.__version__,
-                    "smoke": smoke, "concurrency": conc, "real_concurrency": args.real_conc, "real_sets": sets if args.real_conc else [],
-                    "arrivals": args.arrival_list, "modes": args.mode_list, "prompt_len": plen, "max_new_tokens": max_new,
-                    "reps": args.reps, "block_size": BLOCK}, "traces": {}, "rows": [], "checks": {}}
+class Results:
+    """The run's results (``res``: meta, traces, rows, checks), rewritten to ``out_dir`` after every row; rows that
+    would start after ``deadline`` are recorded as skipped."""
 
-    def save():
-        res["meta"]["total_s"] = time.perf_counter() - common.T0
-        for name, text in (("replay_bench.json", json.dumps(res, indent=1, default=str)), ("replay_bench.md", markdown(res))):
-            tmp = out_dir / (name + ".tmp")
+    def __init__(self, res: dict, out_dir: Path, deadline: float):
+        self.res, self.out_dir, self.deadline = res, out_dir, deadline
+        self.done = {}  # (kind, trace, c, arrival, engine key) -> the row already run with those settings
+
+    def save(self) -> None:
+        self.res["meta"]["total_s"] = time.perf_counter() - common.T0
+        for name, text in (("replay_bench.json", json.dumps(self.res, indent=1, default=str)),
+                           ("replay_bench.md", markdown(self.res))):
+            tmp = self.out_dir / (name + ".tmp")
             tmp.write_text(text)
-            tmp.replace(out_dir / name)
+            tmp.replace(self.out_dir / name)
 
-    done = {}  # (kind, trace, c, arrival, engine key) -> the row already run with those settings
-
-    def row(meta, fn, key):
+    def row(self, meta: dict, fn, key: str) -> None:
+        """Run ``fn`` for the row ``meta`` (unless a row of the same settings ran: then its figures), record it."""
         r, cell = dict(meta), (meta["kind"], meta.get("trace"), meta["concurrency"], meta["arrival"], key)
-        if cell in done:  # e.g. default = packed: the same engine and settings, one run
-            r.update({k: v for k, v in done[cell].items() if k not in meta}, same_as=done[cell]["mode"])
-        elif time.perf_counter() > deadline:
+        if cell in self.done:  # e.g. default = packed: the same engine and settings, one run
+            r.update({k: v for k, v in self.done[cell].items() if k not in meta}, same_as=self.done[cell]["mode"])
+        elif time.perf_counter() > self.deadline:
             r["error"] = "skipped: time budget"
         else:
             try:
                 r.update(fn())
-                done[cell] = r
+                self.done[cell] = r
             except Exception:  # noqa: BLE001 - record and go on
                 r["error"] = traceback.format_exc()
                 log(f"{meta} FAILED\n{r['error']}")
@@ -386,10 +371,18 @@ def main(argv=None) -> int:
                 + (f"  latency {r['latency_s']:.2f}s" if "latency_s" in r else "") + (f"  = {r['same_as']}" if "same_as" in r else ""))
         elif "error" in r and "same_as" not in r:
             log(f"{meta}: {r['error'].splitlines()[-1]}")
-        res["rows"].append(r)
-        save()
+        self.res["rows"].append(r)
+        self.save()
 
-    # 1. The reference pair: its rounds per set (the traces) and its own engine runs.
+
+def build_traces(results: Results, args, device, smoke: bool) -> dict:
+    """Phase 1: the reference pair's rounds per set (the traces) and its own engine runs; the traces asked for."""
+    res = results.res
+    wanted = ["paper", "paper_ref", "gsm8k"] if smoke else [t for t in args.traces.split(",") if t]
+    sets = [t for t in wanted if t not in ("paper", "paper_ref")]
+    ratio_set = args.ratio_set or (sets[0] if sets else "gsm8k")
+    record_sets = sets + ([ratio_set] if "paper_ref" in wanted and ratio_set not in sets else [])
+    res["meta"]["real_sets"] = sets if args.real_conc else []
     root = Path(__file__).resolve().parent.parent
     for data in (root / "shared" / "data", root / "tests" / "fixtures" / "data"):  # unless ADAFLASH_DATA says
         if data.is_dir():
@@ -397,12 +390,12 @@ def main(argv=None) -> int:
     res["meta"]["data"] = os.environ.get("ADAFLASH_DATA")
     recorded = {}
     try:
-        recorded = reference_pair_phase(res, row, device, record_sets, args, smoke)
+        recorded = reference_pair_phase(res, results.row, device, record_sets, args, smoke)
     except Exception:  # noqa: BLE001 - the paper trace still runs
         res["checks"]["record_error"] = traceback.format_exc()
         log("the reference pair's phase FAILED\n" + res["checks"]["record_error"])
     traces = {}
-    for name in traces_wanted:
+    for name in wanted:
         if name == "paper":
             traces[name] = paper_dflash_trace(BLOCK)
         elif name == "paper_ref" and ratio_set in recorded:
@@ -413,9 +406,14 @@ def main(argv=None) -> int:
         head = "oracle head" if name == "paper" else f"shipped head, rate {tr.policy.length_rate:g}"
         res["traces"][name] = {"description": tr.name, "tau": tr.tau, "head": head, "policy": tr.policy.to_json(),
                                **({"rounds": tr.to_json()["rounds"]} if isinstance(tr, RecordedTrace) else {"probs": tr.probs})}
-    save()
+    results.save()
+    return traces
 
-    # 2. The 8B-shaped target and the drafter; prompts and their greedy continuations (the off engine).
+
+def build_replay(results: Results, args, device, smoke: bool, plen: int, max_new: int):
+    """Phase 2: the 8B-shaped target and drafter, the engines, the prompts and their greedy continuations (the off
+    engine's, checked against the permutation walk and HF generate); returns ``(engines, prompts)``."""
+    res, conc = results.res, args.conc
     t = time.perf_counter()
     target = common.qwen3_8b_shape(device, smoke)
     perm = decisive_argmax(target)
@@ -430,7 +428,6 @@ def main(argv=None) -> int:
     prompts = [torch.randint(0, vocab - 1, (plen,), generator=g).tolist() for _ in range(n_prompts)]
     kw = dict(max_slots=max(conc), max_len=plen + max_new + 8, token_budget=max(4096, max(conc) * BLOCK + plen),
               cuda_graphs=True)
-    t = time.perf_counter()
     engines = Engines(target, drafter, {}, **kw)
     if args.measure_cost:
         t = time.perf_counter()
@@ -440,6 +437,7 @@ def main(argv=None) -> int:
         res["meta"]["round_cost"] = {"rows": cost.rows, "tokens_per_row": cost.tokens_per_row, "verify": cost.verify,
                                      "draft_fraction": cost.draft_fraction, "seconds": time.perf_counter() - t}
         log(f"measured round cost in {time.perf_counter() - t:.1f}s: draft fraction {cost.draft_fraction:.3f}")
+    t = time.perf_counter()
     off = engines.get("off", paper_dflash_trace(BLOCK).policy)[0]
     engines.refs.update({tuple(p): o.token_ids for p, o in zip(prompts, off.generate(prompts, max_new_tokens=max_new))})
     refs = engines.refs
@@ -449,14 +447,20 @@ def main(argv=None) -> int:
     res["checks"]["off_equals_hf_generate"] = hf == refs[tuple(prompts[0])][: len(hf)]
     log(f"references: {len(refs)} prompts in {time.perf_counter() - t:.1f}s; greedy = perm walk "
         f"{res['checks']['argmax_is_the_permutation']}; off == HF generate: {res['checks']['off_equals_hf_generate']}")
-    save()
+    results.save()
+    return engines, prompts
 
-    # 3. Closed batch first (every trace), then each Poisson load: off first at each concurrency (its closed-batch
-    # request rate sets the Poisson rates), then every mode of every trace.
+
+def replay_rows(results: Results, args, engines, traces: dict, prompts, device, max_new: int, smoke: bool) -> None:
+    """Phase 3: closed batch first (every trace), then each Poisson load: off first at each concurrency (its
+    closed-batch request rate sets the Poisson rates), then every mode of every trace."""
+    refs, rows = engines.refs, results.res["rows"]
+    profile_at = {int(c) for c in args.profile_at.split(",") if c}
+    kernels_at = {3} if smoke else {int(c) for c in args.kernels_at.split(",") if c}  # smoke: the path, no profiler on CPU
     warmed = set()
     for arrival in ["closed"] + [a for a in args.arrival_list if a != "closed"]:
         closed = arrival == "closed"
-        for c in conc:
+        for c in args.conc:
             todo = [(None, "off")]  # closed-batch off rows always run: their request rate sets the Poisson rates
             if not closed or "closed" in args.arrival_list:
                 todo += [(name, m) for name in traces for m in args.mode_list if m != "off"]
@@ -470,22 +474,42 @@ def main(argv=None) -> int:
                     warm = (key, c) not in warmed
                     warmed.add((key, c))
                     first = name in (None, "paper")
-                    fn = lambda eng=eng, replay=replay, warm=warm, first=first: run_row(
+                    fn = lambda eng=eng, replay=replay, warm=warm, first=first, c=c: run_row(
                         eng, replay, prompts[:c], refs, max_new, device, args.reps, warm, first and c in profile_at,
-                        first and c in kernels_at, out_dir)
+                        first and c in kernels_at, results.out_dir)
                 else:
-                    off_row = next((r for r in res["rows"] if r["kind"] == "replay" and r["mode"] == "off"
+                    off_row = next((r for r in rows if r["kind"] == "replay" and r["mode"] == "off"
                                     and r["concurrency"] == c and r["arrival"] == "closed" and "end_to_end_tok_per_s" in r), None)
                     if off_row is None:
                         continue
                     rate = _load(arrival) * off_row["end_to_end_tok_per_s"] / max_new
                     n = max(c, args.poisson_min_requests)
-                    fn = lambda eng=eng, replay=replay, rate=rate, n=n: poisson_row(
+                    fn = lambda eng=eng, replay=replay, rate=rate, n=n, c=c: poisson_row(
                         eng, replay, prompts[:n], refs, max_new, device, rate, c, seed=c)
-                row(meta, fn, key)
+                results.row(meta, fn, key)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    smoke = args.smoke
+    if smoke:
+        torch.set_num_threads(1)  # tiny shapes: one thread beats a few shared ones
+    device = args.device or ("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+    max_new, plen = (12, 16) if smoke else (args.max_new_tokens, args.prompt_len)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res = {"meta": {"label": "ACCEPTANCE REPLAY (not a model's result) + the reference pair's real runs", "device": device,
+                    "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "", "torch": torch.__version__,
+                    "smoke": smoke, "concurrency": args.conc, "real_concurrency": args.real_conc, "real_sets": [],
+                    "arrivals": args.arrival_list, "modes": args.mode_list, "prompt_len": plen, "max_new_tokens": max_new,
+                    "reps": args.reps, "block_size": BLOCK}, "traces": {}, "rows": [], "checks": {}}
+    results = Results(res, out_dir, common.T0 + args.budget_s)
+    traces = build_traces(results, args, device, smoke)
+    engines, prompts = build_replay(results, args, device, smoke, plen, max_new)
+    replay_rows(results, args, engines, traces, prompts, device, max_new, smoke)
     bad = [r for r in res["rows"] if "identical" in r and r["identical"] != r["requests"]]
     res["checks"]["rows_not_identical"] = len(bad)
-    save()
+    results.save()
     print(markdown(res))
     log(f"done: {len(res['rows'])} rows, {len(bad)} with outputs different from plain greedy; wrote {out_dir}")
     failed = [r for r in res["rows"] if "error" in r] + ([res["checks"]["record_error"]] if "record_error" in res["checks"] else [])
