@@ -12,6 +12,7 @@ from conftest import build_drafter, build_tiny_target
 from adaflash_hf import bench
 from adaflash_hf.bench import METHODS, BenchCell, BenchConfig, Method, MethodOutput, run_bench
 from adaflash_hf.bench.prompts import load_prompts
+from adaflash_hf.bench.report import markdown
 
 VOCAB = 128
 SPECIALS = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<unk>"]
@@ -174,7 +175,7 @@ def test_skipped_methods_carry_a_reason(full_run, setup, tmp_path):
 def test_markdown_has_a_row_per_cell(full_run):
     result, out = full_run
     md = (out / "bench.md").read_text()
-    assert md == result.to_markdown()
+    assert md == markdown(result)
     table = md.split("| dataset | concurrency | method | tok/s |")[1].split("\n\n")[0]
     rows = [line.split("|")[1:4] for line in table.strip().splitlines()[2:]]
     keys = [(d.strip(), int(c), m.strip()) for d, c, m in rows]

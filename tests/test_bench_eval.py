@@ -13,6 +13,7 @@ from adaflash_hf.bench import BenchConfig, run_bench
 from adaflash_hf.bench.multiturn import base_label, turn_label, turn_prompts
 from adaflash_hf.bench.prompt_lookup_grid import GRID, best_setting, read_choice
 from adaflash_hf.bench.prompt_lookup_tau import PromptLookupSettings
+from adaflash_hf.bench.report import markdown
 from adaflash_hf.bench.prompts import load_prompt_set
 from adaflash_hf.bench.summary import pool
 from adaflash_hf.spec.rounds import tau_from_totals
@@ -118,7 +119,7 @@ def test_multi_turn_set_benchmarks_each_turn_on_the_target_answers(models, tmp_p
     assert counts == {("conv", 1): 3, ("conv", 2): 3, ("conv:turn2", 1): 2, ("conv:turn2", 2): 2, ("conv:turn3", 1): 1,
                       ("conv:turn3", 2): 1}  # fmt: skip
     assert all(c.identical for c in res.cells if c.method == "fixed")
-    md = res.to_markdown()
+    md = markdown(res)
     assert "| conv | 3 | 1 | fixed |" in md  # the summary pools the three turns
     fixed = [c for c in res.cells if c.method == "fixed" and c.concurrency == 1]
     pooled = pool(fixed)

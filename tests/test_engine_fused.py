@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, layout_args, make_target_cache, target_forward
+from adaflash_hf.engine.kernels import elementwise as E
 from adaflash_hf.engine.kernels import fused as F
 from adaflash_hf.engine.kernels import stock_layers
 
@@ -44,8 +45,8 @@ def test_elementwise_functions_are_the_hf_modules_bit_for_bit(family, dtype, ext
     d = torch.randn(T, model.config.hidden_size, generator=g).to(dtype)
     norm = layer.input_layernorm
     with torch.no_grad():
-        assert torch.equal(F.rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
-        h, normed = F.add_rms_norm(x, d, norm.weight, norm.variance_epsilon)
+        assert torch.equal(E.rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
+        h, normed = E.add_rms_norm(x, d, norm.weight, norm.variance_epsilon)
         assert torch.equal(h, x + d) and torch.equal(normed, norm(x + d))
         q = attn.q_proj(x).view(1, T, -1, attn.head_dim)
         k = attn.k_proj(x).view(1, T, -1, attn.head_dim)
@@ -53,12 +54,12 @@ def test_elementwise_functions_are_the_hf_modules_bit_for_bit(family, dtype, ext
         q2, k2 = (attn.q_norm(q), attn.k_norm(k)) if hasattr(attn, "q_norm") else (q, k)
         ref_q, ref_k = rope(q2.transpose(1, 2), k2.transpose(1, 2), cos, sin)
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        got_q, got_k = F.qk_norm_rope(q[0], k[0], qn.weight if qn else None, kn.weight if kn else None,
+        got_q, got_k = E.qk_norm_rope(q[0], k[0], qn.weight if qn else None, kn.weight if kn else None,
                                       qn.variance_epsilon if qn else 0.0, cos[0], sin[0])
         assert torch.equal(got_q, ref_q[0]) and torch.equal(got_k, ref_k[0].transpose(0, 1))
         mlp = layer.mlp
         gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
-        assert torch.equal(F._act_mul(mlp.act_fn)(gate_up), mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+        assert torch.equal(E._act_mul(mlp.act_fn)(gate_up), mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
 
 
 @pytest.mark.parametrize("family,dtype,extra", CASES)
@@ -151,7 +152,7 @@ def test_unsupported_layers_keep_the_modules_path_with_a_reason():
 def test_elementwise_functions_trace_whole_for_compilation(name):
     """fullgraph tracing (what torch.compile needs for one kernel per function) and the same numbers."""
     torch._dynamo.reset()
-    fn = getattr(F, name)
+    fn = getattr(E, name)
     g = torch.Generator().manual_seed(0)
     x, d, w = (torch.randn(6, 4, 8, generator=g).to(torch.bfloat16) for _ in range(3))
     cos, sin = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)

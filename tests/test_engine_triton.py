@@ -217,7 +217,7 @@ def test_engine_with_triton_kernels_is_lossless(mode, monkeypatch):
 def test_rope_store_kernel_equals_the_torch_function(family, dtype):
     """One kernel for q/k norm + RoPE + the K/V and query stores == :func:`fused.qk_norm_rope_store`
     (values and every written place; nothing else of the cache or the query layout is touched)."""
-    from adaflash_hf.engine.kernels.fused import SlotStore, qk_norm_rope_store
+    from adaflash_hf.engine.kernels.elementwise import SlotStore, qk_norm_rope_store
     from adaflash_hf.engine.kernels.rope_store import qk_norm_rope_store_triton
 
     model = _hd16_target(family).to(dtype)
@@ -283,19 +283,19 @@ def test_elementwise_kernels_are_checked_before_use():
     """``check_elementwise`` keeps the Triton kernels when each agrees with its torch function and falls back to
     the torch functions (with a note naming the function) when one does not; the negative control is a store
     without the q/k norm."""
-    from adaflash_hf.engine.kernels import fused as fused_module
+    from adaflash_hf.engine.kernels import elementwise
 
     target = _hd16_target()
     fused = FusedTarget(target, compile=False, elementwise="triton")
     assert fused.check_elementwise() == "triton" and fused.elementwise_note == ""
 
     def no_norm(q, k, v, qw, kw, eps, cos, sin, *store):
-        return fused_module.qk_norm_rope_store(q, k, v, None, None, eps, cos, sin, *store)
+        return elementwise.qk_norm_rope_store(q, k, v, None, None, eps, cos, sin, *store)
 
     wrong = FusedTarget(target, compile=False, elementwise="triton")
     wrong.qk_norm_rope_store = no_norm
     assert wrong.check_elementwise() == "torch" and "qk_norm_rope_store differ" in wrong.elementwise_note
-    assert wrong.qk_norm_rope_store is fused_module.qk_norm_rope_store and wrong.rms_norm is fused_module.rms_norm
+    assert wrong.qk_norm_rope_store is elementwise.qk_norm_rope_store and wrong.rms_norm is elementwise.rms_norm
 
 
 @pytest.mark.parametrize("change,why", [({"hidden_act": "gelu"}, "not SiLU"), ({"head_dim": 12}, "head_dim 12")])

@@ -11,6 +11,8 @@ import sys
 
 from .config import DEFAULT_METHODS, BenchConfig
 
+DESCRIPTION = "`adaflash bench`: every decoding method on the same prompts, side by side, checked for correctness."
+
 
 def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
@@ -126,7 +128,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     from .runner import loud, run_bench
 
     result = run_bench(config_from_args(args))
-    print(result.to_markdown())
+    from .report import markdown
+
+    print(markdown(result))
     if result.files:
         print("wrote " + ", ".join(result.files), file=sys.stderr)
     if result.failures:
@@ -138,9 +142,8 @@ def run_from_args(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`adaflash bench ...` / `python -m adaflash_hf.bench ...`."""
     from .. import _bootstrap  # the package's registrations (deferred under `python -m adaflash_hf.bench`)
-    from . import __doc__ as doc
 
-    parser = add_arguments(argparse.ArgumentParser(prog="adaflash bench", description=(doc or "").split("\n\n")[0]))
+    parser = add_arguments(argparse.ArgumentParser(prog="adaflash bench", description=DESCRIPTION))
     args = parser.parse_args(argv)
     args.command = shlex.join(sys.argv) if argv is None else shlex.join(["adaflash", "bench", *argv])
     _bootstrap()

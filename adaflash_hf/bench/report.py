@@ -6,10 +6,7 @@ import sys
 from pathlib import Path
 
 from .results import BenchResult, online_records
-
-
-def fmt(x, spec=".2f"):
-    return "-" if x is None else format(x, spec)
+from .summary import fmt, summary_table
 
 
 def _header(result: BenchResult) -> list[str]:
@@ -152,8 +149,6 @@ def _correctness(result: BenchResult) -> list[str]:
 
 def markdown(result: BenchResult) -> str:
     """``bench.md``: the environment, the results table, the per-set summary, details, online updates, correctness."""
-    from .summary import summary_table
-
     sections = (_header, _main_table, summary_table, _details, _online_table, _correctness)
     return "\n".join(line for section in sections for line in section(result)) + "\n"
 
@@ -171,6 +166,6 @@ def write_outputs(result: BenchResult, out_dir, plots: bool = True) -> list[str]
         except ImportError:
             print("plots skipped: matplotlib is not installed (pip install 'adaflash-hf[plot]')", file=sys.stderr)
     result.files = files
-    (out / "bench.md").write_text(result.to_markdown(), encoding="utf-8")
+    (out / "bench.md").write_text(markdown(result), encoding="utf-8")
     (out / "bench.json").write_text(result.to_json() + "\n", encoding="utf-8")
     return files

@@ -87,11 +87,6 @@ class BenchResult:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, allow_nan=False)
 
-    def to_markdown(self) -> str:
-        from .report import markdown
-
-        return markdown(self)
-
 
 def online_records(online) -> list[dict]:
     """``BenchResult.online`` as dicts (bare ``(update, tau)`` pairs are accepted too)."""

@@ -310,7 +310,7 @@ def _fill_speedups(group: list[BenchCell]) -> None:
 
 
 def _progress(c: BenchCell) -> str:
-    from .report import fmt
+    from .summary import fmt
 
     tau = f" tau {c.tau:.2f}" if c.tau is not None else ""
     ident = {True: " identical", False: " MISMATCH", None: ""}[c.identical]

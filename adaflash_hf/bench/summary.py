@@ -18,6 +18,12 @@ from dataclasses import dataclass
 from ..spec.rounds import tau_from_totals
 from .multiturn import base_label
 
+
+def fmt(x, spec=".2f"):
+    """A figure of the report, ``-`` for none."""
+    return "-" if x is None else format(x, spec)
+
+
 PL_DEFAULT = ("prompt_lookup_exact", "prompt_lookup")
 PL_BEST = ("prompt_lookup_grid", "prompt_lookup_tuned")
 
@@ -71,8 +77,6 @@ def _first(rows: dict, names, field: str):
 
 def summary_table(result) -> list[str]:
     """The per-set summary lines of ``bench.md`` (empty when no cell has a tau or a speed)."""
-    from .report import fmt
-
     groups = _pooled_groups(result)
     lines = ["", "## Per set (turns pooled)", "",
              "| set | turns | concurrency | method | tau | mean verify len | tok/s | x plain | x prompt lookup | "

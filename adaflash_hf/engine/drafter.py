@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 from .graphs import GraphRunner, copy_to_device, pick_bucket, q_buckets, token_buckets
 from .kernels.attention import INACTIVE, SlotAttention, default_backend
-from .kernels.fused import FusedTarget, SlotStore, fuse_layer_weights
+from .kernels.elementwise import SlotStore
+from .kernels.fused import FusedTarget, fuse_layer_weights
 from .kernels.stock_layers import unsupported_drafter_layers
 from .kv_cache import SlotKVCache
 from .target import fused_layers, repeat, segments

@@ -38,7 +38,8 @@ import torch
 
 from .kernels.attention import BACKENDS, INACTIVE, SlotAttention, default_backend
 from ..spec.capture import CAPTURE_LOCK, CAPTURE_MODE
-from .kernels.fused import FusedTarget, SlotStore
+from .kernels.elementwise import SlotStore
+from .kernels.fused import FusedTarget
 from .kv_cache import SlotKVCache
 from .target import PackedLayout, decoder_forward, repeat
 

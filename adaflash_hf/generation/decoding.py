@@ -11,18 +11,17 @@ processors, on the same prefix, as plain decoding would use.
 """
 
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..modeling import AdaFlashDrafter
 from ..spec.hooks import hooks_for, round_callbacks
-from ..spec.rounds import FinishedRequest, RoundSink, VerifiedRound
+from ..spec.rounds import RoundSink, VerifiedRound
 from ..spec.verify import SampledRows, accept_block
 from .drafting import AdaFlashCandidateGenerator
 from .fast_path import engine_decoding, takes_engine
+from .output import Output, emit_requests, finish
 from .stats import GenerationStats
 
 
@@ -132,61 +131,6 @@ class _Batch:
         return torch.cat([seq[: self.prompt_len][self.prompt_mask[i]], seq[self.prompt_len : -1]])
 
 
-@dataclass
-class _Output:
-    """Commits tokens exactly where plain decoding would stop, and builds what generate returns."""
-
-    stopping_criteria: object
-    streamer: object
-    want_scores: bool
-    want_logits: bool
-    want_hidden: bool
-    finished: dict = field(default_factory=dict)
-    scores: dict = field(default_factory=lambda: defaultdict(list))
-    raw: dict = field(default_factory=lambda: defaultdict(list))
-    hidden: dict = field(default_factory=lambda: defaultdict(list))
-    committed: list = field(default_factory=list)  # tokens each row kept in the last commit
-
-    @classmethod
-    def for_config(cls, generation_config, stopping_criteria, streamer) -> "_Output":
-        dict_out = generation_config.return_dict_in_generate
-        return cls(
-            stopping_criteria,
-            streamer,
-            want_scores=dict_out and generation_config.output_scores,
-            want_logits=dict_out and generation_config.output_logits,
-            want_hidden=dict_out and generation_config.output_hidden_states,
-        )
-
-    def commit(self, batch: _Batch, new_tokens, raw_logits, processed, hidden) -> torch.Tensor:
-        """Append each row's new tokens one by one, checking the stopping criteria after each.
-
-        `hidden[i][j]` is the per-layer hidden-state tuple of the step that made row `i`'s token
-        `j` (None unless `want_hidden`).
-        """
-        done, self.committed = [], []
-        for i, toks in enumerate(new_tokens):
-            row, stop = int(batch.index[i]), False
-            self.committed.append(len(toks))
-            for j, tok in enumerate(toks):
-                batch.seqs[i] = torch.cat([batch.seqs[i], tok[None]])
-                if self.want_scores:
-                    self.scores[row].append(processed[i][j])
-                if self.want_logits:
-                    self.raw[row].append(raw_logits[i][j])
-                if self.want_hidden:
-                    self.hidden[row].append(hidden[i][j])
-                if self.streamer is not None:
-                    self.streamer.put(tok[None].cpu())
-                if bool(self.stopping_criteria(batch.seqs[i][None], None)[0]):
-                    stop, self.committed[-1] = True, j + 1
-                    break
-            if stop:
-                self.finished[row] = batch.seqs[i]
-            done.append(stop)
-        return torch.tensor(done, device=batch.valid.device)
-
-
 class _Timer:
     def __init__(self, sync: bool):
         self.sync = sync
@@ -250,7 +194,7 @@ def _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stoppi
         model, drafter, generation_config, logits_processor, length_policy=length_policy, length_rate=length_rate, length_min=length_min
     )
     stats = GenerationStats(block_size=generator.block_size, policy=generator.policy)
-    output = _Output.for_config(generation_config, stopping_criteria, streamer)
+    output = Output.for_config(generation_config, stopping_criteria, streamer)
     do_sample, max_length = generation_config.do_sample, generation_config.max_length
     # The drafter's context layers, or every layer when the caller asked for hidden states.
     layers = generator.model_kwargs_overrides["output_hidden_states"]
@@ -297,8 +241,8 @@ def _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stoppi
     if streamer is not None:
         streamer.end()
     if on_request is not None:
-        _emit_requests(on_request, input_ids, model_kwargs.get("attention_mask"), output)
-    return _finish(input_ids, output, generation_config, stats, return_stats)
+        emit_requests(on_request, input_ids, model_kwargs.get("attention_mask"), output)
+    return finish(input_ids, output, generation_config, stats, return_stats)
 
 
 def _verify(model, batch: _Batch, draft: torch.Tensor, cache, layers):
@@ -317,7 +261,7 @@ def _verify(model, batch: _Batch, draft: torch.Tensor, cache, layers):
     return out, logits, processed
 
 
-def _commit_round(output: _Output, batch: _Batch, draft, res, logits, processed, hidden_states) -> torch.Tensor:
+def _commit_round(output: Output, batch: _Batch, draft, res, logits, processed, hidden_states) -> torch.Tensor:
     """Commit each row's accepted drafts + next token (with their logits / hidden states when asked for)."""
     acc = res.num_accepted.tolist()
     new = [torch.cat([d[:a], t[None]]) for d, a, t in zip(draft, acc, res.next_tokens)]
@@ -334,14 +278,7 @@ def _emit_rounds(on_round, batch: _Batch, block, draft, target_logits, acc) -> N
                                           target_logits[i], block.draft_len[i], acc[i], ratio))
 
 
-def _emit_requests(on_request, input_ids, prompt_mask, output: _Output) -> None:
-    """Every finished sequence, in row order: its prompt (padding removed) and its generated tokens."""
-    for row, seq in sorted(output.finished.items()):
-        prompt = input_ids[row] if prompt_mask is None else input_ids[row][prompt_mask[row].bool()]
-        on_request(FinishedRequest(row=row, prompt_ids=prompt, output_ids=seq[input_ids.shape[1] :]))
-
-
-def _prefill(model, drafter, input_ids, rows, model_kwargs, layers, do_sample, output: _Output):
+def _prefill(model, drafter, input_ids, rows, model_kwargs, layers, do_sample, output: Output):
     """The target's first token for each row, and the prompts' features as the drafter's first context."""
     # With `inputs_embeds` the prompt is the embeddings (input_ids then holds only the prompt ids the caller
     # also passed, often none: generate returns just the new tokens); the drafter needs only its features.
@@ -403,41 +340,3 @@ def _sample_drafts(generator: AdaFlashCandidateGenerator, batch: _Batch, block, 
     """Sample draft tokens from the *processed* draft distribution (needed for lossless sampling)."""
     drawn = [generator.draw(seq, block.logits[i, :k], p) for i, (seq, p) in enumerate(zip(batch.seqs, batch.processors))]
     return torch.stack([tokens for tokens, _ in drawn]), torch.stack([scores.softmax(-1) for _, scores in drawn])
-
-
-def _finish(input_ids, output: _Output, generation_config, stats, return_stats):
-    b, p = input_ids.shape
-    seqs = [output.finished[i] for i in range(b)]
-    width = max(s.shape[0] for s in seqs)
-    pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else 0
-    sequences = torch.full((b, width), pad, dtype=input_ids.dtype, device=input_ids.device)
-    for i, s in enumerate(seqs):
-        sequences[i, : s.shape[0]] = s
-    stats.new_tokens = sum(s.shape[0] - p for s in seqs)
-    result = sequences
-    if generation_config.return_dict_in_generate:
-
-        def steps(per_row):
-            """Per-step `[b, V]` tensors; rows that already stopped get -inf (plain generate pads them)."""
-            if not per_row:
-                return None
-            filler = torch.full_like(next(iter(per_row.values()))[0], float("-inf"))
-            return tuple(torch.stack([per_row[r][t] if t < len(per_row[r]) else filler for r in range(b)]) for t in range(width - p))
-
-        hidden = _hidden_steps(output.hidden, b, width - p) if output.want_hidden else None
-        result = GenerateDecoderOnlyOutput(sequences=sequences, scores=steps(output.scores), logits=steps(output.raw), hidden_states=hidden)
-    return (result, stats) if return_stats else result
-
-
-def _hidden_steps(per_row: dict, b: int, n_steps: int) -> tuple:
-    """`hidden_states` as plain generate returns them: per step, per layer `[b, step_len, H]`.
-
-    Step 0 holds the prompt positions (every row has it), later steps one position; rows that
-    already stopped get zeros.
-    """
-    out = []
-    for t in range(n_steps):
-        live = next(per_row[r][t] for r in range(b) if t < len(per_row[r]))
-        rows = [per_row[r][t] if t < len(per_row[r]) else tuple(torch.zeros_like(h) for h in live) for r in range(b)]
-        out.append(tuple(torch.stack(layer) for layer in zip(*rows)))
-    return tuple(out)

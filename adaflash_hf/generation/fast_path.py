@@ -199,7 +199,7 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
     """The body of :func:`~.decoding.adaflash_decoding` on the engine (after :func:`fast_path_refusal` said
     it can): same arguments, same return value."""
     from ..engine import SamplingParams
-    from .decoding import _emit_requests, _finish, _Output
+    from .output import Output, emit_requests, finish
     from .stats import GenerationStats
 
     mask = model_kwargs.get("attention_mask")
@@ -218,7 +218,7 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
                          _token_budget(list(map(len, prompts)), block), length_rate, length_min)
     engine = cached.engine
     stats = GenerationStats(block_size=block, policy=policy.value)
-    output = _Output.for_config(generation_config, stopping_criteria, streamer)
+    output = Output.for_config(generation_config, stopping_criteria, streamer)
     on_round, on_request = round_callbacks(round_sink, drafter)
     # The cached engine outlives this call: its caches and lazily made buffers must be normal tensors even
     # when generate runs under torch.inference_mode (in-place updates of inference tensors fail outside it).
@@ -255,8 +255,8 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
     if streamer is not None:
         streamer.end()
     if on_request is not None:
-        _emit_requests(on_request, input_ids, mask, output)
-    return _finish(input_ids, output, generation_config, stats, return_stats)
+        emit_requests(on_request, input_ids, mask, output)
+    return finish(input_ids, output, generation_config, stats, return_stats)
 
 
 def _token_sink(seq: list[int], criteria, streamer, handle: list):

@@ -9,10 +9,10 @@ microseconds, which is why the engine's 8B-shape decode ran at 34% of the bandwi
   re-stored as row blocks of one tensor, and the HF modules' parameters become views into it: no
   extra memory, the model's own forward is unchanged, and each group is one GEMM;
 * **elementwise math**: residual add + RMSNorm, Qwen3's q/k RMSNorm + RoPE (on the static decode
-  path together with the K/V cache writes and the query layout, :class:`SlotStore`), and ``act(gate) * up``
+  path together with the K/V cache writes and the query layout, :class:`~.elementwise.SlotStore`), and ``act(gate) * up``
   are one function each. On CUDA with Triton they are hand-written kernels (:mod:`.norms`; the static path's
   norm + RoPE + stores one kernel, :mod:`.rope_store`): no Dynamo or Inductor, so a new process reads them
-  from Triton's disk cache instead of compiling them. Elsewhere the torch functions below serve: on CPU
+  from Triton's disk cache instead of compiling them. Elsewhere the torch functions of :mod:`.elementwise` serve: on CPU
   eagerly, on CUDA compiled with ``torch.compile`` (another activation than SiLU, a head size the kernels do
   not take, or kernels that failed their check). Both do the HF modules' operations
   in the same order and dtypes (``tests/test_engine_fused.py`` checks the torch functions' bit equality on
@@ -42,106 +42,28 @@ import copy
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ...spec.capture import CAPTURE_LOCK, CAPTURE_MODE
+from .elementwise import elementwise_functions
 from .stock_layers import unsupported_layers
 
 _MAX_ROWS = 16  # skinny_linear.MAX_ROWS (that module needs Triton, imported only when used)
 _TUNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its tuning (FusedTarget.build)
 
-__all__ = ["FusedTarget", "LayerWeights", "SlotStore", "add_rms_norm", "elementwise_functions", "fuse_layer_weights",
-           "norm_rope", "qk_norm_rope", "qk_norm_rope_store", "rms_norm"]
+__all__ = ["FusedTarget", "LayerWeights", "fuse_layer_weights"]
 
 
-# ------------------------------------------------------------------ elementwise math (the HF modules' ops)
+# ------------------------------------------------------------------ compiling (the elementwise math: .elementwise)
 def allow_shape_recompiles(limit: int = 128) -> None:
     """Raise Dynamo's recompile limit (default 8) to at least ``limit``: the compiled functions here and compiled
     flex attention are specialised per shape (token, slot-row and query buckets: one engine reaches a few dozen),
     and past the limit a ``fullgraph=True`` function fails instead of compiling again."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``Qwen3RMSNorm`` / ``LlamaRMSNorm``: statistics in float32, scale in the input dtype."""
-    dtype = x.dtype
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
-
-
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add (in the model dtype, as the HF layer does) and the next RMSNorm: ``(h + delta, norm(h + delta))``."""
-    h = h + delta
-    return h, rms_norm(h, weight, eps)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                 eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3's per-head RMSNorm (skipped when the weights are ``None``, as for Llama) and RoPE, on
-    ``q [T, heads, d]`` and ``k [T, kv_heads, d]`` together; ``cos, sin [T, d]``.
-    Returns ``q [heads, T, d]`` and ``k [T, kv_heads, d]`` (the layouts attention and the cache take)."""
-    nq = q.shape[1]
-    x = torch.cat([q, k], dim=1)
-    weight = None if q_weight is None else torch.cat([q_weight.expand(nq, -1), k_weight.expand(k.shape[1], -1)])
-    x = norm_rope(x, weight, eps, cos, sin)
-    return x[:, :nq].transpose(0, 1), x[:, nq:]
-
-
-def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Per-head RMSNorm (``weight [d]`` or ``[heads, d]``; skipped when ``None``) and RoPE of ``x [T, heads, d]``
-    (``cos, sin [T, d]``): the keys alone, e.g. the drafter's context keys."""
-    if weight is not None:
-        x = rms_norm(x, weight, eps)
-    cos, sin = cos[:, None], sin[:, None]
-    return (x * cos) + (_rotate_half(x) * sin)
-
-
-class SlotStore(NamedTuple):
-    """Where the static decode forward keeps one layer's new K/V and queries (see :mod:`.graphs`):
-    token ``t`` stores its K/V at ``k_cache[layer, slots[t], :, positions[t]]`` (``layer``: a one-element
-    index tensor, so one compiled kernel serves every layer) and its query at
-    ``q_out[q_slots[t], :, q_rows[t]]`` (``[slot rows, heads, q bucket, d]``, attention's layout)."""
-
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    layer: torch.Tensor
-    slots: torch.Tensor
-    positions: torch.Tensor
-    q_out: torch.Tensor
-    q_slots: torch.Tensor
-    q_rows: torch.Tensor
-
-
-def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
-                       k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       *store: torch.Tensor) -> torch.Tensor:
-    """:func:`qk_norm_rope`, then the cache writes and the query layout of a :class:`SlotStore` (its
-    fields, positionally): on CUDA one compiled function instead of a RoPE kernel, three scatters and a
-    fill. Returns ``store.q_out``."""
-    s = SlotStore(*store)
-    q, k = qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
-    s.k_cache[s.layer, s.slots, :, s.positions] = k.to(s.k_cache.dtype)
-    s.v_cache[s.layer, s.slots, :, s.positions] = v.to(s.v_cache.dtype)
-    s.q_out[s.q_slots, :, s.q_rows] = q.transpose(0, 1)
-    return s.q_out
-
-
-def _act_mul(act: Callable) -> Callable:
-    def act_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return act(gate) * up
-
-    return act_mul
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -153,12 +75,6 @@ def _gather_linear(out: torch.Tensor, q_slots: torch.Tensor, q_rows: torch.Tenso
     """``o_proj`` of attention output in the slot layout ``[slot rows, heads, q, d]``, each token's row
     gathered at ``(q_slots[t], q_rows[t])`` (compiled for one row: the gather is the reduction's loads)."""
     return F.linear(out[q_slots, :, q_rows].flatten(1), weight, bias)
-
-
-def elementwise_functions(act: Callable) -> dict[str, Callable]:
-    """The elementwise math as the torch functions above (eager), by the names :class:`FusedTarget` serves them under."""
-    return {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qk_norm_rope": qk_norm_rope,
-            "qk_norm_rope_store": qk_norm_rope_store, "act_mul": _act_mul(act), "norm_rope": norm_rope}
 
 
 def _triton_elementwise_refusal(model) -> str | None:

@@ -1,7 +1,7 @@
 """The fused layers' elementwise math as hand-written Triton kernels: RMSNorm (with the residual add),
 q/k norm + RoPE, and SiLU(gate) * up.
 
-:class:`~.fused.FusedTarget` ran these as ``torch.compile``d torch functions (:func:`.fused.rms_norm` and
+:class:`~.fused.FusedTarget` ran these as ``torch.compile``d torch functions (:func:`.elementwise.rms_norm` and
 the rest). The kernels are alike, but every new process paid Dynamo and Inductor for them, each shape class again:
 most of a second process's time to its first token (BENCHMARKS.md section 8); a Triton kernel is read from
 Triton's own disk cache in milliseconds. The rounding follows the HF modules' (and the
@@ -88,7 +88,7 @@ def _norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """:func:`.fused.rms_norm` over the last dimension of ``x`` (``weight [features]``), one program per row.
+    """:func:`.elementwise.rms_norm` over the last dimension of ``x`` (``weight [features]``), one program per row.
 
     Example:
         >>> y = rms_norm_triton(h, layer.input_layernorm.weight, 1e-6)  # doctest: +SKIP
@@ -97,7 +97,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 def add_rms_norm_triton(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`.fused.add_rms_norm`: ``(h + delta, rms_norm(h + delta))`` in one kernel.
+    """:func:`.elementwise.add_rms_norm`: ``(h + delta, rms_norm(h + delta))`` in one kernel.
 
     Example:
         >>> h, x = add_rms_norm_triton(h, attn_out, layer.post_attention_layernorm.weight, 1e-6)  # doctest: +SKIP
@@ -161,7 +161,7 @@ def _check_heads(name: str, d: int, *xs: torch.Tensor) -> None:
 
 def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                         eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`.fused.qk_norm_rope` in one kernel: ``q [T, heads, d]``, ``k [T, kv_heads, d]`` (views with a contiguous
+    """:func:`.elementwise.qk_norm_rope` in one kernel: ``q [T, heads, d]``, ``k [T, kv_heads, d]`` (views with a contiguous
     last dimension), per-head norm weights ``[d]`` (or ``None``: no norm, as for Llama), ``cos, sin [T, d]``.
     Returns ``q [heads, T, d]`` and ``k [T, kv_heads, d]``.
 
@@ -181,7 +181,7 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor
 
 
 def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`.fused.norm_rope` of ``x [T, heads, d]`` with a per-head weight ``[d]`` (or ``None``): the keys alone,
+    """:func:`.elementwise.norm_rope` of ``x [T, heads, d]`` with a per-head weight ``[d]`` (or ``None``): the keys alone,
     e.g. the drafter's context keys.
 
     Example:
@@ -197,7 +197,7 @@ def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, c
 def elementwise_cases(fused) -> dict:
     """Per elementwise function of :class:`~.fused.FusedTarget` ``fused``, a maker of fresh random arguments of its
     model's shapes (3 tokens)."""
-    from .fused import SlotStore
+    from .elementwise import SlotStore
 
     layer = fused.model.model.layers[0]
     attn, p = layer.self_attn, fused.layers[0].qkv
@@ -240,7 +240,7 @@ def written(name: str, fn, args: tuple) -> list[torch.Tensor]:
 def disagreements(fused) -> list[str]:
     """The elementwise functions ``fused`` serves that differ from the eager torch functions on random inputs of its
     model's shapes (a bfloat16-sized tolerance: they round alike, but reduce in another order)."""
-    from .fused import elementwise_functions
+    from .elementwise import elementwise_functions
 
     eager = elementwise_functions(fused.model.model.layers[0].mlp.act_fn)
     bad = []

@@ -1,6 +1,6 @@
 """Qwen3's q/k RMSNorm, RoPE and the static decode path's stores in one Triton kernel.
 
-:func:`.fused.qk_norm_rope_store` compiled by Inductor is four kernels per layer (the norm and RoPE,
+:func:`.elementwise.qk_norm_rope_store` compiled by Inductor is four kernels per layer (the norm and RoPE,
 then one scatter each for the K cache, the V cache and the queries' slot layout; timed in
 ``docs/logs/engine_gpu_check_triton/``).
 Here one program per (token, head) does all of it: a q or k head is normalised (when the model has
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused import SlotStore
+from .elementwise import SlotStore
 from .norms import norm_rope_head, unsupported
 
 __all__ = ["qk_norm_rope_store_triton", "unsupported"]
@@ -52,8 +52,8 @@ def _rope_store_kernel(Q, K, V, QW, KW, COS, SIN, KC, VC, LAYER, SLOTS, POS, QO,
 def qk_norm_rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                               k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                               *store: torch.Tensor) -> torch.Tensor:
-    """:func:`.fused.qk_norm_rope_store` in one kernel: ``q [T, heads, d]``, ``k, v [T, kv_heads, d]`` (views
-    with a contiguous last dimension), ``cos, sin [T, d]``, ``store`` a :class:`~.fused.SlotStore`'s fields.
+    """:func:`.elementwise.qk_norm_rope_store` in one kernel: ``q [T, heads, d]``, ``k, v [T, kv_heads, d]`` (views
+    with a contiguous last dimension), ``cos, sin [T, d]``, ``store`` a :class:`~.elementwise.SlotStore`'s fields.
     Returns ``store.q_out``.
 
     Example:
