@@ -32,7 +32,8 @@ def replay_pair():
 def _run(pair, mode, trace, graphs=True):
     target, drafter, prompts, refs = pair
     replay = DraftReplay(refs, trace, seed=2)
-    eng = Engine(target, **layout_args(drafter, mode), max_slots=3, max_len=48, token_budget=64, cuda_graphs=graphs,
+    # packed at the trace's own rule: the oracle traces' is the paper's floor rule (k_hat = L + 1)
+    eng = Engine(target, **layout_args(drafter, mode, trace.policy.length_policy), max_slots=3, max_len=48, token_budget=64, cuda_graphs=graphs,
                  draft_replay=replay)
     trace.policy.apply(eng)
     return eng.generate(prompts, max_new_tokens=MAX_NEW), replay
@@ -126,7 +127,7 @@ def test_record_keeps_whole_blocks_and_the_drafters_policy_and_round_trips(repla
     finally:
         cfg.length_rate, cfg.length_min, cfg.length_head_trained = saved
     assert rec.rounds and all(0 <= r.accepted < B and 0.0 < r.ratio < 1.0 for r in rec.rounds)
-    assert rec.policy == ReplayPolicy("adaptive", 1.75, 2, B)
+    assert rec.policy == ReplayPolicy("cost", 1.75, 2, B)  # a trained head: the default rule, cost
     back = RecordedTrace.from_json(rec.to_json())
     assert back.rounds == rec.rounds and back.name == "tiny" and back.policy == rec.policy
     old = {k: v for k, v in rec.to_json().items() if k != "policy"}  # saved before traces carried their policy
