@@ -496,6 +496,45 @@ def test_served_tau_falling_after_a_swap_rolls_it_back(setup, tmp_path, falls):
         adapter.close(timeout=10)
 
 
+@pytest.mark.parametrize("previous_better", [True, False])
+def test_a_fall_of_served_tau_is_checked_paired_before_the_rollback(setup, previous_better):
+    """With the guard on, served tau falling after a swap rolls it back only when the previous weights also accept
+    more on the same recent requests (scores stubbed by which weights a model holds); otherwise the swap stays
+    (served tau compares different traffic)."""
+    target, rounds = setup
+    d = make_drafter(target, block_size=8, num_layers=1, seed=0)
+    requests = real_requests(target, d, seeds=(0, 1, 2, 3, 4))
+    assert len(requests) >= 9
+    adapter = OnlineAdapter(d, target, samples_per_update=8, epochs=1, lr=1e-2, rollback_rounds=4, rollback_margin=0.05)
+    try:
+        for _ in range(4):
+            adapter.on_round(_round(rounds, 5))
+        start = snapshot(d)
+        for r in requests[:8]:
+            adapter.on_request(r)
+        assert adapter.wait_for_update(60) and adapter.stats["updates"] == 1 and not same(start, snapshot(d))
+        swapped = snapshot(d)
+        adapter.on_request(requests[8])  # a recent request, buffered, that neither version trained on
+        scored = []
+
+        def accept_len(model, samples, seed):
+            is_previous = same(start, snapshot(model))
+            scored.append((is_previous, len(samples)))
+            return 3.0 if is_previous == previous_better else 2.0
+
+        adapter.worker.accept_len = accept_len
+        for _ in range(4):
+            adapter.on_round(_round(rounds, 0))  # served tau falls from 6 to 1
+        assert adapter.wait_for_update(60)
+        assert sorted(scored) == [(False, 1), (True, 1)]  # both weights, on the same one request
+        stats = adapter.stats
+        assert stats["rollbacks"] == int(previous_better)
+        assert same(start if previous_better else swapped, snapshot(d))
+        assert stats["failures"] == 0 and _serves_exactly(adapter, target)
+    finally:
+        adapter.close(timeout=10)
+
+
 @pytest.mark.parametrize("margin", [0.0, -1.0])
 def test_guarded_updates_serve_exactly_the_targets_greedy_output(setup, margin):
     """With the guard on (request samples held back), a swapped update (margin 0) and a refused one (margin -1:

@@ -224,6 +224,11 @@ class ReplayBuffer:
                 out.append(s)
             return out
 
+    def newest(self, n: int) -> list[Sample]:
+        """Up to ``n`` of the newest samples, oldest first, left in the buffer."""
+        with self._lock:
+            return list(self._items)[-n:] if n > 0 else []
+
     def mark(self) -> int:
         """A position after every sample buffered so far (for :meth:`drop_before`)."""
         with self._lock:

@@ -99,8 +99,10 @@ class OnlineConfig:
         rollback_rounds: served rounds that judge a swap (0: never roll back). Once this many rounds
             have been served with new weights, if their tau is below the tau of the last
             ``rollback_rounds`` rounds before the swap by more than ``rollback_margin`` (relative),
-            the previous weights are restored and published as a new version. Judged once per swap,
-            and only for a swap made after at least this many rounds were served.
+            the previous weights are restored and published as a new version, unless (guard on) the swapped
+            weights accept at least as much as the previous ones, less ``guard_margin``, on the same recent
+            requests (served tau compares different traffic). Judged once per swap, and only for a swap made
+            after at least this many rounds were served.
         rollback_margin: the relative fall of served tau that triggers a rollback. The defaults (2048
             rounds, 10%) are an estimate, not a measurement: a request of ~256 tokens at tau ~3.8 is ~70
             rounds, so each side spans ~30 requests, over which the spread of tau between prompts makes

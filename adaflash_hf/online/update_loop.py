@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from ..spec.capture import CAPTURE_LOCK
-from .buffer import Sample
+from .buffer import RequestSample, Sample
 from .hub import redact
 from .publish import card_context
 from .worker import UpdateAbandoned
@@ -87,7 +87,7 @@ class UpdateLoop:
                     self._started += 1
                 self._busy = True
             try:
-                self._roll_back_if_due()
+                self._roll_back_if_due(samples if ready else None)
                 if ready:
                     self._update(samples, leftover)
             except BaseException as e:  # noqa: BLE001 - the worker must survive anything
@@ -104,14 +104,11 @@ class UpdateLoop:
         worker, index = self.worker, self._started
         samples, held = self.guard.split(samples, index)
         try:
-            with self._side_stream():
-                if worker.stream is not None:
-                    with CAPTURE_LOCK:  # an event recorded on the legacy stream (spec/capture.py)
-                        worker.stream.wait_stream(torch.cuda.default_stream(worker.device))
+            with self._side_stream(after_serving=True):
                 serving = self.guard.measure(worker, held, index)  # before training: the shadow holds the serving weights
                 result = worker.train(samples, index, should_stop=self._abandon.is_set)
                 candidate = self.guard.measure(worker, held, index)
-            if self._roll_back_if_due():  # the shadow trained on the weights just undone: the update goes too
+            if self._roll_back_if_due(held):  # the shadow trained on the weights just undone: the update goes too
                 logger.info("online update discarded: it was trained from weights that were just rolled back")
                 return
             refusal = self.guard.refusal(serving, candidate, len(held))
@@ -146,9 +143,18 @@ class UpdateLoop:
         )  # fmt: skip
         self._publish(record)
 
-    def _side_stream(self):
-        """The worker's side CUDA stream as the current stream (a no-op off CUDA)."""
-        return torch.cuda.stream(self.worker.stream) if self.worker.stream is not None else nullcontext()
+    @contextmanager
+    def _side_stream(self, after_serving: bool = False):
+        """The worker's side CUDA stream as the current stream (a no-op off CUDA); ``after_serving``: it first waits
+        for the work queued on the legacy stream (the serving weights' last writes)."""
+        if self.worker.stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.worker.stream):
+            if after_serving:
+                with CAPTURE_LOCK:  # an event recorded on the legacy stream (spec/capture.py)
+                    self.worker.stream.wait_stream(torch.cuda.default_stream(self.worker.device))
+            yield
 
     def _served_version(self) -> int:
         """The version serving now (0: the starting weights, or none written yet); under the stats lock."""
@@ -232,12 +238,20 @@ class UpdateLoop:
             previous = {k: v.detach().to("cpu", copy=True) for k, v in self.drafter.state_dict().items()}
         self._install(self.worker.shadow.state_dict(), judge=(previous, self.updates + 1))
 
-    def _roll_back_if_due(self) -> bool:
-        """Restore the weights the newest swap replaced when served tau fell after it (:mod:`.guard`), and
+    def _roll_back_if_due(self, recent: list | None = None) -> bool:
+        """Restore the weights the newest swap replaced when served tau fell after it (:mod:`.guard`) and a paired
+        check does not clear it (:meth:`_paired_check`, on ``recent`` requests or the newest buffered), and
         publish them as a new version so that ``LATEST`` names what serves. Whether it did."""
         with self._stats_lock:
             due, self._rollback_due = self._rollback_due, None
         if due is None:
+            return False
+        paired = self._paired_check(due, recent)
+        if paired is not None and paired["serving"] >= paired["previous"] - self.config.guard_margin:
+            logger.warning("online rollback of update %d not made: served tau fell from %.3f to %.3f, but on %d recent "
+                           "requests the swapped weights accept %.4f against the previous weights' %.4f (served tau "
+                           "compares different traffic)", due["update"], due["tau_before"], due["tau_after"],
+                           paired["requests"], paired["serving"], paired["previous"])  # fmt: skip
             return False
         self._install(due["previous"])
         self.worker.reset()  # the shadow holds the undone weights: rebuilt from the restored ones
@@ -249,6 +263,23 @@ class UpdateLoop:
         self._record_swapped(record)
         self._publish(record)
         return True
+
+    def _paired_check(self, due: dict, recent: list | None) -> dict | None:
+        """Served tau before and after a swap compares different requests: a change in the mix of prompts reads as a
+        fall (seen on an H200, BENCHMARKS section 3). With the guard on, both weights are scored on the same requests
+        that neither trained on (``recent``, else the newest buffered; at most the guard's count): ``{"serving",
+        "previous", "requests"}``, or None without the guard or such requests (served tau then decides alone).
+        Costs two temporary copies of the drafter on the worker's device."""
+        k = self.config.held_back
+        samples = [s for s in (recent if recent else self.buffer.newest(k)) if isinstance(s, RequestSample)][:k]
+        if not k or not samples:
+            return None
+        worker = self.worker
+        with self._side_stream(after_serving=True):
+            serving, previous = worker.make_shadow(), worker.make_shadow()
+            previous.load_state_dict(due["previous"])
+            scores = [worker.accept_len(m, samples, seed=self._started) for m in (serving, previous)]
+        return {"serving": scores[0], "previous": scores[1], "requests": len(samples)}
 
     def _install(self, new_state: dict, judge: tuple[dict | None, int] | None = None) -> None:
         """Copy ``new_state`` into the serving drafter under the round lock (exclusive: between rounds).
