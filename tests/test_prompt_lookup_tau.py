@@ -1,4 +1,4 @@
-"""Prompt lookup's rounds computed from a greedy output (`adaflash_hf.bench.prompt_lookup_tau`) against
+"""Prompt lookup's rounds computed from an output (`adaflash_hf.bench.prompt_lookup_tau`) against
 transformers' real prompt-lookup decoding on the embedded reference pair, with negative controls."""
 
 import pytest
@@ -157,3 +157,52 @@ def test_computed_rounds_equal_the_real_run_off_default(runs, settings):
         assert (computed.accepted, computed.verify_lengths) == (real.accepted, real.verify_lengths)
         differs_from_default |= real.verify_lengths != default_real.verify_lengths
     assert differs_from_default  # negative control: the setting reaches transformers (else this test proves nothing)
+
+
+@pytest.mark.parametrize("seed,sampling", [(0, dict(temperature=0.7, top_p=0.95, top_k=0)),
+                                           (1, dict(temperature=1.0, top_p=0.95)),  # transformers' default top-k 50
+                                           (2, dict(temperature=1.0, top_p=0.5, top_k=0))])  # fmt: skip
+def test_computed_rounds_equal_a_sampled_run(runs, seed, sampling):
+    """Under sampling too the rounds are a function of the output: transformers keeps a prompt-lookup candidate iff
+    it equals the token it samples there, and drops candidates its top-p warper forbids on all-ones logits, so the
+    rounds computed from the run's own sampled output equal its recorded rounds. Negative control: the same output
+    with nothing forbidden disagrees somewhere (else the forbidden set is not exercised)."""
+    from adaflash_hf.bench.methods.hf import forbidden_candidates
+
+    target, _, _ = load_reference_pair()
+    kwargs = dict(do_sample=True, **sampling)
+    forbidden = forbidden_candidates(target, kwargs)
+    assert 0 < len(forbidden) < target.config.vocab_size
+    ignoring_differs = False
+    for name in ("cat", "king", "add"):
+        ids, _, _, _, max_new, eos_ids = runs[name]
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out, real = recorded_prompt_lookup(target, torch.tensor([ids]), None, 10, max_new_tokens=max_new, **kwargs)
+        sampled = out[0, len(ids) :].tolist()
+        sampled = sampled[: next((j + 1 for j, t in enumerate(sampled) if t in eos_ids), len(sampled))]
+        computed = prompt_lookup_rounds(ids, sampled, max_new, eos_ids, forbidden=forbidden)
+        assert (computed.accepted, computed.verify_lengths) == (real.accepted, real.verify_lengths), name
+        ignoring = prompt_lookup_rounds(ids, sampled, max_new, eos_ids)
+        ignoring_differs |= ignoring.verify_lengths != real.verify_lengths
+    assert ignoring_differs
+
+
+@pytest.mark.parametrize(
+    "seq,cur,forbidden,expected",
+    [
+        ([1, 2, 3, 4, 9, 1, 2], 7, set(), [3, 4, 9, 1, 2]),  # leftmost match of (1, 2)
+        ([1, 2, 3, 4, 9, 1, 2], 7, {4}, [3]),  # cropped before the first forbidden token
+        ([1, 2, 3, 4, 1, 2, 5, 6, 1, 2], 10, {3}, [5, 6, 1, 2]),  # first token forbidden: the next match wins
+        ([1, 2, 3, 7, 2, 5, 1, 2], 8, {3}, [5, 1, 2]),  # no allowed match of (1, 2): the 1-gram (2,) then
+        ([1, 2, 3, 1, 2], 5, {3}, []),  # nothing allowed anywhere
+    ],
+)
+def test_forbidden_candidates_follow_get_candidates(seq, cur, forbidden, expected):
+    """transformers' crop (candidate_generator.py:1107-1124): cut at the first forbidden token, and a match whose
+    window is then empty gives way to the next match, then to a shorter n-gram."""
+    from adaflash_hf.bench.prompt_lookup_tau import _candidates, _FirstMatch
+
+    index = _FirstMatch(seq, 2, frozenset(forbidden))
+    index.extend_to(cur)
+    assert _candidates(seq, cur, 100, index, PromptLookupSettings(), eos_ids=set()) == expected

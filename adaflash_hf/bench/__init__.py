@@ -9,12 +9,14 @@ each concurrency (prompts decoded together in one left-padded batch) times every
 - ``hf_assisted``: HF assisted generation with ``--assistant`` (batch 1 only);
 - ``prompt_lookup``: HF prompt-lookup decoding (``prompt_lookup_num_tokens``, an n-gram copy of the
   prompt and the text so far; no drafter, no training; batch 1 only), the baseline a user already has;
-- ``prompt_lookup_exact``: prompt lookup's rounds *computed* from plain's greedy outputs of the same
-  prompts (`.prompt_lookup_tau`), at any concurrency, in no model time: under greedy decoding its
-  candidates and acceptance are a function of the prompt and the greedy continuation, so its tau,
-  rounds and verify lengths are exact (tau and rounds leave the prefill forward out, as for every method: `..spec.rounds`);
-  no speed figure (``not timed (computed)``). Greedy runs only. Beside ``prompt_lookup`` at
-  concurrency 1 the two are cross-checked: any difference in rounds is a failure;
+- ``prompt_lookup_exact``: prompt lookup's rounds *computed* from plain's outputs of the same
+  prompts (`.prompt_lookup_tau`), at any concurrency, in no model time: its candidates and acceptance
+  are a function of the prompt and the output (under sampling too: a candidate is kept iff it equals the
+  target's sample there, and the candidates top-p forbids are modelled), so under greedy decoding its tau,
+  rounds and verify lengths are exact, and under sampling plain's draw stands for prompt lookup's, a draw
+  of the same distribution (tau and rounds leave the prefill forward out, as for every method: `..spec.rounds`);
+  no speed figure (``not timed (computed)``). Beside ``prompt_lookup`` at concurrency 1 in greedy runs the
+  two are cross-checked: any difference in rounds is a failure;
 - ``dflash_native``: transformers' own DFlash path, ``speculation_type="dflash"`` (batch 1 only);
 - ``fixed``, ``adaptive``, ``expected_gain``: our speculative loop with that length policy;
 - ``osd``, ``adaflash``: our loop serving the dataset's prompts in order while an

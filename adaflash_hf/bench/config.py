@@ -26,7 +26,7 @@ class BenchConfig:
     ``temperature`` 0 means greedy, and only greedy runs are compared token for token.
     ``warmup``: prompts decoded untimed before each (method, concurrency) is first timed.
     ``prompt_lookup_num_tokens``: candidate tokens per round of the ``prompt_lookup`` baseline (and of
-    ``prompt_lookup_exact``, its rounds computed from plain's greedy outputs, untimed).
+    ``prompt_lookup_exact``, its rounds computed from plain's outputs, untimed).
     ``prompt_lookup_choice``: a ``--split validation`` run's ``bench.json`` whose ``prompt_lookup_grid`` cells
     chose each set's prompt-lookup setting, reported here by ``prompt_lookup_grid`` and ``prompt_lookup_tuned``
     (`.prompt_lookup_grid`). ``datasets`` may name a suite, ``spec_bench_all`` (`training.data.SUITES`).

@@ -2,8 +2,8 @@
 on the validation split and reported on the test split.
 
 The grid is ``prompt_lookup_num_tokens`` 10 / 15 / 20 x ``max_matching_ngram_size`` 2 / 3 / 4
-(`GRID`; transformers' default, 10 x 2, is its first point). Under greedy decoding every setting's rounds
-follow from plain's greedy outputs (`.prompt_lookup_tau`), so the whole grid costs no model time once
+(`GRID`; transformers' default, 10 x 2, is its first point). Every setting's rounds follow from plain's
+outputs (`.prompt_lookup_tau`), so the whole grid costs no model time once
 plain has run: :func:`grid_rounds`. The best setting is the one with the highest tau, ties going to the
 earlier grid point (the smaller window): :func:`best_setting`.
 
@@ -43,10 +43,12 @@ def setting_key(s: PromptLookupSettings) -> str:
     return f"{s.num_tokens}x{s.max_ngram}"
 
 
-def grid_rounds(prompts, rows, max_new_tokens: int, eos_ids, grid=GRID) -> dict:
-    """Every grid point's `GenerationStats` over the prompts, computed from plain's greedy ``rows``."""
+def grid_rounds(prompts, rows, max_new_tokens: int, eos_ids, grid=GRID, forbidden=frozenset()) -> dict:
+    """Every grid point's `GenerationStats` over the prompts, computed from plain's ``rows`` (``forbidden``: as
+    `.prompt_lookup_tau.prompt_lookup_rounds` takes it)."""
     return {
-        s: as_generation_stats([prompt_lookup_rounds(p, r, max_new_tokens, eos_ids, s) for p, r in zip(prompts, rows)], s)
+        s: as_generation_stats([prompt_lookup_rounds(p, r, max_new_tokens, eos_ids, s, forbidden)
+                                for p, r in zip(prompts, rows)], s)  # fmt: skip
         for s in grid
     }
 

@@ -1,12 +1,18 @@
-"""Prompt-lookup decoding's rounds under greedy decoding, computed from the greedy output alone.
+"""Prompt-lookup decoding's rounds, computed from the output alone.
 
 transformers' prompt-lookup decoding (``generate(..., prompt_lookup_num_tokens=N)``) proposes up to N
 candidate tokens per round by n-gram matching against the tokens so far, runs one target forward
-over them, and keeps the longest candidate prefix equal to the target's greedy choices plus the
-target's own next token. Under greedy decoding each of those steps depends only on the prompt and
-the target's greedy continuation, so every round (candidates, accepted count) follows from a plain
-greedy output, with no model: :func:`prompt_lookup_rounds`. It is exact wherever the plain output is
-the greedy continuation that batch-1 prompt lookup sees, and not a timing: it says nothing of speed.
+over them, and keeps the longest candidate prefix equal to the target's own choices there (its argmax,
+or under sampling its sample: `_assisted_decoding` has no candidate logits for prompt lookup) plus the
+target's next token. Each of those steps depends only on the prompt and the output, so every round
+(candidates, accepted count) follows from the output, with no model: :func:`prompt_lookup_rounds`. It is
+exact wherever the output is the one batch-1 prompt lookup produced (under greedy decoding, plain's), and
+not a timing: it says nothing of speed.
+
+Under sampling transformers also drops candidates its logits processors forbid on all-ones logits
+(candidate_generator.py:1107-1124); top-p does forbid some: on uniform logits it removes the tail of its
+sort order, about ``1 - top_p`` of the vocabulary. That set, fixed for the run, is ``forbidden`` here
+(`..methods.hf.forbidden_candidates` computes it with transformers' own warpers, on the target's device).
 
 It mirrors transformers 5.23 (line numbers of that release): ``generation/candidate_generator.py``,
 ``PromptLookupCandidateGenerator.get_candidates`` (lines 1057-1150: the candidates), and
@@ -15,8 +21,9 @@ bonus token, the max-length and EOS crops, the stopping criteria); the knobs com
 ``_get_candidate_generator`` (utils.py:1318-1325). A change there fails ``tests/test_prompt_lookup_tau.py``,
 which compares with the real run.
 
-Logits processors that forbid candidate tokens (``no_repeat_ngram_size``, ``bad_words_ids``, ...) are
-not modelled: the bench skips the computation when the target's generation config sets one.
+Logits processors that forbid candidate tokens depending on the sequence (``no_repeat_ngram_size``,
+``bad_words_ids``, ...) are not modelled: the bench skips the computation when the target's generation config
+sets one.
 
 Every target forward is recorded, the first included (it verifies the candidates found in the prompt
 together with the prefill), but tau leaves that prefill forward out as for every method
@@ -60,40 +67,43 @@ class PromptLookupRounds(RoundTally):
     prefill_forwards: int = 1
 
 
-class _FirstOccurrence:
-    """The leftmost start of every n-gram (sizes 1..max_ngram) of a growing token list."""
+class _FirstMatch:
+    """The leftmost start of every n-gram (sizes 1..max_ngram) of a growing token list that is followed by a
+    token outside ``forbidden`` (the start of a non-empty candidate window transformers keeps)."""
 
-    def __init__(self, tokens: list[int], max_ngram: int):
-        self.tokens, self.sizes = tokens, range(1, max_ngram + 1)
+    def __init__(self, tokens: list[int], max_ngram: int, forbidden=frozenset()):
+        self.tokens, self.sizes, self.forbidden = tokens, range(1, max_ngram + 1), forbidden
         self.first: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
         self.length = 0
 
     def extend_to(self, length: int) -> None:
-        """Index every n-gram that ends before ``length``."""
-        for end in range(self.length, length):
+        """Index every n-gram whose next token lies before ``length``."""
+        for nxt in range(self.length, length):
+            if self.tokens[nxt] in self.forbidden:
+                continue
             for n in self.sizes:
-                if end + 1 >= n:
-                    self.first[n].setdefault(tuple(self.tokens[end + 1 - n : end + 1]), end + 1 - n)
+                if nxt >= n:
+                    self.first[n].setdefault(tuple(self.tokens[nxt - n : nxt]), nxt - n)
         self.length = length
 
 
-def _candidates(seq: list[int], cur: int, max_length: int, index: _FirstOccurrence, settings, eos_ids) -> list[int]:
+def _candidates(seq: list[int], cur: int, max_length: int, index: _FirstMatch, settings, eos_ids) -> list[int]:
     """``get_candidates`` on ``seq[:cur]`` (candidate_generator.py, PromptLookupCandidateGenerator)."""
     if max_length == cur + 1:  # candidate_generator.py:1071 "if self.max_length == input_length + 1"
         return []
     # Largest n-gram first, down to 1 (candidate_generator.py:1076).
     for n in range(min(settings.max_ngram, cur - 1), 0, -1):
-        # Matches are tried left to right (:1092) and the first with a non-empty window wins; only the suffix
-        # itself (start_idx == input_length) has an empty one, so the leftmost match decides.
-        idx = index.first[n][tuple(seq[cur - n : cur])]
+        # Matches are tried left to right (:1092); one wins when its window is not empty after the forbidden crop
+        # (:1107-1124), that is when it is not the suffix itself and its first token is allowed: `_FirstMatch`.
+        idx = index.first[n].get(tuple(seq[cur - n : cur]))
+        if idx is None:
+            continue
         start = idx + n
-        end = min(start + settings.num_tokens, cur, max_length)  # candidate_generator.py:1095
-        if start < end:
-            chosen = seq[start:end]
-            # candidate_generator.py:1132-1138: cut before the first EOS, and stop searching even when
-            # that leaves nothing (match_found is already True; :1143 then returns no candidates).
-            cut = next((j for j, t in enumerate(chosen) if t in eos_ids), len(chosen))
-            return chosen[:cut]
+        chosen = seq[start : min(start + settings.num_tokens, cur, max_length)]  # candidate_generator.py:1095
+        chosen = chosen[: next((j for j, t in enumerate(chosen) if t in index.forbidden), len(chosen))]
+        # candidate_generator.py:1132-1138: cut before the first EOS, and stop searching even when
+        # that leaves nothing (match_found is already True; :1143 then returns no candidates).
+        return chosen[: next((j for j, t in enumerate(chosen) if t in eos_ids), len(chosen))]
     return []
 
 
@@ -103,10 +113,11 @@ def prompt_lookup_rounds(
     max_new_tokens: int,
     eos_ids=(),
     settings: PromptLookupSettings = PromptLookupSettings(),
+    forbidden=frozenset(),
 ) -> PromptLookupRounds:
-    """The rounds batch-1 greedy prompt-lookup decoding runs on ``prompt``, given the target's greedy
-    ``continuation`` (the new tokens of plain greedy decoding with the same ``max_new_tokens`` and EOS
-    ids, up to and including the first EOS).
+    """The rounds batch-1 prompt-lookup decoding runs on ``prompt`` when it outputs ``continuation`` (the
+    new tokens, up to and including the first EOS, with the same ``max_new_tokens`` and EOS ids; under greedy
+    decoding plain's). ``forbidden``: token ids transformers' sampling processors forbid as candidates.
 
     Example:
         >>> prompt_lookup_rounds([1, 2, 3, 1, 2], [3, 1, 2], max_new_tokens=3).accepted
@@ -117,16 +128,16 @@ def prompt_lookup_rounds(
     seq = list(prompt) + list(continuation)
     p, total = len(prompt), len(continuation)
     max_length = p + max_new_tokens  # generation_config.max_length under max_new_tokens
-    index = _FirstOccurrence(seq, settings.max_ngram)
+    index = _FirstMatch(seq, settings.max_ngram, frozenset(forbidden))
     rounds = PromptLookupRounds()
     k = 0  # new tokens so far
     while k < total:  # the loop runs until the max-length or EOS stopping criterion fires
         index.extend_to(p + k)
         cand = _candidates(seq, p + k, max_length, index, settings, eos_ids)
-        # utils.py:4132-4134: n_matches is the run of candidates equal to the target's greedy tokens and
+        # utils.py:4132-4134: n_matches is the run of candidates equal to the target's chosen tokens and
         # valid_tokens = selected_tokens[:, : n_matches + 1] (+1: the target's own token); :4139-4148 crop
         # them to the max-length budget and to the first EOS. Both crops fall exactly at the end of
-        # `continuation`, so greedy tokens past it never matter.
+        # `continuation`, so tokens past it never matter.
         matched = 0
         while matched < min(len(cand), total - k) and cand[matched] == continuation[k + matched]:
             matched += 1
@@ -138,19 +149,19 @@ def prompt_lookup_rounds(
 
 
 def _check(prompt, continuation, max_new_tokens, eos_ids) -> None:
-    """A continuation that greedy decoding cannot have produced makes the rounds meaningless: refuse it."""
+    """A continuation that decoding cannot have produced makes the rounds meaningless: refuse it."""
     if not prompt:
         raise ValueError("prompt lookup needs a non-empty prompt")
     if max_new_tokens < 1 or not continuation or len(continuation) > max_new_tokens:
         raise ValueError(
-            f"the greedy continuation must hold 1..max_new_tokens ({max_new_tokens}) tokens, got {len(continuation)}"
+            f"the continuation must hold 1..max_new_tokens ({max_new_tokens}) tokens, got {len(continuation)}"
         )
     early = next((j for j, t in enumerate(continuation[:-1]) if t in eos_ids), None)
     if early is not None:
-        raise ValueError(f"the greedy continuation goes on past an EOS (at new token {early}); cut it after the first EOS")
+        raise ValueError(f"the continuation goes on past an EOS (at new token {early}); cut it after the first EOS")
     if len(continuation) < max_new_tokens and continuation[-1] not in eos_ids:
         raise ValueError(
-            f"the greedy continuation stops after {len(continuation)} of {max_new_tokens} tokens without an EOS: "
+            f"the continuation stops after {len(continuation)} of {max_new_tokens} tokens without an EOS: "
             "it is truncated, so prompt lookup's rounds cannot be computed from it"
         )
 

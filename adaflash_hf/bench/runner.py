@@ -85,7 +85,7 @@ class _Run:
     eos_ids: set
     warm_pool: list = field(default_factory=list)
     warmed: set = field(default_factory=set)
-    references: dict = field(default_factory=dict)  # label -> plain's greedy rows of its first concurrency
+    references: dict = field(default_factory=dict)  # label -> plain's greedy rows of its first concurrency (greedy runs)
 
     @property
     def on_cuda(self) -> bool:
@@ -97,8 +97,10 @@ class _Run:
         greedy = config.temperature <= 0
         batches = [list(range(i, min(i + conc, len(prompts)))) for i in range(0, len(prompts), conc)]
         layouts = [left_pad([prompts[j] for j in b], self.pad_id, self.ctx.device) for b in batches]
+        # plain's rows: the correctness reference under greedy decoding, and what computed cells are computed from
         reference: list[list[int]] | None = None
-        if greedy and "plain" not in methods:
+        wants_rows = greedy or any(METHODS[n].from_plain is not None for n in methods)
+        if wants_rows and "plain" not in methods:
             reference = []
             for bi, (ids, mask) in enumerate(layouts):
                 reference += run_batch(METHODS["plain"], self.ctx, ids, mask, self.eos_ids, config.seed + bi, self.on_cuda)[1]
@@ -112,8 +114,10 @@ class _Run:
             rows = self.cell(METHODS[name], cell, layouts)
             if rows is None:
                 continue
+            if name == "plain":
+                reference = rows
             if name == "plain" and greedy:
-                reference, cell.identical = rows, True
+                cell.identical = True
                 cell.notes.append("reference for the correctness check")
             elif not greedy:
                 cell.notes.append("sampling run: outputs are not compared token for token")
@@ -129,7 +133,7 @@ class _Run:
         return group
 
     def computed(self, method, cell: BenchCell, prompts, reference) -> None:
-        """A `Method.from_plain` cell: its figures from plain's greedy rows of the same prompts, untimed."""
+        """A `Method.from_plain` cell: its figures from plain's rows of the same prompts, untimed."""
         reason = method.skip_reason(self.ctx, cell.concurrency)
         if reason is None and reference is None:
             reason = "no plain reference (plain failed): nothing to compute from"
@@ -145,9 +149,9 @@ class _Run:
         fill_computed(cell, reference, out.stats)
         cell.settings = out.settings
         cell.notes.append(
-            f"computed from plain's greedy outputs (concurrency {cell.concurrency}), not decoded or timed: exact for "
-            "batch-1 greedy prompt lookup wherever those outputs are its greedy continuation; tau leaves the prefill "
-            "forward out, as every method's does"
+            f"computed from plain's outputs (concurrency {cell.concurrency}), not decoded or timed: exact for "
+            "batch-1 prompt lookup wherever those outputs are its continuation (under sampling plain's draw stands "
+            "for prompt lookup's, same distribution); tau leaves the prefill forward out, as every method's does"
         )
         log(self.config, _progress(cell))
 

@@ -7,15 +7,18 @@
 #      (prompt_lookup_grid, the setting chosen in 1), concurrency 64, every output compared with plain
 #   3. test, wall-clock at batch 1 on the first WALL_PROMPTS prompts: plain, prompt_lookup, prompt_lookup_tuned,
 #      fixed, cost, adaptive (the processes of this phase share the GPU with each other, not with phase 2)
+#   4. (sample) test, tau under sampling at T = 0.7 and 1.0, top-p 0.95, seed 0, concurrency 64: the same methods as 2
+#   5. (dist) examples/sampling_distribution_check.py at its defaults (speculative against plain sampling, with controls)
+# PHASES picks them (default "val tau wall"); without val, CHOICE names an earlier validation_choice.json.
 # Needs the eval + training data (the slices drop training duplicates): carry .evaldata (written by
-# `python examples/reference_pair/make_devdata.py --out .evaldata`) and .slimwhl. LIMITS="V T W": each phase's
-# timeout in seconds (default "120 200 180"). --smoke: CPU, 2 prompts, 16 tokens.
+# `python examples/reference_pair/make_devdata.py --out .evaldata`) and .slimwhl. LIMITS="V T W S D": each phase's
+# timeout in seconds (default "120 200 180 300 200"). --smoke: CPU, 2 prompts, 16 tokens.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SIX=gsm8k,mathqa,math500,codealpaca,sharegpt,prose
 if [[ ${1:-} == --smoke ]]; then
-  PROMPTS=2; WALL_PROMPTS=1; TOKENS=16; CONC=2; EXTRA="--device cpu --warmup 0"; WALL_EXTRA="--device cpu --warmup 0"
+  PROMPTS=2; WALL_PROMPTS=1; TOKENS=16; CONC=2; EXTRA="--device cpu --warmup 0"; WALL_EXTRA="--device cpu --warmup 0"; DIST_EXTRA="--smoke --device cpu"
   PROCS=("gsm8k,mt_bench" "spec_bench:qa"); LIMITS=(900 900 900)
 else
   if [[ ${INSTALL:-1} == 1 ]]; then
@@ -25,7 +28,7 @@ else
   fi
   export PYTHONPATH=/tmp/site ADAFLASH_DATA=/tmp/ev/data
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  PROMPTS=${PROMPTS:-500}; WALL_PROMPTS=${WALL_PROMPTS:-16}; TOKENS=128; CONC=64; EXTRA="--warmup 0"; WALL_EXTRA="--warmup 1"
+  PROMPTS=${PROMPTS:-500}; WALL_PROMPTS=${WALL_PROMPTS:-16}; TOKENS=128; CONC=64; EXTRA="--warmup 0"; WALL_EXTRA="--warmup 1"; DIST_EXTRA=""
   # one group per process: the big sets alone or in pairs, the small ones together (Spec-Bench's categories, ~40 test
   # prompts each, are spec_bench_all less mt_bench, which runs beside sharegpt)
   PROCS=("gsm8k,math500" "mathqa,prose" "codealpaca" "sharegpt,mt_bench" "spec_bench:translation,spec_bench:summarization,spec_bench:qa"
@@ -43,6 +46,8 @@ phase() {  # phase NAME TIMEOUT ARGS...: one process per group, in parallel; the
   echo "phase $name: $(date -u +%T) rc=$rc"
 }
 SECONDS=0
+PHASES=${PHASES:-val tau wall}; has() { [[ " $PHASES " == *" $1 "* ]]; }
+if has val; then
 phase val ${LIMITS[0]} --split validation --num-prompts $PROMPTS --concurrency $CONC --methods plain,prompt_lookup_grid $EXTRA
 # every validation run's choices in one file (each group's sets are in its own val_i/bench.json)
 python3 - "$OUT" <<'EOF'
@@ -52,10 +57,20 @@ merged = dict(runs[0], results=[c for r in runs for c in r["results"]])
 json.dump(merged, open(f"{sys.argv[1]}/validation_choice.json", "w"))
 EOF
 CHOICE="--prompt-lookup-choice $OUT/validation_choice.json"
-phase tau ${LIMITS[1]} --split test --num-prompts $PROMPTS --concurrency $CONC $CHOICE $EXTRA \
+else
+cp "${CHOICE:-docs/logs/eval_test_h200/validation_choice.json}" "$OUT/validation_choice.json" || exit 1
+CHOICE="--prompt-lookup-choice $OUT/validation_choice.json"
+fi
+has tau && phase tau ${LIMITS[1]} --split test --num-prompts $PROMPTS --concurrency $CONC $CHOICE $EXTRA \
   --methods plain,fixed,cost,adaptive,prompt_lookup_exact,prompt_lookup_grid
-[[ ${WALL:-1} == 1 ]] && phase wall ${LIMITS[2]} --split test --num-prompts $WALL_PROMPTS --concurrency 1 $CHOICE $WALL_EXTRA \
+has wall && phase wall ${LIMITS[2]} --split test --num-prompts $WALL_PROMPTS --concurrency 1 $CHOICE $WALL_EXTRA \
   --methods plain,prompt_lookup,prompt_lookup_exact,prompt_lookup_tuned,prompt_lookup_grid,fixed,cost,adaptive
+for T in 0.7 1.0; do  # both temperatures at once: 12 processes share the GPU
+  has sample && phase "sample_T$T" ${LIMITS[3]:-300} --split test --num-prompts $PROMPTS --concurrency $CONC $CHOICE $EXTRA \
+    --temperature $T --top-p 0.95 --seed 0 --methods plain,fixed,cost,adaptive,prompt_lookup_exact,prompt_lookup_grid &
+done; wait
+has dist && { timeout ${LIMITS[4]:-200} python3 examples/sampling_distribution_check.py $DIST_EXTRA --out "$OUT/distribution" \
+  > "$OUT/distribution.log" 2>&1; echo "dist rc=$?"; }
 echo "total ${SECONDS}s"
 grep -h "BENCH FAILURE" "$OUT"/*.log | head -20
 grep -L "No failures" "$OUT"/*/bench.md

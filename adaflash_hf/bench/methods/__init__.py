@@ -6,7 +6,7 @@ from __future__ import annotations
 from .base import BenchContext, Method, MethodOutput, needs_length_head
 from .engine import engine
 from .hf import (
-    needs_plain_greedy, prompt_lookup_from_plain, prompt_lookup_grid_from_plain, run_dflash_native, run_hf_assisted, run_plain,
+    needs_plain_rows, prompt_lookup_from_plain, prompt_lookup_grid_from_plain, run_dflash_native, run_hf_assisted, run_plain,
     run_plain_static, run_prompt_lookup, run_prompt_lookup_tuned,
 )  # fmt: skip
 from .ours import adaflash_policy, ours
@@ -21,13 +21,13 @@ METHODS: dict[str, Method] = {
         "prompt_lookup", run_prompt_lookup, "HF prompt-lookup decoding (no drafter)", batch1_only=True
     ),
     "prompt_lookup_exact": Method(
-        "prompt_lookup_exact", None, "HF prompt-lookup decoding's rounds computed from plain's greedy outputs (not timed)",
-        skip=needs_plain_greedy, from_plain=prompt_lookup_from_plain,
+        "prompt_lookup_exact", None, "HF prompt-lookup decoding's rounds computed from plain's outputs (not timed)",
+        skip=needs_plain_rows, from_plain=prompt_lookup_from_plain,
     ),
     # Prompt lookup at its best (`..prompt_lookup_grid`): opt-in, not among the default methods.
     "prompt_lookup_grid": Method(
         "prompt_lookup_grid", None, "HF prompt lookup's best of the grid (tokens 10/15/20 x n-gram 2/3/4), computed "
-        "from plain's greedy outputs (not timed)", skip=needs_plain_greedy, from_plain=prompt_lookup_grid_from_plain,
+        "from plain's outputs (not timed)", skip=needs_plain_rows, from_plain=prompt_lookup_grid_from_plain,
     ),
     "prompt_lookup_tuned": Method(
         "prompt_lookup_tuned", run_prompt_lookup_tuned, "HF prompt-lookup decoding at the setting chosen on validation",

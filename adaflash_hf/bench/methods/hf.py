@@ -114,41 +114,81 @@ def run_prompt_lookup_tuned(ctx, input_ids, attention_mask, streamer):
     return _timed_prompt_lookup(ctx, input_ids, attention_mask, streamer, ctx.prompt_lookup_tuned)
 
 
-# Generation-config fields whose logits processors can forbid a candidate token: prompt lookup then
-# drops it (`get_candidates`), which the computation from plain outputs does not model.
+# Generation-config fields whose logits processors can forbid a candidate token depending on the sequence (or
+# sampling warpers not modelled): prompt lookup then drops it (`get_candidates`), which the computation does not model.
 _FORBIDDING = ("no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "sequence_bias")
+_UNMODELLED_WARPERS = {"min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 
-def needs_plain_greedy(ctx, concurrency):
-    """`Method.skip` of ``prompt_lookup_exact``: greedy only, and no candidate-forbidding processor."""
+def forbidden_candidates(target, generate_kwargs) -> frozenset:
+    """The token ids transformers' prompt lookup never proposes under these sampling settings: those its top-k /
+    top-p warpers set to -inf on all-ones logits (candidate_generator.py:1107-1124), computed with the same
+    warpers on the target's device, since the tie order of the sort decides which. Empty under greedy decoding.
+
+    Example:
+        >>> len(forbidden_candidates(target, dict(do_sample=True, top_p=0.95)))  # about 5% of the vocabulary  # doctest: +SKIP
+    """
+    import torch
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    def knob(name):  # generate's argument, else the target's generation config
+        return generate_kwargs[name] if name in generate_kwargs else getattr(target.generation_config, name, None)
+
+    if not knob("do_sample"):
+        return frozenset()
+    warpers = []
+    if knob("top_k"):  # utils.py's `_get_logits_processor` order: top-k before top-p
+        warpers.append(TopKLogitsWarper(top_k=knob("top_k"), min_tokens_to_keep=1))
+    if knob("top_p") is not None and knob("top_p") < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=knob("top_p"), min_tokens_to_keep=1))
+    vocab = target.config.get_text_config().vocab_size
+    logits = torch.ones((1, vocab), device=target.device, dtype=torch.float32)
+    ids = torch.zeros((1, 1), device=target.device, dtype=torch.long)
+    for w in warpers:
+        logits = w(ids, logits)
+    dead = (logits == -float("inf")) | (logits == torch.finfo(logits.dtype).min)
+    return frozenset(torch.nonzero(dead[0]).flatten().tolist())
+
+
+def needs_plain_rows(ctx, concurrency):
+    """`Method.skip` of the computed prompt-lookup methods: skipped only where a processor can forbid a candidate.
+
+    Their rounds are a function of the output tokens, greedy or sampled: transformers' assisted loop keeps a
+    prompt-lookup candidate iff it equals the token the target picks there (argmax, or a sample of the processed
+    distribution: `_assisted_decoding`'s "Case 2", no candidate logits), so the output is distributed as plain's
+    and the rounds follow from it. Under sampling plain's rows are then a draw of the same distribution, not the
+    very sample prompt lookup would have drawn (tests/test_prompt_lookup_tau.py checks the function on real
+    sampled runs)."""
+    config = ctx.target.generation_config
+    set_ = [f for f in _FORBIDDING if getattr(config, f, None)]
     if ctx.generate_kwargs.get("do_sample"):
-        return "sampling run: prompt lookup's rounds follow from plain outputs only under greedy decoding"
-    set_ = [f for f in _FORBIDDING if getattr(ctx.target.generation_config, f, None)]
+        set_ += [f for f, off in _UNMODELLED_WARPERS.items() if getattr(config, f, off) not in (off, None)]
     if set_:
         return f"the target's generation config sets {', '.join(set_)}: forbidden candidates are not modelled"
     return None
 
 
 def prompt_lookup_from_plain(ctx, prompts, rows, max_new_tokens, eos_ids):
-    """``prompt_lookup_exact``: prompt lookup's rounds on every prompt, computed from plain's greedy `rows`."""
+    """``prompt_lookup_exact``: prompt lookup's rounds on every prompt, computed from plain's `rows`."""
     from ..prompt_lookup_tau import as_generation_stats, prompt_lookup_rounds
 
-    settings = prompt_lookup_settings(ctx)
-    rounds = [prompt_lookup_rounds(p, r, max_new_tokens, eos_ids, settings) for p, r in zip(prompts, rows)]
+    settings, forbidden = prompt_lookup_settings(ctx), forbidden_candidates(ctx.target, ctx.generate_kwargs)
+    rounds = [prompt_lookup_rounds(p, r, max_new_tokens, eos_ids, settings, forbidden) for p, r in zip(prompts, rows)]
     return MethodOutput(None, stats=as_generation_stats(rounds, settings), settings=_settings_dict(settings))
 
 
 def prompt_lookup_grid_from_plain(ctx, prompts, rows, max_new_tokens, eos_ids):
-    """``prompt_lookup_grid``: every grid point computed from plain's greedy `rows`; the cell's figures are
+    """``prompt_lookup_grid``: every grid point computed from plain's `rows`; the cell's figures are
     the setting chosen on validation (``ctx.prompt_lookup_tuned``), else the best on these prompts."""
     from ..prompt_lookup_grid import best_setting, grid_record, grid_rounds
 
-    stats = grid_rounds(prompts, rows, max_new_tokens, eos_ids)
+    forbidden = forbidden_candidates(ctx.target, ctx.generate_kwargs)
+    stats = grid_rounds(prompts, rows, max_new_tokens, eos_ids, forbidden=forbidden)
     chosen, on = ctx.prompt_lookup_tuned, "validation (--prompt-lookup-choice)"
     if chosen is None:
         chosen, on = best_setting(stats), "these prompts"
     if chosen not in stats:  # a validation file from another grid: compute its point too
-        stats.update(grid_rounds(prompts, rows, max_new_tokens, eos_ids, grid=(chosen,)))
+        stats.update(grid_rounds(prompts, rows, max_new_tokens, eos_ids, grid=(chosen,), forbidden=forbidden))
     return MethodOutput(None, stats=stats[chosen], settings=grid_record(stats, chosen, on))
 
 
