@@ -75,4 +75,4 @@ echo "total ${SECONDS}s"
 grep -h "BENCH FAILURE" "$OUT"/*.log | head -20
 grep -L "No failures" "$OUT"/*/bench.md
 # one file back: the device tool returns a handful of files
-tar czf "$OUT/eval_runs.tar.gz" -C "$OUT" --exclude eval_runs.tar.gz . && find "$OUT" -mindepth 1 -not -name eval_runs.tar.gz -delete
+tar czf /tmp/eval_runs.tar.gz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/eval_runs.tar.gz "$OUT/"
