@@ -181,6 +181,21 @@ def test_fast_path_is_validated_and_off_cuda_auto_keeps_the_eager_loop(monkeypat
     _gen(target, drafter, torch.tensor([[1, 2]]), None, "auto")
 
 
+@pytest.mark.parametrize("fast_path_arg,do_sample,rows,engine", [
+    ("auto", True, fast_path.SAMPLED_ENGINE_MAX_ROWS, True),
+    ("auto", True, fast_path.SAMPLED_ENGINE_MAX_ROWS + 1, False),  # many sampled rows: the eager loop draws them at once
+    ("auto", False, 500, True),  # greedy batches stay on the engine
+    (True, True, 500, True),  # asked for explicitly
+])  # fmt: skip
+def test_auto_keeps_large_sampled_calls_on_the_eager_loop(fast_path_arg, do_sample, rows, engine, monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(fast_path, "fast_path_refusal", lambda *a, **k: None)  # a call the engine could take
+    on_cuda = SimpleNamespace(parameters=lambda: iter([SimpleNamespace(device=torch.device("cuda"))]))
+    config = SimpleNamespace(do_sample=do_sample)
+    assert fast_path.takes_engine(fast_path_arg, on_cuda, None, config, None, {}, rows=rows) is engine
+
+
 def test_generate_warmup_prepares_the_engine_the_next_call_uses(eager_loop_forbidden):
     target = make_target("qwen3", seed=8)
     drafter = make_drafter(target, block_size=4)

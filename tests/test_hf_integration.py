@@ -25,7 +25,8 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria, Stoppin
 from transformers.generation.utils import GenerationMixin
 
 import adaflash_hf  # noqa: F401  (installs the generate hook)
-from adaflash_hf.generation.hf_integration import TESTED_TRANSFORMERS, check_transformers_version, row_processors
+from adaflash_hf.generation.hf_integration import TESTED_TRANSFORMERS, check_transformers_version
+from adaflash_hf.generation.processors import row_processors
 
 
 def test_generate_has_the_parameters_the_hook_uses():

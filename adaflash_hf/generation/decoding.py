@@ -22,6 +22,7 @@ from ..spec.verify import SampledRows, accept_block
 from .drafting import AdaFlashCandidateGenerator
 from .fast_path import engine_decoding, takes_engine
 from .output import Output, emit_requests, finish
+from .processors import process_rows, row_processors, shared_processors
 from .stats import GenerationStats
 
 
@@ -76,19 +77,6 @@ def _check_call(model, drafter, generation_config, input_ids, model_kwargs, roun
         )
 
 
-def _process(processors, seq: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """Apply one row's processors (`row_processors`) position by position, each on its own prefix (as
-    plain decoding does)."""
-    if not len(processors):
-        return scores
-    out = scores.clone()
-    n = scores.shape[0]
-    base = seq.shape[0] - n + 1
-    for j in range(n):
-        out[j] = processors(seq[None, : base + j], scores[j][None])[0]
-    return out
-
-
 @dataclass
 class _Batch:
     """State of the rows still decoding (finished rows leave the batch)."""
@@ -96,6 +84,7 @@ class _Batch:
     index: torch.Tensor  # original row of each active row
     seqs: list[torch.Tensor]  # left-padded prompt + generated tokens, as plain generate sees them
     processors: list  # each row's logits processors (`row_processors`: batch state cut to the row)
+    shared: object  # the processors to call on every row at once (`shared_processors`), or None
     prompt_len: int
     prompt_mask: torch.Tensor  # real (non-padding) prompt columns
     valid: torch.Tensor  # target cache columns that hold real tokens
@@ -173,11 +162,10 @@ def adaflash_decoding(
     Example:
         >>> out = target.generate(ids, custom_generate=adaflash_decoding, drafter=drafter)  # doctest: +SKIP
     """
-    from .hf_integration import row_processors  # here: hf_integration imports this module
-
     _check_call(model, drafter, generation_config, input_ids, model_kwargs, round_sink)
     rows = row_processors(logits_processor, input_ids.shape[0])  # refuses a processor we cannot run, before any work
-    if takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length_policy):
+    if takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length_policy,
+                    rows=input_ids.shape[0]):
         return engine_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                length_policy=length_policy, length_rate=length_rate, length_min=length_min,
                                return_stats=return_stats, round_sink=round_sink, **model_kwargs)
@@ -203,7 +191,7 @@ def _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stoppi
     weights_lock = hooks_for(drafter).weights_lock
 
     t0 = clock()
-    batch, cache, done = _prefill(model, drafter, input_ids, rows, model_kwargs, layers, do_sample, output)
+    batch, cache, done = _prefill(model, drafter, input_ids, logits_processor, rows, model_kwargs, layers, do_sample, output)
     stats.verify_time_s += clock() - t0
     while not bool(done.all()):
         if bool(done.any()):
@@ -257,7 +245,7 @@ def _verify(model, batch: _Batch, draft: torch.Tensor, cache, layers):
         output_hidden_states=layers,
     )
     logits = out.logits.float()
-    processed = torch.stack([_process(p, torch.cat([s, d]), l) for p, s, d, l in zip(batch.processors, batch.seqs, draft, logits)])
+    processed = process_rows(batch.processors, batch.shared, [torch.cat([s, d]) for s, d in zip(batch.seqs, draft)], logits)
     return out, logits, processed
 
 
@@ -278,7 +266,7 @@ def _emit_rounds(on_round, batch: _Batch, block, draft, target_logits, acc) -> N
                                           target_logits[i], block.draft_len[i], acc[i], ratio))
 
 
-def _prefill(model, drafter, input_ids, rows, model_kwargs, layers, do_sample, output: Output):
+def _prefill(model, drafter, input_ids, logits_processor, rows, model_kwargs, layers, do_sample, output: Output):
     """The target's first token for each row, and the prompts' features as the drafter's first context."""
     # With `inputs_embeds` the prompt is the embeddings (input_ids then holds only the prompt ids the caller
     # also passed, often none: generate returns just the new tokens); the drafter needs only its features.
@@ -299,13 +287,15 @@ def _prefill(model, drafter, input_ids, rows, model_kwargs, layers, do_sample, o
     )
     logits = out.logits[:, -1:].float()
     seqs = list(input_ids)
-    processed = [_process(p, s, l) for p, s, l in zip(rows, seqs, logits)]
+    shared = shared_processors(logits_processor)
+    processed = list(process_rows(rows, shared, seqs, logits))
     first = torch.stack([torch.multinomial(p[0].softmax(-1), 1)[0] if do_sample else p[0].argmax() for p in processed])
     mask = attention_mask.bool()
     batch = _Batch(
         index=torch.arange(input_ids.shape[0], device=input_ids.device),
         seqs=seqs,
         processors=rows,
+        shared=shared,
         prompt_len=input_ids.shape[1],
         prompt_mask=mask,
         valid=mask,
@@ -338,5 +328,8 @@ def _draft(generator: AdaFlashCandidateGenerator, batch: _Batch, max_length: int
 
 def _sample_drafts(generator: AdaFlashCandidateGenerator, batch: _Batch, block, k):
     """Sample draft tokens from the *processed* draft distribution (needed for lossless sampling)."""
+    if batch.shared is not None:  # no processor reads the sequence: every slot of every row at once
+        q = process_rows(None, batch.shared, None, block.logits[:, :k].float()).softmax(-1)
+        return torch.multinomial(q.flatten(0, 1), 1).view(q.shape[:2]), q
     drawn = [generator.draw(seq, block.logits[i, :k], p) for i, (seq, p) in enumerate(zip(batch.seqs, batch.processors))]
     return torch.stack([tokens for tokens, _ in drawn]), torch.stack([scores.softmax(-1) for _, scores in drawn])

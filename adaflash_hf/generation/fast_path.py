@@ -16,6 +16,11 @@ hooks, another architecture) goes to the eager loop with one warning naming the 
 default); ``fast_path=True`` takes the engine there too (eager kernels: the CPU tests' route),
 ``False`` never does.
 
+Under ``"auto"`` a *sampled* call of more than :data:`SAMPLED_ENGINE_MAX_ROWS` rows keeps the eager loop, without a
+warning: the engine samples request by request (each its own generator, as serving needs), while the eager loop
+processes and draws every row at once. On the H200 (reference pair, 12 tokens) the engine is 2x faster at 1 row,
+1.6x at 2, even at 8, and 3.6x / 7x slower at 64 / 500 rows (BENCHMARKS section 10).
+
 Engines are kept in a small module-level cache (the last :data:`MAX_ENGINES`), never on the target.
 
 Example:
@@ -82,6 +87,10 @@ def _sampling(logits_processor) -> tuple[dict, str | None]:
     return fields, None
 
 
+# The largest sampled generate call "auto" sends to the engine (see the module docstring).
+SAMPLED_ENGINE_MAX_ROWS = 8
+
+
 def fast_path_refusal(model, drafter, generation_config, logits_processor, model_kwargs, length_policy=None) -> str | None:
     """Why this generate call cannot run through the engine (``None``: it can)."""
     from ..engine.kernels.stock_layers import unsupported_layers
@@ -108,12 +117,15 @@ def fast_path_refusal(model, drafter, generation_config, logits_processor, model
     return unsupported_layers(model)
 
 
-def takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length_policy=None) -> bool:
-    """Whether :func:`~.decoding.adaflash_decoding` should run this call on the engine (see the module
-    docstring); a call the engine cannot take warns once, naming the reason."""
+def takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length_policy=None,
+                 rows: int = 1) -> bool:
+    """Whether :func:`~.decoding.adaflash_decoding` should run this call of ``rows`` rows on the engine (see the
+    module docstring); a call the engine cannot take warns once, naming the reason."""
     if not (isinstance(fast_path, bool) or fast_path == "auto"):
         raise ValueError(f"fast_path must be 'auto', True or False, got {fast_path!r}")
     if fast_path is False or (fast_path == "auto" and next(model.parameters()).device.type != "cuda"):
+        return False
+    if fast_path == "auto" and generation_config.do_sample and rows > SAMPLED_ENGINE_MAX_ROWS:
         return False
     why = fast_path_refusal(model, drafter, generation_config, logits_processor, model_kwargs, length_policy)
     if why is not None:

@@ -9,27 +9,18 @@ and cache. With `speculation_type="adaflash"` the call instead goes to transform
 `_assisted_decoding` with our `AdaFlashCandidateGenerator` (a wrapped `_get_candidate_generator`
 builds it). Every other call is passed through untouched. The wrapper binds each call's arguments with
 generate's own signature, so it finds `assistant_model`, `streamer` and `generation_config` wherever
-transformers would (by position too). Our loop calls the logits processors one row at a time;
-`row_processors` cuts the per-row state generate gave some of them for the whole batch.
+transformers would (by position too). How our loop calls generate's logits processors
+(per row, or all rows at once) is `.processors`.
 `tests/test_hf_integration.py` fails loudly if the seams we rely on change. Details:
 docs/transformers_internals.md.
 """
 
 import contextvars
-import copy
 import functools
 import inspect
 
 import torch
 import transformers
-from transformers.generation.logits_process import (
-    EncoderNoRepeatNGramLogitsProcessor,
-    EncoderRepetitionPenaltyLogitsProcessor,
-    LogitsProcessorList,
-    PrefixConstrainedLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    UnbatchedClassifierFreeGuidanceLogitsProcessor,
-)
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
@@ -55,50 +46,6 @@ def check_transformers_version(version: str = transformers.__version__) -> None:
             f"adaflash-hf is tested with transformers {tested}; found {version}, an untested major version. "
             f"Install a tested release: pip install 'transformers>=5.23,<5.24'"
         )
-
-
-def _with(processor, **fields):
-    """A shallow copy of `processor` with some attributes replaced."""
-    out = copy.copy(processor)
-    out.__dict__.update(fields)
-    return out
-
-
-def _prefix_fn_at_row(fn, row: int, _batch_id: int, sent: torch.Tensor):
-    return fn(row, sent)
-
-
-def _row_view(p, row: int):
-    """`p` restricted to batch row `row` where generate built it with state for the whole batch (our loop
-    calls it on that row alone, so indexing by the call's own batch position would read row 0's state)."""
-    if isinstance(p, RepetitionPenaltyLogitsProcessor) and torch.is_tensor(p.prompt_ignore_length):
-        return _with(p, prompt_ignore_length=p.prompt_ignore_length[row : row + 1])  # the row's left padding
-    if isinstance(p, EncoderRepetitionPenaltyLogitsProcessor):
-        return _with(p, encoder_input_ids=p.encoder_input_ids[row : row + 1])  # the row's prompt
-    if isinstance(p, EncoderNoRepeatNGramLogitsProcessor):
-        return _with(p, batch_size=1, generated_ngrams=[p.generated_ngrams[row]])  # the row's prompt n-grams
-    if isinstance(p, PrefixConstrainedLogitsProcessor):  # the user's function is told the row's batch index
-        return _with(p, _prefix_allowed_tokens_fn=functools.partial(_prefix_fn_at_row, p._prefix_allowed_tokens_fn, row))
-    return p
-
-
-def row_processors(logits_processor, batch_size: int) -> list[LogitsProcessorList]:
-    """Each row's view of generate's processors, to call them on that row alone (input_ids `[1, t]`).
-
-    Plain decoding calls the processors once per step on the whole batch. Our loop calls them per row
-    and per verified position (rows hold different lengths and leave the batch as they finish), so a
-    processor holding per-row state built from the batch (prompt padding lengths, prompt ids, the batch
-    index `prefix_allowed_tokens_fn` receives) gets a copy restricted to its row. Guidance keeps a cache
-    of its own unconditional branch, one token per call, that a verify block (drafts that may be
-    rejected) would corrupt: refused before any work, never silently wrong.
-    """
-    for p in logits_processor or []:
-        if isinstance(p, UnbatchedClassifierFreeGuidanceLogitsProcessor):
-            raise ValueError(
-                f"{type(p).__name__} is not supported with an AdaFlash drafter (guidance_scale: it runs its own "
-                "unconditional forward one token per call and cannot roll back rejected drafts); generate without assistant_model"
-            )
-    return [LogitsProcessorList(_row_view(p, r) for p in logits_processor or []) for r in range(batch_size)]
 
 
 def _is_our_loop(custom_generate) -> bool:
