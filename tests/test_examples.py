@@ -41,13 +41,17 @@ def test_every_example_is_covered():
 # tests/test_fresh_checkout.py, `bench --reference` with engine_fixed)
 EXTRA_FLAGS = {"engine_gpu_check.py": ["--tiny"]}
 LONGEST = ("engine_gpu_check.py", "fast_generate_gpu.py", "sampling_distribution_check.py", "train_with_trainer.py")
+# one thread each (OMP_NUM_THREADS=1): the distribution check's smoke (five samplers x 100 rows, permutation tests)
+# takes 110-150 s so, over the default 120
+TIMEOUTS = {"sampling_distribution_check.py": 240.0}
 
 
 def smoke_jobs(scripts, root: Path) -> tuple[list[Job], dict]:
     """The `--smoke` runs of `scripts`, each in its own working directory under `root`, the longest first."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     scripts = sorted(scripts, key=lambda script: (script not in LONGEST, script))
-    return [Job(script, [EXAMPLES / script, "--smoke", *EXTRA_FLAGS.get(script, [])], cwd=root / script) for script in scripts], env
+    return [Job(script, [EXAMPLES / script, "--smoke", *EXTRA_FLAGS.get(script, [])], cwd=root / script,
+                timeout=TIMEOUTS.get(script, 120.0)) for script in scripts], env  # fmt: skip
 
 
 @pytest.fixture(scope="module")

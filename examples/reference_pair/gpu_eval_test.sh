@@ -6,8 +6,8 @@
 #   2. test, tau: plain, fixed, cost (the default rule), adaptive (the paper's floor rule, rate 2), prompt lookup default (prompt_lookup_exact) and best of grid
 #      (prompt_lookup_grid, the setting chosen in 1), concurrency 64, every output compared with plain
 #   3. test, wall-clock at batch 1 on the first WALL_PROMPTS prompts: plain, prompt_lookup, prompt_lookup_tuned,
-#      fixed, cost, adaptive (the processes of this phase share the GPU with each other, not with phase 2)
-#   4. (sample) test, tau under sampling at T = 0.7 and 1.0, top-p 0.95, seed 0, concurrency 64: the same methods as 2
+#      fixed, cost, adaptive, one process at a time (each group gets the phase's timeout / 6), 2 warm-up prompts
+#   4. (sample) test, tau under sampling at TEMPS (default "0.7 1.0"), top-p 0.95, seed 0, concurrency 64: the same methods as 2
 #   5. (dist) examples/sampling_distribution_check.py at its defaults (speculative against plain sampling, with controls)
 # PHASES picks them (default "val tau wall"); without val, CHOICE names an earlier validation_choice.json.
 # Needs the eval + training data (the slices drop training duplicates): carry .evaldata (written by
@@ -28,7 +28,7 @@ else
   fi
   export PYTHONPATH=/tmp/site ADAFLASH_DATA=/tmp/ev/data
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  PROMPTS=${PROMPTS:-500}; WALL_PROMPTS=${WALL_PROMPTS:-16}; TOKENS=128; CONC=64; EXTRA="--warmup 0"; WALL_EXTRA="--warmup 1"; DIST_EXTRA=""
+  PROMPTS=${PROMPTS:-500}; WALL_PROMPTS=${WALL_PROMPTS:-16}; TOKENS=128; CONC=64; EXTRA="--warmup 0"; WALL_EXTRA="--warmup 2"; DIST_EXTRA=""
   # one group per process: the big sets alone or in pairs, the small ones together (Spec-Bench's categories, ~40 test
   # prompts each, are spec_bench_all less mt_bench, which runs beside sharegpt)
   PROCS=("gsm8k,math500" "mathqa,prose" "codealpaca" "sharegpt,mt_bench" "spec_bench:translation,spec_bench:summarization,spec_bench:qa"
@@ -44,6 +44,16 @@ phase() {  # phase NAME TIMEOUT ARGS...: one process per group, in parallel; the
   done
   local rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
   echo "phase $name: $(date -u +%T) rc=$rc"
+}
+phase_alone() {  # phase_alone NAME TIMEOUT ARGS...: the groups one after another, each with the GPU to itself
+  # (timings: processes sharing the GPU measure each other), TIMEOUT split evenly between them
+  local name=$1 limit=$2; shift 2
+  local i=0 rc=0 each=$(( limit / ${#PROCS[@]} ))
+  for g in "${PROCS[@]}"; do
+    timeout "$each" $B --datasets "$g" "$@" --out "$OUT/${name}_$i" > "$OUT/${name}_$i.log" 2>&1 || rc=1
+    i=$((i + 1))
+  done
+  echo "phase $name (one process at a time): $(date -u +%T) rc=$rc"
 }
 SECONDS=0
 PHASES=${PHASES:-val tau wall}; has() { [[ " $PHASES " == *" $1 "* ]]; }
@@ -63,9 +73,9 @@ CHOICE="--prompt-lookup-choice $OUT/validation_choice.json"
 fi
 has tau && phase tau ${LIMITS[1]} --split test --num-prompts $PROMPTS --concurrency $CONC $CHOICE $EXTRA \
   --methods plain,fixed,cost,adaptive,prompt_lookup_exact,prompt_lookup_grid
-has wall && phase wall ${LIMITS[2]} --split test --num-prompts $WALL_PROMPTS --concurrency 1 $CHOICE $WALL_EXTRA \
+has wall && phase_alone wall ${LIMITS[2]} --split test --num-prompts $WALL_PROMPTS --concurrency 1 $CHOICE $WALL_EXTRA \
   --methods plain,prompt_lookup,prompt_lookup_exact,prompt_lookup_tuned,prompt_lookup_grid,fixed,cost,adaptive
-for T in 0.7 1.0; do  # both temperatures at once: 12 processes share the GPU
+for T in ${TEMPS:-0.7 1.0}; do  # the temperatures at once (TEMPS picks them): 6 processes each share the GPU
   has sample && phase "sample_T$T" ${LIMITS[3]:-300} --split test --num-prompts $PROMPTS --concurrency $CONC $CHOICE $EXTRA \
     --temperature $T --top-p 0.95 --seed 0 --methods plain,fixed,cost,adaptive,prompt_lookup_exact,prompt_lookup_grid &
 done; wait
