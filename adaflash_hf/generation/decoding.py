@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers.generation.logits_process import LogitsProcessorList
 
 from ..modeling import AdaFlashDrafter
 from ..spec.hooks import hooks_for, round_callbacks
@@ -84,7 +85,7 @@ class _Batch:
     index: torch.Tensor  # original row of each active row
     seqs: list[torch.Tensor]  # left-padded prompt + generated tokens, as plain generate sees them
     processors: list  # each row's logits processors (`row_processors`: batch state cut to the row)
-    shared: object  # the processors to call on every row at once (`shared_processors`), or None
+    shared: LogitsProcessorList | None  # the processors to call on every row at once (`shared_processors`)
     prompt_len: int
     prompt_mask: torch.Tensor  # real (non-padding) prompt columns
     valid: torch.Tensor  # target cache columns that hold real tokens
@@ -191,7 +192,8 @@ def _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stoppi
     weights_lock = hooks_for(drafter).weights_lock
 
     t0 = clock()
-    batch, cache, done = _prefill(model, drafter, input_ids, logits_processor, rows, model_kwargs, layers, do_sample, output)
+    batch, cache, done = _prefill(model, drafter, input_ids, rows, shared_processors(logits_processor), model_kwargs, layers,
+                                 do_sample, output)
     stats.verify_time_s += clock() - t0
     while not bool(done.all()):
         if bool(done.any()):
@@ -245,7 +247,9 @@ def _verify(model, batch: _Batch, draft: torch.Tensor, cache, layers):
         output_hidden_states=layers,
     )
     logits = out.logits.float()
-    processed = process_rows(batch.processors, batch.shared, [torch.cat([s, d]) for s, d in zip(batch.seqs, draft)], logits)
+    # the rows' sequences only where some processor reads them (no per-row concatenation on the shared path)
+    seqs = None if batch.shared is not None else [torch.cat([s, d]) for s, d in zip(batch.seqs, draft)]
+    processed = process_rows(batch.processors, batch.shared, seqs, logits)
     return out, logits, processed
 
 
@@ -266,7 +270,7 @@ def _emit_rounds(on_round, batch: _Batch, block, draft, target_logits, acc) -> N
                                           target_logits[i], block.draft_len[i], acc[i], ratio))
 
 
-def _prefill(model, drafter, input_ids, logits_processor, rows, model_kwargs, layers, do_sample, output: Output):
+def _prefill(model, drafter, input_ids, rows, shared, model_kwargs, layers, do_sample, output: Output):
     """The target's first token for each row, and the prompts' features as the drafter's first context."""
     # With `inputs_embeds` the prompt is the embeddings (input_ids then holds only the prompt ids the caller
     # also passed, often none: generate returns just the new tokens); the drafter needs only its features.
@@ -287,7 +291,6 @@ def _prefill(model, drafter, input_ids, logits_processor, rows, model_kwargs, la
     )
     logits = out.logits[:, -1:].float()
     seqs = list(input_ids)
-    shared = shared_processors(logits_processor)
     processed = list(process_rows(rows, shared, seqs, logits))
     first = torch.stack([torch.multinomial(p[0].softmax(-1), 1)[0] if do_sample else p[0].argmax() for p in processed])
     mask = attention_mask.bool()

@@ -460,7 +460,7 @@ def _load_eval(name: str, data_dir_=None) -> list[dict]:
         for s in _prose_eval_samples(data_dir_):
             cut = s["text"].rfind(" ", 0, PROSE_PROMPT_CHARS)
             # at a word boundary, never inside a run of spaces (Gutenberg's "*       *" separators): no trailing space
-            cut = len(s["text"][:cut].rstrip(" ")) if cut > 0 else PROSE_PROMPT_CHARS
+            cut = len(s["text"][:cut].rstrip(" ")) if cut > 0 else 0
             cut = cut if cut > 0 else PROSE_PROMPT_CHARS
             out.append({"text": s["text"][:cut], "dataset": name, "reference": s["text"][cut:], "source": s["source"]})
         return out
