@@ -137,6 +137,23 @@ class Engines:
         return eng, replay, key
 
 
+def measure_cost(target, drafter, kw: dict, context: int) -> tuple:
+    """``(RoundCost, its record for meta)``: the round cost of a ``packed`` engine of ``kw`` on this device, its
+    graphs and its real rounds' overheads (:func:`measure_round_cost`)."""
+    t = time.perf_counter()
+    room = context + 4 * (drafter.config.block_size + 1)  # a prompt, and a timed round of each kind after it (--smoke's slots are short)
+    probe = Engine(target, **layout_args(drafter, "packed"), **{**kw, "max_len": max(kw["max_len"], room)})
+    cost = measure_round_cost(probe, context=context)
+    del probe
+    rec = {"rows": cost.rows, "tokens_per_row": cost.tokens_per_row, "verify": cost.verify, "draft_fraction": cost.draft_fraction,
+           "spec_overhead": cost.spec_overhead, "plain_overhead": cost.plain_overhead, "unit_ms": cost.unit_ms,
+           "seconds": time.perf_counter() - t}
+    log(f"measured round cost in {rec['seconds']:.1f}s: unit {cost.unit_ms:.3f} ms, draft fraction {cost.draft_fraction:.3f}, "
+        f"overhead per round at rows {cost.rows}: drafting {[round(v, 2) for v in cost.spec_overhead]}, plain "
+        f"{[round(v, 2) for v in cost.plain_overhead]} units")
+    return cost, rec
+
+
 def reference_pair_phase(res, row, device, sets, args, smoke):
     """Per set: the reference pair (float32) records its whole-block rounds (the replay's traces, with the pair's
     policy) and runs for real at ``res['meta']['real_concurrency']`` in every mode; returns ``{set: RecordedTrace}``."""
@@ -154,8 +171,11 @@ def reference_pair_phase(res, row, device, sets, args, smoke):
             f"{statistics.mean(r.ratio for r in rec.rounds):.3f}, policy {rec.policy} ({time.perf_counter() - t:.1f}s)")
         if name not in res["meta"]["real_sets"]:
             continue
-        engines = Engines(target, drafter, None, max_slots=max(conc), max_len=longest + max_new + 8,
-                          token_budget=max(4096, longest + max(conc) * BLOCK), cuda_graphs=True)
+        kw = dict(max_slots=max(conc), max_len=longest + max_new + 8, token_budget=max(4096, longest + max(conc) * BLOCK),
+                  cuda_graphs=True)
+        engines = Engines(target, drafter, None, **kw)
+        if args.measure_cost:  # the pair's own round: its host time is most of it (BENCHMARKS section 9)
+            engines.round_cost, res["meta"].setdefault("round_cost_real", {})[name] = measure_cost(target, drafter, kw, longest)
         for c in conc:
             off = engines.get("off", rec.policy)[0]
             refs = {tuple(p): o.token_ids for p, o in zip(prompts[:c], off.generate(prompts[:c], max_new, eos_token_id=eos))}
@@ -301,7 +321,8 @@ def parse(argv):
                     help=f"round layouts of {LAYOUTS} (packed / rectangular: lengths by the cost rule; packed:adaptive: by "
                     "the paper's floor rule); 'default' (the trace drafter's own policy) is always run")
     ap.add_argument("--measure-cost", action="store_true", help="the cost rule weighs this GPU's measured round cost "
-                    "(engine.warmup.measure_round_cost) instead of SPEC section 6's table")
+                    "(engine.warmup.measure_round_cost: graphs and each round's overhead; the replay's and each reference "
+                    "pair's own) instead of SPEC section 6's table")
     ap.add_argument("--real-concurrency", default="1,32,128", help="the reference pair's own engine runs ('' for none)")
     ap.add_argument("--record-prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=256)
@@ -430,13 +451,7 @@ def build_replay(results: Results, args, device, smoke: bool, plen: int, max_new
               cuda_graphs=True)
     engines = Engines(target, drafter, {}, **kw)
     if args.measure_cost:
-        t = time.perf_counter()
-        probe = Engine(target, **layout_args(drafter, "packed"), **kw)
-        cost = engines.round_cost = measure_round_cost(probe, context=plen)
-        del probe
-        res["meta"]["round_cost"] = {"rows": cost.rows, "tokens_per_row": cost.tokens_per_row, "verify": cost.verify,
-                                     "draft_fraction": cost.draft_fraction, "seconds": time.perf_counter() - t}
-        log(f"measured round cost in {time.perf_counter() - t:.1f}s: draft fraction {cost.draft_fraction:.3f}")
+        engines.round_cost, res["meta"]["round_cost"] = measure_cost(target, drafter, kw, plen)
     t = time.perf_counter()
     off = engines.get("off", paper_dflash_trace(BLOCK).policy)[0]
     engines.refs.update({tuple(p): o.token_ids for p, o in zip(prompts, off.generate(prompts, max_new_tokens=max_new))})

@@ -81,6 +81,16 @@ def detail_table(res, kind, name, arrival) -> list[str]:
     return out + [""]
 
 
+def _overheads(rc: dict) -> str:
+    """A measured round cost's overheads per round (older runs recorded none), in ms where the unit was recorded."""
+    if "spec_overhead" not in rc:
+        return ""
+    unit, name = (rc["unit_ms"], "ms") if rc.get("unit_ms") else (1.0, "plain steps")
+    per = lambda vs: "/".join(f"{v * unit:.2f}" for v in vs)  # noqa: E731
+    return (f", overhead per round at {'/'.join(map(str, rc['rows']))} requests: drafting {per(rc['spec_overhead'])}, "
+            f"plain {per(rc['plain_overhead'])} {name}")
+
+
 def markdown(res: dict) -> str:
     m, rows = res["meta"], res["rows"]
     out = ["# ACCEPTANCE REPLAY, Qwen3-8B shape (random bf16 weights), engine tok/s; and the reference pair's real runs", "",
@@ -92,13 +102,16 @@ def markdown(res: dict) -> str:
            "arrivals at L x `off`'s closed-batch request rate at that concurrency, at most c requests in the engine, "
            "tok/s over first arrival to last finish, latency = arrival to last token. adaptive = `packed:adaptive` (the "
            "paper's floor rule); default = what the trace's drafter runs unasked (shipped head: the cost rule"
-           + (f", on this GPU's measured round cost, drafter fraction {m['round_cost']['draft_fraction']:.3f}" if m.get("round_cost")
-              else ", on SPEC section 6's cost table") + ").", ""]
+           + (f", on this GPU's measured round cost, drafter fraction {m['round_cost']['draft_fraction']:.3f}"
+              + _overheads(m["round_cost"]) if m.get("round_cost") else ", on SPEC section 6's cost table") + ").", ""]
     traces = list(res.get("traces", {}))
     for arrival in m["arrivals"]:
         out += [f"## Issue 35's table, replay, {arrival} (x = ratio of tok/s)", ""] + issue_table(res, "replay", traces, arrival)
     if m.get("real_sets"):
         out += ["## Issue 35's table, the reference pair's own engine runs (real model, closed batch)", ""]
+        for name, rc in m.get("round_cost_real", {}).items():
+            out += [f"`{name}`: default on the pair's own measured round cost, drafter fraction {rc['draft_fraction']:.3f}"
+                    + _overheads(rc) + ".", ""]
         out += issue_table(res, "real", m["real_sets"], "closed")
     for name, tr in res.get("traces", {}).items():
         out += [f"## trace `{name}`: {tr['description']} (trace tau {tr['tau']:.2f}; policy {tr['policy']})", ""]

@@ -1,7 +1,9 @@
 """The cost-aware verify length (issue 35): the rule's properties table by table, a brute-force optimum, its cost
 model and bad inputs, and the engine under it (greedy identity, plain rounds without the drafter's body)."""
 
+import dataclasses
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import adaflash_hf.engine.engine as engine_mod
 from adaflash_hf.engine.verify_lengths import PLAIN_PROBE_ROUNDS
 from adaflash_hf.engine import Engine
 from adaflash_hf.spec.length_policy import choose_verify_length, cost_aware_verify_length, survival_curve
-from adaflash_hf.spec.round_cost import SPEC_H200_MS, SPEC_ROWS, SPEC_TOKENS_PER_ROW, RoundCost
+from adaflash_hf.spec.round_cost import SPEC_H200_MS, SPEC_H200_OVERHEAD_MS, SPEC_ROWS, SPEC_TOKENS_PER_ROW, RoundCost
 
 from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids
 
@@ -40,6 +42,60 @@ def test_cost_rule_table(name, ratios, block, cost, expected):
     assert cost_aware_verify_length(torch.tensor(ratios), block, cost).tolist() == expected
 
 
+def _no_overhead(cost: RoundCost) -> RoundCost:
+    return dataclasses.replace(cost, spec_overhead=0.0, plain_overhead=0.0)
+
+
+# (name, ratios, block, cost, expected, control cost): the round's overhead (issue 35: a real round costs host time the
+# graphs do not show). Each control is the same case without the term it tests (None: without any overhead) and must
+# give other lengths, so every row fails if the rule ignores that term.
+OVERHEAD_CASES = [
+    ("a fixed cost per round, low load: whole block (steep verify alone: 5)", [0.45, 0.45], 16,
+     dataclasses.replace(STEEP, spec_overhead=20.0, plain_overhead=20.0), [16, 16], None),
+    ("a drafting round far dearer than a plain step: plain, however sure the drafts", [0.9, 0.6], 16,
+     RoundCost.flat(spec_overhead=20.0), [1, 1], None),
+    ("SPEC table at batch 1, a drafting round 30 steps dearer: plain", [1.0], 16,
+     RoundCost(spec_overhead=30.0, plain_overhead=0.0), [1], None),
+    ("what counts against drafting is the difference: equal overheads keep whole blocks", [0.25] * 4, 16,
+     RoundCost.flat(spec_overhead=3.0, plain_overhead=3.0), [16] * 4, RoundCost.flat(spec_overhead=3.0)),
+    ("SPEC table with its H200 overheads, 128 rows at the gsm8k pair's mean ratio: plain (the replay's off wins)",
+     [0.25] * 128, 16, RoundCost(), [1] * 128, None),
+]
+
+
+@pytest.mark.parametrize("name,ratios,block,cost,expected,control", OVERHEAD_CASES, ids=[c[0] for c in OVERHEAD_CASES])
+def test_cost_rule_weighs_the_rounds_overhead(name, ratios, block, cost, expected, control):
+    ratio = torch.tensor(ratios)
+    assert cost_aware_verify_length(ratio, block, cost).tolist() == expected
+    control = control if control is not None else _no_overhead(cost)
+    assert cost_aware_verify_length(ratio, block, control).tolist() != expected  # the term decides the row
+
+
+def test_zero_overhead_keeps_the_rule_as_it_was():
+    """Lengths summed per round on SPEC's table without overheads, as the rule chose them before the overhead term
+    (commit 6d515d3, whose ``RoundCost`` had none); SPEC's default overheads change some (the control)."""
+    g, zero = torch.Generator().manual_seed(0), RoundCost(spec_overhead=0.0, plain_overhead=0.0)
+    ratios = [torch.rand(n, generator=g) * 0.6 for n in (1, 8, 32, 128)] + [torch.full((8,), 0.2), torch.full((128,), 0.25)]
+    before = [16, 78, 256, 736, 64, 640]
+    assert [cost_aware_verify_length(r, 16, zero).sum().item() for r in ratios] == before
+    assert [cost_aware_verify_length(r, 16, RoundCost()).sum().item() for r in ratios] != before
+    for cost in (FLAT, STEEP, TOKEN_A_STEP, HEAVY_DRAFT):  # the tables the rule's other tests use carry none
+        assert cost.spec_overhead == (0.0,) and cost.plain_overhead == (0.0,)
+
+
+def test_round_time_and_overhead_by_rows():
+    cost = RoundCost(rows=(1, 9), tokens_per_row=(1,), verify=((1.0,), (2.0,)), draft_fraction=0.5,
+                     spec_overhead=(1.0, 3.0), plain_overhead=0.5)
+    assert cost.overhead(5, True) == 2.0 and cost.overhead(100, True) == 3.0 and cost.overhead(1, False) == 0.5  # flat past the table
+    assert cost.round_time(1, 1, 4) == 1.5  # plain: the verify and the plain overhead, no drafter
+    assert cost.round_time(1, 2, 4) == pytest.approx(1.0 + 0.5 * 1.0 + 1.0)  # drafting: verify + drafter + its overhead
+    assert np.allclose(cost.round_time(9, np.array([9, 10, 36]), 4), [2.0 + 0.5, 2 + 1 + 3, 2 + 1 + 3])
+    spec = RoundCost()
+    assert np.allclose(np.array(spec.spec_overhead) * SPEC_H200_MS[0][0], SPEC_H200_OVERHEAD_MS["spec"])
+    assert np.allclose(np.array(spec.plain_overhead) * SPEC_H200_MS[0][0], SPEC_H200_OVERHEAD_MS["plain"])
+    assert RoundCost.from_ms((1, 8), (1, 4), ((2.0, 4.0), (3.0, 8.0))).spec_overhead == (0.0, 0.0)  # a measured table: none
+
+
 def test_steep_cost_verifies_fewer_tokens_than_flat():
     ratio = torch.tensor([0.45] * 8)
     flat, steep = (cost_aware_verify_length(ratio, 16, c) for c in (FLAT, STEEP))
@@ -54,7 +110,8 @@ def test_steep_cost_verifies_fewer_tokens_than_flat():
 def _throughput(surv: np.ndarray, ks, cost: RoundCost, block: int) -> float:
     n, drafted = len(ks), sum(k - 1 for k in ks)
     gain = n + sum(surv[i, : k - 1].sum() for i, k in enumerate(ks))
-    return gain / (cost.verify_time(n, n + drafted) + (cost.draft_time(n, block) if drafted else 0.0))
+    return gain / (cost.verify_time(n, n + drafted) + (cost.draft_time(n, block) + cost.overhead(n, True) if drafted
+                                                       else cost.overhead(n, False)))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -65,7 +122,7 @@ def test_greedy_allocation_is_the_brute_force_optimum(seed):
     curve = torch.rand(2, generator=g).tolist()  # a random convex-ish cost: base + slope * tokens^power
     cost = RoundCost(rows=(1, 3), tokens_per_row=(1, 2, 3, 4, 5),
                      verify=tuple(tuple(1 + r * curve[0] * q ** (1 + curve[1]) / 5 for q in range(1, 6)) for r in (0.2, 1.0)),
-                     draft_fraction=0.3 * seed / 5)
+                     draft_fraction=0.3 * seed / 5, spec_overhead=(0.0, 0.4 * (seed % 3)), plain_overhead=0.1 * (seed % 2))
     surv = survival_curve(ratio.numpy(), block)
     best = max(_throughput(surv, ks, cost, block) for ks in itertools.product(range(1, block + 1), repeat=n))
     got = cost_aware_verify_length(ratio, block, cost).tolist()
@@ -125,6 +182,12 @@ def test_round_cost_follows_spec_table():
     (dict(verify=((1.0,),)), "verify must be 5 x 5"),
     (dict(verify=tuple(tuple(-1.0 for _ in range(5)) for _ in range(5))), "finite and > 0"),
     (dict(draft_fraction=float("nan")), "draft_fraction"),
+    (dict(spec_overhead=float("nan")), r"spec_overhead must be one number or 5 \(one per rows entry\), each finite and >= 0"),
+    (dict(spec_overhead=-0.5), "spec_overhead must be"),
+    (dict(plain_overhead=float("inf")), "plain_overhead must be"),
+    (dict(plain_overhead=(0.0, 1.0)), "plain_overhead must be one number or 5"),
+    (dict(spec_overhead=(0.1, 0.2, -1.0, 0.3, 0.4)), "spec_overhead must be"),
+    (dict(unit_ms=0.0), "unit_ms must be"),
 ])
 def test_round_cost_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -159,7 +222,7 @@ def pair():
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-@pytest.mark.parametrize("cost,plain", [(HEAVY_DRAFT, True), (FLAT, False)])
+@pytest.mark.parametrize("cost,plain", [(HEAVY_DRAFT, True), (RoundCost.flat(spec_overhead=50.0), True), (FLAT, False)])
 def test_engine_plain_rounds_skip_the_drafter_body(pair, monkeypatch, graphs, cost, plain):
     """A drafter too dear to pay: every round decodes plainly and the body runs only on probes; a flat cost (the
     negative control): the body runs every round and whole blocks are verified. Output identical either way."""
@@ -213,10 +276,17 @@ def test_engine_measures_its_own_round_cost(pair):
 
     target, drafter = pair
     eng = Engine(target, drafter, length_policy="cost", max_slots=4, max_len=96, token_budget=64, cuda_graphs=True)
+    before = {k: getattr(eng, k) for k in ("policy", "round_cost", "length_min", "draft_replay", "on_round", "admission",
+                                           "_drafted_plain", "_plain_rounds")}
     cost = measure_round_cost(eng, context=16, reps=1)
     assert cost.rows == (1, 2, 4) and cost.tokens_per_row == (1, 2, 4, 8)
     assert cost.verify_time(1, 1) == 1.0 and cost.draft_fraction > 0
+    for overhead in (cost.spec_overhead, cost.plain_overhead):  # measured at every row count, in the table's unit
+        assert len(overhead) == 3 and all(np.isfinite(v) and v >= 0 for v in overhead)
+    assert cost.unit_ms > 0
     assert eng.cache.num_free == 4 and eng.idle
+    assert all(getattr(eng, k) is v for k, v in before.items())  # the rounds it ran borrowed the engine
+    assert (eng.num_steps, eng.skipped_drafts, eng.forward_tokens) == (0, 0, [])
     eng.round_cost = cost
     prompts = engine_prompts([5, 7], seed=13)
     for o, p in zip(eng.generate(prompts, max_new_tokens=12), prompts):
@@ -227,6 +297,40 @@ def test_engine_measures_its_own_round_cost(pair):
         measure_round_cost(eng, context=90)
     with pytest.raises(RuntimeError, match="graph path"):
         measure_round_cost(Engine(target, drafter, max_slots=2, max_len=32, cuda_graphs=False))
+    short = Engine(target, drafter, length_policy="cost", max_slots=2, max_len=36, token_budget=36, cuda_graphs=True)
+    with pytest.raises(ValueError, match="no room for a prompt and a timed round"):  # refused before any request
+        measure_round_cost(short, rows=[1], context=4, reps=5)
+    assert short.idle
+
+
+DELAY_S = 0.3
+
+
+@pytest.mark.parametrize("length_policy", ["cost", "fixed"])
+def test_measured_overhead_is_what_a_round_costs_beyond_its_graphs(pair, length_policy):
+    """Rounds that verify drafts spend ``DELAY_S`` more on the host: ``measure_round_cost``'s drafting overhead holds
+    that time and its plain overhead (the control, same run) does not; an engine that never decodes plainly
+    (``fixed``) measures no plain overhead."""
+    from adaflash_hf.engine.warmup import measure_round_cost
+
+    target, drafter = pair
+    eng = Engine(target, drafter, length_policy=length_policy, max_slots=2, max_len=96, token_budget=64, cuda_graphs=True)
+    real = eng._commit_round
+
+    def slow(admitted, running, drafts, *rest):
+        if running and max(drafts.q_lens) > 1:
+            time.sleep(DELAY_S)
+        return real(admitted, running, drafts, *rest)
+
+    eng._commit_round = slow
+    cost = measure_round_cost(eng, rows=[1], context=16, reps=2)
+    unit_s = cost.unit_ms / 1e3
+    assert cost.spec_overhead[0] * unit_s > 0.8 * DELAY_S
+    if length_policy == "cost":
+        assert cost.plain_overhead[0] * unit_s < 0.8 * DELAY_S
+    else:
+        assert cost.plain_overhead == (0.0,)
+    assert eng.idle and eng.cache.num_free == 2
 
 
 def test_the_dispatch_reads_the_head_ratio_as_its_label_not_scaled_by_the_floor_rules_rate():

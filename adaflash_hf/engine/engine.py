@@ -78,7 +78,8 @@ class Engine(VerifyLengths, RequestLifecycle):
             decode plainly by their last head ratios skips the drafter's body (every ``PLAIN_PROBE_ROUNDS``-th
             such round runs it to refresh them).
         round_cost: the :class:`~adaflash_hf.spec.round_cost.RoundCost` the ``cost`` policy weighs (default: SPEC
-            section 6's H200 table; :func:`~.warmup.measure_round_cost` measures this engine's own).
+            section 6's H200 table and overheads; :func:`~.warmup.measure_round_cost` measures this engine's own,
+            the host's time per round included).
         rectangular: with ``cost`` / ``adaptive``, pad every request to the round's largest ``k_hat`` (the cost of a
             padded ``[b, max k_hat]`` batch; for comparison only).
         max_slots: concurrent requests (KV slots for target and drafter).

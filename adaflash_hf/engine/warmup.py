@@ -6,13 +6,13 @@ functions on their first shapes. Left to the first requests, that puts seconds o
 first tokens. :func:`workload_buckets` lists every bucket a workload of up to ``concurrency`` running
 requests can reach (each request verifying 1 .. block size tokens, the drafted positions packed, slots ``0 .. concurrency - 1``,
 prompts of the given lengths, those admitted in one round of one length); :func:`warmup` runs one short request per prompt length (the eager
-prefill's compiles) and captures the rest. :func:`measure_round_cost` times the captured buckets into the engine's own
-:class:`~adaflash_hf.spec.round_cost.RoundCost` (what the ``cost`` verify-length policy weighs).
+prefill's compiles) and captures the rest. :func:`measure_round_cost` times the captured buckets and real rounds into the
+engine's own :class:`~adaflash_hf.spec.round_cost.RoundCost` (what the ``cost`` verify-length policy weighs).
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import statistics
 import time
 from typing import Sequence
@@ -21,6 +21,7 @@ import torch
 
 from ..spec.round_cost import RoundCost
 from .graphs import pick_bucket
+from .round_overhead import measure_overheads, quiet
 from .target import PackedLayout
 
 __all__ = ["measure_round_cost", "warmup", "workload_buckets"]
@@ -82,11 +83,7 @@ def warmup(engine, concurrency: int = 1, prompt_lens: Sequence[int] = ()) -> flo
         raise RuntimeError("warmup() needs an idle engine (no running or queued request)")
     buckets = workload_buckets(engine, concurrency, prompt_lens)
     t0 = time.perf_counter()
-    saved = {k: getattr(engine, k) for k in ("on_round", "on_request", "step_hook", "num_steps", "skipped_drafts",
-                                               "host_syncs", "forward_tokens", "admission")}
-    engine.on_round = engine.on_request = engine.step_hook = None
-    engine.forward_tokens, engine.admission = [], copy.deepcopy(engine.admission)
-    try:
+    with quiet(engine):
         vocab = engine.target.get_input_embeddings().weight.shape[0]
         for L in sorted(set(prompt_lens)):  # the eager prefill at this length, and a first round after it
             engine.generate([[i % vocab for i in range(L)]], max_new_tokens=min(2, engine.max_len - L))
@@ -94,9 +91,6 @@ def warmup(engine, concurrency: int = 1, prompt_lens: Sequence[int] = ()) -> flo
             engine.graphs.precapture(sorted(buckets["target"], key=str))
         if engine.draft_graphs is not None:
             engine.draft_graphs.precapture(sorted(buckets["drafter"], key=str))
-    finally:
-        for k, v in saved.items():
-            setattr(engine, k, v)
     return time.perf_counter() - t0
 
 
@@ -122,9 +116,11 @@ def _time_replays(runner, bucket: tuple, device, reps: int) -> float:
 def measure_round_cost(engine, rows: Sequence[int] | None = None, tokens_per_row: Sequence[int] | None = None,
                        context: int = 256, reps: int = 5) -> RoundCost:
     """This engine's own :class:`RoundCost`: its decode forward (the CUDA graph of each bucket; eager off CUDA) timed
-    for ``rows`` requests x ``tokens_per_row`` tokens each over ``context`` cached tokens (CUDA events), and the
-    drafter's body + head at each row count against the whole-block verify (the median ratio is ``draft_fraction``).
-    Needs an idle engine with the graph path (``cuda_graphs`` on); the slots it borrows are freed after. Defaults:
+    for ``rows`` requests x ``tokens_per_row`` tokens each over ``context`` cached tokens (CUDA events), the
+    drafter's body + head at each row count against the whole-block verify (the median ratio is ``draft_fraction``),
+    and, at each row count, real engine rounds timed end to end, a plain one and one verifying whole blocks, less
+    what those graphs account for: the overheads (:func:`.round_overhead.measure_overheads`, ``reps`` rounds each).
+    Needs an idle engine with the graph path (``cuda_graphs`` on); what it borrows is freed after. Defaults:
     powers of two up to ``max_slots`` and the block size. Pass the result as ``Engine(..., round_cost=...)`` or set
     ``engine.round_cost``.
 
@@ -169,4 +165,6 @@ def measure_round_cost(engine, rows: Sequence[int] | None = None, tokens_per_row
         for s in slots:
             engine.cache.free(s)
             engine.dcache.free(s)
-    return RoundCost.from_ms(rows, tokens_per_row, ms, draft_fraction=statistics.median(fractions))
+    cost = RoundCost.from_ms(rows, tokens_per_row, ms, draft_fraction=statistics.median(fractions))
+    spec, plain = measure_overheads(engine, cost, ms[0][0], context, reps)
+    return dataclasses.replace(cost, spec_overhead=spec, plain_overhead=plain, unit_ms=ms[0][0] * 1e3)

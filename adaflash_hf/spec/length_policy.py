@@ -164,9 +164,11 @@ def cost_aware_verify_length(
     on the CPU).
 
     Each row's length-head ratio becomes a survival curve (:func:`survival_curve`): verifying draft slot ``m``
-    of row ``i`` adds ``s[i, m]`` expected tokens. The round's time is shared by all its rows:
-    ``round_cost.verify_time(b, b + slots) + round_cost.draft_time(b, B)`` when any slot is verified, and
-    ``verify_time(b, b)`` alone when none is (plain decoding: the drafter need not run). Slots are handed out
+    of row ``i`` adds ``s[i, m]`` expected tokens. The round's time is shared by all its rows,
+    ``round_cost.round_time(b, b + slots, B)``: the verify, the drafter and a drafting round's overhead when any slot
+    is verified, the verify and a plain round's overhead when none is (plain decoding: the drafter need not run).
+    A large overhead per round makes each verified slot cheap against the round (longer verifies), and one that a
+    drafting round pays more than a plain one counts against drafting. Slots are handed out
     greedily, most valuable first (the curves fall along each row, so each row's slots come in order), and the
     number of slots that gives the best ``(b + sum of their s) / time`` wins; among equal rates the most slots
     (a verify that costs nothing extra may accept more than predicted). A row never gets more than
@@ -179,6 +181,8 @@ def cost_aware_verify_length(
         >>> cost_aware_verify_length(ratio, 16, RoundCost.flat()).tolist()
         [16, 16]
         >>> cost_aware_verify_length(ratio, 16, RoundCost.flat(draft_fraction=5.0)).tolist()  # drafting cannot pay
+        [1, 1]
+        >>> cost_aware_verify_length(ratio, 16, RoundCost.flat(spec_overhead=5.0)).tolist()  # nor a dear round
         [1, 1]
     """
     _check_len_bounds(block_size, min_len)
@@ -208,7 +212,7 @@ def cost_aware_verify_length(
     order = np.argsort(-flat_key, kind="stable")[: int(allowed.sum())]
     gain = b + np.concatenate([[0.0], np.cumsum(flat_surv[order])])
     t = np.arange(order.shape[0] + 1)
-    time = cost.verify_time(b, b + t) + np.where(t > 0, cost.draft_time(b, block_size), 0.0)
+    time = cost.round_time(b, b + t, block_size)  # the whole round's: a round's overhead makes its slots cheaper
     rate_of = np.where(t >= int(forced.sum()), gain / time, -np.inf)
     best = int(np.flatnonzero(rate_of >= rate_of.max() * (1 - 1e-9))[-1])  # the most slots among the best
     k_hat = 1 + np.bincount(order[:best] % b, minlength=b)

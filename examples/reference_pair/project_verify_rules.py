@@ -1,6 +1,7 @@
 """PROJECTION, not a measurement: a replay trace's recorded rounds run through the round-cost model a replay measured
 (``examples/replay_bench.py --measure-cost`` writes both into ``replay_bench.json``), for the verify-length rules side
-by side, as x ``off`` per concurrency. Host time is not modelled, so it flatters every drafting layout at 8-32.
+by side, as x ``off`` per concurrency. Host time enters only as the run's measured overheads per round (runs since the
+overhead term; before, none: it flattered every drafting layout at 8-32).
 
     python examples/reference_pair/project_verify_rules.py docs/logs/replay_h200_cost/replay/replay_bench.json --trace gsm8k
 """
@@ -36,7 +37,7 @@ def tokens_per_time(rounds, cost: RoundCost, c: int, rule: str, block: int, n: i
         accepted = torch.tensor([a for a, _ in drawn])
         k = lengths(rule, torch.tensor([q for _, q in drawn]), cost, block)
         tokens += int((torch.minimum(accepted, k - 1) + 1).sum())
-        time += cost.verify_time(c, int(k.sum())) + (cost.draft_time(c, block) if bool((k > 1).any()) else 0.0)
+        time += cost.round_time(c, int(k.sum()), block)
     return tokens / time
 
 
@@ -48,7 +49,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     res = json.load(open(a.replay_json))
     m = res["meta"]["round_cost"]
-    cost = RoundCost(rows=m["rows"], tokens_per_row=m["tokens_per_row"], verify=m["verify"], draft_fraction=m["draft_fraction"])
+    cost = RoundCost(rows=m["rows"], tokens_per_row=m["tokens_per_row"], verify=m["verify"], draft_fraction=m["draft_fraction"],
+                     spec_overhead=m.get("spec_overhead", 0.0), plain_overhead=m.get("plain_overhead", 0.0))
     rounds, block = res["traces"][a.trace]["rounds"], res["meta"]["block_size"]
     print("| c | " + " | ".join(RULES[1:]) + " |\n|---" * 1 + "|---" * (len(RULES) - 1) + "|")
     for c in (int(x) for x in a.concurrency.split(",")):
