@@ -25,6 +25,8 @@ from transformers.generation.utils import GenerationMixin
 
 import adaflash_hf
 import adaflash_hf.spec.acceptance as acceptance
+import adaflash_hf.generation.decoding as decoding
+import adaflash_hf.spec.prompt_ngrams as prompt_ngrams
 import adaflash_hf.spec.verify as verify
 from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.generation import AdaFlashCandidateGenerator, hf_integration
@@ -95,22 +97,35 @@ def _accept_everything(draft_tokens, draft_probs, target_probs, draft_len=None, 
     return AcceptResult(num_accepted=draft_len.clone(), next_tokens=nxt)
 
 
+def _agree_keeping_drafter_q(drafts, candidates, q=None):
+    """The prompt n-gram rule with its sampling half left out: candidates verified against the drafter's q."""
+    new, _, used = prompt_ngrams.agree_with_drafts(drafts, candidates, None)
+    return new, q, used
+
+
 @pytest.mark.parametrize(
-    "rule,n",
-    [("leviathan", 3000), ("accept_every_draft", 1000), ("resample_from_p_not_residual", 3000)],
+    "rule,n,ngrams",
+    [("leviathan", 3000, None), ("leviathan", 3000, prompt_ngrams.PromptNgrams(4, sampled=True)),
+     ("accept_every_draft", 1000, None), ("resample_from_p_not_residual", 3000, None),
+     ("ngram_candidates_under_drafter_q", 3000, prompt_ngrams.PromptNgrams(4, sampled=True))],
 )
-def test_sampling_matches_the_exact_target_distribution(rule, n, monkeypatch):
+def test_sampling_matches_the_exact_target_distribution(rule, n, ngrams, monkeypatch):
     target, joint, drafter = sampling_setup()
     if rule == "accept_every_draft":
         monkeypatch.setattr(verify, "speculative_accept", _accept_everything)
     elif rule == "resample_from_p_not_residual":
         monkeypatch.setattr(acceptance, "residual_distribution", lambda p, q: p)
+    elif rule == "ngram_candidates_under_drafter_q":
+        monkeypatch.setattr(decoding, "agree_with_drafts", _agree_keeping_drafter_q)
     torch.manual_seed(123)
     out, stats = target.generate(
         S_PROMPT.expand(n, -1), attention_mask=torch.ones(n, S_PROMPT.shape[1], dtype=torch.long),
         assistant_model=drafter, do_sample=True, temperature=TEMP, top_k=TOP_K, top_p=TOP_P,
-        max_new_tokens=S_NEW, pad_token_id=SV - 2, length_policy="fixed", return_stats=True,
+        max_new_tokens=S_NEW, pad_token_id=SV - 2, length_policy="fixed", return_stats=True, prompt_ngrams=ngrams,
     )
+    # the prompt n-gram rule (one-hot proposals at its candidate's later positions) runs in a good share of rounds
+    # when asked to under sampling, and never by default
+    assert (stats.ngram_rounds > 0.1 * n) if ngrams is not None else stats.ngram_rounds == 0
     samples = out[:, S_PROMPT.shape[1]:]
     assert samples.shape == (n, S_NEW)
     # both branches of the rule are exercised: drafts are accepted and rejected in good numbers

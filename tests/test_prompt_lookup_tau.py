@@ -201,8 +201,9 @@ def test_computed_rounds_equal_a_sampled_run(runs, seed, sampling):
 def test_forbidden_candidates_follow_get_candidates(seq, cur, forbidden, expected):
     """transformers' crop (candidate_generator.py:1107-1124): cut at the first forbidden token, and a match whose
     window is then empty gives way to the next match, then to a shorter n-gram."""
-    from adaflash_hf.bench.prompt_lookup_tau import _candidates, _FirstMatch
+    from adaflash_hf.bench.prompt_lookup_tau import _candidates
+    from adaflash_hf.spec.prompt_ngrams import NgramIndex
 
-    index = _FirstMatch(seq, 2, frozenset(forbidden))
+    index = NgramIndex(seq, 2, frozenset(forbidden))
     index.extend_to(cur)
     assert _candidates(seq, cur, 100, index, PromptLookupSettings(), eos_ids=set()) == expected

@@ -39,14 +39,19 @@ def test_generate_speculative_sampling_passes():
     assert result.rows == (N, N) and len(result.tests) == 6
 
 
-@pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "position_keyed"])
-def test_engine_speculative_sampling_passes(seeded):
+@pytest.mark.parametrize("seeded, ngrams", [(False, False), (True, False), (False, True)],
+                         ids=["rejection", "position_keyed", "prompt_ngrams"])
+def test_engine_speculative_sampling_passes(seeded, ngrams):
     from adaflash_hf.engine import Engine
+    from adaflash_hf.spec.prompt_ngrams import PromptNgrams
 
     target, drafter, reference = pair_and_reference()
-    engine = Engine(target, drafter, length_policy="fixed", max_slots=64, max_len=32, token_budget=512)
+    engine = Engine(target, drafter, length_policy="fixed", max_slots=64, max_len=32, token_budget=512,
+                    prompt_ngrams=PromptNgrams(4, sampled=True) if ngrams else None)
     rows = [engine_rows(engine, PROMPT, N, SAMPLING, seed=3, seeded=seeded)]
     assert all(len(r) == SAMPLING.max_new_tokens for r in rows[0])
+    # the prompt n-gram rule's sampled path ran under the check when asked, and never by default under sampling
+    assert (int(engine.ngram_used) > 0) if ngrams else int(engine.ngram_used) == 0
     assert two_sample_check(reference, rows, CHECK, "engine").passed
 
 

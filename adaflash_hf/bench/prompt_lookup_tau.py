@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..spec.prompt_ngrams import NgramIndex
 from ..spec.rounds import RoundTally
 
 __all__ = ["PromptLookupRounds", "PromptLookupSettings", "as_generation_stats", "prompt_lookup_rounds"]
@@ -67,44 +68,21 @@ class PromptLookupRounds(RoundTally):
     prefill_forwards: int = 1
 
 
-class _FirstMatch:
-    """The leftmost start of every n-gram (sizes 1..max_ngram) of a growing token list that is followed by a
-    token outside ``forbidden`` (the start of a non-empty candidate window transformers keeps)."""
-
-    def __init__(self, tokens: list[int], max_ngram: int, forbidden=frozenset()):
-        self.tokens, self.sizes, self.forbidden = tokens, range(1, max_ngram + 1), forbidden
-        self.first: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
-        self.length = 0
-
-    def extend_to(self, length: int) -> None:
-        """Index every n-gram whose next token lies before ``length``."""
-        for nxt in range(self.length, length):
-            if self.tokens[nxt] in self.forbidden:
-                continue
-            for n in self.sizes:
-                if nxt >= n:
-                    self.first[n].setdefault(tuple(self.tokens[nxt - n : nxt]), nxt - n)
-        self.length = length
-
-
-def _candidates(seq: list[int], cur: int, max_length: int, index: _FirstMatch, settings, eos_ids) -> list[int]:
+def _candidates(seq: list[int], cur: int, max_length: int, index: NgramIndex, settings, eos_ids) -> list[int]:
     """``get_candidates`` on ``seq[:cur]`` (candidate_generator.py, PromptLookupCandidateGenerator)."""
     if max_length == cur + 1:  # candidate_generator.py:1071 "if self.max_length == input_length + 1"
         return []
-    # Largest n-gram first, down to 1 (candidate_generator.py:1076).
-    for n in range(min(settings.max_ngram, cur - 1), 0, -1):
-        # Matches are tried left to right (:1092); one wins when its window is not empty after the forbidden crop
-        # (:1107-1124), that is when it is not the suffix itself and its first token is allowed: `_FirstMatch`.
-        idx = index.first[n].get(tuple(seq[cur - n : cur]))
-        if idx is None:
-            continue
-        start = idx + n
-        chosen = seq[start : min(start + settings.num_tokens, cur, max_length)]  # candidate_generator.py:1095
-        chosen = chosen[: next((j for j, t in enumerate(chosen) if t in index.forbidden), len(chosen))]
-        # candidate_generator.py:1132-1138: cut before the first EOS, and stop searching even when
-        # that leaves nothing (match_found is already True; :1143 then returns no candidates).
-        return chosen[: next((j for j, t in enumerate(chosen) if t in eos_ids), len(chosen))]
-    return []
+    # Largest n-gram first, down to 1 (candidate_generator.py:1076); matches are tried left to right (:1092); one
+    # wins when its window is not empty after the forbidden crop (:1107-1124), that is when it is not the suffix
+    # itself and its first token is allowed: `NgramIndex.match`.
+    start = index.match(cur)
+    if start is None:
+        return []
+    chosen = seq[start : min(start + settings.num_tokens, cur, max_length)]  # candidate_generator.py:1095
+    chosen = chosen[: next((j for j, t in enumerate(chosen) if t in index.forbidden), len(chosen))]
+    # candidate_generator.py:1132-1138: cut before the first EOS, and stop searching even when
+    # that leaves nothing (match_found is already True; :1143 then returns no candidates).
+    return chosen[: next((j for j, t in enumerate(chosen) if t in eos_ids), len(chosen))]
 
 
 def prompt_lookup_rounds(
@@ -128,7 +106,7 @@ def prompt_lookup_rounds(
     seq = list(prompt) + list(continuation)
     p, total = len(prompt), len(continuation)
     max_length = p + max_new_tokens  # generation_config.max_length under max_new_tokens
-    index = _FirstMatch(seq, settings.max_ngram, frozenset(forbidden))
+    index = NgramIndex(seq, settings.max_ngram, frozenset(forbidden))
     rounds = PromptLookupRounds()
     k = 0  # new tokens so far
     while k < total:  # the loop runs until the max-length or EOS stopping criterion fires

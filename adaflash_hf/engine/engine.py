@@ -47,6 +47,7 @@ import torch
 
 from ..spec.hooks import hooks_for, round_callbacks
 from ..spec.policy import resolve_policy, round_layout
+from ..spec.prompt_ngrams import NgramIndex, PromptNgrams, agree_with_drafts
 from ..spec.round_cost import RoundCost
 from ..spec.rounds import RoundSink, VerifiedRound
 from ..spec.verify import SampledRows, accept_block
@@ -111,6 +112,9 @@ class Engine(VerifyLengths, RequestLifecycle):
             callbacks and cancellations act at that granularity. 1 turns it off.
         profile: time each step's phases (``phase_seconds``: draft, target, accept, host), with a
             device synchronisation at every phase boundary (measurement only: it adds syncs).
+        prompt_ngrams: the prompt n-gram rule beside the drafter, as ``generate``'s (:mod:`adaflash_hf.spec.prompt_ngrams`;
+            0: off; default: greedy requests only, n-grams up to 4). Off while a round sink or
+            ``draft_replay`` is set (they read the drafter's own drafts).
         draft_replay: acceptance replay for benchmarks (:class:`adaflash_hf.bench.replay.DraftReplay`):
             after the drafter's real forward, its length-head ratios and drafted tokens are replaced by a
             trace's (greedy requests only; outputs stay those of plain greedy decoding).
@@ -130,7 +134,7 @@ class Engine(VerifyLengths, RequestLifecycle):
                  halving_batch: int | None = None, ema_beta: float = 0.2, round_sink: RoundSink | None = None,
                  step_hook: Callable[[StepInfo], None] | None = None, cuda_graphs: bool | None = None,
                  fused_kernels: bool = True, decode_steps: int = 8, profile: bool = False, draft_replay=None,
-                 round_cost: RoundCost | None = None):
+                 round_cost: RoundCost | None = None, prompt_ngrams: int | PromptNgrams | None = None):
         layout = round_layout(drafter, length_policy, rectangular)
         self.policy = resolve_policy(length_policy, drafter) if drafter is not None else None
         self.round_cost = round_cost if round_cost is not None else RoundCost()
@@ -146,6 +150,8 @@ class Engine(VerifyLengths, RequestLifecycle):
         self.target, self.drafter, self.layout = target, drafter, layout
         self.max_slots, self.max_len, self.token_budget = max_slots, max_len, token_budget
         self.draft_replay = draft_replay
+        self.prompt_ngrams = PromptNgrams.of(prompt_ngrams)
+        self.ngram_used = torch.zeros((), dtype=torch.long)  # request-rounds that verified a candidate (device)
         self.device = next(target.parameters()).device
         self.block_size = self.drafter.config.block_size if self.drafter is not None else 1
         cfg = self.drafter.config if self.drafter is not None else None
@@ -414,7 +420,33 @@ class Engine(VerifyLengths, RequestLifecycle):
                     q_bad[i] = q_bad[i] & finite[i]
                 q_probs[i] = q
                 draft[i, : q_lens[i] - 1] = torch.multinomial(q, 1, generator=r.generator).squeeze(1)
+        if n and self.drafter is not None and self.prompt_ngrams.enabled and self.on_round is None and self.draft_replay is None:
+            self._with_ngrams(running, drafts, dl_host)
         return drafts
+
+    def _with_ngrams(self, running, drafts: RoundDrafts, dl_host: list[int]) -> None:
+        """The prompt n-gram rule on this round's drafts (:func:`~adaflash_hf.spec.prompt_ngrams.agree_with_drafts`):
+        greedy requests all at once, sampled ones each with its draft distribution; nothing read back."""
+        cands = []
+        for r, dl in zip(running, dl_host):
+            if not self.prompt_ngrams.applies(r.params.greedy):
+                cands.append([])
+                continue
+            if r.ngrams is None:
+                r.ngrams = NgramIndex(list(r.prompt), self.prompt_ngrams.max_ngram)
+            r.ngrams.tokens.extend(r.tokens[len(r.ngrams.tokens) - len(r.prompt) :])
+            cands.append(r.ngrams.candidate(dl) if dl > 0 else [])
+        if not any(cands):
+            return
+        greedy = [c if r.params.greedy else [] for r, c in zip(running, cands)]
+        drafts.tokens, _, used = agree_with_drafts(drafts.tokens, greedy)
+        self.ngram_used = self.ngram_used.to(used.device) + used.sum()
+        for i, (r, c) in enumerate(zip(running, cands)):
+            if c and not r.params.greedy:
+                w = drafts.q_lens[i] - 1
+                row, q, used = agree_with_drafts(drafts.tokens[i : i + 1, :w], [c], drafts.q_probs[i][None])
+                drafts.tokens[i, :w], drafts.q_probs[i] = row[0], q[0]
+                self.ngram_used = self.ngram_used.to(used.device) + used.sum()
 
     def _admit(self, running, verify_tokens: int) -> list[Request]:
         """Queued requests that fit next to ``running`` this round (slots allocated, state ``running``)."""

@@ -59,6 +59,7 @@ class Request:
         self.slot: int | None = None
         self.tokens: list[int] = []
         self.pending_ctx: torch.Tensor | None = None  # target features the drafter has not consumed
+        self.ngrams = None  # prompt + tokens indexed for the prompt n-gram rule (`spec.prompt_ngrams.NgramIndex`)
         self.head_ratio: float | None = None  # the length head's last ratio (the cost policy's guess before drafting)
         self.state = "queued"
         self.cancel_requested = False

@@ -18,6 +18,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from ..modeling import AdaFlashDrafter
 from ..spec.hooks import hooks_for, round_callbacks
+from ..spec.prompt_ngrams import NgramIndex, PromptNgrams, agree_with_drafts
 from ..spec.rounds import RoundSink, VerifiedRound
 from ..spec.verify import SampledRows, accept_block
 from .drafting import AdaFlashCandidateGenerator
@@ -94,11 +95,14 @@ class _Batch:
     ctx: torch.Tensor  # target features of verified tokens the drafter has not consumed yet
     ctx_valid: torch.Tensor
     ctx_pos: torch.Tensor
+    ngrams: list[NgramIndex] | None = None  # each row's tokens (host) for the prompt n-gram rule; None: rule off
 
     def drop_finished(self, done: torch.Tensor, cache, generator) -> None:
         keep = (~done).nonzero().squeeze(1)
         self.seqs = [s for s, d in zip(self.seqs, done.tolist()) if not d]
         self.processors = [p for p, d in zip(self.processors, done.tolist()) if not d]
+        if self.ngrams is not None:
+            self.ngrams = [g for g, d in zip(self.ngrams, done.tolist()) if not d]
         for name in ("index", "prompt_mask", "valid", "pos", "bonus", "ctx", "ctx_valid", "ctx_pos"):
             setattr(self, name, getattr(self, name)[keep])
         cache.batch_select_indices(keep)
@@ -114,6 +118,12 @@ class _Batch:
         self.ctx, self.ctx_valid, self.ctx_pos = features[:, :keep], new_valid[:, :keep], self.pos[:, None] + cols[:, :keep]
         self.pos = self.pos + accepted + 1
         self.bonus = next_tokens
+
+    def extend_ngrams(self, draft: torch.Tensor, accepted: list[int], next_tokens: torch.Tensor) -> None:
+        """Append each row's committed tokens to its n-gram index's tokens."""
+        if self.ngrams is not None:
+            for g, row, a, t in zip(self.ngrams, draft.tolist(), accepted, next_tokens.tolist()):
+                g.tokens.extend(row[:a] + [t])
 
     def context_ids(self, i: int) -> torch.Tensor:
         """Row `i`'s tokens before its bonus token, prompt padding removed."""
@@ -146,6 +156,7 @@ def adaflash_decoding(
     return_stats: bool = False,
     round_sink: RoundSink | None = None,
     fast_path: str | bool = "auto",
+    prompt_ngrams: int | PromptNgrams | None = None,
     **model_kwargs,
 ):
     """Speculative decoding with an AdaFlash drafter, as a transformers `custom_generate` method.
@@ -160,25 +171,34 @@ def adaflash_decoding(
     graphs when the call allows it, else here with a warning naming why (:mod:`.fast_path`); `True`
     takes the engine off CUDA too, `False` never.
 
+    `prompt_ngrams`: the prompt n-gram rule beside the drafter (:mod:`adaflash_hf.spec.prompt_ngrams`: a row
+    verifies prompt lookup's candidate instead of the drafts when its first token equals the first draft), as the
+    longest n-gram matched (0 turns it off) or a :class:`~adaflash_hf.spec.prompt_ngrams.PromptNgrams`; default: 4,
+    greedy decoding only (``PromptNgrams(4, sampled=True)`` under sampling too). Off while a round sink (an online
+    adapter) is attached: it learns from the drafter's own rounds.
+
     Example:
         >>> out = target.generate(ids, custom_generate=adaflash_decoding, drafter=drafter)  # doctest: +SKIP
     """
     _check_call(model, drafter, generation_config, input_ids, model_kwargs, round_sink)
     rows = row_processors(logits_processor, input_ids.shape[0])  # refuses a processor we cannot run, before any work
+    ngrams = PromptNgrams.of(prompt_ngrams)
     if takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length_policy,
                     rows=input_ids.shape[0]):
         return engine_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                length_policy=length_policy, length_rate=length_rate, length_min=length_min,
-                               return_stats=return_stats, round_sink=round_sink, **model_kwargs)
+                               return_stats=return_stats, round_sink=round_sink, prompt_ngrams=ngrams, **model_kwargs)
     return _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stopping_criteria, generation_config, streamer,
-                              length_policy, length_rate, length_min, return_stats, round_sink, model_kwargs)
+                              length_policy, length_rate, length_min, return_stats, round_sink, ngrams, model_kwargs)
 
 
 def _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stopping_criteria, generation_config, streamer,
-                       length_policy, length_rate, length_min, return_stats, round_sink, model_kwargs):
+                       length_policy, length_rate, length_min, return_stats, round_sink, ngrams, model_kwargs):
     """The eager rounds of :func:`adaflash_decoding` (transformers' modules, a `DynamicCache`)."""
     # An online adapter attached to the drafter (`OnlineAdapter.attach()`) receives every round.
     on_round, on_request = round_callbacks(round_sink, drafter)
+    if on_round is not None:
+        ngrams = PromptNgrams(0)  # the adapter learns from the drafter's own rounds
     generator = AdaFlashCandidateGenerator.for_target(
         model, drafter, generation_config, logits_processor, length_policy=length_policy, length_rate=length_rate, length_min=length_min
     )
@@ -193,7 +213,7 @@ def _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stoppi
 
     t0 = clock()
     batch, cache, done = _prefill(model, drafter, input_ids, rows, shared_processors(logits_processor), model_kwargs, layers,
-                                 do_sample, output)
+                                 do_sample, output, ngrams)
     stats.verify_time_s += clock() - t0
     while not bool(done.all()):
         if bool(done.any()):
@@ -203,7 +223,9 @@ def _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stoppi
         t0 = clock()
         with weights_lock:
             block, draft, q = _draft(generator, batch, max_length, do_sample)
+        draft, q, used = _with_ngrams(batch, draft, q)
         stats.fallback_rounds += int((~block.finite).sum())
+        stats.ngram_rounds += int(used.sum())
         k = draft.shape[1]
         t1 = clock()
 
@@ -226,6 +248,7 @@ def _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stoppi
         done = _commit_round(output, batch, draft, res, logits, processed, out.hidden_states)
         for i in range(len(batch.seqs)):  # a row that stops inside the round counts the tokens it emitted, not acc + 1
             stats.record(int(batch.index[i]), int(block.draft_len[i]) + 1, output.committed[i] - 1)
+        batch.extend_ngrams(draft, acc.tolist(), res.next_tokens)
         batch.advance(drafter.select_context(out.hidden_states), acc, res.next_tokens, k + 1, cache)
 
     if streamer is not None:
@@ -270,7 +293,7 @@ def _emit_rounds(on_round, batch: _Batch, block, draft, target_logits, acc) -> N
                                           target_logits[i], block.draft_len[i], acc[i], ratio))
 
 
-def _prefill(model, drafter, input_ids, rows, shared, model_kwargs, layers, do_sample, output: Output):
+def _prefill(model, drafter, input_ids, rows, shared, model_kwargs, layers, do_sample, output: Output, ngrams: PromptNgrams):
     """The target's first token for each row, and the prompts' features as the drafter's first context."""
     # With `inputs_embeds` the prompt is the embeddings (input_ids then holds only the prompt ids the caller
     # also passed, often none: generate returns just the new tokens); the drafter needs only its features.
@@ -308,6 +331,10 @@ def _prefill(model, drafter, input_ids, rows, shared, model_kwargs, layers, do_s
         ctx_valid=mask,
         ctx_pos=(attention_mask.long().cumsum(-1) - 1).clamp(min=0),
     )
+    if ngrams.applies(greedy=not do_sample):  # each row's prompt ids (those given: none with inputs_embeds alone) and its first token
+        given = mask[:, -input_ids.shape[1] :] if input_ids.shape[1] else mask[:, :0]
+        batch.ngrams = [NgramIndex(ids[m].tolist() + [int(t)], ngrams.max_ngram)
+                        for ids, m, t in zip(input_ids, given, first)]
     hidden = [[tuple(h[i] for h in out.hidden_states)] for i in range(input_ids.shape[0])] if output.want_hidden else None
     done = output.commit(batch, [t[None] for t in first], list(logits), processed, hidden)
     return batch, out.past_key_values, done
@@ -327,6 +354,13 @@ def _draft(generator: AdaFlashCandidateGenerator, batch: _Batch, max_length: int
     k = int(block.draft_len.max())
     draft, q = _sample_drafts(generator, batch, block, k) if do_sample and k > 0 else (block.tokens[:, :k], None)
     return block, draft, q
+
+
+def _with_ngrams(batch: _Batch, draft: torch.Tensor, q):
+    """The prompt n-gram rule on this round's drafts (:func:`~adaflash_hf.spec.prompt_ngrams.agree_with_drafts`)."""
+    if batch.ngrams is None:
+        return draft, q, torch.zeros(draft.shape[0], dtype=torch.bool)
+    return agree_with_drafts(draft, [g.candidate(draft.shape[1]) for g in batch.ngrams], q)
 
 
 def _sample_drafts(generator: AdaFlashCandidateGenerator, batch: _Batch, block, k):

@@ -43,6 +43,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from ..spec.hooks import round_callbacks
 from ..spec.policy import resolve_policy
+from ..spec.prompt_ngrams import PromptNgrams
 
 __all__ = ["FAST_PATH_CHOICES", "MAX_ENGINES", "clear_engines", "engine_decoding", "fast_path_refusal", "takes_engine", "warmup"]
 
@@ -207,7 +208,7 @@ def _split_criteria(stopping_criteria):
 
 def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer, *,
                     length_policy=None, length_rate=None, length_min=None, return_stats=False, round_sink=None,
-                    **model_kwargs):
+                    prompt_ngrams=None, **model_kwargs):
     """The body of :func:`~.decoding.adaflash_decoding` on the engine (after :func:`fast_path_refusal` said
     it can): same arguments, same return value."""
     from ..engine import SamplingParams
@@ -235,7 +236,8 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
     # The cached engine outlives this call: its caches and lazily made buffers must be normal tensors even
     # when generate runs under torch.inference_mode (in-place updates of inference tensors fail outside it).
     with cached.lock, torch.inference_mode(False), torch.no_grad():
-        saved = engine.on_round, engine.on_request
+        saved = engine.on_round, engine.on_request, engine.prompt_ngrams
+        engine.prompt_ngrams, used_before = PromptNgrams.of(prompt_ngrams), int(engine.ngram_used)
         row_of: dict[int, int] = {}
         engine.on_round = None if on_round is None else (lambda r: on_round(dataclasses.replace(r, row=row_of[r.row])))
         engine.on_request = None
@@ -256,7 +258,8 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
                 h.cancel()
             raise
         finally:
-            engine.on_round, engine.on_request = saved
+            stats.ngram_rounds = int(engine.ngram_used) - used_before
+            engine.on_round, engine.on_request, engine.prompt_ngrams = saved
     for i, o in enumerate(outs):
         if o.finish_reason == "error":
             raise RuntimeError(f"row {i} failed in the engine: {o.error}")

@@ -26,6 +26,7 @@ class GenerationStats(RoundTally):
     verify_lengths: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     fallback_rounds: int = 0
+    ngram_rounds: int = 0  # row-rounds that verified a prompt n-gram candidate (`spec.prompt_ngrams`)
     new_tokens: int = 0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
@@ -54,6 +55,7 @@ class GenerationStats(RoundTally):
             "accepted": list(self.accepted),
             "verify_lengths": list(self.verify_lengths),
             "fallback_rounds": self.fallback_rounds,
+            "ngram_rounds": self.ngram_rounds,
             "prefill_forwards": self.prefill_forwards,
             "new_tokens": self.new_tokens,
             "draft_time_s": self.draft_time_s,

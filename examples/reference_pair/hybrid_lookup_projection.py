@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from adaflash_hf import load_reference_pair
-from adaflash_hf.bench.prompt_lookup_tau import PromptLookupSettings, _candidates, _FirstMatch, prompt_lookup_rounds
+from adaflash_hf.bench.prompt_lookup_tau import PromptLookupSettings, _candidates, prompt_lookup_rounds
+from adaflash_hf.spec.prompt_ngrams import NgramIndex
 from adaflash_hf.bench.prompts import load_prompts
 from adaflash_hf.generation.prompts import encode_prompt
 
@@ -49,7 +50,7 @@ def per_position(target, drafter, prompt: list[int], out: list[int], settings, e
     p, block = len(prompt), drafter.config.block_size
     with torch.inference_mode():
         feats = drafter.select_context(target(torch.tensor([seq]), output_hidden_states=True).hidden_states)
-    index = _FirstMatch(seq, settings.max_ngram)
+    index = NgramIndex(seq, settings.max_ngram)
     rows = []
     max_length = p + len(out)  # candidates never run past the output (what is verified past it is never kept)
     for j in range(len(out) - 1):

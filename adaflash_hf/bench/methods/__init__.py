@@ -36,13 +36,21 @@ METHODS: dict[str, Method] = {
     "dflash_native": Method(
         "dflash_native", run_dflash_native, "transformers' native DFlash path", needs_drafter=True, batch1_only=True
     ),
-    "fixed": Method("fixed", ours("fixed"), "AdaFlash loop, fixed full-block verify (DFlash)", needs_drafter=True),
+    "fixed": Method("fixed", ours("fixed"), "AdaFlash loop, fixed full-block verify, prompt n-grams beside the drafter",
+                    needs_drafter=True),
+    # The drafter alone (`prompt_ngrams=0`): classic DFlash, and what the prompt n-gram rule is measured against.
+    "fixed_alone": Method("fixed_alone", ours("fixed", 0), "AdaFlash loop, fixed full-block verify, the drafter alone (DFlash)",
+                          needs_drafter=True),
     "adaptive": Method(
         "adaptive", ours("adaptive"), "AdaFlash loop, length-head verify length", needs_drafter=True, skip=needs_length_head
     ),
     "cost": Method(
         "cost", ours("cost"), "AdaFlash loop, cost-aware verify length (the default with a trained length head)",
         needs_drafter=True, skip=needs_length_head,
+    ),
+    "cost_alone": Method(
+        "cost_alone", ours("cost", 0), "AdaFlash loop, cost-aware verify length, the drafter alone", needs_drafter=True,
+        skip=needs_length_head,
     ),
     "expected_gain": Method("expected_gain", ours("expected_gain"), "AdaFlash loop, expected-gain verify length", needs_drafter=True),
     "osd": Method(
@@ -55,6 +63,8 @@ METHODS: dict[str, Method] = {
     ),
     "engine_off": Method("engine_off", engine(None), "serving engine, plain decoding (continuous batching)"),
     "engine_fixed": Method("engine_fixed", engine("fixed"), "serving engine, fixed full-block verify", needs_drafter=True),
+    "engine_fixed_alone": Method("engine_fixed_alone", engine("fixed", 0), "serving engine, fixed full-block verify, the "
+                                 "drafter alone", needs_drafter=True),
     "engine_adaptive": Method(
         "engine_adaptive", engine("adaptive"), "serving engine, per-request verify lengths packed in one forward",
         needs_drafter=True, skip=needs_length_head,

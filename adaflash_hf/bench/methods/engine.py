@@ -9,7 +9,7 @@ def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, int(n) - 1).bit_length())
 
 
-def _engine_for(ctx, policy: str | None, prompts: list[list[int]], max_new: int):
+def _engine_for(ctx, policy: str | None, prompts: list[list[int]], max_new: int, prompt_ngrams=None):
     """The context's engine for (length policy, batch size), rebuilt when this batch does not fit it."""
     from ...engine import Engine
 
@@ -17,17 +17,20 @@ def _engine_for(ctx, policy: str | None, prompts: list[list[int]], max_new: int)
     block = drafter.config.block_size if drafter is not None else 1
     need_len = _pow2_at_least(max(map(len, prompts)) + max_new + block, 256)
     need_budget = _pow2_at_least(max(max(map(len, prompts)), len(prompts) * block), 64)
-    eng = ctx.engines.get((policy, len(prompts)))
+    key = (policy, len(prompts), prompt_ngrams)
+    eng = ctx.engines.get(key)
     if eng is None or eng.max_len < need_len or eng.token_budget < need_budget:
         eng = Engine(ctx.target, drafter, length_policy=policy, max_slots=len(prompts), max_len=need_len,
-                     token_budget=need_budget, length_rate=ctx.length_rate, halving_batch=ctx.halving_batch)
+                     token_budget=need_budget, length_rate=ctx.length_rate, halving_batch=ctx.halving_batch,
+                     prompt_ngrams=prompt_ngrams)
         eng.warmup(concurrency=len(prompts))  # the decode rounds' graphs, before any timed request
-        ctx.engines[(policy, len(prompts))] = eng
+        ctx.engines[key] = eng
     return eng, block
 
 
-def engine(policy: str | None):
-    """The serving engine with length policy `policy` (``None``: no drafter, plain decoding), one request per row.
+def engine(policy: str | None, prompt_ngrams=None):
+    """The serving engine with length policy `policy` (``None``: no drafter, plain decoding) and `prompt_ngrams`
+    (``None``: the default rule; 0: the drafter alone), one request per row.
 
     The batch is submitted at once (concurrency = batch size). One engine per (mode, batch size) is
     kept in the context, sized with power-of-two headroom so that later batches reuse it (and its
@@ -43,7 +46,7 @@ def engine(policy: str | None):
         kw = ctx.generate_kwargs
         max_new = int(kw["max_new_tokens"])
         prompts = [row[m.bool()].tolist() for row, m in zip(input_ids, attention_mask)]
-        eng, block = _engine_for(ctx, policy, prompts, max_new)
+        eng, block = _engine_for(ctx, policy, prompts, max_new, prompt_ngrams)
         eos = kw.get("eos_token_id", ctx.target.generation_config.eos_token_id)
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else eos
         params = SamplingParams(kw.get("temperature") or 0.0, kw.get("top_k") or None, kw.get("top_p"), None, eos)

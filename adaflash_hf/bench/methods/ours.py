@@ -12,8 +12,9 @@ def adaflash_policy(drafter) -> str:
     return default_policy(drafter.config).value
 
 
-def ours(policy):
-    """Our loop with `policy` (a policy name, or a function of the drafter returning one)."""
+def ours(policy, prompt_ngrams=None):
+    """Our loop with `policy` (a policy name, or a function of the drafter returning one) and `prompt_ngrams`
+    (``None``: the default rule; 0: the drafter alone)."""
 
     def run(ctx, input_ids, attention_mask, streamer):
         from ...generation import speculative_generate
@@ -27,6 +28,7 @@ def ours(policy):
             length_rate=ctx.length_rate,
             return_stats=True,
             streamer=streamer,
+            prompt_ngrams=prompt_ngrams,
             **ctx.generate_kwargs,
         )
         return MethodOutput(out, stats=stats)

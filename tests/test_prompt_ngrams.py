@@ -1,0 +1,138 @@
+"""The prompt n-gram rule (`spec.prompt_ngrams`): the candidate, the agree substitution, and identity with plain
+decoding in every loop that applies it (generate's eager loop, the engine eager and static, packed layouts)."""
+
+import pytest
+import torch
+
+from adaflash_hf.spec.prompt_ngrams import NgramIndex, PromptNgrams, agree_with_drafts
+
+
+@pytest.mark.parametrize(
+    "tokens, max_ngram, num_tokens, expected",
+    [
+        ([7, 1, 2, 3, 9, 1, 2], 2, 3, [3, 9, 1]),  # "1 2" at 1: what followed it
+        ([7, 1, 2, 3, 9, 1, 2], 2, 10, [3, 9, 1, 2]),  # never past the list's end
+        ([1, 2, 5, 8, 2, 6, 1, 2], 2, 2, [5, 8]),  # the 2-gram wins over the later 1-gram "2"
+        ([1, 2, 5, 8, 2, 6, 3, 2], 2, 2, [5, 8]),  # no 2-gram match: the leftmost "2"
+        ([1, 2, 5, 8, 2, 6, 3, 2], 1, 2, [5, 8]),
+        ([4, 5, 6], 3, 4, []),  # no earlier occurrence
+        ([4, 4], 2, 3, [4]),  # the suffix itself is never its own match
+        ([1, 2, 3, 1, 2, 3, 1, 2], 3, 2, [3, 1]),  # leftmost occurrence of the longest n-gram
+    ],
+)
+def test_candidate_table(tokens, max_ngram, num_tokens, expected):
+    assert NgramIndex(tokens, max_ngram).candidate(num_tokens) == expected
+
+
+def test_candidate_follows_a_growing_list():
+    tokens = [1, 2, 3]
+    index = NgramIndex(tokens, 2)
+    assert index.candidate(4) == []
+    tokens.extend([9, 1, 2])  # the index reads the list it was given: appended tokens are indexed on demand
+    assert index.candidate(4) == [3, 9, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "drafts, candidates, expected, used",
+    [
+        ([[4, 5, 6]], [[4, 8]], [[4, 8, 6]], [True]),  # agrees: the candidate over its length, drafts after it
+        ([[4, 5, 6]], [[3, 8, 8]], [[4, 5, 6]], [False]),  # first tokens differ: the drafter's block
+        ([[4, 5, 6]], [[]], [[4, 5, 6]], [False]),  # no candidate
+        ([[4, 5]], [[4, 9, 9, 9]], [[4, 9]], [True]),  # cut to the drafts' width
+        ([[4, 5, 6], [1, 2, 3]], [[4, 7, 7], [1, 0]], [[4, 7, 7], [1, 0, 3]], [True, True]),
+    ],
+)
+def test_agree_table(drafts, candidates, expected, used):
+    d = torch.tensor(drafts)
+    out, _, took = agree_with_drafts(d, candidates)
+    assert out.tolist() == expected and took.tolist() == used
+    assert d.tolist() == drafts  # the input is not modified
+
+
+def test_agree_makes_later_candidate_positions_one_hot():
+    q = torch.full((1, 3, 5), 0.2)
+    drafts, q2, used = agree_with_drafts(torch.tensor([[2, 0, 0]]), [[2, 3]], q)
+    assert used.tolist() == [True] and drafts.tolist() == [[2, 3, 0]]
+    assert torch.equal(q2[0, 0], q[0, 0])  # the first draft is the drafter's own sample: its q stays
+    assert q2[0, 1].tolist() == [0, 0, 0, 1, 0]  # the candidate's token, deterministic given the first
+    assert torch.equal(q2[0, 2], q[0, 2])  # past the candidate: the drafter's again
+    _, q3, _ = agree_with_drafts(torch.tensor([[1, 0, 0]]), [[2, 3]], q)  # control: disagreeing leaves q alone
+    assert torch.equal(q3, q)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "4"])
+def test_prompt_ngrams_setting_is_checked(bad):
+    with pytest.raises(ValueError, match="prompt_ngrams"):
+        PromptNgrams.of(bad)
+
+
+@pytest.fixture(scope="module")
+def reference_pair():
+    from adaflash_hf import load_reference_pair
+
+    return load_reference_pair()
+
+
+# Prompts that repeat themselves, so that the rule has candidates to verify.
+_PROMPTS = [
+    "Repeat this list exactly: apples, pears, plums, figs, dates, limes. Repeat this list exactly: apples, pears,",
+    "The cat sat on the mat. The dog sat on the log. The cat sat on the",
+]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(reference_pair):
+    _, _, tok = reference_pair
+    return [tok(p).input_ids for p in _PROMPTS]
+
+
+def _plain(target, ids, n):
+    with torch.inference_mode():
+        return target.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("policy", ["fixed", "cost"])
+def test_generate_with_the_rule_equals_plain(reference_pair, prompt_ids, policy):
+    target, drafter, tok = reference_pair
+    n = 24
+    plain = [_plain(target, ids, n) for ids in prompt_ids]
+    batch = tok(_PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    with torch.inference_mode():
+        out, stats = target.generate(**batch, assistant_model=drafter, max_new_tokens=n, do_sample=False,
+                                     length_policy=policy, return_stats=True, prompt_ngrams=4, fast_path=False)
+        _, alone = target.generate(**batch, assistant_model=drafter, max_new_tokens=n, do_sample=False,
+                                   length_policy=policy, return_stats=True, prompt_ngrams=0, fast_path=False)
+    assert [row[batch.input_ids.shape[1] :].tolist()[: len(p)] for row, p in zip(out, plain)] == plain
+    assert stats.ngram_rounds > 0 and alone.ngram_rounds == 0  # the rule ran (control: off, it never does)
+
+
+@pytest.mark.parametrize("cuda_graphs, policy", [(False, "fixed"), (True, "fixed"), (True, "cost")])
+def test_engine_with_the_rule_equals_plain(reference_pair, prompt_ids, cuda_graphs, policy):
+    from adaflash_hf.engine import Engine
+
+    target, drafter, _ = reference_pair
+    n = 24
+    plain = [_plain(target, ids, n) for ids in prompt_ids]
+    used = {}
+    for ngrams in (4, 0):
+        engine = Engine(target, drafter, length_policy=policy, max_slots=2, max_len=256, token_budget=256,
+                        cuda_graphs=cuda_graphs, prompt_ngrams=ngrams)
+        assert [o.token_ids for o in engine.generate(prompt_ids, max_new_tokens=n)] == plain
+        used[ngrams] = int(engine.ngram_used)
+    assert used[4] > 0 and used[0] == 0
+
+
+def test_the_rule_is_off_under_a_round_sink(reference_pair, prompt_ids):
+    """The online adapter learns from the drafter's own rounds: every round it sees verifies the drafter's drafts."""
+    target, drafter, _ = reference_pair
+    rounds = []
+
+    class Sink:
+        def on_round(self, r):
+            rounds.append(r)
+
+    with torch.inference_mode():
+        _, stats = target.generate(torch.tensor([prompt_ids[0]]), assistant_model=drafter, max_new_tokens=16,
+                                   do_sample=False, length_policy="fixed", return_stats=True, round_sink=Sink(),
+                                   fast_path=False)
+    assert rounds and stats.ngram_rounds == 0
