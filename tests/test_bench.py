@@ -384,3 +384,30 @@ def test_continuation_prompts_skip_the_chat_template(tmp_path):
     path.write_text('{"text": "Once upon"}\n{"prompt": "hi"}\n{"other": 1}\n')
     with pytest.raises(ValueError, match="record 2"):
         load_prompts(f"jsonl:{path}", 5, None)
+
+
+@pytest.mark.parametrize(
+    "warmup, conc, datasets, expected_batches",
+    [
+        (1, 1, ["a", "a"], [[[9, 9, 9]]]),  # once per (method, concurrency, set), on the set's longest prompt
+        (2, 1, ["a"], [[[9, 9, 9]], [[5, 5]]]),
+        (1, 2, ["a", "b"], [[[9, 9, 9], [5, 5]], [[9, 9, 9], [5, 5]]]),  # a later set warms again: its own engine
+        (0, 1, ["a"], []),
+    ],
+)
+def test_warm_up_runs_each_sets_longest_prompts_once(monkeypatch, warmup, conc, datasets, expected_batches):
+    """A set whose prompts are longer than the last one's may need a bigger engine (cache, graph buckets): its
+    warm-up must build it, on its own longest prompts, so that no timed batch does."""
+    from types import SimpleNamespace
+
+    from adaflash_hf.bench import measure
+
+    seen = []
+    monkeypatch.setattr(measure, "run_batch", lambda method, ctx, ids, mask, *a: seen.append(
+        [row[m.bool()].tolist() for row, m in zip(ids, mask)]))
+    pool = sorted([[5, 5], [9, 9, 9], [1]], key=len, reverse=True)  # as the runner passes it
+    warmed, config = set(), SimpleNamespace(warmup=warmup, seed=0)
+    for name in datasets:
+        cell = SimpleNamespace(concurrency=conc, dataset=name)
+        measure._warm_up(SimpleNamespace(name="fixed"), None, cell, config, (), pool, warmed, 0, "cpu", False)
+    assert seen == expected_batches

@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")
     g.add_argument("--attn-implementation", default="sdpa")
-    g.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed before each method and concurrency")
+    g.add_argument("--warmup", type=int, default=1, help="prompts decoded untimed before each method and concurrency is first timed on a set (the set's longest)")
     g.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
                    help="candidate tokens per round of prompt_lookup and prompt_lookup_exact")
     g.add_argument("--prompt-lookup-choice", metavar="BENCH_JSON",

@@ -24,7 +24,7 @@ class BenchConfig:
     named set with training duplicates removed (`adaflash_hf.training.splits`).
     ``concurrency``: batch sizes; N prompts are decoded together in one left-padded batch.
     ``temperature`` 0 means greedy, and only greedy runs are compared token for token.
-    ``warmup``: prompts decoded untimed before each (method, concurrency) is first timed.
+    ``warmup``: prompts decoded untimed before each (method, concurrency) is first timed on a set (its longest).
     ``prompt_lookup_num_tokens``: candidate tokens per round of the ``prompt_lookup`` baseline (and of
     ``prompt_lookup_exact``, its rounds computed from plain's outputs, untimed).
     ``prompt_lookup_choice``: a ``--split validation`` run's ``bench.json`` whose ``prompt_lookup_grid`` cells

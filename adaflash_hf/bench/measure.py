@@ -29,15 +29,18 @@ def _private_drafter(drafter, target):
     return copy_drafter(drafter, target).eval()
 
 
-def _warm_up(method, ctx, conc, config, eos_ids, warm_pool, warmed, pad_id, device, on_cuda) -> None:
-    """Untimed batches the first time a (method, concurrency) runs: one-time set-up is not decoding."""
-    if config.warmup <= 0 or (method.name, conc) in warmed:
+def _warm_up(method, ctx, cell, config, eos_ids, warm_pool, warmed, pad_id, device, on_cuda) -> None:
+    """Untimed batches the first time a (method, concurrency) runs on a set: one-time set-up is not decoding.
+    ``warm_pool``: the set's prompts, longest first, so that an engine sized for the batch (its cache length,
+    its graph buckets) is built and captured here, not inside a timed batch of the set's longer prompts."""
+    conc = cell.concurrency
+    if config.warmup <= 0 or (method.name, conc, cell.dataset) in warmed:
         return
     picks = [warm_pool[i % len(warm_pool)] for i in range(max(config.warmup, conc))]
     for i in range(0, len(picks) - conc + 1, conc):
         ids, mask = left_pad(picks[i : i + conc], pad_id, device)
         run_batch(method, ctx, ids, mask, eos_ids, config.seed, on_cuda)
-    warmed.add((method.name, conc))
+    warmed.add((method.name, conc, cell.dataset))
 
 
 def _attach_adapter(method, ctx, config, dataset):
@@ -79,7 +82,7 @@ def measure(method, ctx, cell, layouts, config, eos_ids, warm_pool, warmed, pad_
         ctx = BenchContext(ctx.target, _private_drafter(ctx.drafter, ctx.target), ctx.assistant, ctx.tokenizer, ctx.device,
                            ctx.generate_kwargs, prompt_lookup_num_tokens=ctx.prompt_lookup_num_tokens,
                            length_rate=ctx.length_rate, halving_batch=ctx.halving_batch)  # fmt: skip
-    _warm_up(method, ctx, cell.concurrency, config, eos_ids, warm_pool, warmed, pad_id, device, on_cuda)
+    _warm_up(method, ctx, cell, config, eos_ids, warm_pool, warmed, pad_id, device, on_cuda)
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(device)
     # attached after the warmup: the adapter learns from the timed stream only

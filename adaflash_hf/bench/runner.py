@@ -210,7 +210,7 @@ def run_bench(config: BenchConfig) -> BenchResult:
 
     if config.split != "all":
         result.config["split_counts"] = {s.label: _split_counts(d, config.data_dir) for d, s in zip(names, sets)}
-    run = _Run(config, ctx, result, pad_id, eos_ids, warm_pool=[encode_prompt(tokenizer, m) for m in sets[0].prompts])
+    run = _Run(config, ctx, result, pad_id, eos_ids)
     for s in sets:
         _run_set(run, s, methods, choice or {})
 
@@ -233,6 +233,7 @@ def _run_set(run: _Run, pset, methods: list[str], choice: dict) -> None:
         run.ctx.prompt_lookup_tuned = choice.get(label)  # this set's setting chosen on validation, if any
         order = sorted(conversations)
         encoded = [encode_prompt(run.ctx.tokenizer, conversations[i]) for i in order]
+        run.warm_pool = sorted(encoded, key=len, reverse=True)  # longest first (`measure._warm_up`)
         for conc in run.config.concurrency:
             run.result.cells.extend(run.group(label, encoded, conc, methods))
         turn += 1
