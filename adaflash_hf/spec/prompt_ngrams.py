@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = ["NgramIndex", "PromptNgrams", "agree_with_drafts"]
@@ -74,29 +75,32 @@ class NgramIndex:
     already in the list and outside ``forbidden`` (transformers' prompt lookup keeps only such windows).
 
     ``tokens`` is read, never copied: append to it and :meth:`candidate` (or :meth:`extend_to`) indexes what is new.
+    One dict holds every size (an n-gram's tuple length is its size): the engine calls this for every request
+    every round, on the host.
     """
 
     def __init__(self, tokens: list[int], max_ngram: int, forbidden=frozenset()):
-        self.tokens, self.sizes, self.forbidden = tokens, range(1, max_ngram + 1), forbidden
-        self.first: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
+        self.tokens, self.max_ngram, self.forbidden = tokens, max_ngram, forbidden
+        self.first: dict[tuple, int] = {}
         self.length = 0
 
     def extend_to(self, length: int) -> None:
         """Index every n-gram whose next token lies before ``length``."""
+        toks, first, forbidden, top = self.tokens, self.first, self.forbidden, self.max_ngram
         for nxt in range(self.length, length):
-            if self.tokens[nxt] in self.forbidden:
+            if forbidden and toks[nxt] in forbidden:
                 continue
-            for n in self.sizes:
-                if nxt >= n:
-                    self.first[n].setdefault(tuple(self.tokens[nxt - n : nxt]), nxt - n)
+            for n in range(1, min(top, nxt) + 1):
+                first.setdefault(tuple(toks[nxt - n : nxt]), nxt - n)
         self.length = max(self.length, length)
 
     def match(self, cur: int) -> int | None:
         """Where the continuation of ``tokens[:cur]``'s longest indexed suffix n-gram starts (``None``: no match);
         n-grams are tried longest first, as transformers does."""
         self.extend_to(cur)
-        for n in range(min(len(self.sizes), cur - 1), 0, -1):
-            idx = self.first[n].get(tuple(self.tokens[cur - n : cur]))
+        toks, first = self.tokens, self.first
+        for n in range(min(self.max_ngram, cur - 1), 0, -1):
+            idx = first.get(tuple(toks[cur - n : cur]))
             if idx is not None:
                 return idx + n
         return None
@@ -129,13 +133,14 @@ def agree_with_drafts(drafts: torch.Tensor, candidates: list[list[int]], q: torc
     b, w = drafts.shape
     if w == 0 or not any(candidates):
         return drafts, q, torch.zeros(b, dtype=torch.bool, device=drafts.device)
-    cand = torch.full((b, w), -1, dtype=drafts.dtype)
-    lengths = torch.zeros(b, dtype=torch.long)
+    host = np.full((b, w + 1), -1, dtype=np.int64)  # the candidates, then their lengths: one copy to the device
     for i, c in enumerate(candidates):
-        c = c[:w]
-        cand[i, : len(c)] = torch.tensor(c, dtype=drafts.dtype)
-        lengths[i] = len(c)
-    cand, lengths = cand.to(drafts.device, non_blocking=True), lengths.to(drafts.device, non_blocking=True)
+        if c:
+            c = c[:w]
+            host[i, : len(c)] = c
+            host[i, w] = len(c)
+    host = torch.from_numpy(host).to(drafts.device, non_blocking=True)
+    cand, lengths = host[:, :w].to(drafts.dtype), host[:, w]
     used = (lengths > 0) & (cand[:, 0] == drafts[:, 0])
     place = used[:, None] & (torch.arange(w, device=drafts.device)[None, :] < lengths[:, None])
     drafts = torch.where(place, cand, drafts)
