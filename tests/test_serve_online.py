@@ -35,8 +35,11 @@ def reference():
 
 
 def _start(out_dir) -> tuple[subprocess.Popen, str]:
+    # --train-share 1: the worker trains flat out instead of sleeping three quarters of each update (serve's default
+    # 0.25 paces it); the pacer and that default are tested in tests/test_online.py, and here they only doubled the
+    # wall time (96 s -> 48 s) while the server waited for its second version
     cmd = [sys.executable, "-m", "adaflash_hf.cli", "serve", "--online", "--output-dir", str(out_dir), "--port", "0",
-           "--samples-per-update", "4", "--epochs", "1", "--max-slots", "4", "--max-len", "128"]
+           "--samples-per-update", "4", "--epochs", "1", "--max-slots", "4", "--max-len", "128", "--train-share", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
     line = proc.stdout.readline()  # the one line printed once the server listens
