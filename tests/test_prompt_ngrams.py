@@ -24,6 +24,21 @@ def test_candidate_table(tokens, max_ngram, num_tokens, expected):
     assert NgramIndex(tokens, max_ngram).candidate(num_tokens) == expected
 
 
+@pytest.mark.parametrize(
+    "tokens, max_ngram, matches, num_tokens, expected",
+    [
+        ([5, 1, 4, 1, 2, 1], 1, 3, 2, [[4, 1], [2, 1]]),  # every earlier "1", leftmost first
+        ([5, 1, 4, 1, 2, 1], 1, 1, 2, [[4, 1]]),  # one match: transformers' candidate
+        ([1, 2, 5, 8, 2, 6, 1, 2], 2, 4, 2, [[5, 8], [6, 1]]),  # the 2-gram's, then the other "2"'s; each once
+        ([3, 1, 2, 5, 1, 2], 2, 4, 3, [[5, 1, 2]]),  # "1 2" and "2" both continue at 3: one candidate
+        ([7, 7, 7, 7], 1, 8, 2, [[7, 7], [7, 7], [7]]),  # the suffix is never its own match
+        ([4, 5, 6], 2, 4, 2, []),
+    ],
+)
+def test_candidates_table(tokens, max_ngram, matches, num_tokens, expected):
+    assert NgramIndex(tokens, max_ngram, matches=matches).candidates(num_tokens) == expected
+
+
 def test_candidate_follows_a_growing_list():
     tokens = [1, 2, 3]
     index = NgramIndex(tokens, 2)
@@ -35,28 +50,45 @@ def test_candidate_follows_a_growing_list():
 @pytest.mark.parametrize(
     "drafts, candidates, expected, used",
     [
-        ([[4, 5, 6]], [[4, 8]], [[4, 8, 6]], [True]),  # agrees: the candidate over its length, drafts after it
-        ([[4, 5, 6]], [[3, 8, 8]], [[4, 5, 6]], [False]),  # first tokens differ: the drafter's block
+        ([[4, 5, 6]], [[[4, 8]]], [[4, 8, 6]], [True]),  # agrees: the candidate over its length, drafts after it
+        ([[4, 5, 6]], [[[3, 8, 8]]], [[4, 5, 6]], [False]),  # first tokens differ: the drafter's block
         ([[4, 5, 6]], [[]], [[4, 5, 6]], [False]),  # no candidate
-        ([[4, 5]], [[4, 9, 9, 9]], [[4, 9]], [True]),  # cut to the drafts' width
-        ([[4, 5, 6], [1, 2, 3]], [[4, 7, 7], [1, 0]], [[4, 7, 7], [1, 0, 3]], [True, True]),
+        ([[4, 5]], [[[4, 9, 9, 9]]], [[4, 9]], [True]),  # cut to the drafts' width
+        ([[4, 5, 6], [1, 2, 3]], [[[4, 7, 7]], [[1, 0]]], [[4, 7, 7], [1, 0, 3]], [True, True]),
+        ([[4, 5, 6, 0]], [[[3, 5, 6, 6], [4, 9, 9, 9], [4, 5, 7, 7]]], [[4, 5, 7, 7]], [True]),  # longest agreement
+        ([[4, 5, 6, 0]], [[[4, 9, 1, 1], [4, 8, 2, 2]]], [[4, 9, 1, 1]], [True]),  # a tie: the earlier
+        ([[4, 5, 6]], [[[4, 5]], [[4, 5, 6]]], None, None),  # candidates of two rows, one draft row: refused
     ],
 )
 def test_agree_table(drafts, candidates, expected, used):
     d = torch.tensor(drafts)
+    if expected is None:
+        with pytest.raises(ValueError, match="2 rows of candidates for 1 rows"):
+            agree_with_drafts(d, candidates)
+        return
     out, _, took = agree_with_drafts(d, candidates)
     assert out.tolist() == expected and took.tolist() == used
     assert d.tolist() == drafts  # the input is not modified
 
 
+def test_sampled_rows_choose_by_the_first_draft_alone():
+    """Under sampling the later drafts are random: the choice must not read them (the first agreeing candidate)."""
+    q = torch.full((1, 4, 10), 0.1)
+    cands = [[[4, 9, 9, 9], [4, 5, 6, 7]]]
+    drafts, _, _ = agree_with_drafts(torch.tensor([[4, 5, 6, 7]]), cands, q)
+    assert drafts.tolist() == [[4, 9, 9, 9]]
+    greedy, _, _ = agree_with_drafts(torch.tensor([[4, 5, 6, 7]]), cands)  # control: greedy reads them
+    assert greedy.tolist() == [[4, 5, 6, 7]]
+
+
 def test_agree_makes_later_candidate_positions_one_hot():
     q = torch.full((1, 3, 5), 0.2)
-    drafts, q2, used = agree_with_drafts(torch.tensor([[2, 0, 0]]), [[2, 3]], q)
+    drafts, q2, used = agree_with_drafts(torch.tensor([[2, 0, 0]]), [[[2, 3]]], q)
     assert used.tolist() == [True] and drafts.tolist() == [[2, 3, 0]]
     assert torch.equal(q2[0, 0], q[0, 0])  # the first draft is the drafter's own sample: its q stays
     assert q2[0, 1].tolist() == [0, 0, 0, 1, 0]  # the candidate's token, deterministic given the first
     assert torch.equal(q2[0, 2], q[0, 2])  # past the candidate: the drafter's again
-    _, q3, _ = agree_with_drafts(torch.tensor([[1, 0, 0]]), [[2, 3]], q)  # control: disagreeing leaves q alone
+    _, q3, _ = agree_with_drafts(torch.tensor([[1, 0, 0]]), [[[2, 3]]], q)  # control: disagreeing leaves q alone
     assert torch.equal(q3, q)
 
 

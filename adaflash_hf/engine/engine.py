@@ -47,7 +47,7 @@ import torch
 
 from ..spec.hooks import hooks_for, round_callbacks
 from ..spec.policy import resolve_policy, round_layout
-from ..spec.prompt_ngrams import NgramIndex, PromptNgrams, agree_with_drafts
+from ..spec.prompt_ngrams import PromptNgrams, agree_with_drafts
 from ..spec.round_cost import RoundCost
 from ..spec.rounds import RoundSink, VerifiedRound
 from ..spec.verify import SampledRows, accept_block
@@ -433,9 +433,9 @@ class Engine(VerifyLengths, RequestLifecycle):
                 cands.append([])
                 continue
             if r.ngrams is None:
-                r.ngrams = NgramIndex(list(r.prompt), self.prompt_ngrams.max_ngram)
+                r.ngrams = self.prompt_ngrams.index(list(r.prompt))
             r.ngrams.tokens.extend(r.tokens[len(r.ngrams.tokens) - len(r.prompt) :])
-            cands.append(r.ngrams.candidate(dl) if dl > 0 else [])
+            cands.append(r.ngrams.candidates(dl) if dl > 0 else [])
         if not any(cands):
             return
         greedy = [c if r.params.greedy else [] for r, c in zip(running, cands)]

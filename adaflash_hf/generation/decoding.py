@@ -333,8 +333,7 @@ def _prefill(model, drafter, input_ids, rows, shared, model_kwargs, layers, do_s
     )
     if ngrams.applies(greedy=not do_sample):  # each row's prompt ids (those given: none with inputs_embeds alone) and its first token
         given = mask[:, -input_ids.shape[1] :] if input_ids.shape[1] else mask[:, :0]
-        batch.ngrams = [NgramIndex(ids[m].tolist() + [int(t)], ngrams.max_ngram)
-                        for ids, m, t in zip(input_ids, given, first)]
+        batch.ngrams = [ngrams.index(ids[m].tolist() + [int(t)]) for ids, m, t in zip(input_ids, given, first)]
     hidden = [[tuple(h[i] for h in out.hidden_states)] for i in range(input_ids.shape[0])] if output.want_hidden else None
     done = output.commit(batch, [t[None] for t in first], list(logits), processed, hidden)
     return batch, out.past_key_values, done
@@ -360,7 +359,7 @@ def _with_ngrams(batch: _Batch, draft: torch.Tensor, q):
     """The prompt n-gram rule on this round's drafts (:func:`~adaflash_hf.spec.prompt_ngrams.agree_with_drafts`)."""
     if batch.ngrams is None:
         return draft, q, torch.zeros(draft.shape[0], dtype=torch.bool)
-    return agree_with_drafts(draft, [g.candidate(draft.shape[1]) for g in batch.ngrams], q)
+    return agree_with_drafts(draft, [g.candidates(draft.shape[1]) for g in batch.ngrams], q)
 
 
 def _sample_drafts(generator: AdaFlashCandidateGenerator, batch: _Batch, block, k):

@@ -9,16 +9,44 @@ then failed each round with "beginAllocateToPool: already recording"). The engin
 while it captures; a thread that may touch the legacy stream while the engine serves (the adapter swapping
 weights in) holds it too.
 
+Python's garbage collector must not run inside a capture either: a collection that frees an unreachable CUDA graph
+(an evicted engine's, held in a reference cycle) calls ``cudaGraphExecDestroy`` on the capturing thread, which
+invalidates the capture ("operation not permitted when stream is capturing (function reset)", then "operation failed
+due to a previous error during capture": seen on the H200 in the batch-1 bench, where each method builds its own
+engine and evicts an older one). ``torch.cuda.graph`` no longer collects before capturing (only under
+``torch.compiler.config.force_cudagraph_gc``). :func:`capturing` collects first and keeps the collector off until the
+capture ends.
+
 Example:
     >>> with CAPTURE_LOCK:  # no engine capture runs in this block
     ...     pass
+    >>> import gc
+    >>> with capturing():
+    ...     gc.isenabled()
+    False
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
 
-__all__ = ["CAPTURE_LOCK", "CAPTURE_MODE"]
+__all__ = ["CAPTURE_LOCK", "CAPTURE_MODE", "capturing"]
 
 CAPTURE_MODE = "thread_local"
 CAPTURE_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def capturing():
+    """Hold :data:`CAPTURE_LOCK` with Python's garbage collector run first and then off (restored on exit)."""
+    with CAPTURE_LOCK:
+        was_enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            yield
+        finally:
+            if was_enabled:
+                gc.enable()

@@ -2,24 +2,30 @@
 
 Where the answer repeats its prompt (summarization, RAG, QA, code edits) the continuation after the earlier
 occurrence of the text's last n-gram is often right for many tokens, more than a small drafter guesses. The
-rule, ``agree``: each round, for each row, take prompt lookup's candidate (transformers' rule: the leftmost
-earlier occurrence of the longest suffix n-gram, up to ``max_ngram``; :class:`NgramIndex`) and, when its first
-token equals the drafter's first draft, verify the candidate in the drafter's place over the slots the verify
-length already gives the row. The drafter's first draft is the tie-breaker: where the two disagree on the very
-next token, the candidate is usually a false match. Picked among several rules by a CPU projection
-(`examples/reference_pair/hybrid_lookup_projection.py`; "the candidate whenever there is one" loses on
-summarization and RAG), then checked against the drafter alone on the H200 validation slices (BENCHMARKS section 1).
+rule, ``agree``: each round, for each row, gather up to ``matches`` candidates, the continuations of the earlier
+occurrences of the text's suffix n-grams (longest n-gram first, leftmost occurrence first, up to ``max_ngram``;
+:class:`NgramIndex`). Among those whose first token equals the drafter's first draft, verify the one that agrees
+with the drafter's drafts the longest (ties: the earlier in that order) in the drafter's place, over the slots the
+verify length already gives the row. The drafter is the judge: where a candidate disagrees with it on the very next
+token it is usually a false match, and among several matches the drafter's later drafts, weak on their own, pick
+the right occurrence. With ``matches=1`` the candidate is exactly transformers' prompt lookup's. Picked among
+several rules by a CPU projection on validation prompts (`examples/reference_pair/hybrid_lookup_projection.py`;
+"the candidate whenever there is one" loses on summarization and RAG), then checked against the drafter alone on
+the H200 validation slices (BENCHMARKS section 1).
 
 Lossless: greedy acceptance keeps only what the target itself would choose, whatever is verified. Under
-sampling, position 1 keeps the drafter's token and distribution (agreement is decided *by* that sampled token),
-and the candidate's later positions are deterministic given it, a one-hot proposal (:func:`agree_with_drafts`
-rewrites ``q`` there): speculative sampling keeps the target's distribution for any proposal that is a
+sampling, position 1 keeps the drafter's token and distribution, and the candidate is chosen by that sampled token
+alone (the first in order that agrees with it: the later drafts are random, and a choice that read them would make
+the later positions' proposal a mixture); so the candidate's later positions are deterministic given it, a one-hot
+proposal (:func:`agree_with_drafts` rewrites ``q`` there): speculative sampling keeps the target's distribution for any proposal that is a
 function of the prefix and of independent randomness.
 
 Example:
     >>> index = NgramIndex([7, 1, 2, 3, 9, 1, 2], max_ngram=2)
     >>> index.candidate(3)  # "1 2" occurred at 1: what followed it
     [3, 9, 1]
+    >>> NgramIndex([5, 1, 4, 1, 2, 1], max_ngram=1, matches=3).candidates(2)  # each "1": what followed it
+    [[4, 1], [2, 1]]
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ __all__ = ["NgramIndex", "PromptNgrams", "agree_with_drafts"]
 
 @dataclass(frozen=True)
 class PromptNgrams:
-    """The ``agree`` rule's setting: the longest n-gram matched (``max_ngram``; 0 turns the rule off) and whether
+    """The ``agree`` rule's setting: the longest n-gram matched (``max_ngram``; 0 turns the rule off), how many
+    candidates a row weighs each round (``matches``, the earliest occurrences, longest n-gram first) and whether
     sampled rows use it too (``sampled``; greedy rows always do). Candidates are as long as the row's verify length
     allows (at most the drafter's block - 1).
 
@@ -45,14 +52,23 @@ class PromptNgrams:
     Example:
         >>> PromptNgrams().enabled, PromptNgrams(0).enabled, PromptNgrams().applies(greedy=False)
         (True, False, False)
+        >>> PromptNgrams(matches=1).index([7, 1, 2, 9, 1, 2]).candidates(2)  # transformers' candidate only
+        [[9, 1]]
     """
 
     max_ngram: int = 4
+    matches: int = 8
     sampled: bool = False
 
     def __post_init__(self):
         if isinstance(self.max_ngram, bool) or not isinstance(self.max_ngram, int) or self.max_ngram < 0:
             raise ValueError(f"prompt_ngrams must be an int >= 0 (the longest n-gram matched; 0: off), got {self.max_ngram!r}")
+        if isinstance(self.matches, bool) or not isinstance(self.matches, int) or self.matches < 1:
+            raise ValueError(f"prompt_ngrams matches must be an int >= 1 (candidates weighed per round), got {self.matches!r}")
+
+    def index(self, tokens: list[int]) -> "NgramIndex":
+        """A row's index over ``tokens`` (read, never copied: append the row's new tokens to it)."""
+        return NgramIndex(tokens, self.max_ngram, matches=self.matches)
 
     @property
     def enabled(self) -> bool:
@@ -71,38 +87,41 @@ class PromptNgrams:
 
 
 class NgramIndex:
-    """The leftmost start of every n-gram (sizes 1..``max_ngram``) of a growing token list whose next token is
-    already in the list and outside ``forbidden`` (transformers' prompt lookup keeps only such windows).
+    """The leftmost starts (up to ``matches``) of every n-gram (sizes 1..``max_ngram``) of a growing token list
+    whose next token is already in the list and outside ``forbidden`` (transformers' prompt lookup keeps only such
+    windows).
 
     ``tokens`` is read, never copied: append to it and :meth:`candidate` (or :meth:`extend_to`) indexes what is new.
     One dict holds every size (an n-gram's tuple length is its size): the engine calls this for every request
     every round, on the host.
     """
 
-    def __init__(self, tokens: list[int], max_ngram: int, forbidden=frozenset()):
-        self.tokens, self.max_ngram, self.forbidden = tokens, max_ngram, forbidden
-        self.first: dict[tuple, int] = {}
+    def __init__(self, tokens: list[int], max_ngram: int, forbidden=frozenset(), matches: int = 1):
+        self.tokens, self.max_ngram, self.forbidden, self.matches = tokens, max_ngram, forbidden, matches
+        self.starts: dict[tuple, list[int]] = {}
         self.length = 0
 
     def extend_to(self, length: int) -> None:
         """Index every n-gram whose next token lies before ``length``."""
-        toks, first, forbidden, top = self.tokens, self.first, self.forbidden, self.max_ngram
+        toks, starts, forbidden, top, most = self.tokens, self.starts, self.forbidden, self.max_ngram, self.matches
         for nxt in range(self.length, length):
             if forbidden and toks[nxt] in forbidden:
                 continue
             for n in range(1, min(top, nxt) + 1):
-                first.setdefault(tuple(toks[nxt - n : nxt]), nxt - n)
+                seen = starts.setdefault(tuple(toks[nxt - n : nxt]), [])
+                if len(seen) < most:
+                    seen.append(nxt - n)
         self.length = max(self.length, length)
 
     def match(self, cur: int) -> int | None:
         """Where the continuation of ``tokens[:cur]``'s longest indexed suffix n-gram starts (``None``: no match);
         n-grams are tried longest first, as transformers does."""
         self.extend_to(cur)
-        toks, first = self.tokens, self.first
+        toks, starts = self.tokens, self.starts
         for n in range(min(self.max_ngram, cur - 1), 0, -1):
-            idx = first.get(tuple(toks[cur - n : cur]))
-            if idx is not None:
-                return idx + n
+            idx = starts.get(tuple(toks[cur - n : cur]))
+            if idx:
+                return idx[0] + n
         return None
 
     def candidate(self, num_tokens: int) -> list[int]:
@@ -111,37 +130,65 @@ class NgramIndex:
         start = self.match(cur)
         return [] if start is None else self.tokens[start : min(start + num_tokens, cur)]
 
+    def candidates(self, num_tokens: int) -> list[list[int]]:
+        """Up to ``matches`` continuations (each up to ``num_tokens`` tokens) of the whole list's suffix n-grams'
+        earlier occurrences: longest n-gram first, leftmost first, each continuation once (an occurrence of a
+        4-gram is one of its last 3 tokens too)."""
+        cur = len(self.tokens)
+        self.extend_to(cur)
+        toks, out, taken = self.tokens, [], set()
+        for n in range(min(self.max_ngram, cur - 1), 0, -1):
+            for start in self.starts.get(tuple(toks[cur - n : cur]), ()):
+                if start + n not in taken:
+                    taken.add(start + n)
+                    out.append(toks[start + n : min(start + n + num_tokens, cur)])
+                    if len(out) == self.matches:
+                        return out
+        return out
 
-def agree_with_drafts(drafts: torch.Tensor, candidates: list[list[int]], q: torch.Tensor | None = None):
-    """The ``agree`` rule on one round's drafts: rows whose candidate's first token equals their first draft verify
-    the candidate (over at most the drafts' width) in the drafter's place.
+
+def agree_with_drafts(drafts: torch.Tensor, candidates: list[list[list[int]]], q: torch.Tensor | None = None):
+    """The ``agree`` rule on one round's drafts: each row verifies, in the drafter's place (over at most the drafts'
+    width), the candidate whose first token equals its first draft and that agrees with its drafts the longest
+    (ties: the earlier candidate); rows where none agrees keep the drafter's block.
 
     Args:
         drafts: ``[b, w]`` the drafter's drafts (sampled ones for sampled rows), on any device.
-        candidates: each row's candidate (host lists; empty: none).
-        q: ``[b, w, V]`` the draft distributions of sampled rows (``None`` under greedy): at the candidate's
-            positions after the first they become one-hot on its tokens.
+        candidates: each row's candidates, in order of preference (host lists; none: ``[]``).
+        q: ``[b, w, V]`` the draft distributions of sampled rows (``None`` under greedy). Then the candidate is
+            chosen by the first draft alone (the first that agrees with it), and its positions after the first
+            become one-hot on its tokens.
 
     Returns ``(drafts, q, used)``: new tensors (the inputs are not modified) and ``used [b]``, the rows that took
-    their candidate.
+    a candidate. Everything is decided on the device: nothing is read back.
 
     Example:
-        >>> d, _, used = agree_with_drafts(torch.tensor([[4, 5, 6], [1, 2, 3]]), [[4, 8], [7, 7, 7]])
+        >>> d, _, used = agree_with_drafts(torch.tensor([[4, 5, 6], [1, 2, 3]]), [[[4, 8], [4, 5, 9]], [[7, 7, 7]]])
         >>> d.tolist(), used.tolist()
-        ([[4, 8, 6], [1, 2, 3]], [True, False])
+        ([[4, 5, 9], [1, 2, 3]], [True, False])
     """
     b, w = drafts.shape
-    if w == 0 or not any(candidates):
+    if len(candidates) != b:
+        raise ValueError(f"agree_with_drafts: {len(candidates)} rows of candidates for {b} rows of drafts")
+    k = max((len(c) for c in candidates), default=0)
+    if w == 0 or k == 0:
         return drafts, q, torch.zeros(b, dtype=torch.bool, device=drafts.device)
-    host = np.full((b, w + 1), -1, dtype=np.int64)  # the candidates, then their lengths: one copy to the device
-    for i, c in enumerate(candidates):
-        if c:
+    host = np.full((b, k, w + 1), -1, dtype=np.int64)  # the candidates, then their lengths: one copy to the device
+    host[:, :, w] = 0
+    for i, row in enumerate(candidates):
+        for j, c in enumerate(row):
             c = c[:w]
-            host[i, : len(c)] = c
-            host[i, w] = len(c)
+            host[i, j, : len(c)] = c
+            host[i, j, w] = len(c)
     host = torch.from_numpy(host).to(drafts.device, non_blocking=True)
-    cand, lengths = host[:, :w].to(drafts.dtype), host[:, w]
-    used = (lengths > 0) & (cand[:, 0] == drafts[:, 0])
+    cand, lengths = host[..., :w].to(drafts.dtype), host[..., w]
+    agree = (cand == drafts[:, None, :]).long().cumprod(dim=-1).sum(dim=-1).minimum(lengths)  # [b, k]
+    if q is not None:
+        agree = agree.clamp(max=1)
+    best = (agree * k + torch.arange(k - 1, -1, -1, device=agree.device)).argmax(dim=-1)  # longest, then earliest
+    used = agree.gather(1, best[:, None])[:, 0] > 0
+    rows = torch.arange(b, device=drafts.device)
+    cand, lengths = cand[rows, best], lengths[rows, best]
     place = used[:, None] & (torch.arange(w, device=drafts.device)[None, :] < lengths[:, None])
     drafts = torch.where(place, cand, drafts)
     if q is not None:

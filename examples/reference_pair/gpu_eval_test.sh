@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # BENCHMARKS' top table on the test slices (issue 36 items 2-4), the shipped reference pair, greedy, float32, 128 tokens:
 # the six sets, MT-bench (both turns) and Spec-Bench's five other categories (spec_bench_all), each set capped at
-# PROMPTS prompts of its slice. Three phases, several `adaflash bench` processes sharing the one GPU in each:
+# PROMPTS prompts of its slice (VAL_PROMPTS / SAMPLE_PROMPTS for the validation / sampling phases, default PROMPTS). Three phases, several `adaflash bench` processes sharing the one GPU in each:
 #   1. validation: plain + prompt_lookup_grid (concurrency 64): each set's best prompt-lookup setting -> val_*/bench.json;
 #      and fixed / cost with and without the prompt n-gram rule (fixed_alone, cost_alone: the drafter alone)
 #   2. test, tau: plain, fixed, cost (the default rule), adaptive (the paper's floor rule, rate 2), fixed_alone, cost_alone,
@@ -60,7 +60,7 @@ phase_alone() {  # phase_alone NAME TIMEOUT ARGS...: the groups one after anothe
 SECONDS=0
 PHASES=${PHASES:-val tau wall}; has() { [[ " $PHASES " == *" $1 "* ]]; }
 if has val; then
-phase val ${LIMITS[0]} --split validation --num-prompts $PROMPTS --concurrency $CONC $EXTRA \
+phase val ${LIMITS[0]} --split validation --num-prompts ${VAL_PROMPTS:-$PROMPTS} --concurrency $CONC $EXTRA \
   --methods plain,prompt_lookup_grid,fixed,fixed_alone,cost,cost_alone
 # every validation run's choices in one file (each group's sets are in its own val_i/bench.json)
 python3 - "$OUT" <<'EOF'
@@ -79,7 +79,7 @@ has tau && phase tau ${LIMITS[1]} --split test --num-prompts $PROMPTS --concurre
 has wall && phase_alone wall ${LIMITS[2]} --split test --num-prompts $WALL_PROMPTS --concurrency 1 $CHOICE $WALL_EXTRA \
   --methods plain,prompt_lookup,prompt_lookup_exact,prompt_lookup_tuned,prompt_lookup_grid,fixed,cost,adaptive,fixed_alone
 for T in ${TEMPS:-0.7 1.0}; do  # the temperatures at once (TEMPS picks them): 6 processes each share the GPU
-  has sample && phase "sample_T$T" ${LIMITS[3]:-300} --split test --num-prompts $PROMPTS --concurrency $CONC $CHOICE $EXTRA \
+  has sample && phase "sample_T$T" ${LIMITS[3]:-300} --split test --num-prompts ${SAMPLE_PROMPTS:-$PROMPTS} --concurrency $CONC $CHOICE $EXTRA \
     --temperature $T --top-p 0.95 --seed 0 --methods plain,fixed,cost,adaptive,prompt_lookup_exact,prompt_lookup_grid &
 done; wait
 has dist && { timeout ${LIMITS[4]:-200} python3 examples/sampling_distribution_check.py $DIST_EXTRA --out "$OUT/distribution" \

@@ -1,0 +1,49 @@
+"""`spec.capture.capturing`: what must hold around a CUDA graph capture (the lock, and no garbage collection)."""
+
+import gc
+import threading
+
+import pytest
+
+from adaflash_hf.spec.capture import CAPTURE_LOCK, capturing
+
+
+class _Cycle:
+    freed = 0
+
+    def __init__(self):
+        self.me = self  # only a collection frees it (as an engine's graphs held in a reference cycle)
+
+    def __del__(self):
+        _Cycle.freed += 1
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_collector_collects_first_then_stays_off_and_is_restored(enabled_before):
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        _Cycle.freed = 0
+        _Cycle()  # unreachable garbage made before the capture: collected before it begins
+        with capturing():
+            assert _Cycle.freed == 1
+            assert not gc.isenabled()
+            _Cycle()  # garbage made during the capture stays until after it
+            assert _Cycle.freed == 1
+        assert gc.isenabled() == enabled_before
+        with pytest.raises(RuntimeError):
+            with capturing():
+                raise RuntimeError("a failed capture")
+        assert gc.isenabled() == enabled_before  # restored after a failure too
+    finally:
+        gc.enable()
+
+
+def test_capturing_holds_the_capture_lock():
+    took = []
+    with capturing():
+        t = threading.Thread(target=lambda: took.append(CAPTURE_LOCK.acquire(timeout=0.1)))
+        t.start()
+        t.join()
+    assert took == [False]  # another thread cannot take it during a capture
+    assert CAPTURE_LOCK.acquire(timeout=1)  # and can after (released)
+    CAPTURE_LOCK.release()
