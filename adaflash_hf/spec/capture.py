@@ -14,8 +14,8 @@ Python's garbage collector must not run inside a capture either: a collection th
 invalidates the capture ("operation not permitted when stream is capturing (function reset)", then "operation failed
 due to a previous error during capture": seen on the H200 in the batch-1 bench, where each method builds its own
 engine and evicts an older one). ``torch.cuda.graph`` no longer collects before capturing (only under
-``torch.compiler.config.force_cudagraph_gc``). :func:`capturing` collects first and keeps the collector off until the
-capture ends.
+``torch.compiler.config.force_cudagraph_gc``, as a full collection per capture is slow). :func:`capturing` keeps the
+collector off until the capture ends: garbage waits for the next collection after it.
 
 Example:
     >>> with CAPTURE_LOCK:  # no engine capture runs in this block
@@ -40,10 +40,9 @@ CAPTURE_LOCK = threading.RLock()
 
 @contextlib.contextmanager
 def capturing():
-    """Hold :data:`CAPTURE_LOCK` with Python's garbage collector run first and then off (restored on exit)."""
+    """Hold :data:`CAPTURE_LOCK` with Python's garbage collector off (restored on exit)."""
     with CAPTURE_LOCK:
         was_enabled = gc.isenabled()
-        gc.collect()
         gc.disable()
         try:
             yield
