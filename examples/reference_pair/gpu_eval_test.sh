@@ -8,7 +8,7 @@
 #      prompt lookup default (prompt_lookup_exact) and best of grid
 #      (prompt_lookup_grid, the setting chosen in 1), concurrency 64, every output compared with plain
 #   3. test, wall-clock at batch 1 on the first WALL_PROMPTS prompts: plain, prompt_lookup, prompt_lookup_tuned,
-#      fixed, cost, adaptive, one process at a time (each group gets the phase's timeout / 6), 2 warm-up prompts
+#      fixed, cost, adaptive, one process at a time (each group gets the phase's timeout / 6), after an untimed pass over the same prompts (graph captures and kernel choices are set-up, not decoding)
 #   4. (sample) test, tau under sampling at TEMPS (default "0.7 1.0"), top-p 0.95, seed 0, concurrency 64: the same methods as 2
 #   5. (dist) examples/sampling_distribution_check.py at its defaults (speculative against plain sampling, with controls)
 # PHASES picks them (default "val tau wall"); without val, CHOICE names an earlier validation_choice.json.
@@ -30,7 +30,7 @@ else
   fi
   export PYTHONPATH=/tmp/site ADAFLASH_DATA=/tmp/ev/data
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  PROMPTS=${PROMPTS:-500}; WALL_PROMPTS=${WALL_PROMPTS:-16}; TOKENS=128; CONC=64; EXTRA="--warmup 0"; WALL_EXTRA="--warmup 2"; DIST_EXTRA=""
+  PROMPTS=${PROMPTS:-500}; WALL_PROMPTS=${WALL_PROMPTS:-16}; TOKENS=128; CONC=64; EXTRA="--warmup 0"; WALL_EXTRA="--warmup $WALL_PROMPTS"; DIST_EXTRA=""
   # one group per process: the big sets alone or in pairs, the small ones together (Spec-Bench's categories, ~40 test
   # prompts each, are spec_bench_all less mt_bench, which runs beside sharegpt)
   PROCS=("gsm8k,math500" "mathqa,prose" "codealpaca" "sharegpt,mt_bench" "spec_bench:translation,spec_bench:summarization,spec_bench:qa"
