@@ -75,6 +75,16 @@ def unpad(sequences: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.T
     return [torch.cat([sequences[i, :p][attention_mask[i].bool()], sequences[i, p:]]) for i in range(sequences.shape[0])]
 
 
+class FlatDrafter(AdaFlashDrafter):
+    """A drafter with a fixed, deliberately wrong draft distribution `q` at every slot (not `p`): set `q_logits`."""
+
+    q_logits: torch.Tensor
+
+    def compute_logits(self, hidden_states):
+        raw = super().compute_logits(hidden_states)
+        return raw * 0.0 + self.q_logits.to(raw.dtype)
+
+
 class OracleDrafter(AdaFlashDrafter):
     """A drafter that knows the answer: slot j of a block drafted after the bonus at position `t`
     puts (almost) all mass on token `t + j` of that row's reference sequence.

@@ -378,9 +378,10 @@ def test_sampling_follows_target_distribution(monkeypatch):
     from adaflash_hf.spec.acceptance import AcceptResult
 
     def accept_all(draft_tokens, draft_probs, target_probs, draft_len=None, generator=None):
-        k = draft_tokens.shape[1]
-        nxt = torch.multinomial(target_probs[:, k], 1, generator=generator).squeeze(1)
-        return AcceptResult(num_accepted=torch.full((draft_tokens.shape[0],), k), next_tokens=nxt)
+        b, k = draft_tokens.shape
+        keep = torch.full((b,), k) if draft_len is None else draft_len  # the engine's rows are padded to the longest
+        nxt = torch.multinomial(target_probs[torch.arange(b), keep], 1, generator=generator).squeeze(1)
+        return AcceptResult(num_accepted=keep.clone(), next_tokens=nxt)
 
     monkeypatch.setattr(verify_mod, "speculative_accept", accept_all)
     bad = _sample_token2(target, drafter, prompt, 200)

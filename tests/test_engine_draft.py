@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from adaflash_hf.engine import Engine, draft_blocks, layout_args, make_drafter_cache
+from adaflash_hf.engine import Engine, SamplingParams, draft_blocks, layout_args, make_drafter_cache
 from adaflash_hf.engine.kernels.attention import BLOCK
 from adaflash_hf.engine.drafter import DraftGraphs, append_context
 from adaflash_hf.engine.graphs import pick_bucket
@@ -236,11 +236,17 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("mode,reads", [("fixed", 1), ("packed", 2), ("off", 1)])
-def test_static_round_work_does_not_grow_with_requests(mode, reads):
+# sampled requests of different parameters, seeded and not (each round processes, draws and accepts them at once)
+MIXED = [SamplingParams(0.8, top_k=20, top_p=0.9, seed=5), SamplingParams(1.2)]
+
+
+@pytest.mark.parametrize("mode,reads,sampled", [("fixed", 1, False), ("packed", 2, False), ("off", 1, False),
+                                                ("fixed", 1, True), ("packed", 2, True)])
+def test_static_round_work_does_not_grow_with_requests(mode, reads, sampled):
     """A verify-only round on the static path dispatches the same number of (non-view) tensor ops for 2 and for
     6 requests (no per-request kernels or reads) and reads the device ``reads`` times: verify lengths (packed)
-    and the acceptance (with the drafts: they reach the target's input on the device)."""
+    and the acceptance (with the drafts: they reach the target's input on the device). ``sampled``: the requests
+    sample, with :data:`MIXED` parameters."""
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=8)
     force_length_head(drafter, ratio_high=True)
@@ -248,7 +254,8 @@ def test_static_round_work_does_not_grow_with_requests(mode, reads):
     for n in (2, 6):
         engine = Engine(target, **layout_args(drafter, mode), max_slots=8, max_len=48,
                         token_budget=64, cuda_graphs=True)
-        handles = [engine.submit(p, 30) for p in engine_prompts([4] * n, seed=n)]
+        handles = [engine.submit(p, 30, MIXED[i % 2] if sampled else None)
+                   for i, p in enumerate(engine_prompts([4] * n, seed=n))]
         engine.step()  # prefill
         engine.step()  # first draft consumes the prompts' features
         syncs = engine.host_syncs

@@ -14,9 +14,8 @@ import torch
 from conftest import build_word_tokenizer
 
 from adaflash_hf.engine import Engine, layout_args
-from adaflash_hf.engine import engine as engine_mod
 from adaflash_hf.engine.lifecycle import NON_FINITE
-from adaflash_hf.engine.sampling import GREEDY_TEMPERATURE, SamplingParams
+from adaflash_hf.engine.sampling import GREEDY_TEMPERATURE, RowSampling, SamplingParams, seed_key
 from adaflash_hf.engine.serve.server import make_server
 
 from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids
@@ -129,9 +128,13 @@ POISON_SEED = 666
 
 
 def _poisoned_probs(real):
-    def probs(logits, params):
-        p = real(logits, params)
-        return torch.full_like(p, float("nan")) if params.seed == POISON_SEED else p
+    """``RowSampling.probs`` with NaN in every row of the request seeded with ``POISON_SEED`` (its seed's key)."""
+    def probs(self, logits):
+        p = real(self, logits)
+        if self.keys is None:
+            return p
+        keyed = self.keyed_rows if self.keyed_rows is not None else torch.arange(p.shape[0], device=p.device)
+        return p.index_fill(0, keyed[self.keys == seed_key(POISON_SEED)], float("nan"))
     return probs
 
 
@@ -153,7 +156,7 @@ class NaNPrefillEngine(Engine):
 def test_non_finite_distribution_fails_only_its_request(pair, refs, monkeypatch, mode, fault):
     prompts, expected = refs
     if fault == "sampled_probs":  # one sampled request's processed distribution is NaN
-        monkeypatch.setattr(engine_mod, "processed_probs", _poisoned_probs(engine_mod.processed_probs))
+        monkeypatch.setattr(RowSampling, "probs", _poisoned_probs(RowSampling.probs))
         engine = _engine(pair, mode)
         bad = engine.submit(prompts[1], 10, temperature=0.8, seed=POISON_SEED)
     else:  # one greedy request's logits are NaN (argmax would silently emit a wrong token)
@@ -247,7 +250,7 @@ def _http(server, method, path, body=None):
 def test_server_survives_tiny_temperature_and_a_failing_request(pair, monkeypatch):
     """Issue 19 case 1 over HTTP: temperature 1e-40 used to kill the engine thread (then every answer a 503);
     now it is served greedy, a request whose distribution is NaN gets a 500 alone, and /health stays 200."""
-    monkeypatch.setattr(engine_mod, "processed_probs", _poisoned_probs(engine_mod.processed_probs))
+    monkeypatch.setattr(RowSampling, "probs", _poisoned_probs(RowSampling.probs))
     engine, tok = _engine(pair), build_word_tokenizer(128)
     server = make_server(engine, tok, port=0, default_max_tokens=8).start()
     try:

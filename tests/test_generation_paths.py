@@ -11,6 +11,7 @@ import pytest
 import torch
 from generation_helpers import (
     Collect,
+    FlatDrafter,
     PAD_ID,
     char_tokenizer,
     force_length_head,
@@ -40,16 +41,6 @@ SV = 12  # tiny vocabulary: the target's distribution over a few tokens is far f
 TEMP, TOP_K, TOP_P = 0.9, 8, 0.95
 S_PROMPT = torch.tensor([[3, 7, 1, 5]])
 S_NEW = 4
-
-
-class FlatDrafter(AdaFlashDrafter):
-    """A drafter with a fixed, deliberately wrong draft distribution `q` at every slot (not `p`)."""
-
-    q_logits: torch.Tensor
-
-    def compute_logits(self, hidden_states):
-        raw = super().compute_logits(hidden_states)
-        return raw * 0.0 + self.q_logits.to(raw.dtype)
 
 
 @functools.lru_cache(maxsize=None)

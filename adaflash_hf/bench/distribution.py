@@ -255,8 +255,8 @@ def generate_rows(target, prompt: list[int], n: int, sampling: SamplingSettings,
 
 def engine_rows(engine, prompt: list[int], n: int, sampling: SamplingSettings, seed: int, seeded: bool) -> list[list[int]]:
     """``n`` rows sampled by a serving `Engine` on one prompt. ``seeded``: request ``i`` carries seed ``seed + i``
-    (the engine's position-keyed samples); else every request draws from its own generator, seeded from the
-    global one (``torch.manual_seed(seed)`` first): the rejection-sampling path.
+    (the engine's position-keyed samples); else the requests draw from the engine's one stream, reseeded from the
+    global generator (``torch.manual_seed(seed)`` first): the rejection-sampling path.
 
     Example:
         >>> rows = engine_rows(Engine(target, drafter), [5, 6, 7], 100, SamplingParams(), 0, seeded=False)  # doctest: +SKIP

@@ -50,7 +50,7 @@ from ..spec.policy import resolve_policy, round_layout
 from ..spec.prompt_ngrams import PromptNgrams, agree_with_drafts
 from ..spec.round_cost import RoundCost
 from ..spec.rounds import RoundSink, VerifiedRound
-from ..spec.verify import SampledRows, accept_block
+from ..spec.verify import accept_block
 from .admission import AdmissionController, fit_token_budget
 from .kernels.attention import BLOCK
 from .drafter import DraftGraphs, append_context, draft_blocks, head_index, make_drafter_cache
@@ -59,7 +59,8 @@ from .kernels.fused import FusedTarget
 from .graphs import DecodeGraphs, to_device
 from .lifecycle import NON_FINITE, RequestLifecycle
 from .requests import EngineOutput, Request, RequestHandle, RequestRejected, StepInfo, check_request
-from .sampling import SamplingParams, checked_probs, processed_probs
+from .sampled_rows import RoundRandom, agree_sampled, sample_drafts, sample_round
+from .sampling import SamplingParams
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
 from .verify_lengths import VerifyLengths
 
@@ -153,6 +154,7 @@ class Engine(VerifyLengths, RequestLifecycle):
         self.prompt_ngrams = PromptNgrams.of(prompt_ngrams)
         self.ngram_used = torch.zeros((), dtype=torch.long)  # request-rounds that verified a candidate (device)
         self.device = next(target.parameters()).device
+        self.random = RoundRandom(self.device)  # unseeded sampled requests' draws (sampled_rows)
         self.block_size = self.drafter.config.block_size if self.drafter is not None else 1
         cfg = self.drafter.config if self.drafter is not None else None
         self.hidden_layers = list(cfg.target_layer_ids) if cfg is not None else None
@@ -216,7 +218,7 @@ class Engine(VerifyLengths, RequestLifecycle):
         params = sampling if sampling is not None else SamplingParams(**sampling_kwargs)
         check_request(prompt, max_new_tokens, self.max_len, self.token_budget,
                       self.target.get_input_embeddings().weight.shape[0])
-        req = Request(next(self._ids), prompt, int(max_new_tokens), params, on_token, self.device)
+        req = Request(next(self._ids), prompt, int(max_new_tokens), params, on_token)
         self._queue.append(req)
         return RequestHandle(self, req)
 
@@ -392,10 +394,9 @@ class Engine(VerifyLengths, RequestLifecycle):
 
     def _draft(self, running) -> RoundDrafts:
         """Drafts and verify lengths for ``running`` (trimmed to the token budget); sampled requests draw
-        their drafts from the processed draft distribution."""
+        their drafts from their processed draft distributions, all at once (:func:`.sampled_rows.sample_drafts`)."""
         n = len(running)
         finite = draft_logits = offsets = ratio = None
-        q_probs, q_bad = [None] * n, [None] * n
         if n and self.drafter is not None:
             draft, finite, draft_logits, offsets, ratio, draft_len = self._propose(running)
         else:
@@ -409,24 +410,16 @@ class Engine(VerifyLengths, RequestLifecycle):
             q_lens = [max(dl_host) + 1] * n
         else:
             q_lens = [d + 1 for d in dl_host]
-        drafts = RoundDrafts(draft, finite, draft_len, q_lens, draft_logits, offsets, ratio, q_probs, q_bad)
-        for i, r in enumerate(running):
-            if not r.params.greedy and dl_host[i] > 0:
-                rows = drafts.row_logits(i, draft_logits)[: q_lens[i] - 1]
-                q, q_bad[i] = checked_probs(r.sampling_rows(processed_probs(rows, r.params)))
-                if finite is not None:  # the drafter's logits were not finite: a uniform proposal instead, on the
-                    # device (speculative sampling keeps the target's distribution for any proposal)
-                    q = torch.where(finite[i], q, torch.full_like(q, 1.0 / q.shape[-1]))
-                    q_bad[i] = q_bad[i] & finite[i]
-                q_probs[i] = q
-                draft[i, : q_lens[i] - 1] = torch.multinomial(q, 1, generator=r.generator).squeeze(1)
+        drafts = RoundDrafts(draft, finite, draft_len, q_lens, draft_logits, offsets, ratio)
+        drafts.sampled = sample_drafts(running, drafts, dl_host, self.random)
         if n and self.drafter is not None and self.prompt_ngrams.enabled and self.on_round is None and self.draft_replay is None:
             self._with_ngrams(running, drafts, dl_host)
         return drafts
 
     def _with_ngrams(self, running, drafts: RoundDrafts, dl_host: list[int]) -> None:
         """The prompt n-gram rule on this round's drafts (:func:`~adaflash_hf.spec.prompt_ngrams.agree_with_drafts`):
-        greedy requests all at once, sampled ones each with its draft distribution; nothing read back."""
+        greedy requests all at once, then sampled ones with their draft distributions, all at once too
+        (:func:`.sampled_rows.agree_sampled`); nothing read back."""
         cands = []
         for r, dl in zip(running, dl_host):
             if not self.prompt_ngrams.applies(r.params.greedy):
@@ -441,12 +434,9 @@ class Engine(VerifyLengths, RequestLifecycle):
         greedy = [c if r.params.greedy else [] for r, c in zip(running, cands)]
         drafts.tokens, _, used = agree_with_drafts(drafts.tokens, greedy)
         self.ngram_used = self.ngram_used.to(used.device) + used.sum()
-        for i, (r, c) in enumerate(zip(running, cands)):
-            if c and not r.params.greedy:
-                w = drafts.q_lens[i] - 1
-                row, q, used = agree_with_drafts(drafts.tokens[i : i + 1, :w], [c], drafts.q_probs[i][None])
-                drafts.tokens[i, :w], drafts.q_probs[i] = row[0], q[0]
-                self.ngram_used = self.ngram_used.to(used.device) + used.sum()
+        used = agree_sampled(drafts, cands)
+        if used is not None:
+            self.ngram_used = self.ngram_used.to(used.device) + used.sum()
 
     def _admit(self, running, verify_tokens: int) -> list[Request]:
         """Queued requests that fit next to ``running`` this round (slots allocated, state ``running``)."""
@@ -475,23 +465,15 @@ class Engine(VerifyLengths, RequestLifecycle):
         finite = torch.isfinite(logits).all(dim=-1)  # a NaN row fails its request, not the round
         na = len(admitted)
         first, bad = top[:na].clone(), ~finite[:na]
-        for j, r in enumerate(admitted):
-            if not r.params.greedy:
-                p, bad_p = checked_probs(r.sampling_rows(processed_probs(logits[j : j + 1], r.params)))
-                first[j], bad[j] = torch.multinomial(p, 1, generator=r.generator)[0, 0], bad[j] | bad_p
+        if running:
+            vidx, draft_dev, dl_dev, _ = verify_inputs
+            bad = torch.cat([bad, ~finite[vidx].all(dim=-1)])
+        sampled = sample_round(logits, admitted, running, drafts, self.random, first, bad)  # in place: first, bad
         if not running:
             return first, top.new_zeros(0), top.new_zeros(0), bad, top.new_zeros(0), None
-        vidx, draft_dev, dl_dev, _ = verify_inputs
-        vbad, sampled = ~finite[vidx].all(dim=-1), []
-        for i, (r, dl) in enumerate(zip(running, drafts.draft_len.tolist())):
-            if not r.params.greedy:
-                p, bad_p = checked_probs(r.sampling_rows(processed_probs(logits[vidx[i, : dl + 1]], r.params)))
-                vbad[i] = vbad[i] | bad_p | (drafts.q_bad[i] if drafts.q_bad[i] is not None else bad_p)
-                q = drafts.q_probs[i] if drafts.q_probs[i] is not None else p.new_zeros(0, p.shape[-1])
-                sampled.append(SampledRows([i], q[None, :dl], p[None], None, r.generator))
-        res = accept_block(draft_dev, dl_dev, top[vidx], sampled)
+        res = accept_block(draft_dev, dl_dev, top[vidx], [sampled] if sampled is not None else [])
         vlogits = logits[vidx].float() if self.on_round is not None else None
-        return first, res.num_accepted, res.next_tokens, torch.cat([bad, vbad]), dl_dev, vlogits
+        return first, res.num_accepted, res.next_tokens, bad, dl_dev, vlogits
 
     def _greedy_steps(self, running) -> int:
         """How many plain greedy decode steps to queue before the next device read (1: a normal round)."""

@@ -87,6 +87,20 @@ def to_device(host: torch.Tensor, device) -> torch.Tensor:
     return host.to(device)
 
 
+def arrays_to_device(arrays: dict[str, np.ndarray], dtype, device) -> dict[str, torch.Tensor]:
+    """Named host arrays on ``device`` as ``dtype``, in one host-to-device copy (:func:`to_device`; none when
+    ``arrays`` is empty).
+
+    Example:
+        >>> {k: v.tolist() for k, v in arrays_to_device({"a": np.arange(2), "b": np.arange(1)}, np.int64, "cpu").items()}
+        {'a': [0, 1], 'b': [0]}
+    """
+    if not arrays:
+        return {}
+    host = torch.from_numpy(np.concatenate([a.astype(dtype, copy=False) for a in arrays.values()]))
+    return dict(zip(arrays, to_device(host, device).split([len(a) for a in arrays.values()])))
+
+
 def pick_bucket(buckets: list[int], n: int) -> int:
     for b in buckets:
         if b >= n:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..spec.rounds import RoundTally
-from .sampling import SamplingParams, position_keyed_samples
+from .sampling import SamplingParams
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -49,13 +49,8 @@ class StepInfo:
 class Request:
     """One request's state inside the engine (queued, running, done)."""
 
-    def __init__(self, rid: int, prompt: list[int], max_new: int, params: SamplingParams, on_token, device="cpu"):
+    def __init__(self, rid: int, prompt: list[int], max_new: int, params: SamplingParams, on_token):
         self.id, self.prompt, self.max_new, self.params, self.on_token = rid, prompt, max_new, params, on_token
-        self.generator = None
-        if not params.greedy:
-            self.generator = torch.Generator(device=device)  # where the logits it samples from live
-            # unseeded: a seed drawn from torch's global generator (torch.manual_seed makes a run repeatable)
-            self.generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ())))
         self.slot: int | None = None
         self.tokens: list[int] = []
         self.pending_ctx: torch.Tensor | None = None  # target features the drafter has not consumed
@@ -74,13 +69,6 @@ class Request:
     @property
     def remaining(self) -> int:
         return self.max_new - len(self.tokens)
-
-    def sampling_rows(self, probs: torch.Tensor) -> torch.Tensor:
-        """The distributions to sample this round's rows from (rows: output positions from ``len(tokens)``):
-        ``probs`` as they are, or for a seeded request its position-keyed samples (reproducible under load)."""
-        if self.params.seed is None:
-            return probs
-        return position_keyed_samples(probs, self.params.seed, len(self.tokens))
 
 
 class RequestHandle:

@@ -10,12 +10,16 @@ forward, so the host never waits for the drafter's head before queuing the targe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from .graphs import to_device
 from .target import segments
+
+if TYPE_CHECKING:
+    from .sampled_rows import SampledDrafts
 
 __all__ = ["RoundDrafts", "unpack_drafts"]
 
@@ -46,8 +50,8 @@ class RoundDrafts:
     """One round's drafts: ``tokens [n, B-1]`` and ``finite [n]`` (the request's draft logits were finite; ``None``
     when nothing was drafted) stay on the device until the round's one read; ``draft_len [n]``, verify lengths
     ``q_lens`` (host); the drafted positions' raw ``logits``, packed (:meth:`row_logits`), and length-head ``ratio``
-    (device, ``None`` when nothing was drafted); sampled requests' processed draft distributions ``q_probs[i]``
-    (``None`` for greedy ones) and device flags ``q_bad[i]`` (not finite: the request fails after the round)."""
+    (device, ``None`` when nothing was drafted); the sampled requests' processed draft distributions and fault flags,
+    all requests packed together (:class:`~.sampled_rows.SampledDrafts`; ``None``: no sampled request drafted)."""
 
     tokens: torch.Tensor
     finite: torch.Tensor | None
@@ -56,8 +60,7 @@ class RoundDrafts:
     logits: torch.Tensor | None
     logit_offsets: list[int] | None
     ratio: torch.Tensor | None
-    q_probs: list
-    q_bad: list
+    sampled: SampledDrafts | None = None
 
     def row_logits(self, i: int, like: torch.Tensor) -> torch.Tensor:
         """Request ``i``'s draft logits ``[>= draft_len[i], V]`` (``like.new_zeros(0, V)`` when nothing was drafted)."""
@@ -70,7 +73,7 @@ class RoundDrafts:
         each request's verify positions ``vidx [n, kmax + 1]`` (``base`` prefill rows come first; past its own
         ``q_i``: its last one), its drafts ``[n, kmax]``, draft lengths ``[n]`` (0 for a ``greedy`` request whose
         draft logits were not finite: it verifies its bonus token only, as if nothing was drafted; a sampled one
-        verifies drafts from a uniform proposal, see ``Engine._draft``), and where the
+        verifies drafts from a uniform proposal, see :func:`~.sampled_rows.sample_drafts`), and where the
         drafts go in the target's input, ``fill = (positions in the verify segments, draft tokens)``. ``None``
         when nothing is verified."""
         n = len(self.q_lens)

@@ -17,9 +17,10 @@ default); ``fast_path=True`` takes the engine there too (eager kernels: the CPU 
 ``False`` never does.
 
 Under ``"auto"`` a *sampled* call of more than :data:`SAMPLED_ENGINE_MAX_ROWS` rows keeps the eager loop, without a
-warning: the engine samples request by request (each its own generator, as serving needs), while the eager loop
-processes and draws every row at once. On the H200 (reference pair, 12 tokens) the engine is 2x faster at 1 row,
-1.6x at 2, even at 8, and 3.6x / 7x slower at 64 / 500 rows (BENCHMARKS section 10).
+warning. The threshold was measured when the engine sampled request by request: on the H200 (reference pair, 12
+tokens) the engine was 2x faster at 1 row, 1.6x at 2, even at 8, and 3.6x / 7x slower at 64 / 500 rows (BENCHMARKS
+section 10). The engine now samples every request of a round at once (:mod:`adaflash_hf.engine.sampled_rows`); the
+threshold stands until it is measured again on the GPU.
 
 Engines are kept in a small module-level cache (the last :data:`MAX_ENGINES`), never on the target.
 

@@ -59,12 +59,13 @@ def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, name: str) -
 def _resolve_draft_len(draft_len: torch.Tensor | None, b: int, k: int, device) -> torch.Tensor:
     if draft_len is None:
         return torch.full((b,), k, dtype=torch.long, device=device)
-    draft_len = torch.as_tensor(draft_len, device=device).long().reshape(-1)
+    draft_len = torch.as_tensor(draft_len).long().reshape(-1)
     if draft_len.shape[0] != b:
         raise ValueError(f"draft_len must have one entry per row ({b}), got {draft_len.shape[0]}")
-    if b and (int(draft_len.min()) < 0 or int(draft_len.max()) > k):
+    # Checked on the host only: a device tensor (the engine's on CUDA) is trusted, as reading it would wait for the device.
+    if b and draft_len.device.type == "cpu" and (int(draft_len.min()) < 0 or int(draft_len.max()) > k):
         raise ValueError(f"draft_len entries must lie in [0, {k}], got {draft_len.tolist()}")
-    return draft_len
+    return draft_len.to(device)
 
 
 def accepted_prefix_len(accept: torch.Tensor, draft_len: torch.Tensor) -> torch.Tensor:
@@ -182,7 +183,8 @@ def speculative_accept(
         draft_probs: ``q``, ``FloatTensor[b, k, V]``, the *processed* draft distributions.
         target_probs: ``p``, ``FloatTensor[b, k+1, V]``, the *processed* target distributions
             (same temperature / top-k / top-p as ``q``, applied by the caller).
-        draft_len: ``LongTensor[b]``; positions ``>= draft_len[i]`` are padding, never accepted.
+        draft_len: ``LongTensor[b]``; positions ``>= draft_len[i]`` are padding, never accepted (range-checked
+            when it is on the host; a device tensor is trusted: checking it would read the device back).
         generator: source of all randomness (uniforms, then one multinomial draw per row), so a
             seeded generator reproduces the result exactly.
 

@@ -4,8 +4,7 @@ After the target's verify forward, :func:`accept_block` decides for every row ho
 survive and which token the target appends: greedy rows by :func:`~.acceptance.greedy_accept_ids` on
 the target's argmax, sampled rows by :func:`~.acceptance.speculative_accept` on the *processed*
 distributions. Sampled rows come in groups (:class:`SampledRows`), one ``speculative_accept`` call
-each: ``generate`` samples the whole batch from one random stream, the engine each request from its
-own generator.
+each: ``generate`` and the engine each put all their sampled rows in one group (one random stream).
 """
 
 from __future__ import annotations
@@ -22,11 +21,12 @@ __all__ = ["SampledRows", "accept_block"]
 
 @dataclass
 class SampledRows:
-    """Rows verified by speculative sampling: ``rows`` (indices into the block, or ``None`` for all),
-    ``draft_probs`` q ``[r, k, V]``, ``target_probs`` p ``[r, k+1, V]`` (both processed), their
-    ``draft_len [r]`` (``None``: ``k``) and the ``generator`` their randomness comes from."""
+    """Rows verified by speculative sampling: ``rows`` (indices into the block, a list or a device tensor, or
+    ``None`` for all), ``draft_probs`` q ``[r, k, V]``, ``target_probs`` p ``[r, k+1, V]`` (both processed), their
+    ``draft_len [r]`` (``None``: ``k``; on the device it is trusted, not read back) and the ``generator`` their
+    randomness comes from."""
 
-    rows: list[int] | None
+    rows: list[int] | torch.Tensor | None
     draft_probs: torch.Tensor
     target_probs: torch.Tensor
     draft_len: torch.Tensor | None = None
