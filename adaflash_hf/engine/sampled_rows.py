@@ -105,13 +105,13 @@ def sample_drafts(running, drafts: RoundDrafts, draft_len: list[int], random: Ro
     return SampledDrafts(index, offsets, q, _any_per(bad, dev["req"], len(running)))
 
 
-def agree_sampled(drafts: RoundDrafts, candidates: list[list[int]]) -> torch.Tensor | None:
+def agree_sampled(drafts: RoundDrafts, candidates: list[list[list[int]]]) -> torch.Tensor | None:
     """The prompt n-gram rule (:func:`~adaflash_hf.spec.prompt_ngrams.agree_with_drafts`) for every sampled request
-    with a candidate (``candidates[i]`` for running request ``i``), in one call: drafts and draft distributions are
+    with candidates (``candidates[i]``: running request ``i``'s, in order of preference), in one call: drafts and draft distributions are
     rewritten in place; returns which of them took their candidate (``None``: no sampled request has one).
 
     Example:
-        >>> used = agree_sampled(drafts, [[], [7, 8]])  # doctest: +SKIP
+        >>> used = agree_sampled(drafts, [[], [[7, 8], [7, 9]]])  # doctest: +SKIP
     """
     sd = drafts.sampled
     which = [s for s, i in enumerate(sd.index) if candidates[i]] if sd is not None else []
