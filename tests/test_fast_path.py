@@ -181,19 +181,23 @@ def test_fast_path_is_validated_and_off_cuda_auto_keeps_the_eager_loop(monkeypat
     _gen(target, drafter, torch.tensor([[1, 2]]), None, "auto")
 
 
-@pytest.mark.parametrize("fast_path_arg,do_sample,rows,engine", [
-    ("auto", True, fast_path.SAMPLED_ENGINE_MAX_ROWS, True),
-    ("auto", True, fast_path.SAMPLED_ENGINE_MAX_ROWS + 1, False),  # many sampled rows: the eager loop draws them at once
-    ("auto", False, 500, True),  # greedy batches stay on the engine
-    (True, True, 500, True),  # asked for explicitly
+@pytest.mark.parametrize("fast_path_arg,do_sample,refusal,engine", [
+    ("auto", True, None, True),  # sampled calls take the engine (it samples every row of a round at once)
+    ("auto", False, None, True),
+    ("auto", True, "a logits processor the engine cannot apply", False),  # a refusal keeps the eager loop, warned
+    (False, True, None, False),  # asked not to
 ])  # fmt: skip
-def test_auto_keeps_large_sampled_calls_on_the_eager_loop(fast_path_arg, do_sample, rows, engine, monkeypatch):
+def test_auto_on_cuda_takes_the_engine_unless_it_refuses(fast_path_arg, do_sample, refusal, engine, monkeypatch):
     from types import SimpleNamespace
 
-    monkeypatch.setattr(fast_path, "fast_path_refusal", lambda *a, **k: None)  # a call the engine could take
+    monkeypatch.setattr(fast_path, "fast_path_refusal", lambda *a, **k: refusal)
     on_cuda = SimpleNamespace(parameters=lambda: iter([SimpleNamespace(device=torch.device("cuda"))]))
     config = SimpleNamespace(do_sample=do_sample)
-    assert fast_path.takes_engine(fast_path_arg, on_cuda, None, config, None, {}, rows=rows) is engine
+    if refusal is None:
+        assert fast_path.takes_engine(fast_path_arg, on_cuda, None, config, None, {}) is engine
+    else:
+        with pytest.warns(RuntimeWarning, match=refusal):
+            assert fast_path.takes_engine(fast_path_arg, on_cuda, None, config, None, {}) is engine
 
 
 def test_generate_warmup_prepares_the_engine_the_next_call_uses(eager_loop_forbidden):

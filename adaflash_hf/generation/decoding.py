@@ -183,8 +183,7 @@ def adaflash_decoding(
     _check_call(model, drafter, generation_config, input_ids, model_kwargs, round_sink)
     rows = row_processors(logits_processor, input_ids.shape[0])  # refuses a processor we cannot run, before any work
     ngrams = PromptNgrams.of(prompt_ngrams)
-    if takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length_policy,
-                    rows=input_ids.shape[0]):
+    if takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length_policy):
         return engine_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                length_policy=length_policy, length_rate=length_rate, length_min=length_min,
                                return_stats=return_stats, round_sink=round_sink, prompt_ngrams=ngrams, **model_kwargs)

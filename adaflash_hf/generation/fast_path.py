@@ -16,11 +16,9 @@ hooks, another architecture) goes to the eager loop with one warning naming the 
 default); ``fast_path=True`` takes the engine there too (eager kernels: the CPU tests' route),
 ``False`` never does.
 
-Under ``"auto"`` a *sampled* call of more than :data:`SAMPLED_ENGINE_MAX_ROWS` rows keeps the eager loop, without a
-warning. The threshold was measured when the engine sampled request by request: on the H200 (reference pair, 12
-tokens) the engine was 2x faster at 1 row, 1.6x at 2, even at 8, and 3.6x / 7x slower at 64 / 500 rows (BENCHMARKS
-section 10). The engine now samples every request of a round at once (:mod:`adaflash_hf.engine.sampled_rows`); the
-threshold stands until it is measured again on the GPU.
+Sampled calls take the engine too, at any number of rows: it samples every request of a round at once
+(:mod:`adaflash_hf.engine.sampled_rows`), and on the H200 (reference pair, 12 tokens, T 0.7, top-p 0.95) it is
+faster than the eager loop at 1, 8, 64 and 500 rows (BENCHMARKS section 10).
 
 Engines are kept in a small module-level cache (the last :data:`MAX_ENGINES`), never on the target.
 
@@ -89,9 +87,6 @@ def _sampling(logits_processor) -> tuple[dict, str | None]:
     return fields, None
 
 
-# The largest sampled generate call "auto" sends to the engine (see the module docstring).
-SAMPLED_ENGINE_MAX_ROWS = 8
-
 
 def fast_path_refusal(model, drafter, generation_config, logits_processor, model_kwargs, length_policy=None) -> str | None:
     """Why this generate call cannot run through the engine (``None``: it can)."""
@@ -119,15 +114,12 @@ def fast_path_refusal(model, drafter, generation_config, logits_processor, model
     return unsupported_layers(model)
 
 
-def takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length_policy=None,
-                 rows: int = 1) -> bool:
-    """Whether :func:`~.decoding.adaflash_decoding` should run this call of ``rows`` rows on the engine (see the
+def takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length_policy=None) -> bool:
+    """Whether :func:`~.decoding.adaflash_decoding` should run this call on the engine (see the
     module docstring); a call the engine cannot take warns once, naming the reason."""
     if not (isinstance(fast_path, bool) or fast_path == "auto"):
         raise ValueError(f"fast_path must be 'auto', True or False, got {fast_path!r}")
     if fast_path is False or (fast_path == "auto" and next(model.parameters()).device.type != "cuda"):
-        return False
-    if fast_path == "auto" and generation_config.do_sample and rows > SAMPLED_ENGINE_MAX_ROWS:
         return False
     why = fast_path_refusal(model, drafter, generation_config, logits_processor, model_kwargs, length_policy)
     if why is not None:
