@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from adaflash_hf.spec.rounds import mean_tokens_per_round
+from adaflash_hf.speculation.rounds import mean_tokens_per_round
 
 from engine_gpu_report import markdown  # noqa: E402
 from gpu_common import (  # noqa: E402

@@ -25,7 +25,7 @@ from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.online import OnlineAdapter, OnlineConfig
 from adaflash_hf.online.adapter import copy_drafter
 from adaflash_hf.online.protocol import ProtocolSettings, RoundRouter, eos_ids, prompt_ids, serving_engine
-from adaflash_hf.spec.rounds import mean_tokens_per_round
+from adaflash_hf.speculation.rounds import mean_tokens_per_round
 
 
 def serve(target, drafter, stream, run: str, args, eos, record) -> dict:

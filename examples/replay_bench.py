@@ -19,7 +19,7 @@ Traces (``--traces``):
                  counts and head ratios as recorded. Each such set also gets the pair's real engine runs at
                  ``--real-concurrency`` (closed batch, EOS honoured, every mode; identity against ``off``).
 
-Modes (``--modes``, round layouts of ``adaflash_hf.spec.policy.LAYOUTS``) and ``default``: what the trace's drafter
+Modes (``--modes``, round layouts of ``adaflash_hf.speculation.policy.LAYOUTS``) and ``default``: what the trace's drafter
 runs when no policy is asked for (its config's default policy); where its settings equal a mode's, that mode's
 row stands for it (``same_as``). Arrivals (``--arrivals``): ``closed`` (one request per slot, all at once) and
 ``poisson:LOAD`` (open loop, ``max(c, --poisson-min-requests)`` requests at LOAD x ``off``'s closed-batch request
@@ -68,7 +68,7 @@ from adaflash_hf.bench.arrivals import poisson_arrivals, run_open_loop  # noqa: 
 from adaflash_hf.bench.replay import DraftReplay, RecordedTrace, paper_dflash_trace  # noqa: E402
 from adaflash_hf.engine import LAYOUTS, Engine, layout_args, round_layout  # noqa: E402
 from adaflash_hf.engine.warmup import measure_round_cost  # noqa: E402
-from adaflash_hf.spec.rounds import mean_tokens_per_round  # noqa: E402
+from adaflash_hf.speculation.rounds import mean_tokens_per_round  # noqa: E402
 
 log = common.log
 BLOCK = 16

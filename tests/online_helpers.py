@@ -7,7 +7,7 @@ import pytest
 import torch
 from generation_helpers import PAD_ID, Collect, make_drafter, make_target, ragged_prompts
 
-from adaflash_hf.spec.rounds import FinishedRequest
+from adaflash_hf.speculation.rounds import FinishedRequest
 
 SENTINEL = "hf_SENTINELtokenDoNotLeak0123456789"
 BLOCK = 8

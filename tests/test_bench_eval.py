@@ -16,7 +16,7 @@ from adaflash_hf.bench.prompt_lookup_tau import PromptLookupSettings
 from adaflash_hf.bench.report import markdown
 from adaflash_hf.bench.prompts import load_prompt_set
 from adaflash_hf.bench.summary import pool
-from adaflash_hf.spec.rounds import tau_from_totals
+from adaflash_hf.speculation.rounds import tau_from_totals
 from adaflash_hf.training.data import SPEC_BENCH_CATEGORIES, expand_datasets
 
 

@@ -1,11 +1,11 @@
-"""`spec.capture.capturing`: what must hold around a CUDA graph capture (the lock, and no garbage collection)."""
+"""`speculation.capture.capturing`: what must hold around a CUDA graph capture (the lock, and no garbage collection)."""
 
 import gc
 import threading
 
 import pytest
 
-from adaflash_hf.spec.capture import CAPTURE_LOCK, capturing
+from adaflash_hf.speculation.capture import CAPTURE_LOCK, capturing
 
 
 class _Cycle:

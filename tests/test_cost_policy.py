@@ -12,8 +12,8 @@ import torch
 import adaflash_hf.engine.engine as engine_mod
 from adaflash_hf.engine.verify_lengths import PLAIN_PROBE_ROUNDS
 from adaflash_hf.engine import Engine
-from adaflash_hf.spec.length_policy import choose_verify_length, cost_aware_verify_length, survival_curve
-from adaflash_hf.spec.round_cost import SPEC_H200_MS, SPEC_H200_OVERHEAD_MS, SPEC_ROWS, SPEC_TOKENS_PER_ROW, RoundCost
+from adaflash_hf.speculation.length_policy import choose_verify_length, cost_aware_verify_length, survival_curve
+from adaflash_hf.speculation.round_cost import SPEC_H200_MS, SPEC_H200_OVERHEAD_MS, SPEC_ROWS, SPEC_TOKENS_PER_ROW, RoundCost
 
 from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids
 

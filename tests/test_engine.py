@@ -20,8 +20,8 @@ from adaflash_hf.engine import (
     make_target_cache,
     target_forward,
 )
-from adaflash_hf.spec import verify as verify_mod
-from adaflash_hf.spec.acceptance import greedy_accept
+from adaflash_hf.speculation import verify as verify_mod
+from adaflash_hf.speculation.acceptance import greedy_accept
 
 from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids
 
@@ -375,7 +375,7 @@ def test_sampling_follows_target_distribution(monkeypatch):
     assert tv < 0.06, tv
     # Negative control: accepting every draft gives the drafter's distribution, which is far off (its
     # support misses the target's here), so a few hundred samples already land far above the bound.
-    from adaflash_hf.spec.acceptance import AcceptResult
+    from adaflash_hf.speculation.acceptance import AcceptResult
 
     def accept_all(draft_tokens, draft_probs, target_probs, draft_len=None, generator=None):
         b, k = draft_tokens.shape

@@ -23,8 +23,8 @@ from adaflash_hf.engine import Engine, layout_args
 from adaflash_hf.engine import sampling
 from adaflash_hf.engine.lifecycle import NON_FINITE
 from adaflash_hf.engine.sampling import RowSampling, SamplingParams, position_keyed_samples
-from adaflash_hf.spec import verify as verify_mod
-from adaflash_hf.spec.acceptance import AcceptResult
+from adaflash_hf.speculation import verify as verify_mod
+from adaflash_hf.speculation.acceptance import AcceptResult
 
 from generation_helpers import FlatDrafter, engine_prompts, make_drafter, make_target, plain_greedy_ids
 

@@ -25,13 +25,13 @@ from transformers import LogitsProcessorList, Qwen3ForCausalLM, TemperatureLogit
 from transformers.generation.utils import GenerationMixin
 
 import adaflash_hf
-import adaflash_hf.spec.acceptance as acceptance
+import adaflash_hf.speculation.acceptance as acceptance
 import adaflash_hf.generation.decoding as decoding
-import adaflash_hf.spec.prompt_ngrams as prompt_ngrams
-import adaflash_hf.spec.verify as verify
+import adaflash_hf.speculation.prompt_ngrams as prompt_ngrams
+import adaflash_hf.speculation.verify as verify
 from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.generation import AdaFlashCandidateGenerator, hf_integration
-from adaflash_hf.spec.acceptance import AcceptResult
+from adaflash_hf.speculation.acceptance import AcceptResult
 from adaflash_hf.generation.hf_integration import install_generate_hook
 from generation_checks import MAX_NEW, target_model, plain, spec, first_unique
 

@@ -5,7 +5,7 @@ import gc
 import pytest
 import torch
 
-from adaflash_hf.spec.hooks import DrafterHooks, hooks_for, register_hooks, replace_hooks, unregister_hooks
+from adaflash_hf.speculation.hooks import DrafterHooks, hooks_for, register_hooks, replace_hooks, unregister_hooks
 
 
 def test_registered_hooks_are_found_and_removed():
@@ -34,7 +34,7 @@ def test_second_owner_is_refused_and_copies_carry_nothing():
 
 
 def test_registry_does_not_keep_a_drafter_alive():
-    from adaflash_hf.spec import hooks as module
+    from adaflash_hf.speculation import hooks as module
 
     drafter = torch.nn.Linear(2, 2)
     register_hooks(drafter, DrafterHooks(round_sink=print))
@@ -63,7 +63,7 @@ def test_adapter_attach_and_detach_never_leave_the_drafter_without_hooks(monkeyp
     from generation_helpers import make_drafter, make_target
 
     from adaflash_hf.online import OnlineAdapter
-    from adaflash_hf.spec import hooks as module
+    from adaflash_hf.speculation import hooks as module
 
     bare_moments = []
 

@@ -21,7 +21,7 @@ from adaflash_hf.online import (
     Sample,
     estimate_sample_bytes,
 )
-from adaflash_hf.spec.hooks import hooks_for
+from adaflash_hf.speculation.hooks import hooks_for
 from online_helpers import BLOCK, pair, fresh_drafter, prompts, real_rounds, snapshot, same, greedy  # noqa: F401 (pair: a fixture)
 
 

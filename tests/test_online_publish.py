@@ -29,7 +29,7 @@ from adaflash_hf.online import (
     render_card,
 )
 from adaflash_hf.online import versions as versions_mod
-from adaflash_hf.spec.hooks import hooks_for
+from adaflash_hf.speculation.hooks import hooks_for
 from online_helpers import SENTINEL, pair, fresh_drafter, prompts, real_rounds, snapshot, same, greedy  # noqa: F401 (pair: a fixture)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from generation_helpers import PAD_ID, ragged_prompts
 
-from adaflash_hf.spec.rounds import FinishedRequest, VerifiedRound
+from adaflash_hf.speculation.rounds import FinishedRequest, VerifiedRound
 from adaflash_hf.online import (
     OnlineAdapter,
     RequestSample,

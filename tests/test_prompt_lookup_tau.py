@@ -52,7 +52,7 @@ def test_computed_rounds_equal_the_real_run(runs, name):
     assert computed.accepted == real.accepted
     assert computed.verify_lengths == real.verify_lengths  # same candidates, same target forwards
     assert sum(a + 1 for a in computed.accepted) == len(plain)
-    assert computed.rounds == len(real.accepted) - 1  # the prefill forward is not a round (spec.rounds)
+    assert computed.rounds == len(real.accepted) - 1  # the prefill forward is not a round (speculation.rounds)
     assert computed.tau == pytest.approx((len(plain) - 1) / computed.rounds)
 
 
@@ -202,7 +202,7 @@ def test_forbidden_candidates_follow_get_candidates(seq, cur, forbidden, expecte
     """transformers' crop (candidate_generator.py:1107-1124): cut at the first forbidden token, and a match whose
     window is then empty gives way to the next match, then to a shorter n-gram."""
     from adaflash_hf.bench.prompt_lookup_tau import _candidates
-    from adaflash_hf.spec.prompt_ngrams import NgramIndex
+    from adaflash_hf.speculation.prompt_ngrams import NgramIndex
 
     index = NgramIndex(seq, 2, frozenset(forbidden))
     index.extend_to(cur)

@@ -1,10 +1,10 @@
-"""The prompt n-gram rule (`spec.prompt_ngrams`): the candidate, the agree substitution, and identity with plain
+"""The prompt n-gram rule (`speculation.prompt_ngrams`): the candidate, the agree substitution, and identity with plain
 decoding in every loop that applies it (generate's eager loop, the engine eager and static, packed layouts)."""
 
 import pytest
 import torch
 
-from adaflash_hf.spec.prompt_ngrams import NgramIndex, PromptNgrams, agree_with_drafts
+from adaflash_hf.speculation.prompt_ngrams import NgramIndex, PromptNgrams, agree_with_drafts
 
 
 @pytest.mark.parametrize(

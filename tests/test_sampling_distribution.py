@@ -1,7 +1,7 @@
 """The two-sample distribution check of speculative sampling (`adaflash_hf.bench.distribution`): it passes for
 the real samplers (generate, the engine) against plain sampling and fails for a deliberately biased one.
 
-The exact-distribution checks of the acceptance rule itself live in test_spec_acceptance.py (Markov chains),
+The exact-distribution checks of the acceptance rule itself live in test_speculation_acceptance.py (Markov chains),
 test_generation_paths.py (generate vs the exact joint) and test_engine.py (the engine's second token); this
 file checks the permutation test the scale run (examples/sampling_distribution_check.py) relies on."""
 
@@ -16,7 +16,7 @@ from generation_helpers import make_drafter, make_target
 from adaflash_hf.bench.distribution import (
     CheckSettings, SamplingSettings, accepting_every_draft, engine_rows, generate_rows, two_sample_check,
 )  # fmt: skip
-from adaflash_hf.spec import verify
+from adaflash_hf.speculation import verify
 
 SAMPLING = SamplingSettings(temperature=1.0, top_p=0.95, max_new_tokens=5)
 PROMPT, N = [3, 7, 1, 5], 300
@@ -43,7 +43,7 @@ def test_generate_speculative_sampling_passes():
                          ids=["rejection", "position_keyed", "prompt_ngrams"])
 def test_engine_speculative_sampling_passes(seeded, ngrams):
     from adaflash_hf.engine import Engine
-    from adaflash_hf.spec.prompt_ngrams import PromptNgrams
+    from adaflash_hf.speculation.prompt_ngrams import PromptNgrams
 
     target, drafter, reference = pair_and_reference()
     engine = Engine(target, drafter, length_policy="fixed", max_slots=64, max_len=32, token_budget=512,

@@ -98,7 +98,7 @@ def test_head_is_trained_on_served_counts_not_on_its_own_simulation(served_pair)
 
 def test_served_blocks_keep_rounds_with_a_next_token_and_cap_them():
     from adaflash_hf.online.buffer import RequestSample
-    from adaflash_hf.spec.rounds import FinishedRequest
+    from adaflash_hf.speculation.rounds import FinishedRequest
 
     fin = FinishedRequest(0, torch.arange(4), torch.arange(6))  # 10 tokens
     s = RequestSample.from_request(fin, served=[(4, 1, 3), (6, 2, 3), (9, 0, 1)])  # the last has no next token

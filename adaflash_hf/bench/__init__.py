@@ -14,7 +14,7 @@ each concurrency (prompts decoded together in one left-padded batch) times every
   are a function of the prompt and the output (under sampling too: a candidate is kept iff it equals the
   target's sample there, and the candidates top-p forbids are modelled), so under greedy decoding its tau,
   rounds and verify lengths are exact, and under sampling plain's draw stands for prompt lookup's, a draw
-  of the same distribution (tau and rounds leave the prefill forward out, as for every method: `..spec.rounds`);
+  of the same distribution (tau and rounds leave the prefill forward out, as for every method: `..speculation.rounds`);
   no speed figure (``not timed (computed)``). Beside ``prompt_lookup`` at concurrency 1 in greedy runs the
   two are cross-checked: any difference in rounds is a failure;
 - ``dflash_native``: transformers' own DFlash path, ``speculation_type="dflash"`` (batch 1 only);

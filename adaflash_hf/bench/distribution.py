@@ -272,14 +272,14 @@ def engine_rows(engine, prompt: list[int], n: int, sampling: SamplingSettings, s
 def accepting_every_draft():
     """A deliberately biased sampler (negative control): while inside, speculative sampling keeps every
     draft without the rejection correction, so drafted tokens follow the drafter, not the target. It replaces
-    `spec.verify`'s ``speculative_accept``, the one acceptance step of ``generate`` and the engine alike.
+    `speculation.verify`'s ``speculative_accept``, the one acceptance step of ``generate`` and the engine alike.
 
     Example:
         >>> with accepting_every_draft():  # doctest: +SKIP
         ...     rows = generate_rows(target, prompt, 500, SamplingSettings(), 0, drafter=drafter)
     """
-    from ..spec import verify
-    from ..spec.acceptance import AcceptResult
+    from ..speculation import verify
+    from ..speculation.acceptance import AcceptResult
 
     real = verify.speculative_accept
 

@@ -9,7 +9,7 @@ import time
 import torch
 
 from ..generation.prompts import left_pad
-from ..spec.rounds import tau_from_totals
+from ..speculation.rounds import tau_from_totals
 from .methods import BenchContext, adaflash_policy
 from .timing import run_batch
 

@@ -27,7 +27,7 @@ sets one.
 
 Every target forward is recorded, the first included (it verifies the candidates found in the prompt
 together with the prefill), but tau leaves that prefill forward out as for every method
-(`adaflash_hf.spec.rounds`): ``(new tokens - 1) / (target forwards - 1)``.
+(`adaflash_hf.speculation.rounds`): ``(new tokens - 1) / (target forwards - 1)``.
 
 Example:
     >>> r = prompt_lookup_rounds([5, 6, 7, 5, 6], [7, 5, 9, 9], max_new_tokens=4)
@@ -39,8 +39,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..spec.prompt_ngrams import NgramIndex
-from ..spec.rounds import RoundTally
+from ..speculation.prompt_ngrams import NgramIndex
+from ..speculation.rounds import RoundTally
 
 __all__ = ["PromptLookupRounds", "PromptLookupSettings", "as_generation_stats", "prompt_lookup_rounds"]
 

@@ -77,7 +77,7 @@ def _main_table(result: BenchResult) -> list[str]:
         lines += ["", "Computed rows (not timed): prompt_lookup_exact is transformers' prompt-lookup decoding "
                   "(prompt_lookup_num_tokens, batch 1) replayed on plain's outputs (under sampling, plain's draw of the "
                   "same distribution); "
-                  "its tau leaves each prompt's prefill forward out, as every method's does (adaflash_hf.spec.rounds)."]  # fmt: skip
+                  "its tau leaves each prompt's prefill forward out, as every method's does (adaflash_hf.speculation.rounds)."]  # fmt: skip
     return lines
 
 

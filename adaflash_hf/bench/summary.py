@@ -2,7 +2,7 @@
 wall-clock against plain and prompt lookup, tau against prompt lookup at its default and at its best.
 
 A multi-turn set's turns (`.multiturn`) are pooled: tokens, rounds and wall time summed over the turns, tau
-from those totals (`spec.rounds.tau_from_totals`, the one convention). Ratios are taken within one
+from those totals (`speculation.rounds.tau_from_totals`, the one convention). Ratios are taken within one
 concurrency: ``x plain`` / ``x prompt lookup`` are tok/s over ``plain`` / ``prompt_lookup`` (timed, batch 1
 only); ``tau / PL default`` is over ``prompt_lookup_exact`` (else the timed ``prompt_lookup``) and
 ``tau / PL best`` over ``prompt_lookup_grid`` (else ``prompt_lookup_tuned``).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..spec.rounds import tau_from_totals
+from ..speculation.rounds import tau_from_totals
 from .multiturn import base_label
 
 

@@ -14,7 +14,7 @@ from collections import Counter
 from ..loading import PROMPTS_HINT, UsageError, load_models, read_jsonl, record_messages, resolve_device_dtype
 
 PROG = "adaflash"
-from ..spec.policy import HEAD_POLICIES, POLICY_NAMES
+from ..speculation.policy import HEAD_POLICIES, POLICY_NAMES
 
 
 # ============================================================================ parsing

@@ -6,7 +6,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..spec.policy import POLICY_NAMES, default_policy
+from ..speculation.policy import POLICY_NAMES, default_policy
 from .common import PROG, check_policy, encode, positive_int, progress, verify_summary, write
 
 HELP = "generate with the embedded reference pair; print text, tau, verify lengths, speedup, lossless check"
@@ -113,7 +113,7 @@ def _one_prompt(target, drafter, tok, ids, gen, policy, totals: _Totals, title: 
 
 
 def _summary(t: _Totals, n_prompts: int, policy: str, block_size: int) -> None:
-    from ..spec.rounds import tokens_per_round
+    from ..speculation.rounds import tokens_per_round
 
     tau = tokens_per_round(t.accepted, t.rounds)
     speedup = t.t_plain / t.t_spec if t.t_spec > 0 else float("nan")

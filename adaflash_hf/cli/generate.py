@@ -157,7 +157,7 @@ class _Run:
         summary = {"prompts": len(self.rows), "new_tokens": self.total_new, "seconds": round(total_time, 3),
                    "tokens_per_s": round(self.total_new / total_time, 1) if total_time else None}
         if all_stats:  # tau over every batch
-            from ..spec.rounds import tokens_per_round
+            from ..speculation.rounds import tokens_per_round
 
             summary.update(tau=round(tokens_per_round(accepted, rounds), 3) if rounds else None, rounds=rounds,
                            policy=all_stats[0].policy,

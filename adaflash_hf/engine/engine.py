@@ -4,7 +4,7 @@ One :meth:`Engine.step` is one round for every running request:
 
 1. draft: one drafter forward over all running requests (per-slot drafter context cache), the
    verify lengths ``k_hat_i`` from the length head (:mod:`.verify_lengths`): under ``cost`` chosen together
-   against the round's cost (:class:`~adaflash_hf.spec.round_cost.RoundCost`), under ``adaptive`` the paper's
+   against the round's cost (:class:`~adaflash_hf.speculation.round_cost.RoundCost`), under ``adaptive`` the paper's
    floor rule at a fixed rate (:func:`load_scaled_rate` on request);
 2. admit: queued requests whose prompt fits what is left of the token budget, up to the EMA
    estimate of how many fit (:class:`AdmissionController`);
@@ -45,12 +45,12 @@ from typing import Callable
 
 import torch
 
-from ..spec.hooks import hooks_for, round_callbacks
-from ..spec.policy import resolve_policy, round_layout
-from ..spec.prompt_ngrams import PromptNgrams, agree_with_drafts
-from ..spec.round_cost import RoundCost
-from ..spec.rounds import RoundSink, VerifiedRound
-from ..spec.verify import accept_block
+from ..speculation.hooks import hooks_for, round_callbacks
+from ..speculation.policy import resolve_policy, round_layout
+from ..speculation.prompt_ngrams import PromptNgrams, agree_with_drafts
+from ..speculation.round_cost import RoundCost
+from ..speculation.rounds import RoundSink, VerifiedRound
+from ..speculation.verify import accept_block
 from .admission import AdmissionController, fit_token_budget
 from .kernels.attention import BLOCK
 from .drafter import DraftGraphs, append_context, draft_blocks, head_index, make_drafter_cache
@@ -79,7 +79,7 @@ class Engine(VerifyLengths, RequestLifecycle):
             when the drafter's length head is trained, else ``fixed``. Under ``cost`` a round whose requests all
             decode plainly by their last head ratios skips the drafter's body (every ``PLAIN_PROBE_ROUNDS``-th
             such round runs it to refresh them).
-        round_cost: the :class:`~adaflash_hf.spec.round_cost.RoundCost` the ``cost`` policy weighs (default: SPEC
+        round_cost: the :class:`~adaflash_hf.speculation.round_cost.RoundCost` the ``cost`` policy weighs (default: SPEC
             section 6's H200 table and overheads; :func:`~.warmup.measure_round_cost` measures this engine's own,
             the host's time per round included).
         rectangular: with ``cost`` / ``adaptive``, pad every request to the round's largest ``k_hat`` (the cost of a
@@ -113,7 +113,7 @@ class Engine(VerifyLengths, RequestLifecycle):
             callbacks and cancellations act at that granularity. 1 turns it off.
         profile: time each step's phases (``phase_seconds``: draft, target, accept, host), with a
             device synchronisation at every phase boundary (measurement only: it adds syncs).
-        prompt_ngrams: the prompt n-gram rule beside the drafter, as ``generate``'s (:mod:`adaflash_hf.spec.prompt_ngrams`;
+        prompt_ngrams: the prompt n-gram rule beside the drafter, as ``generate``'s (:mod:`adaflash_hf.speculation.prompt_ngrams`;
             0: off; default: greedy requests only, n-grams up to 4). Off while a round sink or
             ``draft_replay`` is set (they read the drafter's own drafts).
         draft_replay: acceptance replay for benchmarks (:class:`adaflash_hf.bench.replay.DraftReplay`):
@@ -417,7 +417,7 @@ class Engine(VerifyLengths, RequestLifecycle):
         return drafts
 
     def _with_ngrams(self, running, drafts: RoundDrafts, dl_host: list[int]) -> None:
-        """The prompt n-gram rule on this round's drafts (:func:`~adaflash_hf.spec.prompt_ngrams.agree_with_drafts`):
+        """The prompt n-gram rule on this round's drafts (:func:`~adaflash_hf.speculation.prompt_ngrams.agree_with_drafts`):
         greedy requests all at once, then sampled ones with their draft distributions, all at once too
         (:func:`.sampled_rows.agree_sampled`); nothing read back."""
         cands = []

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .kernels.attention import BACKENDS, INACTIVE, SlotAttention, default_backend
-from ..spec.capture import CAPTURE_MODE, capturing
+from ..speculation.capture import CAPTURE_MODE, capturing
 from .kernels.elementwise import SlotStore
 from .kernels.fused import FusedTarget
 from .kv_cache import SlotKVCache
@@ -165,7 +165,7 @@ class GraphRunner:
                 self._restore_inputs(state)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with capturing():  # neither other threads' CUDA work nor a garbage collection may invalidate it (spec/capture.py)
+        with capturing():  # neither other threads' CUDA work nor a garbage collection may invalidate it (speculation/capture.py)
             try:
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_MODE):
                     self._forward(*bucket)

@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from ..spec.rounds import FinishedRequest
+from ..speculation.rounds import FinishedRequest
 from .requests import EngineOutput, Request
 
 __all__ = ["NON_FINITE", "RequestLifecycle"]

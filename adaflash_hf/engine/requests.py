@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..spec.rounds import RoundTally
+from ..speculation.rounds import RoundTally
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class Request:
         self.slot: int | None = None
         self.tokens: list[int] = []
         self.pending_ctx: torch.Tensor | None = None  # target features the drafter has not consumed
-        self.ngrams = None  # prompt + tokens indexed for the prompt n-gram rule (`spec.prompt_ngrams.NgramIndex`)
+        self.ngrams = None  # prompt + tokens indexed for the prompt n-gram rule (`speculation.prompt_ngrams.NgramIndex`)
         self.head_ratio: float | None = None  # the length head's last ratio (the cost policy's guess before drafting)
         self.state = "queued"
         self.cancel_requested = False

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ..spec.policy import LengthPolicy
-from ..spec.round_cost import RoundCost
+from ..speculation.policy import LengthPolicy
+from ..speculation.round_cost import RoundCost
 from .verify_lengths import PLAIN_PROBE_ROUNDS
 
 __all__ = ["measure_overheads", "quiet"]

@@ -2,7 +2,7 @@
 
 Every sampled row of a round goes through one :class:`~.sampling.RowSampling` pass (each row with its request's
 temperature / top-k / top-p; the rows of seeded requests position-keyed), then one ``multinomial`` and one
-speculative-acceptance call (:func:`~adaflash_hf.spec.verify.accept_block`, the step ``generate``'s eager loop uses
+speculative-acceptance call (:func:`~adaflash_hf.speculation.verify.accept_block`, the step ``generate``'s eager loop uses
 too), whatever the number of requests or the mix of their parameters. The host builds index arrays and sends
 them in one copy per phase; nothing is read back (the round's one read comes after the acceptance).
 
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..spec.prompt_ngrams import agree_with_drafts
-from ..spec.verify import SampledRows
+from ..speculation.prompt_ngrams import agree_with_drafts
+from ..speculation.verify import SampledRows
 from .graphs import arrays_to_device
 from .round_drafts import RoundDrafts
 from .sampling import RowSampling, checked_probs
@@ -106,7 +106,7 @@ def sample_drafts(running, drafts: RoundDrafts, draft_len: list[int], random: Ro
 
 
 def agree_sampled(drafts: RoundDrafts, candidates: list[list[list[int]]]) -> torch.Tensor | None:
-    """The prompt n-gram rule (:func:`~adaflash_hf.spec.prompt_ngrams.agree_with_drafts`) for every sampled request
+    """The prompt n-gram rule (:func:`~adaflash_hf.speculation.prompt_ngrams.agree_with_drafts`) for every sampled request
     with candidates (``candidates[i]``: running request ``i``'s, in order of preference), in one call: drafts and draft distributions are
     rewritten in place; returns which of them took their candidate (``None``: no sampled request has one).
 
@@ -137,7 +137,7 @@ def sample_round(logits: torch.Tensor, admitted, running, drafts: RoundDrafts, r
     last row, then every verify row, packed), the first tokens of the sampled ``admitted`` requests drawn into
     ``first``, their fault flags and those of the sampled ``running`` requests (target rows, draft distributions)
     or-ed into ``bad [len(admitted) + len(running)]``; returns the speculative-sampling group of the sampled running
-    requests for :func:`~adaflash_hf.spec.verify.accept_block` (``None``: none).
+    requests for :func:`~adaflash_hf.speculation.verify.accept_block` (``None``: none).
 
     Example:
         >>> group = sample_round(logits, admitted, running, drafts, random, first, bad)  # doctest: +SKIP

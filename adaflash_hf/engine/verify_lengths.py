@@ -1,4 +1,4 @@
-"""Each engine round's verify lengths: the one place the engine calls :func:`~adaflash_hf.spec.length_policy.choose_verify_length`,
+"""Each engine round's verify lengths: the one place the engine calls :func:`~adaflash_hf.speculation.length_policy.choose_verify_length`,
 and when a round may skip the drafter's body because nothing it drafts would be verified.
 
 Under the ``cost`` policy the verify lengths come from the length head's ratios, which need the drafter's body.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec.length_policy import LengthPolicy, choose_verify_length, load_scaled_rate
+from ..speculation.length_policy import LengthPolicy, choose_verify_length, load_scaled_rate
 
 __all__ = ["PLAIN_PROBE_ROUNDS", "VerifyLengths"]
 

@@ -2,7 +2,7 @@
 
 from .decoding import adaflash_decoding
 from .drafting import AdaFlashCandidateGenerator, DraftBlock
-from ..spec.rounds import FinishedRequest, RoundSink, VerifiedRound
+from ..speculation.rounds import FinishedRequest, RoundSink, VerifiedRound
 from .stats import GenerationStats
 
 

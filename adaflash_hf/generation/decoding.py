@@ -17,10 +17,10 @@ import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
 from ..modeling import AdaFlashDrafter
-from ..spec.hooks import hooks_for, round_callbacks
-from ..spec.prompt_ngrams import NgramIndex, PromptNgrams, agree_with_drafts
-from ..spec.rounds import RoundSink, VerifiedRound
-from ..spec.verify import SampledRows, accept_block
+from ..speculation.hooks import hooks_for, round_callbacks
+from ..speculation.prompt_ngrams import NgramIndex, PromptNgrams, agree_with_drafts
+from ..speculation.rounds import RoundSink, VerifiedRound
+from ..speculation.verify import SampledRows, accept_block
 from .drafting import AdaFlashCandidateGenerator
 from .fast_path import engine_decoding, takes_engine
 from .output import Output, emit_requests, finish
@@ -171,9 +171,9 @@ def adaflash_decoding(
     graphs when the call allows it, else here with a warning naming why (:mod:`.fast_path`); `True`
     takes the engine off CUDA too, `False` never.
 
-    `prompt_ngrams`: the prompt n-gram rule beside the drafter (:mod:`adaflash_hf.spec.prompt_ngrams`: a row
+    `prompt_ngrams`: the prompt n-gram rule beside the drafter (:mod:`adaflash_hf.speculation.prompt_ngrams`: a row
     verifies prompt lookup's candidate instead of the drafts when its first token equals the first draft), as the
-    longest n-gram matched (0 turns it off) or a :class:`~adaflash_hf.spec.prompt_ngrams.PromptNgrams`; default: 4,
+    longest n-gram matched (0 turns it off) or a :class:`~adaflash_hf.speculation.prompt_ngrams.PromptNgrams`; default: 4,
     greedy decoding only (``PromptNgrams(4, sampled=True)`` under sampling too). Off while a round sink (an online
     adapter) is attached: it learns from the drafter's own rounds.
 
@@ -355,7 +355,7 @@ def _draft(generator: AdaFlashCandidateGenerator, batch: _Batch, max_length: int
 
 
 def _with_ngrams(batch: _Batch, draft: torch.Tensor, q):
-    """The prompt n-gram rule on this round's drafts (:func:`~adaflash_hf.spec.prompt_ngrams.agree_with_drafts`)."""
+    """The prompt n-gram rule on this round's drafts (:func:`~adaflash_hf.speculation.prompt_ngrams.agree_with_drafts`)."""
     if batch.ngrams is None:
         return draft, q, torch.zeros(draft.shape[0], dtype=torch.bool)
     return agree_with_drafts(draft, [g.candidates(draft.shape[1]) for g in batch.ngrams], q)

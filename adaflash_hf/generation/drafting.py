@@ -16,7 +16,7 @@ import torch
 from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
 from ..modeling import AdaFlashDrafter
-from ..spec.length_policy import choose_verify_length, resolve_policy
+from ..speculation.length_policy import choose_verify_length, resolve_policy
 
 
 @dataclass

@@ -40,9 +40,9 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from ..spec.hooks import round_callbacks
-from ..spec.policy import resolve_policy
-from ..spec.prompt_ngrams import PromptNgrams
+from ..speculation.hooks import round_callbacks
+from ..speculation.policy import resolve_policy
+from ..speculation.prompt_ngrams import PromptNgrams
 
 __all__ = ["FAST_PATH_CHOICES", "MAX_ENGINES", "clear_engines", "engine_decoding", "fast_path_refusal", "takes_engine", "warmup"]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..spec.rounds import FinishedRequest
+from ..speculation.rounds import FinishedRequest
 
 __all__ = ["Output", "emit_requests", "finish"]
 

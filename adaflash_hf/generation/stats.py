@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from ..spec.rounds import RoundTally
+from ..speculation.rounds import RoundTally
 
 __all__ = ["GenerationStats"]
 
@@ -12,7 +12,7 @@ class GenerationStats(RoundTally):
     """What one speculative `generate` call did, round by round (all rows of a batch together).
 
     `tau` is the mean number of tokens committed per verify round (accepted drafts + the target's own
-    token), the figure papers report as acceptance length (convention: `adaflash_hf.spec.rounds`).
+    token), the figure papers report as acceptance length (convention: `adaflash_hf.speculation.rounds`).
     ``prefill_forwards``: recorded entries that are prefill forwards (prompt lookup's; 0 for the drafter).
 
     Example:
@@ -26,7 +26,7 @@ class GenerationStats(RoundTally):
     verify_lengths: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     fallback_rounds: int = 0
-    ngram_rounds: int = 0  # row-rounds that verified a prompt n-gram candidate (`spec.prompt_ngrams`)
+    ngram_rounds: int = 0  # row-rounds that verified a prompt n-gram candidate (`speculation.prompt_ngrams`)
     new_tokens: int = 0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0

@@ -18,7 +18,7 @@ Flow::
 * **Never blocks generation.** ``on_request`` / ``on_round`` copy the sample into the buffer and return; all
   training runs on a worker thread (plus a side CUDA stream on GPU) on a *shadow* copy of the
   drafter. The only time generation waits is the swap itself: the adapter registers its
-  :class:`RoundLock` for the drafter (``adaflash_hf.spec.hooks``), every decoding loop holds it
+  :class:`RoundLock` for the drafter (``adaflash_hf.speculation.hooks``), every decoding loop holds it
   (shared by concurrent rounds) while it drafts, and the swap takes it exclusively, so a round
   drafts either entirely with the old weights or entirely with the new ones.
 * **Lossless.** Verification is unchanged, so outputs stay exactly the target's whatever the
@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from ..modeling import AdaFlashDrafter
-from ..spec.hooks import DrafterHooks, hooks_for, register_hooks, replace_hooks, unregister_hooks
+from ..speculation.hooks import DrafterHooks, hooks_for, register_hooks, replace_hooks, unregister_hooks
 from .buffer import ReplayBuffer, RequestSample, Sample
 from .config import LABEL_MODES, METHODS, SAMPLE_UNITS, OnlineConfig
 from .guard import RollbackWatch, UpdateGuard
@@ -437,7 +437,7 @@ class OnlineAdapter(UpdateLoop):
         `VerifiedRound`s / `Sample`s (one block each), or `FinishedRequest`s / `RequestSample`s
         (every response block, as an update trains on them; anchors drawn from torch's RNG). For
         tests and benchmarks."""
-        from ..spec.rounds import FinishedRequest
+        from ..speculation.rounds import FinishedRequest
 
         samples = list(samples)
         if samples and all(isinstance(x, (FinishedRequest, RequestSample)) for x in samples):

@@ -40,9 +40,9 @@ from collections.abc import Iterator
 
 import torch
 
-from ..spec.rounds import FinishedRequest, VerifiedRound
+from ..speculation.rounds import FinishedRequest, VerifiedRound
 from ..modeling import AdaFlashDrafter
-from ..spec.hooks import hooks_for
+from ..speculation.hooks import hooks_for
 from ..training.objective import greedy_accepted
 from .adapter import OnlineAdapter
 from .hub import redact

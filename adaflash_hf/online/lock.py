@@ -1,6 +1,6 @@
 """The round lock: decoding rounds share it while they draft; a weight swap takes it exclusively.
 
-An online adapter registers it for its drafter (``adaflash_hf.spec.hooks.DrafterHooks.weights_lock``);
+An online adapter registers it for its drafter (``adaflash_hf.speculation.hooks.DrafterHooks.weights_lock``);
 every decoding loop holds it around a round's drafting, so new weights land only between rounds.
 """
 

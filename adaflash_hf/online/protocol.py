@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..spec.rounds import mean_tokens_per_round, position_counts
+from ..speculation.rounds import mean_tokens_per_round, position_counts
 from .adapter import OnlineAdapter, copy_drafter
 from .config import OnlineConfig
 from .experiment import HeadError, stream_order

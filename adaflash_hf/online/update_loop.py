@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..spec.capture import CAPTURE_LOCK
+from ..speculation.capture import CAPTURE_LOCK
 from .buffer import RequestSample, Sample
 from .hub import redact
 from .publish import card_context
@@ -152,7 +152,7 @@ class UpdateLoop:
             return
         with torch.cuda.stream(self.worker.stream):
             if after_serving:
-                with CAPTURE_LOCK:  # an event recorded on the legacy stream (spec/capture.py)
+                with CAPTURE_LOCK:  # an event recorded on the legacy stream (speculation/capture.py)
                     self.worker.stream.wait_stream(torch.cuda.default_stream(self.worker.device))
             yield
 
@@ -345,7 +345,7 @@ class UpdateLoop:
             return self._card_context()
 
         what = f"rollback of update {record.update}" if record.rollback_of is not None else f"update {record.update}"
-        with self._side_stream():  # the weights are read off the legacy stream (spec/capture.py)
+        with self._side_stream():  # the weights are read off the legacy stream (speculation/capture.py)
             done = self.publisher.publish(self.drafter, card, meta, f"AdaFlash online {what} (version {{version}})",
                                           what="online version")  # fmt: skip
         with self._stats_lock:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..spec.acceptance import accepted_prefix_len
+from ..speculation.acceptance import accepted_prefix_len
 from .blocks import IGNORE_INDEX
 from .losses import block_ce_loss, default_gamma, forward_kl_loss, length_head_loss, opd_loss, position_weights
 

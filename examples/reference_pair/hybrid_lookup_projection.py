@@ -15,7 +15,7 @@ verify (only from what is known before verifying), and the oracle that always pi
                block, the paper's estimate), else the drafter's
   oracle       the better of the two at every round (an upper bound, not a rule)
 
-tau = (new tokens - 1) / rounds, the prefill left out (`spec.rounds`). Checks: the walked `drafter` rule's tau equals
+tau = (new tokens - 1) / rounds, the prefill left out (`speculation.rounds`). Checks: the walked `drafter` rule's tau equals
 the real ``generate(assistant_model=drafter, length_policy="fixed")`` on the same prompts (float32, CPU: the
 features of one full forward and of the loop's verify forwards agree), and `lookup` equals `prompt_lookup_rounds`.
 
@@ -36,7 +36,7 @@ import torch
 
 from adaflash_hf import load_reference_pair
 from adaflash_hf.bench.prompt_lookup_tau import PromptLookupSettings, _candidates, prompt_lookup_rounds
-from adaflash_hf.spec.prompt_ngrams import NgramIndex
+from adaflash_hf.speculation.prompt_ngrams import NgramIndex
 from adaflash_hf.bench.prompts import load_prompts
 from adaflash_hf.generation.prompts import encode_prompt
 

@@ -14,8 +14,8 @@ import random
 
 import torch
 
-from adaflash_hf.spec.length_policy import adaptive_verify_length, cost_aware_verify_length
-from adaflash_hf.spec.round_cost import RoundCost
+from adaflash_hf.speculation.length_policy import adaptive_verify_length, cost_aware_verify_length
+from adaflash_hf.speculation.round_cost import RoundCost
 
 RULES = ("off", "fixed", "floor rule (rate 2)", "cost rule, rate 2", "cost rule, rate 1")
 

@@ -19,7 +19,7 @@ import torch
 from adaflash_hf.bench.prompt_lookup_tau import PromptLookupSettings, as_generation_stats, prompt_lookup_rounds
 from adaflash_hf.loading import load_models
 from adaflash_hf.reference import REFERENCE_DIR
-from adaflash_hf.spec.rounds import mean_tokens_per_round
+from adaflash_hf.speculation.rounds import mean_tokens_per_round
 from adaflash_hf.training.data import eval_prompts
 
 

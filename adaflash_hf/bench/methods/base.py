@@ -29,7 +29,7 @@ class MethodOutput:
     """A runner's answer: the generated sequences (prompt included), and our stats when it has them.
 
     ``rounds`` is a verify-round count (target forwards after the prefill) for methods without
-    `GenerationStats` (batch 1); tau is then `spec.rounds.tau_from_totals`. ``settings``: the knobs it ran
+    `GenerationStats` (batch 1); tau is then `speculation.rounds.tau_from_totals`. ``settings``: the knobs it ran
     with, where it has some (prompt lookup's), recorded in the cell.
     """
 

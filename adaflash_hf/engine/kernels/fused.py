@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...spec.capture import CAPTURE_MODE, capturing
+from ...speculation.capture import CAPTURE_MODE, capturing
 from .elementwise import elementwise_functions
 from .stock_layers import unsupported_layers
 
@@ -105,7 +105,7 @@ def _graph_ms(fn: Callable[[], None], reps: int = 10) -> float:
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with capturing(), torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE):  # spec/capture.py
+    with capturing(), torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE):  # speculation/capture.py
         fn()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -43,7 +43,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ...spec.rounds import position_counts
+from ...speculation.rounds import position_counts
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 

@@ -1,6 +1,6 @@
 """One tau for every method (issue 36): the same 10-token continuation produced by plain decoding,
 prompt lookup, the AR assistant and the drafter, each counted through the bench's own path for that
-method, against tau worked out by hand under `adaflash_hf.spec.rounds`' convention:
+method, against tau worked out by hand under `adaflash_hf.speculation.rounds`' convention:
 tau = (new tokens - 1 per sequence) / (target forwards - 1 per sequence)."""
 
 from types import SimpleNamespace

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from adaflash_hf.spec import acceptance
-from adaflash_hf.spec.acceptance import (
+from adaflash_hf.speculation import acceptance
+from adaflash_hf.speculation.acceptance import (
     AcceptResult,
     acceptance_probability,
     expected_accepted_tokens,
