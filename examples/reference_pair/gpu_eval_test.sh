@@ -11,7 +11,8 @@
 #      fixed, cost, adaptive, one process at a time (each group gets the phase's timeout / 6), after an untimed pass over the same prompts (graph captures and kernel choices are set-up, not decoding)
 #   4. (sample) test, tau under sampling at TEMPS (default "0.7 1.0"), top-p 0.95, seed 0, concurrency 64: the same methods as 2
 #   5. (dist) examples/sampling_distribution_check.py at its defaults (speculative against plain sampling, with controls)
-# PHASES picks them (default "val tau wall"); without val, CHOICE names an earlier validation_choice.json.
+# PHASES picks them (default "val tau wall"); without val, CHOICE names an earlier validation_choice.json. GROUPS_RUN
+# picks groups of sets by index (default all: one call can run the wall phase for half of them).
 # Needs the eval + training data (the slices drop training duplicates): carry .evaldata (written by
 # `python examples/reference_pair/make_devdata.py --out .evaldata`) and .slimwhl. LIMITS="V T W S D": each phase's
 # timeout in seconds (default "120 200 180 300 200"). --smoke: CPU, 2 prompts, 16 tokens.
@@ -36,24 +37,27 @@ else
   PROCS=("gsm8k,math500" "mathqa,prose" "codealpaca" "sharegpt,mt_bench" "spec_bench:translation,spec_bench:summarization,spec_bench:qa"
          "spec_bench:math_reasoning,spec_bench:rag"); read -r -a LIMITS <<< "${LIMITS:-120 200 180}"
 fi
+read -r -a PICK <<< "${GROUPS_RUN:-${!PROCS[*]}}"  # GROUPS_RUN="0 2": only those groups (indices into PROCS)
 B="python3 -m adaflash_hf.bench --reference --max-new-tokens $TOKENS --dtype fp32 --length-rate 2 --no-plots --quiet"
 phase() {  # phase NAME TIMEOUT ARGS...: one process per group, in parallel; the group's index names its folder
   local name=$1 limit=$2; shift 2
-  local i=0 pids=()
-  for g in "${PROCS[@]}"; do
-    timeout "$limit" $B --datasets "$g" "$@" --out "$OUT/${name}_$i" > "$OUT/${name}_$i.log" 2>&1 &
-    pids+=($!); i=$((i + 1))
+  local i pids=()
+  for i in "${PICK[@]}"; do
+    timeout "$limit" $B --datasets "${PROCS[$i]}" "$@" --out "$OUT/${name}_$i" > "$OUT/${name}_$i.log" 2>&1 &
+    pids+=($!)
   done
   local rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
   echo "phase $name: $(date -u +%T) rc=$rc"
 }
 phase_alone() {  # phase_alone NAME TIMEOUT ARGS...: the groups one after another, each with the GPU to itself
-  # (timings: processes sharing the GPU measure each other), TIMEOUT split evenly between them
+  # (timings: processes sharing the GPU measure each other); each group may use what the phase's TIMEOUT has left,
+  # less an even share kept for every group after it
   local name=$1 limit=$2; shift 2
-  local i=0 rc=0 each=$(( limit / ${#PROCS[@]} ))
-  for g in "${PROCS[@]}"; do
-    timeout "$each" $B --datasets "$g" "$@" --out "$OUT/${name}_$i" > "$OUT/${name}_$i.log" 2>&1 || rc=1
-    i=$((i + 1))
+  local i rc=0 start=$SECONDS left n=${#PICK[@]} k=0
+  for i in "${PICK[@]}"; do
+    left=$(( limit - (SECONDS - start) )); each=$(( left - (n - k - 1) * left / (n - k) / 2 )); k=$((k + 1))
+    (( each < 10 )) && each=10
+    timeout "$each" $B --datasets "${PROCS[$i]}" "$@" --out "$OUT/${name}_$i" > "$OUT/${name}_$i.log" 2>&1 || rc=1
   done
   echo "phase $name (one process at a time): $(date -u +%T) rc=$rc"
 }
