@@ -4,6 +4,10 @@ by side, as x ``off`` per concurrency. Host time enters only as the run's measur
 overhead term; before, none: it flattered every drafting layout at 8-32).
 
     python examples/reference_pair/project_verify_rules.py docs/logs/replay_h200_cost/replay/replay_bench.json --trace gsm8k
+
+``--calibration head_calibration.json`` (``examples/head_calibration.py``'s rounds, on other prompts) adds the cost rule
+fed a calibrated head: the head's predicted ``k = a B`` mapped to the mean realised ``L + 1`` of its calibration rounds
+(20 equal-count bins by prediction, interpolated), the issue 35 item 3 question of whether correcting the head pays.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import argparse
 import json
 import random
 
+import numpy as np
 import torch
 
 from adaflash_hf.speculation.length_policy import adaptive_verify_length, cost_aware_verify_length
@@ -20,7 +25,19 @@ from adaflash_hf.speculation.round_cost import RoundCost
 RULES = ("off", "fixed", "floor rule (rate 2)", "cost rule, rate 2", "cost rule, rate 1")
 
 
-def lengths(rule: str, ratio: torch.Tensor, cost: RoundCost, block: int) -> torch.Tensor:
+def calibration_map(path: str, block: int):
+    """``k -> realised k``: the mean realised ``L + 1`` per bin of predicted ``k = a B`` over the file's rounds."""
+    rounds = [r for t in json.load(open(path))["traces"].values() for r in t["rounds"]]
+    pts = np.array(sorted((q * block, accepted + 1) for accepted, q in rounds))
+    bins = np.array_split(np.arange(len(pts)), 20)
+    xs, ys = np.array([pts[b, 0].mean() for b in bins]), np.array([pts[b, 1].mean() for b in bins])
+    return lambda k: np.interp(k, xs, ys)
+
+
+def lengths(rule: str, ratio: torch.Tensor, cost: RoundCost, block: int, calibrated=None) -> torch.Tensor:
+    if rule == "cost rule, calibrated":
+        ratio = torch.tensor(calibrated(ratio.numpy() * block) / block, dtype=torch.float32)
+        return cost_aware_verify_length(ratio, block, cost, rate=1.0)
     if rule == "off":
         return torch.ones(len(ratio), dtype=torch.long)
     if rule == "fixed":
@@ -30,12 +47,12 @@ def lengths(rule: str, ratio: torch.Tensor, cost: RoundCost, block: int) -> torc
     return cost_aware_verify_length(ratio, block, cost, rate=float(rule[-1]))
 
 
-def tokens_per_time(rounds, cost: RoundCost, c: int, rule: str, block: int, n: int = 300) -> float:
+def tokens_per_time(rounds, cost: RoundCost, c: int, rule: str, block: int, n: int = 300, calibrated=None) -> float:
     rng, tokens, time = random.Random(0), 0, 0.0
     for _ in range(n):
         drawn = [rounds[rng.randrange(len(rounds))] for _ in range(c)]
         accepted = torch.tensor([a for a, _ in drawn])
-        k = lengths(rule, torch.tensor([q for _, q in drawn]), cost, block)
+        k = lengths(rule, torch.tensor([q for _, q in drawn]), cost, block, calibrated)
         tokens += int((torch.minimum(accepted, k - 1) + 1).sum())
         time += cost.round_time(c, int(k.sum()), block)
     return tokens / time
@@ -46,16 +63,19 @@ def main(argv=None) -> int:
     p.add_argument("replay_json")
     p.add_argument("--trace", default="gsm8k", help="a recorded trace of the run (its rounds: accepted, head ratio)")
     p.add_argument("--concurrency", default="1,8,32,128")
+    p.add_argument("--calibration", default=None, help="head_calibration.json: also the cost rule on the calibrated head")
     a = p.parse_args(argv)
     res = json.load(open(a.replay_json))
     m = res["meta"]["round_cost"]
     cost = RoundCost(rows=m["rows"], tokens_per_row=m["tokens_per_row"], verify=m["verify"], draft_fraction=m["draft_fraction"],
                      spec_overhead=m.get("spec_overhead", 0.0), plain_overhead=m.get("plain_overhead", 0.0))
     rounds, block = res["traces"][a.trace]["rounds"], res["meta"]["block_size"]
-    print("| c | " + " | ".join(RULES[1:]) + " |\n|---" * 1 + "|---" * (len(RULES) - 1) + "|")
+    rules = RULES + (("cost rule, calibrated",) if a.calibration else ())
+    calibrated = calibration_map(a.calibration, block) if a.calibration else None
+    print("| c | " + " | ".join(rules[1:]) + " |\n|---" * 1 + "|---" * (len(rules) - 1) + "|")
     for c in (int(x) for x in a.concurrency.split(",")):
-        v = {rule: tokens_per_time(rounds, cost, c, rule, block) for rule in RULES}
-        print(f"| {c} | " + " | ".join(f"{v[r] / v['off']:.2f}" for r in RULES[1:]) + " |")
+        v = {rule: tokens_per_time(rounds, cost, c, rule, block, calibrated=calibrated) for rule in rules}
+        print(f"| {c} | " + " | ".join(f"{v[r] / v['off']:.2f}" for r in rules[1:]) + " |")
     return 0
 
 
