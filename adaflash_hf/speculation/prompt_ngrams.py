@@ -108,8 +108,11 @@ class NgramIndex:
             if forbidden and toks[nxt] in forbidden:
                 continue
             for n in range(1, min(top, nxt) + 1):
-                seen = starts.setdefault(tuple(toks[nxt - n : nxt]), [])
-                if len(seen) < most:
+                key = tuple(toks[nxt - n : nxt])
+                seen = starts.get(key)
+                if seen is None:
+                    starts[key] = [nxt - n]
+                elif len(seen) < most:
                     seen.append(nxt - n)
         self.length = max(self.length, length)
 
