@@ -58,8 +58,9 @@ def test_row_sampling_equals_each_request_alone(name, requests, monkeypatch):
     rows = RowSampling.build(params, counts, starts, 64, "cpu")
     probs = rows.probs(logits)
     sampled = rows.sampling_rows(probs)
-    monkeypatch.setattr(sampling, "_KEYED_ELEMENTS", 2 * 64)  # keyed samples two rows at a time: the same rows
+    monkeypatch.setattr(sampling, "_KEYED_ELEMENTS", 2 * 64)  # keyed samples and top-p two rows at a time: the same
     assert torch.equal(rows.sampling_rows(probs), sampled)
+    assert torch.equal(rows.probs(logits), probs)
     at = 0
     for p, c, start in zip(params, counts, starts):
         assert torch.allclose(probs[at : at + c], _warped(logits[at : at + c], p), rtol=0, atol=1e-6), p

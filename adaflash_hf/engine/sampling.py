@@ -157,7 +157,12 @@ def _on_rows(x: torch.Tensor, rows: torch.Tensor | None, fn) -> torch.Tensor:
 
 def _top_p(scores: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
     """transformers' TopPLogitsWarper: drop the low tail whose mass is <= ``drop`` (``1 - top_p``, per row),
-    keep >= 1 token."""
+    keep >= 1 token. In row chunks of at most ``_KEYED_ELEMENTS`` scores: the sort's values and int64 indices, the
+    cumulative sums and the masks are several times the scores (500 rows x 16 slots x a 152k vocabulary would
+    otherwise need tens of GB at once)."""
+    step = max(1, _KEYED_ELEMENTS // scores.shape[-1])
+    if scores.shape[0] > step:  # each row's mask is its own, whatever the chunk
+        return torch.cat([_top_p(scores[i : i + step], drop[i : i + step]) for i in range(0, scores.shape[0], step)])
     sorted_scores, idx = torch.sort(scores, descending=False, dim=-1)
     cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
     remove = cum <= drop
@@ -236,7 +241,7 @@ def position_keyed_samples(probs: torch.Tensor, seed: int, start: int) -> torch.
 
 
 _MASK31 = 2**31 - 1
-# Rows x vocabulary per keyed_samples pass: its int64 / float64 temporaries stay near 0.5 GB each (a round of 64
+# Rows x vocabulary per keyed_samples / top-p pass: their int64 / float64 temporaries stay near 0.5 GB each (a round of 64
 # requests x 16 rows of a 152k vocabulary would need ~1.2 GB each at once, several at a time).
 _KEYED_ELEMENTS = 2**26
 
