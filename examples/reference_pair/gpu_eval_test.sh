@@ -7,8 +7,10 @@
 #   2. test, tau: plain, fixed, cost (the default rule), adaptive (the paper's floor rule, rate 2), fixed_alone, cost_alone,
 #      prompt lookup default (prompt_lookup_exact) and best of grid
 #      (prompt_lookup_grid, the setting chosen in 1), concurrency 64, every output compared with plain
-#   3. test, wall-clock at batch 1 on the first WALL_PROMPTS prompts: plain, prompt_lookup, prompt_lookup_tuned,
-#      fixed, cost, adaptive, one process at a time (each group gets the phase's timeout / 6), after an untimed pass over the same prompts (graph captures and kernel choices are set-up, not decoding)
+#   3. test, wall-clock at batch 1 on the first WALL_PROMPTS prompts: plain, plain_static (transformers' static cache,
+#      compiled: its fastest plain path), prompt_lookup, prompt_lookup_tuned,
+#      fixed, cost, adaptive, one process at a time (each group may use what the phase's timeout has left), after an
+#      untimed pass over the same prompts (graph captures, compiles and kernel choices are set-up, not decoding)
 #   4. (sample) test, tau under sampling at TEMPS (default "0.7 1.0"), top-p 0.95, seed 0, concurrency 64: the same methods as 2
 #   5. (dist) examples/sampling_distribution_check.py at its defaults (speculative against plain sampling, with controls)
 # PHASES picks them (default "val tau wall"); without val, CHOICE names an earlier validation_choice.json. GROUPS_RUN
@@ -81,7 +83,7 @@ fi
 has tau && phase tau ${LIMITS[1]} --split test --num-prompts $PROMPTS --concurrency $CONC $CHOICE $EXTRA \
   --methods plain,fixed,cost,adaptive,fixed_alone,cost_alone,prompt_lookup_exact,prompt_lookup_grid
 has wall && phase_alone wall ${LIMITS[2]} --split test --num-prompts $WALL_PROMPTS --concurrency 1 $CHOICE $WALL_EXTRA \
-  --methods plain,prompt_lookup,prompt_lookup_exact,prompt_lookup_tuned,prompt_lookup_grid,fixed,cost,adaptive,fixed_alone
+  --methods plain,plain_static,prompt_lookup,prompt_lookup_exact,prompt_lookup_tuned,prompt_lookup_grid,fixed,cost,adaptive,fixed_alone
 for T in ${TEMPS:-0.7 1.0}; do  # the temperatures at once (TEMPS picks them): 6 processes each share the GPU
   has sample && phase "sample_T$T" ${LIMITS[3]:-300} --split test --num-prompts ${SAMPLE_PROMPTS:-$PROMPTS} --concurrency $CONC $CHOICE $EXTRA \
     --temperature $T --top-p 0.95 --seed 0 --methods plain,fixed,cost,adaptive,prompt_lookup_exact,prompt_lookup_grid &
