@@ -223,7 +223,8 @@ def _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stoppi
         if bool(done.any()):
             batch.drop_finished(done, cache, generator)
 
-        # 1. Draft one block per row in one drafter forward; the policy picks each row's verify length.
+        # 1. Draft one block per row in one drafter forward; the policy picks each row's verify length (a row
+        #    taking a prompt n-gram candidate verifies it up to `PromptNgrams.max_width`, past the block if need be).
         t0 = clock()
         budget = torch.tensor([max_length - s.shape[0] - 1 for s in batch.seqs], device=batch.bonus.device)
         with weights_lock:
