@@ -4,7 +4,7 @@ decoding in every loop that applies it (generate's eager loop, the engine eager 
 import pytest
 import torch
 
-from adaflash_hf.speculation.prompt_ngrams import NgramIndex, PromptNgrams, agree_with_drafts
+from adaflash_hf.speculation.prompt_ngrams import NgramIndex, PromptNgrams, agree_wide, agree_with_drafts
 
 
 @pytest.mark.parametrize(
@@ -98,6 +98,37 @@ def test_prompt_ngrams_setting_is_checked(bad):
         PromptNgrams.of(bad)
 
 
+@pytest.mark.parametrize("bad", [0, -3, 2.0, True, "31"])
+def test_max_width_is_checked(bad):
+    with pytest.raises(ValueError, match="max_width"):
+        PromptNgrams(max_width=bad)
+
+
+@pytest.mark.parametrize(
+    "drafts, draft_len, candidates, max_width, budget, expected, expected_len",
+    [
+        # a candidate longer than the drafts: verified in full, the round widens to it
+        ([[4, 5]], [2], [[[4, 5, 6, 7]]], 8, [9], [[4, 5, 6, 7]], [4]),
+        ([[4, 5]], [2], [[[4, 5, 6, 7, 8, 9]]], 4, [9], [[4, 5, 6, 7]], [4]),  # up to max_width
+        ([[4, 5]], [2], [[[4, 5, 6, 7, 8, 9]]], 8, [3], [[4, 5, 6]], [3]),  # up to the row's budget
+        ([[4, 5]], [2], [[[3, 5, 6, 7]]], 8, [9], [[4, 5]], [2]),  # disagrees: the drafter's block, no widening
+        ([[4, 5, 6]], [1], [[[4, 9, 9, 9, 9]]], 8, [9], [[4, 9, 9, 9, 9]], [5]),  # a short verify length grows too
+        ([[4, 5, 6]], [3], [[[4, 5]]], 8, [9], [[4, 5, 6]], [3]),  # a shorter candidate never shortens the verify
+        ([[4, 5]], [0], [[[4, 5, 6, 7]]], 8, [0], [[4, 5]], [0]),  # no draft verified (no budget): stays a plain step
+        # two rows: the other keeps its drafts and length, padded to the widest
+        ([[4, 5], [1, 2]], [2, 2], [[[4, 5, 6]], [[1, 3]]], 8, [9, 9], [[4, 5, 6], [1, 3, 0]], [3, 2]),
+        ([[4, 5], [1, 2]], [2, 1], [[], [[7]]], 8, [9, 9], [[4, 5], [1, 2]], [2, 1]),
+    ],
+)
+def test_agree_wide_table(drafts, draft_len, candidates, max_width, budget, expected, expected_len):
+    d, n = torch.tensor(drafts), torch.tensor(draft_len)
+    out, new_len, _ = agree_wide(d, n, candidates, max_width, torch.tensor(budget))
+    assert out.tolist() == expected and new_len.tolist() == expected_len
+    assert d.tolist() == drafts and n.tolist() == draft_len  # the inputs are not modified
+    narrow, _, _ = agree_with_drafts(d, candidates)  # within the drafts' width: the same choice as the narrow rule
+    assert out[:, : d.shape[1]].tolist() == narrow.tolist()
+
+
 @pytest.fixture(scope="module")
 def reference_pair():
     from adaflash_hf import load_reference_pair
@@ -136,6 +167,53 @@ def test_generate_with_the_rule_equals_plain(reference_pair, prompt_ids, policy)
                                    length_policy=policy, return_stats=True, prompt_ngrams=0, fast_path=False)
     assert [row[batch.input_ids.shape[1] :].tolist()[: len(p)] for row, p in zip(out, plain)] == plain
     assert stats.ngram_rounds > 0 and alone.ngram_rounds == 0  # the rule ran (control: off, it never does)
+
+
+# Prompts whose continuation repeats them for more than a block: candidates longer than the drafts.
+_LONG_PROMPTS = _PROMPTS + [
+    "Copy the sentence twice. Sentence: the quick brown fox jumps over the lazy dog near the old river bank at dawn. "
+    "Copy 1: the quick brown fox jumps over the lazy dog near the old river bank at dawn. Copy 2: the",
+]
+
+
+@pytest.mark.parametrize(
+    "rows, policy",
+    [((0,), "fixed"), ((1,), "fixed"), ((2,), "fixed"), ((2,), "cost"), ((0, 1, 2), "fixed"), ((2, 1), "cost")],
+)
+def test_generate_with_wide_candidates_equals_plain(reference_pair, rows, policy):
+    """``max_width=31``: a row verifies a candidate past the block; the output stays plain greedy's, token for token
+    (the drafter's context after a wide round included: the next rounds draft from it); the default is the control."""
+    target, drafter, tok = reference_pair
+    n, prompts = 48, [_LONG_PROMPTS[r] for r in rows]
+    plain = [_plain(target, tok(p).input_ids, n) for p in prompts]
+    batch = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
+    stats = {}
+    for width in (31, None):
+        with torch.inference_mode():
+            out, stats[width] = target.generate(**batch, assistant_model=drafter, max_new_tokens=n, do_sample=False,
+                                                length_policy=policy, return_stats=True, fast_path=False,
+                                                prompt_ngrams=PromptNgrams(max_width=width))
+        assert [row[batch.input_ids.shape[1] :].tolist()[: len(p)] for row, p in zip(out, plain)] == plain
+    assert stats[31].wide_rounds > 0 and max(stats[31].verify_lengths) > drafter.config.block_size
+    assert stats[None].wide_rounds == 0 and max(stats[None].verify_lengths) <= drafter.config.block_size  # control
+
+
+def test_a_wide_candidate_is_accepted_past_the_block(reference_pair):
+    """The widening pays: some round accepts more drafts than a block holds (the second prompt, 48 tokens)."""
+    target, drafter, tok = reference_pair
+    ids = torch.tensor([tok(_LONG_PROMPTS[1]).input_ids])
+    with torch.inference_mode():
+        _, stats = target.generate(ids, assistant_model=drafter, max_new_tokens=48, do_sample=False, length_policy="fixed",
+                                   return_stats=True, fast_path=False, prompt_ngrams=PromptNgrams(max_width=31))
+    assert max(stats.accepted) >= drafter.config.block_size
+
+
+def test_max_width_warns_on_the_engine(reference_pair, prompt_ids):
+    """The engine keeps the block width: a call that asks for wider candidates and takes it is told so."""
+    target, drafter, _ = reference_pair
+    with pytest.warns(UserWarning, match="eager loop only"), torch.inference_mode():
+        target.generate(torch.tensor([prompt_ids[0]]), assistant_model=drafter, max_new_tokens=8, do_sample=False,
+                        length_policy="fixed", fast_path=True, prompt_ngrams=PromptNgrams(max_width=31))
 
 
 @pytest.mark.parametrize("cuda_graphs, policy", [(False, "fixed"), (True, "fixed"), (True, "cost")])

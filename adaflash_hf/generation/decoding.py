@@ -11,6 +11,7 @@ processors, on the same prefix, as plain decoding would use.
 """
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from ..modeling import AdaFlashDrafter
 from ..speculation.hooks import hooks_for, round_callbacks
-from ..speculation.prompt_ngrams import NgramIndex, PromptNgrams, agree_with_drafts
+from ..speculation.prompt_ngrams import NgramIndex, PromptNgrams, agree_wide, agree_with_drafts
 from ..speculation.rounds import RoundSink, VerifiedRound
 from ..speculation.verify import SampledRows, accept_block
 from .drafting import AdaFlashCandidateGenerator
@@ -96,6 +97,7 @@ class _Batch:
     ctx_valid: torch.Tensor
     ctx_pos: torch.Tensor
     ngrams: list[NgramIndex] | None = None  # each row's tokens (host) for the prompt n-gram rule; None: rule off
+    max_width: int | None = None  # `PromptNgrams.max_width` for greedy rows (sampled rows never widen: None)
 
     def drop_finished(self, done: torch.Tensor, cache, generator) -> None:
         keep = (~done).nonzero().squeeze(1)
@@ -184,6 +186,9 @@ def adaflash_decoding(
     rows = row_processors(logits_processor, input_ids.shape[0])  # refuses a processor we cannot run, before any work
     ngrams = PromptNgrams.of(prompt_ngrams)
     if takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length_policy):
+        if ngrams.max_width is not None and ngrams.applies(greedy=not generation_config.do_sample):
+            warnings.warn("PromptNgrams.max_width applies to generate's eager loop only (fast_path=False): the engine "
+                          "verifies candidates up to its block", stacklevel=3)
         return engine_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                length_policy=length_policy, length_rate=length_rate, length_min=length_min,
                                return_stats=return_stats, round_sink=round_sink, prompt_ngrams=ngrams, **model_kwargs)
@@ -218,14 +223,17 @@ def _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stoppi
         if bool(done.any()):
             batch.drop_finished(done, cache, generator)
 
-        # 1. Draft one block per row in one drafter forward; the policy picks each row's verify length.
+        # 1. Draft one block per row in one drafter forward; the policy picks each row's verify length (a row
+        #    taking a prompt n-gram candidate verifies it up to `PromptNgrams.max_width`, past the block if need be).
         t0 = clock()
+        budget = torch.tensor([max_length - s.shape[0] - 1 for s in batch.seqs], device=batch.bonus.device)
         with weights_lock:
-            block, draft, q = _draft(generator, batch, max_length, do_sample)
-        draft, q, used = _with_ngrams(batch, draft, q)
+            block, draft, q = _draft(generator, batch, budget, do_sample)
+        draft, q, used, draft_len = _with_ngrams(batch, block, draft, q, budget)
         stats.fallback_rounds += int((~block.finite).sum())
         stats.ngram_rounds += int(used.sum())
         k = draft.shape[1]
+        stats.wide_rounds += int(k + 1 > generator.block_size)
         t1 = clock()
 
         # 2. Verify every row's bonus + drafts in one target forward (rows padded to the longest).
@@ -234,9 +242,9 @@ def _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stoppi
         # 3. Accept the longest agreeing prefix (greedy) or by the speculative sampling rule (the shared step).
         if do_sample:
             q = q if q is not None else processed[:, :0].softmax(-1)
-            res = accept_block(draft, block.draft_len, sampled=[SampledRows(None, q, processed.softmax(-1), block.draft_len)])
+            res = accept_block(draft, draft_len, sampled=[SampledRows(None, q, processed.softmax(-1), draft_len)])
         else:
-            res = accept_block(draft, block.draft_len, processed.argmax(dim=-1))
+            res = accept_block(draft, draft_len, processed.argmax(dim=-1))
         acc = res.num_accepted
         t2 = clock()
         stats.draft_time_s, stats.verify_time_s = stats.draft_time_s + t1 - t0, stats.verify_time_s + t2 - t1
@@ -246,7 +254,7 @@ def _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stoppi
             _emit_rounds(on_round, batch, block, draft, logits, acc)
         done = _commit_round(output, batch, draft, res, logits, processed, out.hidden_states)
         for i in range(len(batch.seqs)):  # a row that stops inside the round counts the tokens it emitted, not acc + 1
-            stats.record(int(batch.index[i]), int(block.draft_len[i]) + 1, output.committed[i] - 1)
+            stats.record(int(batch.index[i]), int(draft_len[i]) + 1, output.committed[i] - 1)
         batch.extend_ngrams(draft, acc.tolist(), res.next_tokens)
         batch.advance(drafter.select_context(out.hidden_states), acc, res.next_tokens, k + 1, cache)
 
@@ -333,6 +341,7 @@ def _prefill(model, drafter, input_ids, rows, shared, model_kwargs, layers, do_s
     if ngrams.applies(greedy=not do_sample):  # each row's prompt ids (those given: none with inputs_embeds alone) and its first token
         given = mask[:, -input_ids.shape[1] :] if input_ids.shape[1] else mask[:, :0]
         batch.ngrams = [ngrams.index(ids[m].tolist() + [int(t)]) for ids, m, t in zip(input_ids, given, first)]
+        batch.max_width = None if do_sample else ngrams.max_width
     hidden = [[tuple(h[i] for h in out.hidden_states)] for i in range(input_ids.shape[0])] if output.want_hidden else None
     done = output.commit(batch, [t[None] for t in first], list(logits), processed, hidden)
     return batch, out.past_key_values, done
@@ -344,21 +353,28 @@ def _token_hidden(hidden_states, counts: list[int]) -> list[list[tuple]]:
     return [[tuple(h[i, j : j + 1] for h in hidden_states) for j in range(n)] for i, n in enumerate(counts)]
 
 
-def _draft(generator: AdaFlashCandidateGenerator, batch: _Batch, max_length: int, do_sample: bool):
-    """One block per row (capped by the tokens left before ``max_length``), its drafts ``[b, k]`` for the
+def _draft(generator: AdaFlashCandidateGenerator, batch: _Batch, budget: torch.Tensor, do_sample: bool):
+    """One block per row (capped by ``budget``, the tokens left before ``max_length``), its drafts ``[b, k]`` for the
     longest verify ``k``, and (sampling) the processed draft distributions they were drawn from."""
-    budget = torch.tensor([max_length - s.shape[0] - 1 for s in batch.seqs], device=batch.bonus.device)
     block = generator.propose(batch.bonus, batch.pos, batch.ctx, batch.ctx_valid, batch.ctx_pos, budget)
     k = int(block.draft_len.max())
     draft, q = _sample_drafts(generator, batch, block, k) if do_sample and k > 0 else (block.tokens[:, :k], None)
     return block, draft, q
 
 
-def _with_ngrams(batch: _Batch, draft: torch.Tensor, q):
-    """The prompt n-gram rule on this round's drafts (:func:`~adaflash_hf.speculation.prompt_ngrams.agree_with_drafts`)."""
+def _with_ngrams(batch: _Batch, block, draft: torch.Tensor, q, budget: torch.Tensor):
+    """The prompt n-gram rule on this round's drafts (:func:`~adaflash_hf.speculation.prompt_ngrams.agree_with_drafts`;
+    :func:`~adaflash_hf.speculation.prompt_ngrams.agree_wide` for greedy rows under ``max_width``): the drafts to
+    verify, their distributions, the rows that took a candidate and each row's verify length - 1."""
     if batch.ngrams is None:
-        return draft, q, torch.zeros(draft.shape[0], dtype=torch.bool)
-    return agree_with_drafts(draft, [g.candidates(draft.shape[1]) for g in batch.ngrams], q)
+        return draft, q, torch.zeros(draft.shape[0], dtype=torch.bool), block.draft_len
+    if batch.max_width is None:
+        draft, q, used = agree_with_drafts(draft, [g.candidates(draft.shape[1]) for g in batch.ngrams], q)
+        return draft, q, used, block.draft_len
+    width = max(draft.shape[1], batch.max_width)
+    draft, draft_len, used = agree_wide(draft, block.draft_len, [g.candidates(width) for g in batch.ngrams],
+                                        batch.max_width, budget.clamp(min=0))
+    return draft, q, used, draft_len
 
 
 def _sample_drafts(generator: AdaFlashCandidateGenerator, batch: _Batch, block, k):

@@ -27,6 +27,7 @@ class GenerationStats(RoundTally):
     rows: list[int] = field(default_factory=list)
     fallback_rounds: int = 0
     ngram_rounds: int = 0  # row-rounds that verified a prompt n-gram candidate (`speculation.prompt_ngrams`)
+    wide_rounds: int = 0  # rounds whose verify was wider than the block (`PromptNgrams.max_width`, eager loop)
     new_tokens: int = 0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
@@ -56,6 +57,7 @@ class GenerationStats(RoundTally):
             "verify_lengths": list(self.verify_lengths),
             "fallback_rounds": self.fallback_rounds,
             "ngram_rounds": self.ngram_rounds,
+            "wide_rounds": self.wide_rounds,
             "prefill_forwards": self.prefill_forwards,
             "new_tokens": self.new_tokens,
             "draft_time_s": self.draft_time_s,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["NgramIndex", "PromptNgrams", "agree_with_drafts"]
+__all__ = ["NgramIndex", "PromptNgrams", "agree_wide", "agree_with_drafts"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,13 @@ class PromptNgrams:
     """The ``agree`` rule's setting: the longest n-gram matched (``max_ngram``; 0 turns the rule off), how many
     candidates a row weighs each round (``matches``, the earliest occurrences, longest n-gram first) and whether
     sampled rows use it too (``sampled``; greedy rows always do). Candidates are as long as the row's verify length
-    allows (at most the drafter's block - 1).
+    allows (at most the drafter's block - 1), unless ``max_width`` is set.
+
+    ``max_width`` (``None``: the row's verify length, as above): a greedy row that takes a candidate verifies it in
+    full, up to that many tokens, wider than the block if need be (:func:`agree_wide`; a CPU projection on validation
+    prompts, ``docs/logs/ngram_rules_cpu_1204/candidate_width.md``: up to 31 tokens adds 4-11% tau). Generate's eager
+    loop only for now (``fast_path=False``, and off CUDA): the engine's graphs are bucketed at the block, so the engine
+    ignores it and keeps the block width (generate warns when such a call takes the engine). Sampled rows never widen.
 
     Off for sampled rows by default: there a candidate is a one-hot proposal, kept with the target's probability
     of its token, where the drafter's own sample is kept with ``1 - TV(p, q)``; with a good drafter that is more
@@ -59,12 +65,15 @@ class PromptNgrams:
     max_ngram: int = 4
     matches: int = 8
     sampled: bool = False
+    max_width: int | None = None
 
     def __post_init__(self):
         if isinstance(self.max_ngram, bool) or not isinstance(self.max_ngram, int) or self.max_ngram < 0:
             raise ValueError(f"prompt_ngrams must be an int >= 0 (the longest n-gram matched; 0: off), got {self.max_ngram!r}")
         if isinstance(self.matches, bool) or not isinstance(self.matches, int) or self.matches < 1:
             raise ValueError(f"prompt_ngrams matches must be an int >= 1 (candidates weighed per round), got {self.matches!r}")
+        if self.max_width is not None and (isinstance(self.max_width, bool) or not isinstance(self.max_width, int) or self.max_width < 1):
+            raise ValueError(f"prompt_ngrams max_width must be None or an int >= 1 (tokens of a candidate verified), got {self.max_width!r}")
 
     def index(self, tokens: list[int]) -> "NgramIndex":
         """A row's index over ``tokens`` (read, never copied: append the row's new tokens to it)."""
@@ -150,6 +159,33 @@ class NgramIndex:
         return out
 
 
+def _pick(drafts: torch.Tensor, candidates: list[list[list[int]]], width: int, by_first: bool):
+    """Each row's preferred candidate (cut to ``width >= w`` tokens, ``-1`` after it), its length and whether it agrees:
+    agreement is read over the drafts' ``w`` only (``by_first``: the first draft only). ``None``: no candidate at all."""
+    b, w = drafts.shape
+    if len(candidates) != b:
+        raise ValueError(f"agree_with_drafts: {len(candidates)} rows of candidates for {b} rows of drafts")
+    k = max((len(c) for c in candidates), default=0)
+    if w == 0 or k == 0:
+        return None
+    host = np.full((b, k, width + 1), -1, dtype=np.int64)  # the candidates, then their lengths: one copy to the device
+    host[:, :, width] = 0
+    for i, row in enumerate(candidates):
+        for j, c in enumerate(row):
+            c = c[:width]
+            host[i, j, : len(c)] = c
+            host[i, j, width] = len(c)
+    host = torch.from_numpy(host).to(drafts.device, non_blocking=True)
+    cand, lengths = host[..., :width].to(drafts.dtype), host[..., width]
+    agree = (cand[..., :w] == drafts[:, None, :]).long().cumprod(dim=-1).sum(dim=-1).minimum(lengths)  # [b, k]
+    if by_first:
+        agree = agree.clamp(max=1)
+    best = (agree * k + torch.arange(k - 1, -1, -1, device=agree.device)).argmax(dim=-1)  # longest, then earliest
+    used = agree.gather(1, best[:, None])[:, 0] > 0
+    rows = torch.arange(b, device=drafts.device)
+    return cand[rows, best], lengths[rows, best], used
+
+
 def agree_with_drafts(drafts: torch.Tensor, candidates: list[list[list[int]]], q: torch.Tensor | None = None):
     """The ``agree`` rule on one round's drafts: each row verifies, in the drafter's place (over at most the drafts'
     width), the candidate whose first token equals its first draft and that agrees with its drafts the longest
@@ -171,27 +207,10 @@ def agree_with_drafts(drafts: torch.Tensor, candidates: list[list[list[int]]], q
         ([[4, 5, 9], [1, 2, 3]], [True, False])
     """
     b, w = drafts.shape
-    if len(candidates) != b:
-        raise ValueError(f"agree_with_drafts: {len(candidates)} rows of candidates for {b} rows of drafts")
-    k = max((len(c) for c in candidates), default=0)
-    if w == 0 or k == 0:
+    picked = _pick(drafts, candidates, w, by_first=q is not None)
+    if picked is None:
         return drafts, q, torch.zeros(b, dtype=torch.bool, device=drafts.device)
-    host = np.full((b, k, w + 1), -1, dtype=np.int64)  # the candidates, then their lengths: one copy to the device
-    host[:, :, w] = 0
-    for i, row in enumerate(candidates):
-        for j, c in enumerate(row):
-            c = c[:w]
-            host[i, j, : len(c)] = c
-            host[i, j, w] = len(c)
-    host = torch.from_numpy(host).to(drafts.device, non_blocking=True)
-    cand, lengths = host[..., :w].to(drafts.dtype), host[..., w]
-    agree = (cand == drafts[:, None, :]).long().cumprod(dim=-1).sum(dim=-1).minimum(lengths)  # [b, k]
-    if q is not None:
-        agree = agree.clamp(max=1)
-    best = (agree * k + torch.arange(k - 1, -1, -1, device=agree.device)).argmax(dim=-1)  # longest, then earliest
-    used = agree.gather(1, best[:, None])[:, 0] > 0
-    rows = torch.arange(b, device=drafts.device)
-    cand, lengths = cand[rows, best], lengths[rows, best]
+    cand, lengths, used = picked
     place = used[:, None] & (torch.arange(w, device=drafts.device)[None, :] < lengths[:, None])
     drafts = torch.where(place, cand, drafts)
     if q is not None:
@@ -200,3 +219,34 @@ def agree_with_drafts(drafts: torch.Tensor, candidates: list[list[list[int]]], q
         one_hot = torch.nn.functional.one_hot(drafts.clamp(min=0), q.shape[-1]).to(q.dtype)
         q = torch.where(place[..., None], one_hot, q)
     return drafts, q, used
+
+
+def agree_wide(drafts: torch.Tensor, draft_len: torch.Tensor, candidates: list[list[list[int]]], max_width: int,
+               budget: torch.Tensor):
+    """The ``agree`` rule for greedy rows, where a row that takes a candidate verifies it in full, up to ``max_width``
+    tokens (and its ``budget``, the tokens it may still add), past the drafts' width ``w`` if need be: the round's
+    drafts widen to the longest such verify. Candidates are chosen as :func:`agree_with_drafts` does (agreement with
+    the ``w`` drafts); a row that takes one verifies ``max(draft_len, candidate length)``, other rows keep their
+    ``draft_len``, and positions past a row's length are padding, never accepted. Reads the new width back (generate's
+    eager loop only: the engine's graphs are bucketed at the block).
+
+    Returns ``(drafts [b, k], draft_len [b], used [b])``, ``k >= w``.
+
+    Example:
+        >>> d, n, used = agree_wide(torch.tensor([[4, 5], [1, 2]]), torch.tensor([2, 2]), [[[4, 5, 6, 7]], [[3]]], 8,
+        ...                         torch.tensor([9, 9]))
+        >>> d.tolist(), n.tolist(), used.tolist()
+        ([[4, 5, 6, 7], [1, 2, 0, 0]], [4, 2], [True, False])
+    """
+    b, w = drafts.shape
+    picked = _pick(drafts, candidates, max(w, max_width), by_first=False)
+    if picked is None:
+        return drafts, draft_len, torch.zeros(b, dtype=torch.bool, device=drafts.device)
+    cand, lengths, used = picked
+    # A row verifying no draft (no tokens left, non-finite draft logits: a plain step) stays one.
+    wide = used & (draft_len > 0)
+    draft_len = torch.where(wide, draft_len.maximum(lengths.clamp(max=max_width).minimum(budget)), draft_len)
+    k = max(w, int(draft_len.max()))
+    padded = torch.cat([drafts, drafts.new_zeros(b, k - w)], dim=1)
+    place = used[:, None] & (torch.arange(k, device=drafts.device)[None, :] < lengths[:, None])
+    return torch.where(place, cand[:, :k], padded), draft_len, used
