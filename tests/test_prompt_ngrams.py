@@ -21,7 +21,7 @@ from adaflash_hf.speculation.prompt_ngrams import NgramIndex, PromptNgrams, agre
     ],
 )
 def test_candidate_table(tokens, max_ngram, num_tokens, expected):
-    assert NgramIndex(tokens, max_ngram).candidate(num_tokens) == expected
+    assert NgramIndex(tokens, max_ngram).candidates(num_tokens) == ([expected] if expected else [])  # one match: transformers' candidate
 
 
 @pytest.mark.parametrize(
@@ -42,9 +42,9 @@ def test_candidates_table(tokens, max_ngram, matches, num_tokens, expected):
 def test_candidate_follows_a_growing_list():
     tokens = [1, 2, 3]
     index = NgramIndex(tokens, 2)
-    assert index.candidate(4) == []
+    assert index.candidates(4) == []
     tokens.extend([9, 1, 2])  # the index reads the list it was given: appended tokens are indexed on demand
-    assert index.candidate(4) == [3, 9, 1, 2]
+    assert index.candidates(4) == [[3, 9, 1, 2]]
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,7 @@ import torch
 
 from ..speculation.hooks import hooks_for, round_callbacks
 from ..speculation.policy import resolve_policy, round_layout
-from ..speculation.prompt_ngrams import PromptNgrams, agree_with_drafts
+from ..speculation.prompt_ngrams import PromptNgrams
 from ..speculation.round_cost import RoundCost
 from ..speculation.rounds import RoundSink, VerifiedRound
 from ..speculation.verify import accept_block
@@ -59,7 +59,8 @@ from .kernels.fused import FusedTarget
 from .graphs import DecodeGraphs, to_device
 from .lifecycle import NON_FINITE, RequestLifecycle
 from .requests import EngineOutput, Request, RequestHandle, RequestRejected, StepInfo, check_request
-from .sampled_rows import RoundRandom, agree_sampled, sample_drafts, sample_round
+from .round_ngrams import apply_prompt_ngrams
+from .sampled_rows import RoundRandom, sample_drafts, sample_round
 from .sampling import SamplingParams
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
 from .verify_lengths import VerifyLengths
@@ -413,30 +414,10 @@ class Engine(VerifyLengths, RequestLifecycle):
         drafts = RoundDrafts(draft, finite, draft_len, q_lens, draft_logits, offsets, ratio)
         drafts.sampled = sample_drafts(running, drafts, dl_host, self.random)
         if n and self.drafter is not None and self.prompt_ngrams.enabled and self.on_round is None and self.draft_replay is None:
-            self._with_ngrams(running, drafts, dl_host)
+            used = apply_prompt_ngrams(self.prompt_ngrams, running, drafts, dl_host)
+            if used is not None:
+                self.ngram_used = self.ngram_used.to(used.device) + used
         return drafts
-
-    def _with_ngrams(self, running, drafts: RoundDrafts, dl_host: list[int]) -> None:
-        """The prompt n-gram rule on this round's drafts (:func:`~adaflash_hf.speculation.prompt_ngrams.agree_with_drafts`):
-        greedy requests all at once, then sampled ones with their draft distributions, all at once too
-        (:func:`.sampled_rows.agree_sampled`); nothing read back."""
-        cands = []
-        for r, dl in zip(running, dl_host):
-            if not self.prompt_ngrams.applies(r.params.greedy):
-                cands.append([])
-                continue
-            if r.ngrams is None:
-                r.ngrams = self.prompt_ngrams.index(list(r.prompt))
-            r.ngrams.tokens.extend(r.tokens[len(r.ngrams.tokens) - len(r.prompt) :])
-            cands.append(r.ngrams.candidates(dl) if dl > 0 else [])
-        if not any(cands):
-            return
-        greedy = [c if r.params.greedy else [] for r, c in zip(running, cands)]
-        drafts.tokens, _, used = agree_with_drafts(drafts.tokens, greedy)
-        self.ngram_used = self.ngram_used.to(used.device) + used.sum()
-        used = agree_sampled(drafts, cands)
-        if used is not None:
-            self.ngram_used = self.ngram_used.to(used.device) + used.sum()
 
     def _admit(self, running, verify_tokens: int) -> list[Request]:
         """Queued requests that fit next to ``running`` this round (slots allocated, state ``running``)."""

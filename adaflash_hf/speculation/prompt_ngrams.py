@@ -22,8 +22,8 @@ function of the prefix and of independent randomness.
 
 Example:
     >>> index = NgramIndex([7, 1, 2, 3, 9, 1, 2], max_ngram=2)
-    >>> index.candidate(3)  # "1 2" occurred at 1: what followed it
-    [3, 9, 1]
+    >>> index.candidates(3)  # "1 2" occurred at 1: what followed it
+    [[3, 9, 1]]
     >>> NgramIndex([5, 1, 4, 1, 2, 1], max_ngram=1, matches=3).candidates(2)  # each "1": what followed it
     [[4, 1], [2, 1]]
 """
@@ -100,7 +100,7 @@ class NgramIndex:
     whose next token is already in the list and outside ``forbidden`` (transformers' prompt lookup keeps only such
     windows).
 
-    ``tokens`` is read, never copied: append to it and :meth:`candidate` (or :meth:`extend_to`) indexes what is new.
+    ``tokens`` is read, never copied: append to it and :meth:`candidates` (or :meth:`extend_to`) indexes what is new.
     One dict holds every size (an n-gram's tuple length is its size): the engine calls this for every request
     every round, on the host.
     """
@@ -136,12 +136,6 @@ class NgramIndex:
                 return idx[0] + n
         return None
 
-    def candidate(self, num_tokens: int) -> list[int]:
-        """Up to ``num_tokens`` tokens that followed the whole list's suffix n-gram where it first occurred."""
-        cur = len(self.tokens)
-        start = self.match(cur)
-        return [] if start is None else self.tokens[start : min(start + num_tokens, cur)]
-
     def candidates(self, num_tokens: int) -> list[list[int]]:
         """Up to ``matches`` continuations (each up to ``num_tokens`` tokens) of the whole list's suffix n-grams'
         earlier occurrences: longest n-gram first, leftmost first, each continuation once (an occurrence of a
@@ -164,7 +158,7 @@ def _pick(drafts: torch.Tensor, candidates: list[list[list[int]]], width: int, b
     agreement is read over the drafts' ``w`` only (``by_first``: the first draft only). ``None``: no candidate at all."""
     b, w = drafts.shape
     if len(candidates) != b:
-        raise ValueError(f"agree_with_drafts: {len(candidates)} rows of candidates for {b} rows of drafts")
+        raise ValueError(f"prompt n-grams: {len(candidates)} rows of candidates for {b} rows of drafts")
     k = max((len(c) for c in candidates), default=0)
     if w == 0 or k == 0:
         return None
