@@ -251,6 +251,42 @@ def test_engine_plain_rounds_skip_the_drafter_body(pair, monkeypatch, graphs, co
         assert max(lens) == 8 and ran >= eng.num_steps - 2  # every verify round drafts
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("bias,cost,whole", [(20.0, FLAT, True), (0.0, STEEP, False)])
+def test_engine_whole_block_rounds_read_their_ratios_at_the_end(pair, graphs, bias, cost, whole):
+    """Sure drafts at a flat cost: after the first drafting round every round verifies whole blocks chosen on the last
+    ratios, without the mid-round read (one device read a round instead of two), the ratios coming with the round's
+    one read; unsure drafts at a steep cost (the control): the lengths need each round's own ratios, two reads a round
+    but near the end.
+    Outputs are plain greedy's and verify lengths equal those with the stretches off, either way."""
+    target, drafter = pair
+    saved = drafter.length_head.out.bias.detach().clone()
+    force_length_head(drafter, ratio_high=True)
+    with torch.no_grad():
+        drafter.length_head.out.bias.fill_(bias)
+    prompts = engine_prompts([5, 7], seed=11)
+    runs = {}
+    try:
+        for on in (True, False):
+            eng = Engine(target, drafter, length_policy="cost", round_cost=cost, max_slots=2, max_len=64, token_budget=64,
+                         cuda_graphs=graphs, prompt_ngrams=0)
+            eng.whole_block_stretches = on
+            outs = eng.generate(prompts, max_new_tokens=30)
+            assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 30) for p in prompts]
+            runs[on] = (eng, [o.verify_lengths for o in outs])
+    finally:
+        with torch.no_grad():
+            drafter.length_head.out.bias.copy_(saved)
+    (eng, lens), (off, off_lens) = runs[True], runs[False]
+    assert lens == off_lens and off.whole_rounds == 0
+    drafting = eng.num_steps - eng.skipped_drafts - 1  # the prefill round verifies nothing
+    assert eng.host_syncs == off.host_syncs - eng.whole_rounds  # each such round saved its mid-round read
+    if whole:
+        assert max(max(v) for v in lens) == 8 and eng.whole_rounds == drafting - 1
+    else:  # only near a request's end, where what it has left is within the length the rule picks
+        assert any(1 < v < 8 for v in lens[0]) and eng.whole_rounds <= drafting // 2
+
+
 @pytest.mark.parametrize("mode", ["packed", "rectangular"])
 @pytest.mark.parametrize("policy", ["cost", "adaptive"])
 def test_engine_identity_both_head_policies(mode, policy):

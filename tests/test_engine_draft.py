@@ -240,13 +240,14 @@ class _Ops(TorchDispatchMode):
 MIXED = [SamplingParams(0.8, top_k=20, top_p=0.9, seed=5), SamplingParams(1.2)]
 
 
-@pytest.mark.parametrize("mode,reads,sampled", [("fixed", 1, False), ("packed", 2, False), ("off", 1, False),
-                                                ("fixed", 1, True), ("packed", 2, True)])
-def test_static_round_work_does_not_grow_with_requests(mode, reads, sampled):
+@pytest.mark.parametrize("mode,reads,sampled,stretches", [
+    ("fixed", 1, False, True), ("packed", 2, False, False), ("packed", 1, False, True), ("off", 1, False, True),
+    ("fixed", 1, True, True), ("packed", 2, True, False), ("packed", 1, True, True)])
+def test_static_round_work_does_not_grow_with_requests(mode, reads, sampled, stretches):
     """A verify-only round on the static path dispatches the same number of (non-view) tensor ops for 2 and for
-    6 requests (no per-request kernels or reads) and reads the device ``reads`` times: verify lengths (packed)
-    and the acceptance (with the drafts: they reach the target's input on the device). ``sampled``: the requests
-    sample, with :data:`MIXED` parameters."""
+    6 requests (no per-request kernels or reads) and reads the device ``reads`` times: verify lengths (packed, unless
+    the last ratios chose whole blocks: ``stretches``, verify_lengths) and the acceptance (with the drafts: they reach
+    the target's input on the device). ``sampled``: the requests sample, with :data:`MIXED` parameters."""
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=8)
     force_length_head(drafter, ratio_high=True)
@@ -254,6 +255,7 @@ def test_static_round_work_does_not_grow_with_requests(mode, reads, sampled):
     for n in (2, 6):
         engine = Engine(target, **layout_args(drafter, mode), max_slots=8, max_len=48,
                         token_budget=64, cuda_graphs=True)
+        engine.whole_block_stretches = stretches
         handles = [engine.submit(p, 30, MIXED[i % 2] if sampled else None)
                    for i, p in enumerate(engine_prompts([4] * n, seed=n))]
         engine.step()  # prefill

@@ -129,6 +129,13 @@ def test_agree_wide_table(drafts, draft_len, candidates, max_width, budget, expe
     assert out[:, : d.shape[1]].tolist() == narrow.tolist()
 
 
+def test_agree_wide_at_a_known_width():
+    """The engine's call: the width planned on the host (nothing read back), each row capped by its own budget."""
+    out, n, used = agree_wide(torch.tensor([[4, 5], [1, 2]]), torch.tensor([2, 2]), [[[4, 5, 6, 7]], []], 8,
+                              torch.tensor([3, 2]), width=4)
+    assert out.tolist() == [[4, 5, 6, 7], [1, 2, 0, 0]] and n.tolist() == [3, 2] and used.tolist() == [True, False]
+
+
 @pytest.fixture(scope="module")
 def reference_pair():
     from adaflash_hf import load_reference_pair
@@ -177,12 +184,15 @@ _LONG_PROMPTS = _PROMPTS + [
 
 
 @pytest.mark.parametrize(
-    "rows, policy",
-    [((0,), "fixed"), ((1,), "fixed"), ((2,), "fixed"), ((2,), "cost"), ((0, 1, 2), "fixed"), ((2, 1), "cost")],
+    "rows, policy, fast_path",
+    [((0,), "fixed", False), ((1,), "fixed", False), ((2,), "fixed", False), ((2,), "cost", False),
+     ((0, 1, 2), "fixed", False), ((2, 1), "cost", False),
+     ((1,), "fixed", True), ((2,), "cost", True), ((0, 1, 2), "fixed", True), ((2, 1), "cost", True)],
 )
-def test_generate_with_wide_candidates_equals_plain(reference_pair, rows, policy):
-    """``max_width=31``: a row verifies a candidate past the block; the output stays plain greedy's, token for token
-    (the drafter's context after a wide round included: the next rounds draft from it); the default is the control."""
+def test_generate_with_wide_candidates_equals_plain(reference_pair, rows, policy, fast_path):
+    """``max_width=31``: a row verifies a candidate past the block, in the eager loop and on the engine (its graphs'
+    buckets, eagerly on CPU); the output stays plain greedy's, token for token (the drafter's context after a wide
+    round included: the next rounds draft from it); the default is the control."""
     target, drafter, tok = reference_pair
     n, prompts = 48, [_LONG_PROMPTS[r] for r in rows]
     plain = [_plain(target, tok(p).input_ids, n) for p in prompts]
@@ -191,29 +201,46 @@ def test_generate_with_wide_candidates_equals_plain(reference_pair, rows, policy
     for width in (31, None):
         with torch.inference_mode():
             out, stats[width] = target.generate(**batch, assistant_model=drafter, max_new_tokens=n, do_sample=False,
-                                                length_policy=policy, return_stats=True, fast_path=False,
+                                                length_policy=policy, return_stats=True, fast_path=fast_path,
                                                 prompt_ngrams=PromptNgrams(max_width=width))
         assert [row[batch.input_ids.shape[1] :].tolist()[: len(p)] for row, p in zip(out, plain)] == plain
     assert stats[31].wide_rounds > 0 and max(stats[31].verify_lengths) > drafter.config.block_size
     assert stats[None].wide_rounds == 0 and max(stats[None].verify_lengths) <= drafter.config.block_size  # control
 
 
-def test_a_wide_candidate_is_accepted_past_the_block(reference_pair):
-    """The widening pays: some round accepts more drafts than a block holds (the second prompt, 48 tokens)."""
+@pytest.mark.parametrize("fast_path", [False, True])
+def test_a_wide_candidate_is_accepted_past_the_block(reference_pair, fast_path):
+    """The widening pays: some round accepts more drafts than a block holds (the second prompt, 48 tokens), in the
+    eager loop and on the engine alike."""
     target, drafter, tok = reference_pair
     ids = torch.tensor([tok(_LONG_PROMPTS[1]).input_ids])
     with torch.inference_mode():
         _, stats = target.generate(ids, assistant_model=drafter, max_new_tokens=48, do_sample=False, length_policy="fixed",
-                                   return_stats=True, fast_path=False, prompt_ngrams=PromptNgrams(max_width=31))
+                                   return_stats=True, fast_path=fast_path, prompt_ngrams=PromptNgrams(max_width=31))
     assert max(stats.accepted) >= drafter.config.block_size
 
 
-def test_max_width_warns_on_the_engine(reference_pair, prompt_ids):
-    """The engine keeps the block width: a call that asks for wider candidates and takes it is told so."""
-    target, drafter, _ = reference_pair
-    with pytest.warns(UserWarning, match="eager loop only"), torch.inference_mode():
-        target.generate(torch.tensor([prompt_ids[0]]), assistant_model=drafter, max_new_tokens=8, do_sample=False,
-                        length_policy="fixed", fast_path=True, prompt_ngrams=PromptNgrams(max_width=31))
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_engine_wide_candidates_equal_plain(reference_pair, cuda_graphs):
+    """The engine built with ``max_width``: greedy requests beside a sampled one (which never widens) in one round;
+    the greedy outputs are plain greedy's, rounds verified past the block, and the graphs' widest verify follows the
+    width (the default engine, the control, keeps the block)."""
+    from adaflash_hf.engine import Engine
+
+    target, drafter, tok = reference_pair
+    prompts = [tok(p).input_ids for p in _LONG_PROMPTS]
+    plain = [_plain(target, ids, 40) for ids in prompts]
+    for width in (31, None):
+        engine = Engine(target, drafter, length_policy="fixed", max_slots=4, max_len=256, cuda_graphs=cuda_graphs,
+                        prompt_ngrams=PromptNgrams(max_width=width))
+        greedy = [engine.submit(ids, 40) for ids in prompts]
+        sampled = engine.submit(prompts[0], 40, temperature=1.0, seed=3)
+        assert [h.result().token_ids for h in greedy] == plain
+        assert len(sampled.result().token_ids) == 40
+        B = drafter.config.block_size
+        assert (engine.wide_rounds > 0 and engine.max_q == 32) if width else (engine.wide_rounds == 0 and engine.max_q == B)
+        if cuda_graphs:
+            assert max(key[1] for key in engine.graphs.replays) == (32 if width else B)
 
 
 @pytest.mark.parametrize("cuda_graphs, policy", [(False, "fixed"), (True, "fixed"), (True, "cost")])

@@ -210,6 +210,8 @@ class DraftGraphs(GraphRunner):
         cache: its :class:`SlotKVCache` with a spare slot row (``make_drafter_cache(..., spare_slots=1)``).
         max_rows: most requests per draft (the engine's ``max_slots``).
         max_ctx: most new context tokens per draft (the engine's token budget: one target forward's tokens).
+        max_q: the widest verify of one request (default: the block; wider under the prompt n-gram rule's
+            ``max_width``): what a chained body (:meth:`run_chain`) takes as one request's context.
         use_graphs / attention: as :class:`~.graphs.DecodeGraphs`.
         feat_dtype: dtype of the target features (default: the drafter's).
         fused: the target's :class:`~.kernels.fused.FusedTarget`: the drafter's layers then run on the same fused
@@ -219,11 +221,13 @@ class DraftGraphs(GraphRunner):
     """
 
     def __init__(self, drafter, cache: SlotKVCache, max_rows: int, max_ctx: int, use_graphs: bool | None = None,
-                 attention: str | None = None, feat_dtype: torch.dtype | None = None, fused: FusedTarget | None = None):
+                 attention: str | None = None, feat_dtype: torch.dtype | None = None, fused: FusedTarget | None = None,
+                 max_q: int | None = None):
         device = cache.k.device
         use_graphs = self._init_graphs(cache, use_graphs)
         cfg = drafter.config
         self.drafter, self.cache, self.B = drafter, cache, cfg.block_size
+        self.max_q = max(self.B, max_q or self.B)  # the widest verify a chained body takes as context
         self.ctx_buckets, self.row_buckets = token_buckets(max(1, max_ctx)), q_buckets(max(1, max_rows))
         self.pos_buckets = token_buckets(max(1, max_rows * (self.B - 1)))
         self.scratch, self.slot_rows = cache.num_slots, cache.k.shape[1]
@@ -324,8 +328,9 @@ class DraftGraphs(GraphRunner):
     def _chain(self, Cb: int, Rb: int) -> None:
         """The body of the next round, computed on the device from this round's verify: every row's verified
         positions as context (the first ``a + 1`` are the accepted ones; the block, placed right after them, overwrites
-        the K/V of the rest) and its next token as the bonus."""
-        m = min(Rb * self.B, self.chain_source.shape[0])
+        the K/V of the rest, or lies before what a verify wider than the block left: keys it never sees) and its next
+        token as the bonus."""
+        m = min(Rb * self.max_q, self.chain_source.shape[0])
         self.feats[:m].copy_(self.chain_source[:m])
         bstart = self.inputs[3, :Rb] + self.chain_acc[:Rb] + 1
         last = torch.where(self.inputs[4, :Rb] > 0, bstart + self.B - 1, torch.full_like(bstart, INACTIVE))  # row 4: live
@@ -439,7 +444,8 @@ class DraftGraphs(GraphRunner):
         """The graph key of a chained body over ``rows`` requests, or ``None`` when ``rows`` blocks of context exceed
         the largest context bucket."""
         Rb = pick_bucket(self.row_buckets, rows)
-        return ("chain", pick_bucket(self.ctx_buckets, Rb * self.B), Rb) if Rb * self.B <= self.ctx_buckets[-1] else None
+        C = Rb * self.max_q
+        return ("chain", pick_bucket(self.ctx_buckets, C), Rb) if C <= self.ctx_buckets[-1] else None
 
     @torch.no_grad()
     def run_chain(self, slots: list[int], accepted: torch.Tensor, next_tokens: torch.Tensor,
@@ -454,13 +460,13 @@ class DraftGraphs(GraphRunner):
         n, B = len(slots), self.B
         q = np.full(n, B, dtype=np.int64) if q_lens is None else np.asarray(q_lens, dtype=np.int64)
         bucket = self.chain_bucket(n)
-        if bucket is None or self.chain_source is None or q.shape != (n,) or not ((q >= 1) & (q <= B)).all():
+        if bucket is None or self.chain_source is None or q.shape != (n,) or not ((q >= 1) & (q <= self.max_q)).all():
             return False
         _, Cb, Rb = bucket
         starts = np.array([self.cache.length(s) for s in slots], dtype=np.int64)
-        if int(starts.max()) + 2 * B > self.cache.max_len:
+        if int(starts.max()) + self.max_q + B > self.cache.max_len:
             return False
-        T = int(q.sum())  # <= n * B <= Cb: every verified row is context (the accepted ones first)
+        T = int(q.sum())  # <= n * max_q <= Cb: every verified row is context (the accepted ones first)
         host = np.zeros((5, max(Cb, Rb)), dtype=np.int64)
         host[0, :T] = repeat(starts, q) + segments(q)[1]
         host[0, T:Cb] = np.arange(Cb - T) % self.cache.max_len

@@ -59,16 +59,17 @@ from .kernels.fused import FusedTarget
 from .graphs import DecodeGraphs, to_device
 from .lifecycle import NON_FINITE, RequestLifecycle
 from .requests import EngineOutput, Request, RequestHandle, RequestRejected, StepInfo, check_request
-from .round_ngrams import apply_prompt_ngrams
+from .round_ngrams import apply_prompt_ngrams, round_candidates, wide_capacity
 from .sampled_rows import RoundRandom, sample_drafts, sample_round
 from .sampling import SamplingParams
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
+from .decode_steps import DecodeSteps
 from .verify_lengths import VerifyLengths
 
 __all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo"]
 
 
-class Engine(VerifyLengths, RequestLifecycle):
+class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
     """Continuous-batching speculative decoding over a slotted KV cache.
 
     Args:
@@ -142,6 +143,7 @@ class Engine(VerifyLengths, RequestLifecycle):
         self.round_cost = round_cost if round_cost is not None else RoundCost()
         self._plain_rounds = 0  # rounds in a row whose drafter body the cost policy skipped
         self._drafted_plain = False  # the cost policy's last drafted round verified nothing but bonus tokens
+        self._late_ratio = False  # this round verifies whole blocks chosen on the last ratios (verify_lengths)
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         check_target_supported(target)
@@ -157,6 +159,12 @@ class Engine(VerifyLengths, RequestLifecycle):
         self.device = next(target.parameters()).device
         self.random = RoundRandom(self.device)  # unseeded sampled requests' draws (sampled_rows)
         self.block_size = self.drafter.config.block_size if self.drafter is not None else 1
+        # The widest verify a request sends: the block, or a prompt n-gram candidate under `max_width` (fixed here:
+        # the graphs' buckets follow it), within one tile of the decode attention kernel.
+        self.max_q = max(self.block_size, wide_capacity(self.prompt_ngrams, target) + 1) if drafter is not None else self.block_size
+        self.wide_rounds = 0  # rounds that verified past the block (`PromptNgrams.max_width`)
+        self.whole_block_stretches = True  # see verify_lengths: `cost` rounds read no ratios mid-round when whole
+        self.whole_rounds = 0  # drafting rounds that did so
         cfg = self.drafter.config if self.drafter is not None else None
         self.hidden_layers = list(cfg.target_layer_ids) if cfg is not None else None
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
@@ -168,7 +176,7 @@ class Engine(VerifyLengths, RequestLifecycle):
         if self.cuda_graphs:  # one spare slot row takes the bucket padding; slots are whole flex blocks
             self.cache = make_target_cache(target, max_slots, max_len, spare_slots=1, len_multiple=BLOCK)
             self.graphs = DecodeGraphs(target, self.cache, self.hidden_layers,
-                                       max_tokens=min(token_budget, max_slots * self.block_size), max_q=self.block_size,
+                                       max_tokens=min(token_budget, max_slots * self.max_q), max_q=self.max_q,
                                        use_graphs=self.device.type == "cuda", fused=self.fused,
                                        max_steps=self.decode_steps)
         else:
@@ -176,7 +184,7 @@ class Engine(VerifyLengths, RequestLifecycle):
         self.dcache, self.draft_graphs = None, None
         if self.drafter is not None and self.cuda_graphs:
             self.dcache = make_drafter_cache(drafter, max_slots, max_len, spare_slots=1, len_multiple=BLOCK)
-            self.draft_graphs = DraftGraphs(drafter, self.dcache, max_rows=max_slots, max_ctx=token_budget,
+            self.draft_graphs = DraftGraphs(drafter, self.dcache, max_rows=max_slots, max_ctx=token_budget, max_q=self.max_q,
                                             use_graphs=self.device.type == "cuda",
                                             feat_dtype=next(target.parameters()).dtype, fused=self.fused)
             if self.graphs is not None:
@@ -242,6 +250,12 @@ class Engine(VerifyLengths, RequestLifecycle):
         from .warmup import warmup
 
         return warmup(self, concurrency, prompt_lens)
+
+    @property
+    def wide_width(self) -> int | None:
+        """The prompt n-gram rule's ``max_width`` as this engine runs it (``None``: off): at most its ``max_q - 1``."""
+        w = self.prompt_ngrams.max_width
+        return None if w is None or not self.prompt_ngrams.enabled else min(w, self.max_q - 1)
 
     @property
     def num_running(self) -> int:
@@ -326,8 +340,9 @@ class Engine(VerifyLengths, RequestLifecycle):
         # 4. Accept on the device (the shared verify step), then one read: first tokens, accepted, next tokens,
         # fault flags, verified draft lengths, drafts.
         first, accepted, next_tokens, bad, dl, vlogits = self._accept(logits, admitted, running, drafts, verify_inputs)
-        packed = torch.cat([first, accepted, next_tokens, bad.long(), dl, drafts.tokens.flatten()])
-        packed = self._read_and_chain(packed, running, admitted, drafts, accepted, next_tokens)
+        packed = torch.cat([first, accepted, next_tokens, bad.long(), dl, drafts.tokens.flatten(), *self._late_bits(drafts)])
+        packed = self._take_late_ratios(running, drafts, self._read_and_chain(packed, running, admitted, drafts, accepted,
+                                                                              next_tokens))
         self.host_syncs += 1
         if self.profile:
             self._tick("accept")
@@ -398,6 +413,7 @@ class Engine(VerifyLengths, RequestLifecycle):
         their drafts from their processed draft distributions, all at once (:func:`.sampled_rows.sample_drafts`)."""
         n = len(running)
         finite = draft_logits = offsets = ratio = None
+        self._late_ratio = False  # set by _propose
         if n and self.drafter is not None:
             draft, finite, draft_logits, offsets, ratio, draft_len = self._propose(running)
         else:
@@ -405,16 +421,22 @@ class Engine(VerifyLengths, RequestLifecycle):
             draft_len = torch.zeros(n, dtype=torch.long)
         if self.profile:
             self._tick("draft")
-        draft_len = fit_token_budget(draft_len, self.token_budget, rectangular=self.layout == "rectangular")
-        dl_host = draft_len.tolist()
-        if self.layout == "rectangular" and n:
-            q_lens = [max(dl_host) + 1] * n
-        else:
-            q_lens = [d + 1 for d in dl_host]
-        drafts = RoundDrafts(draft, finite, draft_len, q_lens, draft_logits, offsets, ratio)
-        drafts.sampled = sample_drafts(running, drafts, dl_host, self.random)
+        cands = None
         if n and self.drafter is not None and self.prompt_ngrams.enabled and self.on_round is None and self.draft_replay is None:
-            used = apply_prompt_ngrams(self.prompt_ngrams, running, drafts, dl_host)
+            cands, lens = round_candidates(self.prompt_ngrams, running, draft_len.tolist(), self.wide_width)
+            wide = torch.tensor(lens)  # the verify lengths the candidates may take (the drafts' own without max_width)
+        else:
+            wide = draft_len
+        caps = fit_token_budget(wide, self.token_budget, rectangular=self.layout == "rectangular")
+        draft_len = torch.minimum(draft_len, caps)
+        dl_host, caps = draft_len.tolist(), caps.tolist()
+        q_lens = [max(caps) + 1] * n if self.layout == "rectangular" and n else [c + 1 for c in caps]
+        self.wide_rounds += int(n > 0 and max(q_lens) > self.block_size)
+        drafts = RoundDrafts(draft, finite, draft_len, q_lens, draft_logits, offsets, ratio,
+                             late_ratio=self._late_ratio and ratio is not None)
+        drafts.sampled = sample_drafts(running, drafts, dl_host, self.random)
+        if cands is not None:
+            used = apply_prompt_ngrams(running, drafts, cands, self.wide_width, caps)
             if used is not None:
                 self.ngram_used = self.ngram_used.to(used.device) + used
         return drafts
@@ -455,41 +477,6 @@ class Engine(VerifyLengths, RequestLifecycle):
         res = accept_block(draft_dev, dl_dev, top[vidx], [sampled] if sampled is not None else [])
         vlogits = logits[vidx].float() if self.on_round is not None else None
         return first, res.num_accepted, res.next_tokens, bad, dl_dev, vlogits
-
-    def _greedy_steps(self, running) -> int:
-        """How many plain greedy decode steps to queue before the next device read (1: a normal round)."""
-        if self.decode_steps == 1 or not running or self._queue or not all(r.params.greedy for r in running):
-            return 1
-        return min(self.decode_steps, min(r.remaining for r in running))
-
-    def _decode_steps(self, running, steps: int) -> bool:
-        """``steps`` plain greedy decode steps for every running request, queued back to back, and one
-        device read; each step is committed as a round of one token, exactly as ``steps`` normal rounds would."""
-        n = len(running)
-        layout = PackedLayout.from_cache(self.cache, [r.slot for r in running], [1] * n)
-        self._announce(n, 0, n)
-        self.admission.observe(1.0, sum(len(r.prompt) + r.max_new for r in running) / n)
-        if self.profile:
-            self._tick("host")
-        new = self.graphs.run_greedy([r.bonus for r in running], layout, steps)
-        self.forward_tokens.extend([n] * steps)
-        self.num_steps += steps
-        if self.profile:
-            self._tick("target")
-        rows = new.tolist()  # the replay's one device read
-        self.host_syncs += 1
-        if self.profile:
-            self._tick("accept")
-        for i, r in enumerate(running):
-            self.cache.advance(r.slot, steps)  # a request that ends inside frees its slot (length reset) on commit
-            for s in range(steps):
-                if rows[s][i] < 0:  # non-finite logits at this step: this request fails, the others go on
-                    self._fail(r, NON_FINITE)
-                    break
-                self._commit(r, [rows[s][i]], verify_len=1)
-                if r.output is not None:
-                    break
-        return True
 
     def _target_forward(self, segs, layout: PackedLayout, num_prefill: int, verify_inputs):
         """Logits of each prefill's last token, then of every verify token; hidden states of every
@@ -553,8 +540,11 @@ class Engine(VerifyLengths, RequestLifecycle):
                 adaptive = self.layout != "fixed" and ratio is not None
                 if adaptive and self.draft_replay is not None:
                     ratio = self.draft_replay.ratios(running, ratio, B)
-                k_hat = self._verify_lengths(running, ratio if adaptive else None)  # read 1 when adaptive
-                self.host_syncs += int(adaptive)
+                # whole blocks chosen on the last ratios: this round's come with its one read instead of in between
+                self._late_ratio = late = adaptive and self._whole_blocks(running)
+                k_hat = self._verify_lengths(running, ratio if adaptive and not late else None)  # read 1 when adaptive
+                self.host_syncs += int(adaptive and not late)
+                self.whole_rounds += int(late)
                 draft_len = torch.minimum(k_hat - 1, remaining - 1).clamp(min=0)
             width = int(draft_len.max()) if n else 0
             if width == 0:  # nothing to verify: no draft logits (the LM head is most of a drafter step)

@@ -51,7 +51,9 @@ class RoundDrafts:
     when nothing was drafted) stay on the device until the round's one read; ``draft_len [n]``, verify lengths
     ``q_lens`` (host); the drafted positions' raw ``logits``, packed (:meth:`row_logits`), and length-head ``ratio``
     (device, ``None`` when nothing was drafted); the sampled requests' processed draft distributions and fault flags,
-    all requests packed together (:class:`~.sampled_rows.SampledDrafts`; ``None``: no sampled request drafted)."""
+    all requests packed together (:class:`~.sampled_rows.SampledDrafts`; ``None``: no sampled request drafted).
+    Under the prompt n-gram rule's ``max_width`` ``tokens`` may be wider than the block and ``wide_len`` replaces
+    ``draft_len`` on the device (``q_lens`` are then the widest verifies planned)."""
 
     tokens: torch.Tensor
     finite: torch.Tensor | None
@@ -61,6 +63,8 @@ class RoundDrafts:
     logit_offsets: list[int] | None
     ratio: torch.Tensor | None
     sampled: SampledDrafts | None = None
+    wide_len: torch.Tensor | None = None  # device draft lengths when the prompt n-gram rule widened rows (round_ngrams)
+    late_ratio: bool = False  # whole blocks chosen on the last ratios: this round's come with its one read (verify_lengths)
 
     def row_logits(self, i: int, like: torch.Tensor) -> torch.Tensor:
         """Request ``i``'s draft logits ``[>= draft_len[i], V]`` (``like.new_zeros(0, V)`` when nothing was drafted)."""
@@ -88,6 +92,8 @@ class RoundDrafts:
                                starts[rows] + 1 + col, rows * w + col])
         vidx, dl, is_greedy, dst, src = to_device(torch.from_numpy(host), device).split(
             [n * (kmax + 1), n, n, rows.shape[0], rows.shape[0]])
+        if self.wide_len is not None:
+            dl = self.wide_len
         if self.finite is not None:
             dl = torch.where(self.finite if all(greedy) else self.finite | (is_greedy == 0), dl, 0)
         full = rows.shape[0] == self.tokens.numel()  # every request drafted the whole width: the drafts in order

@@ -25,7 +25,7 @@ from .verify_lengths import PLAIN_PROBE_ROUNDS
 __all__ = ["measure_overheads", "quiet"]
 
 _SAVED = ("on_round", "on_request", "step_hook", "num_steps", "skipped_drafts", "host_syncs", "forward_tokens",
-          "admission")
+          "admission", "whole_rounds", "wide_rounds")
 WHOLE = RoundCost.flat()  # a verify token costs nothing: the cost rule verifies every whole block
 PLAIN = RoundCost.flat(spec_overhead=1e9)  # a drafting round costs forever: the cost rule decodes plainly
 
@@ -111,8 +111,10 @@ def measure_overheads(engine, cost: RoundCost, base_s: float, context: int, reps
                          f"of each kind at block {B} (it must exceed {4 * (B + 1)})")
     plain_ok = engine.layout in ("packed", "rectangular")
     spec, plain = [], []
+    # Drafting rounds are timed as the cost rule must assume them when it weighs lengths: reading their ratios
+    # mid-round (whole-block stretches, which skip that read, off).
     with quiet(engine, policy=LengthPolicy.COST if plain_ok else engine.policy, length_min=1, draft_replay=None,
-               round_cost=PLAIN, _drafted_plain=False, _plain_rounds=0):
+               round_cost=PLAIN, _drafted_plain=False, _plain_rounds=0, whole_block_stretches=False):
         for n in cost.rows:
             handles = [engine.submit([(7 * i + j) % vocab for j in range(prompt_len)], engine.max_len - prompt_len)
                        for i in range(n)]

@@ -1,14 +1,21 @@
 """Each engine round's verify lengths: the one place the engine calls :func:`~adaflash_hf.speculation.length_policy.choose_verify_length`,
-and when a round may skip the drafter's body because nothing it drafts would be verified.
+and when a round may skip the drafter's body because nothing it drafts would be verified, or skip reading the ratios
+because every request would verify its whole block.
 
 Under the ``cost`` policy the verify lengths come from the length head's ratios, which need the drafter's body.
 Before running it, the round is decided on the requests' *last* ratios: when they say every request decodes plainly,
 the body is skipped (only the new context is stored, which keeps the drafter's cache exact). Every
 ``PLAIN_PROBE_ROUNDS + 1``-th such round in a row drafts anyway, so the ratios, and a return to drafting, follow the text.
+
+The mirror case, **whole-block stretches**: when the last ratios say every request verifies its whole block (a flat
+cost, at small batches), the round does not wait for this round's ratios in the middle (a device read between the
+drafter's body and its LM head, during which the GPU idles): it verifies whole blocks, as ``fixed`` does, and reads the
+ratios with the round's one read at its end, for the next round's decision. Lossless like any verify length.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..speculation.length_policy import LengthPolicy, choose_verify_length, load_scaled_rate
@@ -20,7 +27,19 @@ PLAIN_PROBE_ROUNDS = 8
 
 class VerifyLengths:
     """Mixin of :class:`~.engine.Engine` (it owns ``policy``, ``layout``, ``block_size``, ``round_cost``,
-    ``length_rate``, ``length_min``, ``halving_batch``, ``on_round``, ``_plain_rounds`` and ``_drafted_plain``)."""
+    ``length_rate``, ``length_min``, ``halving_batch``, ``on_round``, ``whole_block_stretches``, ``_plain_rounds`` and
+    ``_drafted_plain``)."""
+
+    def _whole_blocks(self, running) -> bool:
+        """True when this drafting round may verify whole blocks without reading its ratios first: under ``cost``
+        (with ``whole_block_stretches``), every request's last ratio (none yet: read them) chooses its whole block, or
+        all it has left. Not while a round sink is attached (it is promised each round's own prediction)."""
+        if (not self.whole_block_stretches or self.policy is not LengthPolicy.COST or self.layout != "packed"
+                or self.on_round is not None or any(r.head_ratio is None for r in running)):
+            return False
+        guess = torch.tensor([r.head_ratio for r in running])
+        whole = torch.tensor([min(self.block_size, r.remaining) for r in running])
+        return bool((self._verify_lengths(running, guess, guess=True) >= whole).all())
 
     def _skip_drafting(self, running) -> bool:
         """True when no request would verify more than its bonus token this round: every request has one token
@@ -49,6 +68,21 @@ class VerifyLengths:
         most = choose_verify_length(LengthPolicy.ADAPTIVE, 1, self.block_size, ratio=torch.ones(1), rate=rate,
                                     min_len=self.length_min)
         return int(most) <= 1  # the policy is monotone in the ratio: a ratio of 1 gives the largest k_hat
+
+    @staticmethod
+    def _late_bits(drafts) -> list[torch.Tensor]:
+        """A whole-block round's ratios for its one read, as int64 of their float32 bits (exact, NaN included)."""
+        return [drafts.ratio.float().reshape(-1).view(torch.int32).long()] if drafts.late_ratio else []
+
+    @staticmethod
+    def _take_late_ratios(running, drafts, packed: list[int]) -> list[int]:
+        """The round's read less the ratios :meth:`_late_bits` put at its end, which become the requests' last ratios."""
+        if not drafts.late_ratio:
+            return packed
+        bits = np.array(packed[-len(running) :], dtype=np.int64).astype(np.int32).view(np.float32)
+        for r, a in zip(running, bits.tolist()):
+            r.head_ratio = a
+        return packed[: -len(running)]
 
     def _verify_lengths(self, running, ratio: torch.Tensor | None, guess: bool = False) -> torch.Tensor:
         """Each running request's ``k_hat`` (host ``[n]``) under the engine's policy from the length head's ``ratio``

@@ -4,7 +4,7 @@ An engine captures a CUDA graph the first time a round needs a new bucket (token
 request, slot rows; for the drafter: context tokens, rows, draft width) and compiles its fused
 functions on their first shapes. Left to the first requests, that puts seconds of captures into their
 first tokens. :func:`workload_buckets` lists every bucket a workload of up to ``concurrency`` running
-requests can reach (each request verifying 1 .. block size tokens, the drafted positions packed, slots ``0 .. concurrency - 1``,
+requests can reach (each request verifying 1 .. ``engine.max_q`` tokens: the block, wider under the prompt n-gram rule's ``max_width``; the drafted positions packed, slots ``0 .. concurrency - 1``,
 prompts of the given lengths, those admitted in one round of one length); :func:`warmup` runs one short request per prompt length (the eager
 prefill's compiles) and captures the rest. :func:`measure_round_cost` times the captured buckets and real rounds into the
 engine's own :class:`~adaflash_hf.speculation.round_cost.RoundCost` (what the ``cost`` verify-length policy weighs).
@@ -29,7 +29,7 @@ __all__ = ["measure_round_cost", "warmup", "workload_buckets"]
 
 def _target_buckets(engine, concurrency: int) -> set[tuple]:
     g = engine.graphs
-    most_q = 1 if engine.layout == "off" else engine.block_size  # near its end a request verifies fewer
+    most_q = 1 if engine.layout == "off" else engine.max_q  # near its end a request verifies fewer
     out = set()
     for n in range(1, concurrency + 1):
         rows = {pick_bucket(g.row_buckets, m) for m in range(n, concurrency + 1)}  # highest slot in use + 1
@@ -44,12 +44,12 @@ def _target_buckets(engine, concurrency: int) -> set[tuple]:
 
 
 def _draft_buckets(engine, concurrency: int, prompt_lens: Sequence[int]) -> set[tuple]:
-    d, B = engine.draft_graphs, engine.block_size
+    d, B, Q = engine.draft_graphs, engine.block_size, engine.max_q
     out = set()
     for n in range(1, concurrency + 1):
         Rb = pick_bucket(d.row_buckets, n)
-        # new context per request: its accepted tokens + 1 (1 .. B), or, just admitted, its prompt's features
-        spans = [(n, n * B)] + [(j * L + n - j, j * L + (n - j) * B) for L in prompt_lens for j in range(1, n + 1)]
+        # new context per request: its accepted tokens + 1 (1 .. max_q), or, just admitted, its prompt's features
+        spans = [(n, n * Q)] + [(j * L + n - j, j * L + (n - j) * Q) for L in prompt_lens for j in range(1, n + 1)]
         for lo, hi in spans:
             for C in range(lo, min(hi, d.ctx_buckets[-1]) + 1):
                 Cb = pick_bucket(d.ctx_buckets, C)

@@ -11,7 +11,6 @@ processors, on the same prefix, as plain decoding would use.
 """
 
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -186,9 +185,6 @@ def adaflash_decoding(
     rows = row_processors(logits_processor, input_ids.shape[0])  # refuses a processor we cannot run, before any work
     ngrams = PromptNgrams.of(prompt_ngrams)
     if takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length_policy):
-        if ngrams.max_width is not None and ngrams.applies(greedy=not generation_config.do_sample):
-            warnings.warn("PromptNgrams.max_width applies to generate's eager loop only (fast_path=False): the engine "
-                          "verifies candidates up to its block", stacklevel=3)
         return engine_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                length_policy=length_policy, length_rate=length_rate, length_min=length_min,
                                return_stats=return_stats, round_sink=round_sink, prompt_ngrams=ngrams, **model_kwargs)

@@ -136,15 +136,17 @@ def _token_budget(prompt_lens: list[int], block: int) -> int:
     return min(sum(prompt_lens) + len(prompt_lens) * block, max(MAX_BUDGET, max(prompt_lens) + block))
 
 
-def _engine_for(model, drafter, mode: str, rows: int, max_len: int, budget: int, length_rate, length_min) -> _Cached:
-    """The cached engine for these models and mode if it fits the call, else a new one (replacing it)."""
+def _engine_for(model, drafter, mode: str, rows: int, max_len: int, budget: int, length_rate, length_min,
+                width: int | None = None) -> _Cached:
+    """The cached engine for these models and mode if it fits the call, else a new one (replacing it); ``width``: the
+    prompt n-gram rule's ``max_width`` the engine must take (its graphs' widest verify)."""
     from ..engine import Engine
 
     def pow2(n: int, floor: int) -> int:
         return max(floor, 1 << max(0, n - 1).bit_length())
 
     p = next(model.parameters())
-    key = (id(model), id(drafter), mode, length_rate, length_min, p.device, p.dtype)
+    key = (id(model), id(drafter), mode, length_rate, length_min, p.device, p.dtype, width)
     with _LOCK:
         hit = _ENGINES.get(key)
         if hit is not None and (hit.target() is not model or hit.drafter() is not drafter):
@@ -157,7 +159,7 @@ def _engine_for(model, drafter, mode: str, rows: int, max_len: int, budget: int,
         with torch.inference_mode(False):  # see engine_decoding: the engine is reused outside this call's mode
             engine = Engine(model, drafter, length_policy=mode, max_slots=pow2(rows, 1), max_len=pow2(max_len, 256),
                             token_budget=pow2(budget, 64), length_rate=length_rate, length_min=length_min,
-                            cuda_graphs=True)  # off CUDA: the same static bucket forwards, eagerly
+                            cuda_graphs=True, prompt_ngrams=PromptNgrams(max_width=width))  # off CUDA: the same static bucket forwards, eagerly
         hit = _ENGINES[key] = _Cached(weakref.ref(model), weakref.ref(drafter), engine, threading.Lock())
         while len(_ENGINES) > MAX_ENGINES:
             _ENGINES.popitem(last=False)
@@ -165,10 +167,11 @@ def _engine_for(model, drafter, mode: str, rows: int, max_len: int, budget: int,
 
 
 def warmup(target, drafter, batch_size: int = 1, prompt_len: int = 512, max_new_tokens: int = 128,
-           length_policy: str | None = None, length_rate=None, length_min=None) -> float:
+           length_policy: str | None = None, length_rate=None, length_min=None, prompt_ngrams=None) -> float:
     """Build (or find) the engine that ``generate(assistant_model=drafter)`` will use for batches of up to
     ``batch_size`` prompts of ``prompt_len`` tokens and capture the graphs it needs
-    (:meth:`~adaflash_hf.engine.Engine.warmup`); returns the seconds it took.
+    (:meth:`~adaflash_hf.engine.Engine.warmup`); returns the seconds it took. ``prompt_ngrams``: the call's, as
+    generate takes it (its ``max_width`` sets the widest verify).
 
     Example:
         >>> warmup(target, drafter, batch_size=1, prompt_len=512, max_new_tokens=128)  # doctest: +SKIP
@@ -179,11 +182,17 @@ def warmup(target, drafter, batch_size: int = 1, prompt_len: int = 512, max_new_
     block = drafter.config.block_size
     if not drafter.is_bound_to(target):
         drafter.bind_target(target)
+    width = _wide(PromptNgrams.of(prompt_ngrams), do_sample=False)
     cached = _engine_for(target, drafter, mode, batch_size, prompt_len + max_new_tokens + block,
-                         _token_budget([prompt_len] * batch_size, block), length_rate, length_min)
+                         _token_budget([prompt_len] * batch_size, max(block, (width or 0) + 1)), length_rate, length_min, width)
     with cached.lock, torch.inference_mode(False), torch.no_grad():
         cached.engine.warmup(concurrency=min(batch_size, cached.engine.max_slots), prompt_lens=[prompt_len])
     return time.perf_counter() - t0
+
+
+def _wide(ngrams: PromptNgrams, do_sample: bool) -> int | None:
+    """The ``max_width`` an engine needs for calls with ``ngrams`` (sampled rows never widen)."""
+    return ngrams.max_width if ngrams.applies(greedy=not do_sample) else None
 
 
 def _split_criteria(stopping_criteria):
@@ -220,8 +229,10 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
     policy = resolve_policy(length_policy, drafter)
     mode = policy.value  # the engine's length_policy
     block = drafter.config.block_size
+    ngrams = PromptNgrams.of(prompt_ngrams)
+    width = _wide(ngrams, generation_config.do_sample)
     cached = _engine_for(model, drafter, mode, len(prompts), max(map(len, prompts)) + max_new + block,
-                         _token_budget(list(map(len, prompts)), block), length_rate, length_min)
+                         _token_budget(list(map(len, prompts)), max(block, (width or 0) + 1)), length_rate, length_min, width)
     engine = cached.engine
     stats = GenerationStats(block_size=block, policy=policy.value)
     output = Output.for_config(generation_config, stopping_criteria, streamer)
@@ -230,7 +241,7 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
     # when generate runs under torch.inference_mode (in-place updates of inference tensors fail outside it).
     with cached.lock, torch.inference_mode(False), torch.no_grad():
         saved = engine.on_round, engine.on_request, engine.prompt_ngrams
-        engine.prompt_ngrams, used_before = PromptNgrams.of(prompt_ngrams), int(engine.ngram_used)
+        engine.prompt_ngrams, used_before, wide_before = ngrams, int(engine.ngram_used), engine.wide_rounds
         row_of: dict[int, int] = {}
         engine.on_round = None if on_round is None else (lambda r: on_round(dataclasses.replace(r, row=row_of[r.row])))
         engine.on_request = None
@@ -252,6 +263,7 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
             raise
         finally:
             stats.ngram_rounds = int(engine.ngram_used) - used_before
+            stats.wide_rounds = engine.wide_rounds - wide_before
             engine.on_round, engine.on_request, engine.prompt_ngrams = saved
     for i, o in enumerate(outs):
         if o.finish_reason == "error":

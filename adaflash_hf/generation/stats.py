@@ -27,7 +27,7 @@ class GenerationStats(RoundTally):
     rows: list[int] = field(default_factory=list)
     fallback_rounds: int = 0
     ngram_rounds: int = 0  # row-rounds that verified a prompt n-gram candidate (`speculation.prompt_ngrams`)
-    wide_rounds: int = 0  # rounds whose verify was wider than the block (`PromptNgrams.max_width`, eager loop)
+    wide_rounds: int = 0  # rounds whose verify was wider than the block (`PromptNgrams.max_width`)
     new_tokens: int = 0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0

@@ -47,9 +47,10 @@ class PromptNgrams:
 
     ``max_width`` (``None``: the row's verify length, as above): a greedy row that takes a candidate verifies it in
     full, up to that many tokens, wider than the block if need be (:func:`agree_wide`; a CPU projection on validation
-    prompts, ``docs/logs/ngram_rules_cpu_1204/candidate_width.md``: up to 31 tokens adds 4-11% tau). Generate's eager
-    loop only for now (``fast_path=False``, and off CUDA): the engine's graphs are bucketed at the block, so the engine
-    ignores it and keeps the block width (generate warns when such a call takes the engine). Sampled rows never widen.
+    prompts, ``docs/logs/ngram_rules_cpu_1204/candidate_width.md``: up to 31 tokens adds 4-11% tau). The engine plans
+    the widths on the host before the drafts exist: a greedy request with a candidate longer than its verify sends
+    that many slots, padding when the drafter disagrees with every candidate (cheap where a verify's cost is flat in
+    its width, at small batches). Sampled rows never widen.
 
     Off for sampled rows by default: there a candidate is a one-hot proposal, kept with the target's probability
     of its token, where the drafter's own sample is kept with ``1 - TV(p, q)``; with a good drafter that is more
@@ -216,13 +217,14 @@ def agree_with_drafts(drafts: torch.Tensor, candidates: list[list[list[int]]], q
 
 
 def agree_wide(drafts: torch.Tensor, draft_len: torch.Tensor, candidates: list[list[list[int]]], max_width: int,
-               budget: torch.Tensor):
+               budget: torch.Tensor, width: int | None = None):
     """The ``agree`` rule for greedy rows, where a row that takes a candidate verifies it in full, up to ``max_width``
     tokens (and its ``budget``, the tokens it may still add), past the drafts' width ``w`` if need be: the round's
     drafts widen to the longest such verify. Candidates are chosen as :func:`agree_with_drafts` does (agreement with
     the ``w`` drafts); a row that takes one verifies ``max(draft_len, candidate length)``, other rows keep their
-    ``draft_len``, and positions past a row's length are padding, never accepted. Reads the new width back (generate's
-    eager loop only: the engine's graphs are bucketed at the block).
+    ``draft_len``, and positions past a row's length are padding, never accepted. ``width``: the drafts' new width when
+    the caller knows a bound (the engine: ``budget`` then holds each row's verify length planned on the host, and
+    nothing is read back); ``None``: the longest verify, read back (generate's eager loop).
 
     Returns ``(drafts [b, k], draft_len [b], used [b])``, ``k >= w``.
 
@@ -240,7 +242,7 @@ def agree_wide(drafts: torch.Tensor, draft_len: torch.Tensor, candidates: list[l
     # A row verifying no draft (no tokens left, non-finite draft logits: a plain step) stays one.
     wide = used & (draft_len > 0)
     draft_len = torch.where(wide, draft_len.maximum(lengths.clamp(max=max_width).minimum(budget)), draft_len)
-    k = max(w, int(draft_len.max()))
+    k = max(w, int(draft_len.max()) if width is None else width)
     padded = torch.cat([drafts, drafts.new_zeros(b, k - w)], dim=1)
     place = used[:, None] & (torch.arange(k, device=drafts.device)[None, :] < lengths[:, None])
     return torch.where(place, cand[:, :k], padded), draft_len, used

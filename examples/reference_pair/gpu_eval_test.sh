@@ -3,8 +3,10 @@
 # the six sets, MT-bench (both turns) and Spec-Bench's five other categories (spec_bench_all), each set capped at
 # PROMPTS prompts of its slice (VAL_PROMPTS / SAMPLE_PROMPTS for the validation / sampling phases, default PROMPTS). Three phases, several `adaflash bench` processes sharing the one GPU in each:
 #   1. validation: plain + prompt_lookup_grid (concurrency 64): each set's best prompt-lookup setting -> val_*/bench.json;
-#      and fixed / cost with and without the prompt n-gram rule (fixed_alone, cost_alone: the drafter alone)
+#      and fixed / cost with and without the prompt n-gram rule (fixed_alone, cost_alone: the drafter alone) and with
+#      its candidates verified up to 31 tokens (fixed_wide, cost_wide)
 #   2. test, tau: plain, fixed, cost (the default rule), adaptive (the paper's floor rule, rate 2), fixed_alone, cost_alone,
+#      fixed_wide, cost_wide,
 #      prompt lookup default (prompt_lookup_exact) and best of grid
 #      (prompt_lookup_grid, the setting chosen in 1), concurrency 64, every output compared with plain
 #   3. test, wall-clock at batch 1 on the first WALL_PROMPTS prompts: plain, plain_static (transformers' static cache,
@@ -67,7 +69,7 @@ SECONDS=0
 PHASES=${PHASES:-val tau wall}; has() { [[ " $PHASES " == *" $1 "* ]]; }
 if has val; then
 phase val ${LIMITS[0]} --split validation --num-prompts ${VAL_PROMPTS:-$PROMPTS} --concurrency $CONC $EXTRA \
-  --methods plain,prompt_lookup_grid,fixed,fixed_alone,cost,cost_alone
+  --methods plain,prompt_lookup_grid,fixed,fixed_alone,fixed_wide,cost,cost_alone,cost_wide
 # every validation run's choices in one file (each group's sets are in its own val_i/bench.json)
 python3 - "$OUT" <<'EOF'
 import json, sys, glob
@@ -81,9 +83,9 @@ cp "${CHOICE:-docs/logs/eval_test_h200/validation_choice.json}" "$OUT/validation
 CHOICE="--prompt-lookup-choice $OUT/validation_choice.json"
 fi
 has tau && phase tau ${LIMITS[1]} --split test --num-prompts $PROMPTS --concurrency $CONC $CHOICE $EXTRA \
-  --methods plain,fixed,cost,adaptive,fixed_alone,cost_alone,prompt_lookup_exact,prompt_lookup_grid
+  --methods plain,fixed,cost,adaptive,fixed_alone,cost_alone,fixed_wide,cost_wide,prompt_lookup_exact,prompt_lookup_grid
 has wall && phase_alone wall ${LIMITS[2]} --split test --num-prompts $WALL_PROMPTS --concurrency 1 $CHOICE $WALL_EXTRA \
-  --methods plain,plain_static,prompt_lookup,prompt_lookup_exact,prompt_lookup_tuned,prompt_lookup_grid,fixed,cost,adaptive,fixed_alone
+  --methods plain,plain_static,prompt_lookup,prompt_lookup_exact,prompt_lookup_tuned,prompt_lookup_grid,fixed,cost,adaptive,fixed_alone,fixed_wide
 for T in ${TEMPS:-0.7 1.0}; do  # the temperatures at once (TEMPS picks them): 6 processes each share the GPU
   has sample && phase "sample_T$T" ${LIMITS[3]:-300} --split test --num-prompts ${SAMPLE_PROMPTS:-$PROMPTS} --concurrency $CONC $CHOICE $EXTRA \
     --temperature $T --top-p 0.95 --seed 0 --methods plain,fixed,cost,adaptive,prompt_lookup_exact,prompt_lookup_grid &

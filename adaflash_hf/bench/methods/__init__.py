@@ -3,6 +3,7 @@ verify-length policy (`.ours`), the serving engine (`.engine`). `METHODS` maps a
 
 from __future__ import annotations
 
+from ...speculation.prompt_ngrams import PromptNgrams
 from .base import BenchContext, Method, MethodOutput, needs_length_head
 from .engine import engine
 from .hf import (
@@ -41,6 +42,9 @@ METHODS: dict[str, Method] = {
     # The drafter alone (`prompt_ngrams=0`): classic DFlash, and what the prompt n-gram rule is measured against.
     "fixed_alone": Method("fixed_alone", ours("fixed", 0), "AdaFlash loop, fixed full-block verify, the drafter alone (DFlash)",
                           needs_drafter=True),
+    # A greedy row taking a prompt n-gram candidate verifies it up to 31 tokens, past the block (`PromptNgrams.max_width`).
+    "fixed_wide": Method("fixed_wide", ours("fixed", PromptNgrams(max_width=31)), "AdaFlash loop, fixed full-block "
+                         "verify, prompt n-gram candidates verified up to 31 tokens", needs_drafter=True),
     "adaptive": Method(
         "adaptive", ours("adaptive"), "AdaFlash loop, length-head verify length", needs_drafter=True, skip=needs_length_head
     ),
@@ -51,6 +55,10 @@ METHODS: dict[str, Method] = {
     "cost_alone": Method(
         "cost_alone", ours("cost", 0), "AdaFlash loop, cost-aware verify length, the drafter alone", needs_drafter=True,
         skip=needs_length_head,
+    ),
+    "cost_wide": Method(
+        "cost_wide", ours("cost", PromptNgrams(max_width=31)), "AdaFlash loop, cost-aware verify length, prompt n-gram "
+        "candidates verified up to 31 tokens", needs_drafter=True, skip=needs_length_head,
     ),
     "expected_gain": Method("expected_gain", ours("expected_gain"), "AdaFlash loop, expected-gain verify length", needs_drafter=True),
     "osd": Method(

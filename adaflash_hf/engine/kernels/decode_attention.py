@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention import TILE_ROWS
+
 __all__ = ["decode_attention", "merge_partials", "splits_for", "unsupported"]
 
 BLOCK_N = 64  # keys per inner step
@@ -125,8 +127,8 @@ def unsupported(q: torch.Tensor, k: torch.Tensor) -> str | None:
         return f"{heads} query heads are not a multiple of {k.shape[1]} kv heads"
     if d < 16 or d & (d - 1):
         return f"head_dim {d} is not a power of two >= 16"
-    if heads // k.shape[1] * q_len > 128:
-        return f"{heads // k.shape[1]} heads per kv head x {q_len} query rows exceed one 128-row tile"
+    if heads // k.shape[1] * q_len > TILE_ROWS:
+        return f"{heads // k.shape[1]} heads per kv head x {q_len} query rows exceed one {TILE_ROWS}-row tile"
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype:
         return f"dtype {q.dtype} / {k.dtype}"
     if q.stride(-1) != 1 or k.stride(-1) != 1:
