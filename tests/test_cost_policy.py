@@ -287,6 +287,40 @@ def test_engine_whole_block_rounds_read_their_ratios_at_the_end(pair, graphs, bi
         assert any(1 < v < 8 for v in lens[0]) and eng.whole_rounds <= drafting // 2
 
 
+@pytest.mark.parametrize("cost,stretches", [(HEAVY_DRAFT, True), (FLAT, False)])
+def test_engine_plain_stretches_queue_steps_behind_one_read(monkeypatch, cost, stretches):
+    """Where drafting does not pay, plain rounds run as ``decode_steps`` greedy steps behind one read, as ``off``
+    does: fewer device reads than one round at a time, the same outputs and verify lengths, and the probes' length-head
+    ratios (the random head reads the drafter's context) equal to those of one plain round at a time, so the context
+    the stretches stored is the same. A flat cost (the control) drafts every round: no stretch, the same reads."""
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=8, seed=5)  # its length head untouched: ratios follow the context
+    prompts = engine_prompts([5, 7], seed=11)
+    runs, real = {}, engine_mod.Engine._verify_lengths
+    for steps in (8, 1):
+        probes = []
+
+        def record(self, running, ratio, guess=False, probes=probes):
+            if ratio is not None and not guess:
+                probes.append(ratio.float().cpu().view(-1).clone())
+            return real(self, running, ratio, guess)
+
+        monkeypatch.setattr(engine_mod.Engine, "_verify_lengths", record)
+        eng = Engine(target, drafter, length_policy="cost", round_cost=cost, max_slots=2, max_len=80, token_budget=64,
+                     cuda_graphs=True, decode_steps=steps, prompt_ngrams=0)
+        outs = eng.generate(prompts, max_new_tokens=40)
+        assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 40) for p in prompts]
+        runs[steps] = (eng, [o.verify_lengths for o in outs], probes)
+    (eng, lens, probes), (one, one_lens, one_probes) = runs[8], runs[1]
+    assert lens == one_lens and len(probes) == len(one_probes) > 0
+    for a, b in zip(probes, one_probes):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    if stretches:
+        assert set(v for row in lens for v in row) == {1} and eng.host_syncs < one.host_syncs / 2
+    else:
+        assert eng.host_syncs == one.host_syncs
+
+
 @pytest.mark.parametrize("mode", ["packed", "rectangular"])
 @pytest.mark.parametrize("policy", ["cost", "adaptive"])
 def test_engine_identity_both_head_policies(mode, policy):

@@ -46,12 +46,13 @@ from typing import Callable
 import torch
 
 from ..speculation.hooks import hooks_for, round_callbacks
-from ..speculation.policy import resolve_policy, round_layout
+from ..speculation.policy import LengthPolicy, resolve_policy, round_layout
 from ..speculation.prompt_ngrams import PromptNgrams
 from ..speculation.round_cost import RoundCost
 from ..speculation.rounds import RoundSink, VerifiedRound
 from ..speculation.verify import accept_block
 from .admission import AdmissionController, fit_token_budget
+from .decode_steps import DecodeSteps
 from .kernels.attention import BLOCK
 from .drafter import DraftGraphs, append_context, draft_blocks, head_index, make_drafter_cache
 from .round_drafts import RoundDrafts, unpack_drafts
@@ -63,7 +64,6 @@ from .round_ngrams import apply_prompt_ngrams, round_candidates, wide_capacity
 from .sampled_rows import RoundRandom, sample_drafts, sample_round
 from .sampling import SamplingParams
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
-from .decode_steps import DecodeSteps
 from .verify_lengths import VerifyLengths
 
 __all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo"]
@@ -106,8 +106,9 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
             layer; elementwise math compiled on CUDA). Kept off automatically, with the reason in
             :attr:`fusion_note` and a warning, for layers that are not the stock Qwen3 / Llama math (e.g.
             LoRA, a hook that may change a forward; transformers' output-capturing hooks do not count).
-        decode_steps: ``off`` mode with graphs: while nothing waits for admission and every running
-            request is greedy, queue up to this many decode steps (no more than any request's remaining
+        decode_steps: ``off`` mode, and the ``cost`` policy's plain stretches, with graphs: while nothing waits for
+            admission and every running request is greedy (and, under ``cost``, the last ratios say every request
+            decodes plainly), queue up to this many decode steps (no more than any request's remaining
             tokens; one graph replay each, launched while the previous runs) and read them back once
             (:meth:`.DecodeGraphs.run_greedy`). The host's per-step work, the device read and the
             exposed launch then come once per ``decode_steps`` tokens.
@@ -168,7 +169,8 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
         cfg = self.drafter.config if self.drafter is not None else None
         self.hidden_layers = list(cfg.target_layer_ids) if cfg is not None else None
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
-        self.decode_steps = decode_steps if layout == "off" and self.cuda_graphs else 1
+        # several plain steps per read: `off`, and the cost policy's plain stretches (both need the graphs' static path)
+        self.decode_steps = decode_steps if self.cuda_graphs and (layout == "off" or self.policy is LengthPolicy.COST) else 1
         self.fused, self.fusion_note = FusedTarget.build(target) if fused_kernels else (None, "fused_kernels=False")
         if fused_kernels and self.fused is None:  # asked for and refused: never silently at half speed
             warnings.warn(f"Engine: fused kernels off, the target's layers run through its modules: {self.fusion_note}",

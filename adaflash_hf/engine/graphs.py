@@ -264,6 +264,11 @@ class DecodeGraphs(GraphRunner):
         self._q_out: dict[tuple[int, int], torch.Tensor] = {}
         self._layer_ids = torch.arange(cache.num_layers, device=device)
         self.step_tokens = torch.zeros(max_steps, T, dtype=torch.long, device=device)  # run_greedy's output
+        # and, with hidden layers, each step's features (the drafting engine's plain stretches store them as the
+        # drafter's context); rows: a step's tokens, one per request (the token bucket of the slot count)
+        rows = pick_bucket(self.token_buckets, min(cache.num_slots, T))
+        self.step_hidden = (torch.zeros(max_steps, rows, self.hidden.shape[1], dtype=param.dtype, device=device)
+                            if self.hidden is not None and max_steps > 1 else None)
         self.step_index = torch.zeros(1, dtype=torch.long, device=device)  # its row for the next greedy step
         self.padded_tokens = 0
 
@@ -318,7 +323,9 @@ class DecodeGraphs(GraphRunner):
         # is the next step's input token, one position later (the slot's ``start`` too), and goes to row
         # ``step_index`` of ``step_tokens``.
         tokens, positions = self.inputs[0, :Tb], self.inputs[1, :Tb]
-        logits, _ = self._forward_once(Tb, qb, Rb, keep=False)
+        logits, hidden = self._forward_once(Tb, qb, Rb, keep=False)
+        if self.step_hidden is not None:
+            self.step_hidden[:, :Tb].index_copy_(0, self.step_index, hidden[None])
         nxt = logits.argmax(dim=-1)
         self.step_tokens[:, :Tb].index_copy_(0, self.step_index, _flag_non_finite(logits, nxt)[None])
         tokens.copy_(nxt)  # a valid id even for a flagged row: the next step must not index the embedding with -1
@@ -386,17 +393,20 @@ class DecodeGraphs(GraphRunner):
         """``steps`` greedy plain-decoding steps of every request in ``layout`` (one token each), queued
         without a host synchronisation: ``[steps, T]`` next tokens on the device (a view of a static buffer,
         valid until the next replay); ``-1`` where that step's logits were not finite. Step ``s`` feeds back step ``s - 1``'s argmax; each step writes its
-        input token's K/V.
+        input token's K/V. With hidden layers, step ``s``'s features are ``step_hidden[s, :T]`` (``steps > 1``; for
+        one step, ``hidden[:T]``).
         Cache lengths are not changed (the caller advances them by what it keeps). Equal to ``steps``
         calls of :meth:`run` with the argmax fed back (``tests/test_engine_graphs.py``)."""
         if not 1 <= steps <= self.max_steps:
             raise ValueError(f"steps must be in [1, {self.max_steps}], got {steps}")
-        if max(layout.q_lens) != 1 or self.hidden is not None:
-            raise ValueError("run_greedy decodes one token per request, without hidden states (plain decoding)")
+        if max(layout.q_lens) != 1:
+            raise ValueError("run_greedy decodes one token per request (plain decoding)")
+        if steps > 1 and self.hidden is not None and layout.num_tokens > self.step_hidden.shape[1]:
+            raise ValueError(f"{layout.num_tokens} requests exceed the {self.step_hidden.shape[1]} rows of step_hidden")
         if max(p + steps for p in layout.prefix_lens) > self.cache.max_len:
             raise ValueError(f"write past max_len {self.cache.max_len}")
         bucket = self.prepare(tokens, layout)
-        if steps == 1:  # the plain decode bucket: no graph of its own
+        if steps == 1:  # the plain decode bucket (hidden states kept as run keeps them): no graph of its own
             self.replay(bucket)
             logits = self.logits[: layout.num_tokens]
             return _flag_non_finite(logits, logits.argmax(dim=-1))[None]

@@ -20,7 +20,6 @@ import torch
 
 from ..speculation.policy import LengthPolicy
 from ..speculation.round_cost import RoundCost
-from .verify_lengths import PLAIN_PROBE_ROUNDS
 
 __all__ = ["measure_overheads", "quiet"]
 
@@ -51,14 +50,16 @@ def quiet(engine, **overrides):
             setattr(engine, k, v)
 
 
-def _timed_rounds(engine, rounds: int) -> tuple[float, list[int]]:
-    """Seconds per round of ``rounds`` consecutive engine rounds (graph captures inside subtracted) and each round's
-    target tokens."""
+def _timed_rounds(engine, rounds: int, before=None) -> tuple[float, list[int]]:
+    """Seconds per round of ``rounds`` consecutive engine rounds (graph captures inside subtracted; ``before()`` runs
+    ahead of each) and each target forward's tokens."""
     graphs = [g for g in (engine.graphs, engine.draft_graphs) if g is not None]
     sync = (lambda: torch.cuda.synchronize(engine.device)) if engine.device.type == "cuda" else (lambda: None)
     sync()
     t0, c0, f0 = time.perf_counter(), sum(g.capture_seconds for g in graphs), len(engine.forward_tokens)
     for _ in range(rounds):
+        if before is not None:
+            before()
         engine.step()
     sync()
     spent = time.perf_counter() - t0 - (sum(g.capture_seconds for g in graphs) - c0)
@@ -66,15 +67,20 @@ def _timed_rounds(engine, rounds: int) -> tuple[float, list[int]]:
 
 
 def _plain_round(engine, cost: RoundCost, base_s: float, n: int, reps: int) -> float:
-    """Overhead of a plain round of ``n`` requests: the cost rule's plain rounds skip the drafter's body until a
-    probe (every ``PLAIN_PROBE_ROUNDS + 1``-th); the timed rounds lie between two probes."""
-    engine.round_cost, engine._drafted_plain, engine._plain_rounds = PLAIN, True, 0
+    """Overhead of a plain round of ``n`` requests, per target forward: the cost rule's plain rounds skip the drafter's
+    body until a probe (every ``PLAIN_PROBE_ROUNDS + 1``-th), ``decode_steps`` of them behind one read
+    (:mod:`.decode_steps`); ``reps`` engine steps, each as after a probe, are timed."""
+    def after_a_probe():
+        engine._plain_rounds = 0
+
+    engine.round_cost, engine._drafted_plain = PLAIN, True
+    after_a_probe()
     engine.step()  # warm: the plain round's own buckets
-    rounds, skipped = min(reps, PLAIN_PROBE_ROUNDS - 1), engine.skipped_drafts
-    wall, tokens = _timed_rounds(engine, rounds)
-    if engine.skipped_drafts - skipped != rounds or tokens != [n] * rounds:
+    skipped = engine.skipped_drafts
+    wall, tokens = _timed_rounds(engine, reps, before=after_a_probe)
+    if engine.skipped_drafts - skipped != len(tokens) or set(tokens) != {n}:
         raise RuntimeError(f"measure_round_cost: the timed plain rounds were not plain ({tokens} tokens)")
-    return wall / base_s - cost.verify_time(n, n)
+    return wall * reps / len(tokens) / base_s - cost.verify_time(n, n)
 
 
 def _drafting_round(engine, cost: RoundCost, base_s: float, n: int, reps: int) -> float:
@@ -102,13 +108,14 @@ def measure_overheads(engine, cost: RoundCost, base_s: float, context: int, reps
         >>> spec, plain = measure_overheads(engine, cost, base_s=0.004, context=256, reps=5)  # doctest: +SKIP
     """
     B, vocab = engine.block_size, engine.target.get_input_embeddings().weight.shape[0]
-    room = lambda rounds: engine.max_len - (rounds + 3) * (B + 1)  # noqa: E731  (prefill, warm-up and timed rounds)
+    # prefill, warm-up and timed rounds of each kind (a plain one queues up to decode_steps steps)
+    room = lambda rounds: engine.max_len - (rounds + 3) * (B + 1) - (rounds + 1) * engine.decode_steps  # noqa: E731
     while reps > 1 and room(reps) < 1:  # a short slot: fewer timed rounds rather than none
         reps -= 1
     prompt_len = min(context, engine.token_budget, room(reps))
     if prompt_len < 1:
         raise ValueError(f"measure_round_cost: max_len {engine.max_len} leaves no room for a prompt and a timed round "
-                         f"of each kind at block {B} (it must exceed {4 * (B + 1)})")
+                         f"of each kind at block {B} (it must exceed {4 * (B + 1) + 2 * engine.decode_steps})")
     plain_ok = engine.layout in ("packed", "rectangular")
     spec, plain = [], []
     # Drafting rounds are timed as the cost rule must assume them when it weighs lengths: reading their ratios

@@ -30,6 +30,24 @@ class VerifyLengths:
     ``length_rate``, ``length_min``, ``halving_batch``, ``on_round``, ``whole_block_stretches``, ``_plain_rounds`` and
     ``_drafted_plain``)."""
 
+    def _plain_by_last_ratios(self, running) -> bool:
+        """Whether the cost rule, on the requests' last ratios (one that never drafted counts as accepting
+        everything), decodes every request plainly."""
+        guess = torch.tensor([1.0 if r.head_ratio is None else r.head_ratio for r in running])
+        return bool((self._verify_lengths(running, guess, guess=True) <= 1).all())
+
+    def _plain_stretch(self, running) -> int:
+        """How many plain rounds in a row (1: none beyond this one) the ``cost`` policy may queue as greedy decode
+        steps behind one read (:mod:`.decode_steps`, ``decode_steps`` at most), as ``off`` does: its last drafted round
+        verified nothing but bonus tokens, the last ratios still say so, and no probe falls inside."""
+        if (self.decode_steps == 1 or self.policy is not LengthPolicy.COST or self.layout != "packed"
+                or self.on_round is not None or not self._drafted_plain or not self._plain_by_last_ratios(running)):
+            return 1
+        steps = min(self.decode_steps, PLAIN_PROBE_ROUNDS - self._plain_rounds, min(r.remaining for r in running))
+        if steps > 1:
+            self._plain_rounds += steps
+        return max(steps, 1)
+
     def _whole_blocks(self, running) -> bool:
         """True when this drafting round may verify whole blocks without reading its ratios first: under ``cost``
         (with ``whole_block_stretches``), every request's last ratio (none yet: read them) chooses its whole block, or
@@ -57,8 +75,7 @@ class VerifyLengths:
         if self.policy is LengthPolicy.COST:
             if not self._drafted_plain:  # the last ratios asked for drafts: no need to ask them again
                 return False
-            guess = torch.tensor([1.0 if r.head_ratio is None else r.head_ratio for r in running])
-            plain = bool((self._verify_lengths(running, guess, guess=True) <= 1).all())
+            plain = self._plain_by_last_ratios(running)
             self._plain_rounds = self._plain_rounds + 1 if plain else 0
             if self._plain_rounds > PLAIN_PROBE_ROUNDS:
                 self._plain_rounds = 0
