@@ -19,21 +19,23 @@ from adaflash_hf.engine import Engine
 torch.manual_seed(0)
 target, drafter, tok = load_reference_pair()
 sets, concs = sys.argv[1].split(","), [int(c) for c in sys.argv[2].split(",")]
-print("| set | c | stretches | forwards | drafting rounds | whole-block (no mid read) | plain steps | reads / forward | tokens |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("| set | c | stretches | forwards | drafting rounds | whole-block (no mid read) | plain steps | reads / forward | mean verify len | tokens |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for name in sets:
     ps = load_prompt_set(name, max(concs), "/work/shared/data", split="validation")
-    prompts = [tok.apply_chat_template(p, add_generation_prompt=True) if isinstance(p, list) else tok(p)["input_ids"]
+    prompts = [tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False) if isinstance(p, list) else tok(p)["input_ids"]
                for p in ps.prompts][: max(concs)]
     for c in concs:
         outs = {}
         for on in (True, False):
-            e = Engine(target, drafter, length_policy="cost", max_slots=c, max_len=1024, token_budget=1024,
+            e = Engine(target, drafter, length_policy="cost", max_slots=c, max_len=4096, token_budget=4096,
                        cuda_graphs=True, prompt_ngrams=0, decode_steps=8 if on else 1)
             e.whole_block_stretches = on
             res = e.generate(prompts[:c], max_new_tokens=96)
             outs[on] = [o.token_ids for o in res]
             drafting = e.num_steps - e.skipped_drafts
+            lens = [v for o in res for v in o.verify_lengths]
             print(f"| {name} | {c} | {'on' if on else 'off'} | {e.num_steps} | {drafting} | {e.whole_rounds} | "
-                  f"{e.skipped_drafts} | {e.host_syncs / e.num_steps:.2f} | {sum(map(len, outs[on]))} |", flush=True)
+                  f"{e.skipped_drafts} | {e.host_syncs / e.num_steps:.2f} | {sum(lens) / len(lens):.1f} | "
+                  f"{sum(map(len, outs[on]))} |", flush=True)
         assert outs[True] == outs[False]
