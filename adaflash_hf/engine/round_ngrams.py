@@ -11,7 +11,7 @@ import torch
 
 from ..speculation.prompt_ngrams import PromptNgrams, agree_wide, agree_with_drafts
 from .graphs import to_device
-from .kernels.attention import TILE_ROWS
+from .kernels import TILE_ROWS
 from .round_drafts import RoundDrafts
 from .sampled_rows import agree_sampled
 

@@ -24,11 +24,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BACKENDS", "BLOCK", "INACTIVE", "TILE_ROWS", "SlotAttention", "default_backend", "slot_block_mask", "slot_mask_mod"]
+__all__ = ["BACKENDS", "BLOCK", "INACTIVE", "SlotAttention", "default_backend", "slot_block_mask", "slot_mask_mod"]
 
 INACTIVE = -(2 ** 30)  # start of a slot outside the forward: far below any key position, no int32 overflow
 BLOCK = 128  # flex_attention's sparse block size (query and key)
-TILE_ROWS = 128  # the Triton kernel's query rows per kv head in one program: heads per kv head x query rows per slot
 
 BACKENDS = ("triton", "flex", "sdpa")
 _compiled_flex = None

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import TILE_ROWS
+from . import TILE_ROWS
 
 __all__ = ["decode_attention", "merge_partials", "splits_for", "unsupported"]
 
