@@ -79,8 +79,8 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
             ``round_cost``, packed into one forward), ``adaptive`` (the paper's floor rule on the length head) or
             ``fixed`` (the whole block, DFlash); the same setting as ``generate``'s; default: ``cost``
             when the drafter's length head is trained, else ``fixed``. Under ``cost`` a round whose requests all
-            decode plainly by their last head ratios skips the drafter's body (every ``PLAIN_PROBE_ROUNDS``-th
-            such round runs it to refresh them).
+            decode plainly by their last head ratios skips the drafter's body (a probe round runs it to refresh them:
+            after 1, 2, 4, then every ``PLAIN_PROBE_ROUNDS`` such rounds).
         round_cost: the :class:`~adaflash_hf.speculation.round_cost.RoundCost` the ``cost`` policy weighs (default: SPEC
             section 6's H200 table and overheads; :func:`~.warmup.measure_round_cost` measures this engine's own,
             the host's time per round included).
@@ -143,6 +143,7 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
         self.policy = resolve_policy(length_policy, drafter) if drafter is not None else None
         self.round_cost = round_cost if round_cost is not None else RoundCost()
         self._plain_rounds = 0  # rounds in a row whose drafter body the cost policy skipped
+        self._plain_limit = 0  # how many it may skip before the next probe (verify_lengths)
         self._drafted_plain = False  # the cost policy's last drafted round verified nothing but bonus tokens
         self._late_ratio = False  # this round verifies whole blocks chosen on the last ratios (verify_lengths)
         if decode_steps < 1:

@@ -20,6 +20,7 @@ import torch
 
 from ..speculation.policy import LengthPolicy
 from ..speculation.round_cost import RoundCost
+from .verify_lengths import PLAIN_PROBE_ROUNDS
 
 __all__ = ["measure_overheads", "quiet"]
 
@@ -68,10 +69,10 @@ def _timed_rounds(engine, rounds: int, before=None) -> tuple[float, list[int]]:
 
 def _plain_round(engine, cost: RoundCost, base_s: float, n: int, reps: int) -> float:
     """Overhead of a plain round of ``n`` requests, per target forward: the cost rule's plain rounds skip the drafter's
-    body until a probe (every ``PLAIN_PROBE_ROUNDS + 1``-th), ``decode_steps`` of them behind one read
-    (:mod:`.decode_steps`); ``reps`` engine steps, each as after a probe, are timed."""
+    body until a probe (in steady plain text every ``PLAIN_PROBE_ROUNDS + 1``-th round), ``decode_steps`` of them
+    behind one read (:mod:`.decode_steps`); ``reps`` engine steps, each as after a steady-state probe, are timed."""
     def after_a_probe():
-        engine._plain_rounds = 0
+        engine._plain_rounds, engine._plain_limit = 0, PLAIN_PROBE_ROUNDS
 
     engine.round_cost, engine._drafted_plain = PLAIN, True
     after_a_probe()
@@ -121,7 +122,7 @@ def measure_overheads(engine, cost: RoundCost, base_s: float, context: int, reps
     # Drafting rounds are timed as the cost rule must assume them when it weighs lengths: reading their ratios
     # mid-round (whole-block stretches, which skip that read, off).
     with quiet(engine, policy=LengthPolicy.COST if plain_ok else engine.policy, length_min=1, draft_replay=None,
-               round_cost=PLAIN, _drafted_plain=False, _plain_rounds=0, whole_block_stretches=False):
+               round_cost=PLAIN, _drafted_plain=False, _plain_rounds=0, _plain_limit=0, whole_block_stretches=False):
         for n in cost.rows:
             handles = [engine.submit([(7 * i + j) % vocab for j in range(prompt_len)], engine.max_len - prompt_len)
                        for i in range(n)]

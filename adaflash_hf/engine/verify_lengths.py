@@ -4,8 +4,11 @@ because every request would verify its whole block.
 
 Under the ``cost`` policy the verify lengths come from the length head's ratios, which need the drafter's body.
 Before running it, the round is decided on the requests' *last* ratios: when they say every request decodes plainly,
-the body is skipped (only the new context is stored, which keeps the drafter's cache exact). Every
-``PLAIN_PROBE_ROUNDS + 1``-th such round in a row drafts anyway, so the ratios, and a return to drafting, follow the text.
+the body is skipped (only the new context is stored, which keeps the drafter's cache exact). A probe round drafts
+anyway, so the ratios, and a return to drafting, follow the text: after 1 plain round, then after 2, 4, and from then
+on every ``PLAIN_PROBE_ROUNDS + 1``-th round while the probes keep saying plain (one low ratio amid drafting text costs
+one plain round, not eight: on the reference pair's RAG prompts at c=1 a fixed cadence of 8 lost 8% tau against a
+probe every round, ``docs/logs/stretches_cpu_1204``).
 
 The mirror case, **whole-block stretches**: when the last ratios say every request verifies its whole block (a flat
 cost, at small batches), the round does not wait for this round's ratios in the middle (a device read between the
@@ -27,8 +30,8 @@ PLAIN_PROBE_ROUNDS = 8
 
 class VerifyLengths:
     """Mixin of :class:`~.engine.Engine` (it owns ``policy``, ``layout``, ``block_size``, ``round_cost``,
-    ``length_rate``, ``length_min``, ``halving_batch``, ``on_round``, ``whole_block_stretches``, ``_plain_rounds`` and
-    ``_drafted_plain``)."""
+    ``length_rate``, ``length_min``, ``halving_batch``, ``on_round``, ``whole_block_stretches``, ``_plain_rounds``,
+    ``_plain_limit`` and ``_drafted_plain``)."""
 
     def _plain_by_last_ratios(self, running) -> bool:
         """Whether the cost rule, on the requests' last ratios (one that never drafted counts as accepting
@@ -43,7 +46,7 @@ class VerifyLengths:
         if (self.decode_steps == 1 or self.policy is not LengthPolicy.COST or self.layout != "packed"
                 or self.on_round is not None or not self._drafted_plain or not self._plain_by_last_ratios(running)):
             return 1
-        steps = min(self.decode_steps, PLAIN_PROBE_ROUNDS - self._plain_rounds, min(r.remaining for r in running))
+        steps = min(self.decode_steps, self._plain_limit - self._plain_rounds, min(r.remaining for r in running))
         if steps > 1:
             self._plain_rounds += steps
         return max(steps, 1)
@@ -63,7 +66,7 @@ class VerifyLengths:
         """True when no request would verify more than its bonus token this round: every request has one token
         left; under ``adaptive`` the load-scaled length rate caps every ``k_hat`` at 1; under ``cost`` the round
         decodes plainly by the requests' last head ratios (one that never drafted counts as accepting everything),
-        but for every ``PLAIN_PROBE_ROUNDS + 1``-th such round in a row, which drafts to refresh the ratios.
+        but for a probe (after ``_plain_limit`` such rounds in a row), which drafts to refresh the ratios.
         Skipping is lossless (a 1-token verify is plain decoding). Not while a round sink is attached: it is
         promised the length head's prediction for every round."""
         if self.on_round is not None:
@@ -77,7 +80,7 @@ class VerifyLengths:
                 return False
             plain = self._plain_by_last_ratios(running)
             self._plain_rounds = self._plain_rounds + 1 if plain else 0
-            if self._plain_rounds > PLAIN_PROBE_ROUNDS:
+            if self._plain_rounds > self._plain_limit:
                 self._plain_rounds = 0
                 return False
             return plain
@@ -116,6 +119,8 @@ class VerifyLengths:
             for r, a in zip(running, ratio.tolist()):
                 r.head_ratio = a
             self._drafted_plain = bool((k_hat <= 1).all())
+            # plain rounds allowed before the next probe: 1, 2, 4, ... PLAIN_PROBE_ROUNDS while drafted rounds say plain
+            self._plain_limit = min(max(1, 2 * self._plain_limit), PLAIN_PROBE_ROUNDS) if self._drafted_plain else 0
         return k_hat
 
     def _length_rate(self, batch: int) -> float:
