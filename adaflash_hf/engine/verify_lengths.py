@@ -33,23 +33,28 @@ class VerifyLengths:
     ``length_rate``, ``length_min``, ``halving_batch``, ``on_round``, ``whole_block_stretches``, ``_plain_rounds``,
     ``_plain_limit`` and ``_drafted_plain``)."""
 
-    def _plain_by_last_ratios(self, running) -> bool:
-        """Whether the cost rule, on the requests' last ratios (one that never drafted counts as accepting
-        everything), decodes every request plainly."""
+    def _last_ratio_lengths(self, running) -> torch.Tensor:
+        """The verify lengths the policy gives the requests' last ratios (one that never drafted counts as accepting
+        everything): the guess that decides a round before its drafter body runs."""
         guess = torch.tensor([1.0 if r.head_ratio is None else r.head_ratio for r in running])
-        return bool((self._verify_lengths(running, guess, guess=True) <= 1).all())
+        return self._verify_lengths(running, guess, guess=True)
+
+    def _plain_by_last_ratios(self, running) -> bool:
+        """Whether the cost rule, on the requests' last ratios, decodes every request plainly."""
+        return bool((self._last_ratio_lengths(running) <= 1).all())
 
     def _plain_stretch(self, running) -> int:
         """How many plain rounds in a row (1: none beyond this one) the ``cost`` policy may queue as greedy decode
         steps behind one read (:mod:`.decode_steps`, ``decode_steps`` at most), as ``off`` does: its last drafted round
         verified nothing but bonus tokens, the last ratios still say so, and no probe falls inside."""
-        if (self.decode_steps == 1 or self.policy is not LengthPolicy.COST or self.layout != "packed"
-                or self.on_round is not None or not self._drafted_plain or not self._plain_by_last_ratios(running)):
+        if self.policy is not LengthPolicy.COST or self.layout != "packed" or self.on_round is not None \
+                or not self._drafted_plain:
             return 1
         steps = min(self.decode_steps, self._plain_limit - self._plain_rounds, min(r.remaining for r in running))
-        if steps > 1:
-            self._plain_rounds += steps
-        return max(steps, 1)
+        if steps <= 1 or not self._plain_by_last_ratios(running):  # the cheap bounds first: the rule runs on the host
+            return 1
+        self._plain_rounds += steps
+        return steps
 
     def _whole_blocks(self, running) -> bool:
         """True when this drafting round may verify whole blocks without reading its ratios first: under ``cost``
@@ -58,9 +63,8 @@ class VerifyLengths:
         if (not self.whole_block_stretches or self.policy is not LengthPolicy.COST or self.layout != "packed"
                 or self.on_round is not None or any(r.head_ratio is None for r in running)):
             return False
-        guess = torch.tensor([r.head_ratio for r in running])
         whole = torch.tensor([min(self.block_size, r.remaining) for r in running])
-        return bool((self._verify_lengths(running, guess, guess=True) >= whole).all())
+        return bool((self._last_ratio_lengths(running) >= whole).all())
 
     def _skip_drafting(self, running) -> bool:
         """True when no request would verify more than its bonus token this round: every request has one token

@@ -129,11 +129,13 @@ def takes_engine(fast_path, model, drafter, generation_config, logits_processor,
     return True
 
 
-def _token_budget(prompt_lens: list[int], block: int) -> int:
-    """Tokens one engine forward may take: every row's prompt and a block per row, up to ``MAX_BUDGET``.
+def _token_budget(prompt_lens: list[int], block: int, width: int | None = None) -> int:
+    """Tokens one engine forward may take: every row's prompt and a block per row (a verify of ``width + 1`` under the
+    prompt n-gram rule's ``max_width``, if wider), up to ``MAX_BUDGET``.
     A generate call is one batch: a budget of one prompt would admit its rows one prefill at a time
     (each prefill fills the forward, and the admission EMA then holds the others back for rounds)."""
-    return min(sum(prompt_lens) + len(prompt_lens) * block, max(MAX_BUDGET, max(prompt_lens) + block))
+    q = max(block, (width or 0) + 1)
+    return min(sum(prompt_lens) + len(prompt_lens) * q, max(MAX_BUDGET, max(prompt_lens) + q))
 
 
 def _engine_for(model, drafter, mode: str, rows: int, max_len: int, budget: int, length_rate, length_min,
@@ -184,7 +186,7 @@ def warmup(target, drafter, batch_size: int = 1, prompt_len: int = 512, max_new_
         drafter.bind_target(target)
     width = _wide(PromptNgrams.of(prompt_ngrams), do_sample=False)
     cached = _engine_for(target, drafter, mode, batch_size, prompt_len + max_new_tokens + block,
-                         _token_budget([prompt_len] * batch_size, max(block, (width or 0) + 1)), length_rate, length_min, width)
+                         _token_budget([prompt_len] * batch_size, block, width), length_rate, length_min, width)
     with cached.lock, torch.inference_mode(False), torch.no_grad():
         cached.engine.warmup(concurrency=min(batch_size, cached.engine.max_slots), prompt_lens=[prompt_len])
     return time.perf_counter() - t0
@@ -232,7 +234,7 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
     ngrams = PromptNgrams.of(prompt_ngrams)
     width = _wide(ngrams, generation_config.do_sample)
     cached = _engine_for(model, drafter, mode, len(prompts), max(map(len, prompts)) + max_new + block,
-                         _token_budget(list(map(len, prompts)), max(block, (width or 0) + 1)), length_rate, length_min, width)
+                         _token_budget(list(map(len, prompts)), block, width), length_rate, length_min, width)
     engine = cached.engine
     stats = GenerationStats(block_size=block, policy=policy.value)
     output = Output.for_config(generation_config, stopping_criteria, streamer)
