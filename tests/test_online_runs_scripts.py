@@ -73,3 +73,31 @@ def test_summary_averages_over_seeds_and_pairs_opd_with_osd(tmp_path):
     (tmp_path / "4" / "online.json").write_text(json.dumps(_run(2, "entry", "opd", [1.5, 1.6], [0.3, 0.3], identical=False)))
     assert summarise.main([str(tmp_path)]) == 2  # an output that differed from plain greedy fails the summary
     assert "**NO**" in (tmp_path / "summary.md").read_text()
+
+
+def _run_lines(path: Path) -> list[tuple[str, list[str]]]:
+    import shlex
+
+    lines = [line for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(parts[0], parts[1:]) for parts in map(shlex.split, lines)]
+
+
+@pytest.mark.parametrize("run_file", sorted((REF / "online_runs").glob("*.txt")), ids=lambda p: p.name)
+def test_every_run_of_the_run_files_parses_before_it_reaches_a_gpu(run_file):
+    """Each line of a gpu_protocol.sh run file is a unique name and arguments the protocol accepts, its adapter
+    settings valid for each of its methods; a misspelt setting (the control) is refused."""
+    from adaflash_hf.online.protocol import parse_args
+
+    runs = _run_lines(run_file)
+    assert runs and len({name for name, _ in runs}) == len(runs)
+    base = ["--target", "T", "--drafter", "D", "--out", "o"]
+    for name, args in runs:
+        a, config, _ = parse_args(base + args)
+        for method in a.methods.split(","):
+            if method != "off":
+                config.replace(method=method)
+    name, args = runs[0]
+    with pytest.raises(TypeError, match="lrr"):
+        parse_args(base + args + ["--set", "lrr=1e-4"])
+    with pytest.raises(SystemExit):
+        parse_args(base + args + ["--methods", "opd,osdd"])

@@ -29,7 +29,7 @@ from .config import OnlineConfig
 from .experiment import HeadError, stream_order
 from .versions import write_text_atomic
 
-__all__ = ["ProtocolSettings", "RoundRouter", "eos_ids", "prompt_ids", "run_protocol", "serving_engine"]
+__all__ = ["ProtocolSettings", "RoundRouter", "eos_ids", "parse_args", "prompt_ids", "run_protocol", "serving_engine"]
 
 
 @dataclass(frozen=True)
@@ -163,12 +163,9 @@ def prompt_ids(tokenizer, records, limit_tokens: int) -> list[list[int]]:
     return [x for x in ids if len(x) <= limit_tokens]
 
 
-def main(argv=None) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..modeling import AdaFlashDrafter
-    from ..training.data import eval_prompts
-
+def parse_args(argv=None) -> tuple[argparse.Namespace, OnlineConfig, ProtocolSettings]:
+    """The command line's arguments, the adapter's :class:`OnlineConfig` (``--set``, validated) and the
+    :class:`ProtocolSettings`, before anything is loaded (a run file's typo fails here, not on the GPU)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", required=True)
@@ -188,9 +185,22 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    for method in a.methods.split(","):
+        if method not in ("opd", "osd", "off"):
+            p.error(f"--methods takes opd, osd and off, got {method!r}")
     overrides = {k: _value(v) for k, v in (s.split("=", 1) for s in a.set)}
     config = OnlineConfig(seed=a.seed, **overrides)
     settings = ProtocolSettings(updates=a.updates, concurrency=a.concurrency, max_new_tokens=a.max_new_tokens, policy=a.policy)
+    return a, config, settings
+
+
+def main(argv=None) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..modeling import AdaFlashDrafter
+    from ..training.data import eval_prompts
+
+    a, config, settings = parse_args(argv)
     tok = AutoTokenizer.from_pretrained(a.target)
     target = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32).to(a.device).eval()
     drafter = AdaFlashDrafter.from_pretrained(a.drafter, dtype=torch.float32).to(a.device).eval()
