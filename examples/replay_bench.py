@@ -49,6 +49,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -67,6 +68,7 @@ from replay_tables import markdown  # noqa: E402
 from adaflash_hf.bench.arrivals import poisson_arrivals, run_open_loop  # noqa: E402
 from adaflash_hf.bench.replay import DraftReplay, RecordedTrace, paper_dflash_trace  # noqa: E402
 from adaflash_hf.engine import LAYOUTS, Engine, layout_args, round_layout  # noqa: E402
+from adaflash_hf.engine.round_overhead import measure_room  # noqa: E402
 from adaflash_hf.engine.warmup import measure_round_cost  # noqa: E402
 from adaflash_hf.speculation.rounds import mean_tokens_per_round  # noqa: E402
 
@@ -141,16 +143,19 @@ def measure_cost(target, drafter, kw: dict, context: int) -> tuple:
     """``(RoundCost, its record for meta)``: the round cost of a ``packed`` engine of ``kw`` on this device, its
     graphs and its real rounds' overheads (:func:`measure_round_cost`)."""
     t = time.perf_counter()
-    room = context + 4 * (drafter.config.block_size + 1)  # a prompt, and a timed round of each kind after it (--smoke's slots are short)
+    # a prompt, and the timed rounds of each kind after it (--smoke's slots are short)
+    steps = kw.get("decode_steps", inspect.signature(Engine).parameters["decode_steps"].default)
+    room = context + measure_room(drafter.config.block_size, steps)
     probe = Engine(target, **layout_args(drafter, "packed"), **{**kw, "max_len": max(kw["max_len"], room)})
     cost = measure_round_cost(probe, context=context)
     del probe
     rec = {"rows": cost.rows, "tokens_per_row": cost.tokens_per_row, "verify": cost.verify, "draft_fraction": cost.draft_fraction,
-           "spec_overhead": cost.spec_overhead, "plain_overhead": cost.plain_overhead, "unit_ms": cost.unit_ms,
+           "spec_overhead": cost.spec_overhead, "plain_overhead": cost.plain_overhead, "read_overhead": cost.read_overhead,
+           "unit_ms": cost.unit_ms,
            "seconds": time.perf_counter() - t}
     log(f"measured round cost in {rec['seconds']:.1f}s: unit {cost.unit_ms:.3f} ms, draft fraction {cost.draft_fraction:.3f}, "
         f"overhead per round at rows {cost.rows}: drafting {[round(v, 2) for v in cost.spec_overhead]}, plain "
-        f"{[round(v, 2) for v in cost.plain_overhead]} units")
+        f"{[round(v, 2) for v in cost.plain_overhead]}, the read whole blocks spare {[round(v, 2) for v in cost.read_overhead]} units")
     return cost, rec
 
 

@@ -88,7 +88,8 @@ def _overheads(rc: dict) -> str:
     unit, name = (rc["unit_ms"], "ms") if rc.get("unit_ms") else (1.0, "plain steps")
     per = lambda vs: "/".join(f"{v * unit:.2f}" for v in vs)  # noqa: E731
     return (f", overhead per round at {'/'.join(map(str, rc['rows']))} requests: drafting {per(rc['spec_overhead'])}, "
-            f"plain {per(rc['plain_overhead'])} {name}")
+            f"plain {per(rc['plain_overhead'])}" + (f", the read whole blocks spare {per(rc['read_overhead'])}"
+                                                     if "read_overhead" in rc else "") + f" {name}")
 
 
 def markdown(res: dict) -> str:

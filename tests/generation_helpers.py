@@ -213,3 +213,17 @@ def prefilled_cache(target, prompts: list[list[int]], num_slots: int, max_len: i
     for s, p in zip(slots, prompts):
         cache.advance(s, len(p))
     return cache, slots
+
+
+def delay_drafting_rounds(engine, seconds: float) -> None:
+    """Make every round of ``engine`` that verifies drafts spend ``seconds`` more on the host (at its commit)."""
+    import time
+
+    real = engine._commit_round
+
+    def slow(admitted, running, drafts, *rest):
+        if running and max(drafts.q_lens) > 1:
+            time.sleep(seconds)
+        return real(admitted, running, drafts, *rest)
+
+    engine._commit_round = slow

@@ -3,7 +3,6 @@ model and bad inputs, and the engine under it (greedy identity, plain rounds wit
 
 import dataclasses
 import itertools
-import time
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ from adaflash_hf.engine import Engine
 from adaflash_hf.speculation.length_policy import choose_verify_length, cost_aware_verify_length, survival_curve
 from adaflash_hf.speculation.round_cost import SPEC_H200_MS, SPEC_H200_OVERHEAD_MS, SPEC_ROWS, SPEC_TOKENS_PER_ROW, RoundCost
 
-from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids
+from generation_helpers import delay_drafting_rounds, engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids
 
 FLAT = RoundCost.flat()
 STEEP = RoundCost(rows=(1,), tokens_per_row=(1, 16), verify=((1.0, 5.5),), draft_fraction=0.0)  # a token 0.3 of a step
@@ -301,10 +300,10 @@ def test_engine_plain_stretches_queue_steps_behind_one_read(monkeypatch, cost, s
     for steps in (8, 1):
         probes = []
 
-        def record(self, running, ratio, guess=False, probes=probes):
+        def record(self, running, ratio, guess=False, probes=probes, **kw):
             if ratio is not None and not guess:
                 probes.append(ratio.float().cpu().view(-1).clone())
-            return real(self, running, ratio, guess)
+            return real(self, running, ratio, guess, **kw)
 
         monkeypatch.setattr(engine_mod.Engine, "_verify_lengths", record)
         eng = Engine(target, drafter, length_policy="cost", round_cost=cost, max_slots=2, max_len=80, token_budget=64,
@@ -386,14 +385,7 @@ def test_measured_overhead_is_what_a_round_costs_beyond_its_graphs(pair, length_
 
     target, drafter = pair
     eng = Engine(target, drafter, length_policy=length_policy, max_slots=2, max_len=96, token_budget=64, cuda_graphs=True)
-    real = eng._commit_round
-
-    def slow(admitted, running, drafts, *rest):
-        if running and max(drafts.q_lens) > 1:
-            time.sleep(DELAY_S)
-        return real(admitted, running, drafts, *rest)
-
-    eng._commit_round = slow
+    delay_drafting_rounds(eng, DELAY_S)
     cost = measure_round_cost(eng, rows=[1], context=16, reps=2)
     unit_s = cost.unit_ms / 1e3
     assert cost.spec_overhead[0] * unit_s > 0.8 * DELAY_S

@@ -5,27 +5,39 @@ because every request would verify its whole block.
 Under the ``cost`` policy the verify lengths come from the length head's ratios, which need the drafter's body.
 Before running it, the round is decided on the requests' *last* ratios: when they say every request decodes plainly,
 the body is skipped (only the new context is stored, which keeps the drafter's cache exact). A probe round drafts
-anyway, so the ratios, and a return to drafting, follow the text: after 1 plain round, then after 2, 4, and from then
-on every ``PLAIN_PROBE_ROUNDS + 1``-th round while the probes keep saying plain (one low ratio amid drafting text costs
-one plain round, not eight: on the reference pair's RAG prompts at c=1 a fixed cadence of 8 lost 8% tau against a
-probe every round, ``docs/logs/stretches_cpu_1204``).
+anyway, so the ratios, and a return to drafting, follow the text: after 1 plain round, then after 2, 4, ... doubling
+while the probes keep saying plain (one low ratio amid drafting text costs one plain round, not eight: on the reference
+pair's RAG prompts at c=1 a fixed cadence of 8 lost 8% tau against a probe every round,
+``docs/logs/stretches_cpu_1204``), up to :meth:`~VerifyLengths._probe_cap` rounds: at least ``PLAIN_PROBE_ROUNDS``, and
+as many as keep the probes' extra time (the drafter's body and a drafting round's overhead, by ``round_cost`` at this
+batch) within ``PROBE_SHARE`` of the plain rounds' between them. A probe costs a fraction of a plain step at batch 1
+but several at 128 requests (the body runs every block position of every request): a fixed cadence of 8 would spend
+a quarter of the time there probing for drafts that cannot pay.
 
 The mirror case, **whole-block stretches**: when the last ratios say every request verifies its whole block (a flat
 cost, at small batches), the round does not wait for this round's ratios in the middle (a device read between the
 drafter's body and its LM head, during which the GPU idles): it verifies whole blocks, as ``fixed`` does, and reads the
-ratios with the round's one read at its end, for the next round's decision. Lossless like any verify length.
+ratios with the round's one read at its end, for the next round's decision. The guess counts what skipping the read
+saves (:attr:`~adaflash_hf.speculation.round_cost.RoundCost.read_overhead`): at a batch where a verify slot costs
+little, a tail of drafts worth less than the slots it occupies but more than the read becomes a whole block, where
+the packed round would otherwise pay the read to save the slots (issue 35: at c <= 8 on the H200 the packed round cost
+1.1-1.4 ms more than ``fixed``'s at equal length). Lossless like any verify length.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
 
 from ..speculation.length_policy import LengthPolicy, choose_verify_length, load_scaled_rate
 
-__all__ = ["PLAIN_PROBE_ROUNDS", "VerifyLengths"]
+__all__ = ["PLAIN_PROBE_ROUNDS", "PROBE_SHARE", "VerifyLengths"]
 
-PLAIN_PROBE_ROUNDS = 8
+PLAIN_PROBE_ROUNDS = 8  # the fewest plain rounds between probes once the back-off has grown
+PROBE_SHARE = 0.02  # the most of the plain rounds' time that probing them may add
+PROBE_CAP = 1024  # the most plain rounds between probes whatever the cost (text can turn draftable)
 
 
 class VerifyLengths:
@@ -33,11 +45,22 @@ class VerifyLengths:
     ``length_rate``, ``length_min``, ``halving_batch``, ``on_round``, ``whole_block_stretches``, ``_plain_rounds``,
     ``_plain_limit`` and ``_drafted_plain``)."""
 
-    def _last_ratio_lengths(self, running) -> torch.Tensor:
+    def _last_ratio_lengths(self, running, unread_whole: bool | None = None) -> torch.Tensor:
         """The verify lengths the policy gives the requests' last ratios (one that never drafted counts as accepting
-        everything): the guess that decides a round before its drafter body runs."""
+        everything): the guess that decides a round before its drafter body runs. Where the round may verify whole
+        blocks without reading its ratios (``unread_whole``; ``None``: :meth:`_may_skip_read` says), the rule counts
+        the read that choice saves."""
+        if unread_whole is None:
+            unread_whole = self._may_skip_read(running)
         guess = torch.tensor([1.0 if r.head_ratio is None else r.head_ratio for r in running])
-        return self._verify_lengths(running, guess, guess=True)
+        return self._verify_lengths(running, guess, guess=True, unread_whole=unread_whole)
+
+    def _may_skip_read(self, running) -> bool:
+        """Whether a drafting round of ``running`` may verify whole blocks without this round's ratios: under ``cost``
+        with ``whole_block_stretches``, in the packed layout, with no round sink (it is promised each round's own
+        prediction), every request having drafted before (none yet: read them)."""
+        return (self.whole_block_stretches and self.policy is LengthPolicy.COST and self.layout == "packed"
+                and self.on_round is None and all(r.head_ratio is not None for r in running))
 
     def _plain_by_last_ratios(self, running) -> bool:
         """Whether the cost rule, on the requests' last ratios, decodes every request plainly."""
@@ -57,14 +80,13 @@ class VerifyLengths:
         return steps
 
     def _whole_blocks(self, running) -> bool:
-        """True when this drafting round may verify whole blocks without reading its ratios first: under ``cost``
-        (with ``whole_block_stretches``), every request's last ratio (none yet: read them) chooses its whole block, or
-        all it has left. Not while a round sink is attached (it is promised each round's own prediction)."""
-        if (not self.whole_block_stretches or self.policy is not LengthPolicy.COST or self.layout != "packed"
-                or self.on_round is not None or any(r.head_ratio is None for r in running)):
+        """True when this drafting round verifies whole blocks without reading its ratios first: it may
+        (:meth:`_may_skip_read`), and the cost rule on the requests' last ratios, counting the read this saves,
+        chooses every request's whole block, or all it has left."""
+        if not self._may_skip_read(running):
             return False
         whole = torch.tensor([min(self.block_size, r.remaining) for r in running])
-        return bool((self._last_ratio_lengths(running) >= whole).all())
+        return bool((self._last_ratio_lengths(running, unread_whole=True) >= whole).all())
 
     def _skip_drafting(self, running) -> bool:
         """True when no request would verify more than its bonus token this round: every request has one token
@@ -108,24 +130,35 @@ class VerifyLengths:
             r.head_ratio = a
         return packed[: -len(running)]
 
-    def _verify_lengths(self, running, ratio: torch.Tensor | None, guess: bool = False) -> torch.Tensor:
+    def _verify_lengths(self, running, ratio: torch.Tensor | None, guess: bool = False,
+                        unread_whole: bool = False) -> torch.Tensor:
         """Each running request's ``k_hat`` (host ``[n]``) under the engine's policy from the length head's ``ratio``
         (``None``: the whole block). The one place the engine calls :func:`choose_verify_length`. Unless this is a
-        ``guess`` (before drafting), the cost policy keeps the ratios and whether the round decodes plainly."""
+        ``guess`` (before drafting), the cost policy keeps the ratios and whether the round decodes plainly.
+        ``unread_whole``: whole blocks would spare the round its mid-round read (a guess's only)."""
         n, B = len(running), self.block_size
         if ratio is None or self.layout == "fixed":
             return choose_verify_length(LengthPolicy.FIXED, n, B)
         ratio = ratio.float().cpu().view(-1)  # read 1 of the round (the cost rule and the floor rule run on the host)
         k_hat = choose_verify_length(self.policy, n, B, ratio=ratio, rate=self._length_rate(n), min_len=self.length_min,
                                      device="cpu", round_cost=self.round_cost,
-                                     max_len=torch.tensor([r.remaining for r in running]))
+                                     max_len=torch.tensor([r.remaining for r in running]), unread_whole=unread_whole)
         if self.policy is LengthPolicy.COST and not guess:
             for r, a in zip(running, ratio.tolist()):
                 r.head_ratio = a
             self._drafted_plain = bool((k_hat <= 1).all())
-            # plain rounds allowed before the next probe: 1, 2, 4, ... PLAIN_PROBE_ROUNDS while drafted rounds say plain
-            self._plain_limit = min(max(1, 2 * self._plain_limit), PLAIN_PROBE_ROUNDS) if self._drafted_plain else 0
+            # plain rounds allowed before the next probe: 1, 2, 4, ... up to the cap while drafted rounds say plain
+            self._plain_limit = min(max(1, 2 * self._plain_limit), self._probe_cap(n)) if self._drafted_plain else 0
         return k_hat
+
+    def _probe_cap(self, n: int) -> int:
+        """The most plain rounds of ``n`` requests between two probes: ``PLAIN_PROBE_ROUNDS``, or more where a probe's
+        extra time against a plain round (``round_cost``: the drafter's body, a drafting round's overhead over a plain
+        one's, the same 1-token verify) would exceed ``PROBE_SHARE`` of theirs; at most ``PROBE_CAP``."""
+        c = self.round_cost
+        extra = c.draft_time(n, self.block_size) + c.overhead(n, True) - c.overhead(n, False)
+        plain = c.verify_time(n, n) + c.overhead(n, False)
+        return int(min(max(PLAIN_PROBE_ROUNDS, math.ceil(extra / (PROBE_SHARE * plain))), PROBE_CAP))
 
     def _length_rate(self, batch: int) -> float:
         """The length head's rate for a round of ``batch`` requests (fixed unless ``halving_batch`` is set)."""

@@ -118,8 +118,9 @@ def measure_round_cost(engine, rows: Sequence[int] | None = None, tokens_per_row
     """This engine's own :class:`RoundCost`: its decode forward (the CUDA graph of each bucket; eager off CUDA) timed
     for ``rows`` requests x ``tokens_per_row`` tokens each over ``context`` cached tokens (CUDA events), the
     drafter's body + head at each row count against the whole-block verify (the median ratio is ``draft_fraction``),
-    and, at each row count, real engine rounds timed end to end, a plain one and one verifying whole blocks, less
-    what those graphs account for: the overheads (:func:`.round_overhead.measure_overheads`, ``reps`` rounds each).
+    and, at each row count, real engine rounds timed end to end, a plain one and one verifying whole blocks (with and
+    without the mid-round read of its ratios), less what those graphs account for: the overheads
+    (:func:`.round_overhead.measure_overheads`, ``reps`` rounds each).
     Needs an idle engine with the graph path (``cuda_graphs`` on); what it borrows is freed after. Defaults:
     powers of two up to ``max_slots`` and the block size. Pass the result as ``Engine(..., round_cost=...)`` or set
     ``engine.round_cost``.
@@ -166,5 +167,5 @@ def measure_round_cost(engine, rows: Sequence[int] | None = None, tokens_per_row
             engine.cache.free(s)
             engine.dcache.free(s)
     cost = RoundCost.from_ms(rows, tokens_per_row, ms, draft_fraction=statistics.median(fractions))
-    spec, plain = measure_overheads(engine, cost, ms[0][0], context, reps)
-    return dataclasses.replace(cost, spec_overhead=spec, plain_overhead=plain, unit_ms=ms[0][0] * 1e3)
+    spec, plain, read = measure_overheads(engine, cost, ms[0][0], context, reps)
+    return dataclasses.replace(cost, spec_overhead=spec, plain_overhead=plain, read_overhead=read, unit_ms=ms[0][0] * 1e3)

@@ -47,12 +47,14 @@ def choose_verify_length(
     device: torch.device | str | None = None,
     round_cost: RoundCost | None = None,
     max_len: torch.Tensor | None = None,
+    unread_whole: bool = False,
 ) -> torch.Tensor:
     """Each row's verify length ``k_hat`` (``LongTensor[batch]``, bonus slot included) under ``policy``.
 
     ``cost`` (the default with a trained length head) reads the length head's ``ratio`` (as its label: ``rate``
     is not applied) and chooses every row's ``k_hat`` together against ``round_cost`` (default :class:`RoundCost`, SPEC section 6), each row at
-    most ``max_len`` (e.g. the tokens it has left), on ``device`` (default: the ratio's);
+    most ``max_len`` (e.g. the tokens it has left), on ``device`` (default: the ratio's), with ``unread_whole`` as
+    :func:`cost_aware_verify_length` takes it;
     ``adaptive`` is the paper's floor rule on the ``ratio``; ``expected_gain`` stands the draft's own top-1
     probability (from ``draft_logits [b, B-1, V]``) in for each slot's conditional acceptance;
     ``fixed`` verifies the whole block (on ``device``).
@@ -69,7 +71,8 @@ def choose_verify_length(
         # models the spread itself, so it reads the ratio as its training label, (accepted + 1) / B. With the
         # shipped rate 2.0 applied here, it expected twice the acceptance the head predicts and drafted at c=128
         # where plain decoding is faster (BENCHMARKS section 9, replay of 2026-12-03).
-        k_hat = cost_aware_verify_length(ratio, block_size, round_cost, min_len=min_len, max_len=max_len)
+        k_hat = cost_aware_verify_length(ratio, block_size, round_cost, min_len=min_len, max_len=max_len,
+                                         unread_whole=unread_whole)
         return k_hat.to(device if device is not None else ratio.device)
     if policy is LengthPolicy.ADAPTIVE:
         return adaptive_verify_length(ratio, block_size, rate=rate, min_len=min_len)
@@ -159,6 +162,7 @@ def cost_aware_verify_length(
     rate: float = 1.0,
     min_len: int = 1,
     max_len: torch.Tensor | None = None,
+    unread_whole: bool = False,
 ) -> torch.Tensor:
     """The round's verify lengths that maximise expected committed tokens per unit of round time (``LongTensor[b]``,
     on the CPU).
@@ -174,7 +178,10 @@ def cost_aware_verify_length(
     (a verify that costs nothing extra may accept more than predicted). A row never gets more than
     ``max_len[i]`` (``[b]``) nor fewer than ``min_len`` slots in all (the bonus one included), when ``max_len``
     allows. A flat cost verifies every row's whole block; a steep one, fewer tokens; a drafter that costs more
-    than the expected acceptance earns, plain decoding (every ``k_hat`` 1).
+    than the expected acceptance earns, plain decoding (every ``k_hat`` 1). ``unread_whole``: the round is decided
+    before its drafter runs, and verifying every row's whole block (all ``max_len`` allows) spares it the read of
+    its ratios mid-round, ``round_cost.read_time(b)`` less time (the engine's whole-block stretches); once the
+    ratios are read, that time is spent and the flag is off.
 
     Example:
         >>> ratio = torch.tensor([0.1, 0.25])
@@ -184,6 +191,10 @@ def cost_aware_verify_length(
         [1, 1]
         >>> cost_aware_verify_length(ratio, 16, RoundCost.flat(spec_overhead=5.0)).tolist()  # nor a dear round
         [1, 1]
+        >>> cost_aware_verify_length(torch.tensor([0.2]), 16, RoundCost()).tolist()  # SPEC at batch 1: the tail not worth it
+        [13]
+        >>> cost_aware_verify_length(torch.tensor([0.2]), 16, RoundCost(), unread_whole=True).tolist()  # unless it spares the read
+        [16]
     """
     _check_len_bounds(block_size, min_len)
     if not (math.isfinite(rate) and rate > 0):
@@ -213,6 +224,8 @@ def cost_aware_verify_length(
     gain = b + np.concatenate([[0.0], np.cumsum(flat_surv[order])])
     t = np.arange(order.shape[0] + 1)
     time = cost.round_time(b, b + t, block_size)  # the whole round's: a round's overhead makes its slots cheaper
+    if unread_whole and t[-1] > 0:  # every allowed slot is every row's whole block: no mid-round read
+        time[-1] -= cost.read_time(b)
     rate_of = np.where(t >= int(forced.sum()), gain / time, -np.inf)
     best = int(np.flatnonzero(rate_of >= rate_of.max() * (1 - 1e-9))[-1])  # the most slots among the best
     k_hat = 1 + np.bincount(order[:best] % b, minlength=b)

@@ -17,7 +17,15 @@ work the graph timings do not see (storing the drafter's context in a plain roun
 a per-round **overhead** by row count, one for a round that drafts (``spec_overhead``) and one for a round that
 decodes plainly (``plain_overhead``), in the same unit. A cost per round that the model ignores makes the rule
 undervalue a longer verify against the whole round, and misjudge when plain decoding is faster (issue 35: on the
-tiny reference pair a drafting round costs ~12 plain steps of wall time, the graph times say ~1.4). The default table's overheads are the H200 replay's (``SPEC_H200_OVERHEAD_MS``); the engine measures its own
+tiny reference pair a drafting round costs ~12 plain steps of wall time, the graph times say ~1.4).
+
+Part of a drafting round's overhead is the read of the length head's ratios between the drafter's body and its LM
+head: the host waits for the device, chooses the lengths, packs the verify, and the device idles meanwhile. A round
+that verifies every request's whole block need not wait (the engine's whole-block stretches read the ratios with the
+round's one read at its end, as ``fixed`` rounds do), so it saves that part, :attr:`RoundCost.read_overhead`: the
+cost rule weighs it when it decides a round before drafting (``unread_whole`` of
+:func:`.length_policy.cost_aware_verify_length`), not once the ratios are read (then it is spent).
+The default table's overheads are the H200 replay's (``SPEC_H200_OVERHEAD_MS``); the engine measures its own
 (:func:`~adaflash_hf.engine.warmup.measure_round_cost`).
 """
 
@@ -43,8 +51,12 @@ SPEC_UNITS = tuple(tuple(v / SPEC_H200_MS[0][0] for v in r) for r in SPEC_H200_M
 # ms per round beyond the forwards at SPEC_ROWS, from the H200 replay of 2026-12-04 (8B shape, CUDA graphs;
 # docs/logs/replay_h200_1204/round_overhead.md, examples/reference_pair/round_overhead_from_replay.py): wall time of a
 # full-batch round less the measured graph times. "spec": packed rounds that draft (median of the three traces; 16
-# rows interpolated between the measured 8 and 32); "plain": the `off` engine's rounds.
-SPEC_H200_OVERHEAD_MS = {"spec": (2.26, 2.17, 2.77, 2.68, 3.53), "plain": (0.0, 0.09, 0.15, 0.23, 0.46)}
+# rows interpolated between the measured 8 and 32); "plain": the `off` engine's rounds; "read": the packed drafting
+# round's gap less the `fixed` round's at the same rows (0.88, 0.77, 2.26, 4.49, 4.78 ms at c = 1, 8, 32, 64, 128;
+# 16 interpolated), at least 0: what reading the ratios mid-round (and the packed path's host work) costs a round
+# against one that verifies whole blocks without the read. An estimate from that replay, not a timing of the read.
+SPEC_H200_OVERHEAD_MS = {"spec": (2.26, 2.17, 2.77, 2.68, 3.53), "plain": (0.0, 0.09, 0.15, 0.23, 0.46),
+                         "read": (1.38, 0.90, 0.51, 0.0, 0.0)}
 
 
 FAR = 1e6  # the grids are extended to FAR times their last point along the last segment's slope
@@ -76,7 +88,8 @@ def _by_rows(name: str, value, rows: tuple) -> tuple:
 class RoundCost:
     """Time of one round, in plain decode steps at batch 1 (the target's 1-token forward): :meth:`verify_time` of the
     target's packed verify of ``tokens`` tokens over ``rows`` requests, :meth:`draft_time` of the drafter,
-    :meth:`overhead` of everything else a round costs, :meth:`round_time` of the whole round. Default: SPEC section
+    :meth:`overhead` of everything else a round costs, :meth:`round_time` of the whole round (less
+    :meth:`read_time` when it verifies whole blocks without reading its ratios first). Default: SPEC section
     6's H200 table with the H200 engine's overheads; :meth:`flat` (a verify costs the same whatever it carries) and
     :meth:`from_ms` (a measured table, e.g. the engine's own) build others.
 
@@ -88,6 +101,9 @@ class RoundCost:
         spec_overhead: time a round that drafts costs beyond its verify and drafter forwards, one number or one per
             ``rows`` entry (finite, >= 0); ``None``: SPEC's H200 overheads with SPEC's table, else 0.
         plain_overhead: the same for a round that decodes plainly (its verify carries the bonus tokens only).
+        read_overhead: the part of ``spec_overhead`` a drafting round saves when it verifies whole blocks without
+            reading its length-head ratios mid-round (module doc); per ``rows`` entry like the others, capped at that
+            row count's ``spec_overhead``; ``None``: SPEC's H200 estimate with SPEC's table, else 0.
         unit_ms: what one unit measured, in ms, where known (reports only: the rule reads ratios of times).
 
     Example:
@@ -104,6 +120,7 @@ class RoundCost:
     draft_fraction: float = 0.2
     spec_overhead: float | tuple | None = None
     plain_overhead: float | tuple | None = None
+    read_overhead: float | tuple | None = None
     unit_ms: float | None = None
 
     def __post_init__(self):
@@ -123,21 +140,24 @@ class RoundCost:
             raise ValueError(f"RoundCost.unit_ms must be None or finite and > 0, got {self.unit_ms}")
         spec_table = tuple(self.rows) == SPEC_ROWS and tuple(self.tokens_per_row) == SPEC_TOKENS_PER_ROW \
             and np.allclose(table, SPEC_UNITS)
-        for name, kind in (("spec_overhead", "spec"), ("plain_overhead", "plain")):
+        for name, kind in (("spec_overhead", "spec"), ("plain_overhead", "plain"), ("read_overhead", "read")):
             value = getattr(self, name)
             if value is None:  # the overheads belong to the table they were measured beside: SPEC's, or none
                 value = tuple(v / SPEC_H200_MS[0][0] for v in SPEC_H200_OVERHEAD_MS[kind]) if spec_table else 0.0
             object.__setattr__(self, name, _by_rows(name, value, tuple(self.rows)))
+        # part of spec_overhead: a round cannot save more than it spends (dataclasses.replace may lower spec alone)
+        object.__setattr__(self, "read_overhead", tuple(map(min, self.read_overhead, self.spec_overhead)))
         rgrid, by_rows = _extend(np.asarray(self.rows, np.float64), table.T)  # [Q, R+1]
         qgrid, _ = _extend(np.asarray(self.tokens_per_row, np.float64), table)
         object.__setattr__(self, "_grid", (rgrid, by_rows, qgrid))
         object.__setattr__(self, "_per_rows", {})  # rows -> the verify curve over tokens per row (rounds repeat sizes)
 
     @classmethod
-    def flat(cls, draft_fraction: float = 0.0, spec_overhead: float = 0.0, plain_overhead: float = 0.0) -> "RoundCost":
+    def flat(cls, draft_fraction: float = 0.0, spec_overhead: float = 0.0, plain_overhead: float = 0.0,
+             read_overhead: float = 0.0) -> "RoundCost":
         """A verify that costs one step whatever it carries (a GPU far from its compute limit), with these overheads."""
         return cls(rows=(1,), tokens_per_row=(1,), verify=((1.0,),), draft_fraction=draft_fraction,
-                   spec_overhead=spec_overhead, plain_overhead=plain_overhead)
+                   spec_overhead=spec_overhead, plain_overhead=plain_overhead, read_overhead=read_overhead)
 
     @classmethod
     def from_ms(cls, rows, tokens_per_row, ms, draft_fraction: float = 0.2) -> "RoundCost":
@@ -176,6 +196,16 @@ class RoundCost:
             (2.0, 3.0, 0.0)
         """
         return float(np.interp(rows, self.rows, self.spec_overhead if drafting else self.plain_overhead))
+
+    def read_time(self, rows: int) -> float:
+        """What a drafting round of ``rows`` requests saves when it verifies whole blocks without reading its ratios
+        mid-round (:attr:`read_overhead`, interpolated like :meth:`overhead`).
+
+        Example:
+            >>> RoundCost.flat(spec_overhead=2.0, read_overhead=0.5).read_time(8)
+            0.5
+        """
+        return float(np.interp(rows, self.rows, self.read_overhead))
 
     def round_time(self, rows: int, tokens, block_size: int):
         """Time of a whole round of ``rows`` requests verifying ``tokens`` tokens in all (an int, or an array of

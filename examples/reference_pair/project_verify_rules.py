@@ -8,6 +8,13 @@ overhead term; before, none: it flattered every drafting layout at 8-32).
 ``--calibration head_calibration.json`` (``examples/head_calibration.py``'s rounds, on other prompts) adds the cost rule
 fed a calibrated head: the head's predicted ``k = a B`` mapped to the mean realised ``L + 1`` of its calibration rounds
 (20 equal-count bins by prediction, interpolated), the issue 35 item 3 question of whether correcting the head pays.
+
+``--read-ms 1:0.89,8:1.62,32:0.64,64:0`` (ms per round by concurrency, interpolated; default: what the run recorded,
+else none) is the part of a drafting round's overhead that a round verifying whole blocks without the mid-round read
+of its ratios does not pay: ``fixed`` rounds, and the cost rule's whole-block stretches (rule "cost rule +
+stretches": each row's ratio of its previous draw stands for its last ratio, no correlation between rounds, the
+guess's worst case; when the guess, counting the read, gives every row its whole block the round verifies whole
+blocks without the read, else the rule reads the round's own ratios and pays it).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch
 from adaflash_hf.speculation.length_policy import adaptive_verify_length, cost_aware_verify_length
 from adaflash_hf.speculation.round_cost import RoundCost
 
-RULES = ("off", "fixed", "floor rule (rate 2)", "cost rule, rate 2", "cost rule, rate 1")
+RULES = ("off", "fixed", "floor rule (rate 2)", "cost rule, rate 2", "cost rule, rate 1", "cost rule + stretches")
 
 
 def calibration_map(path: str, block: int):
@@ -48,13 +55,19 @@ def lengths(rule: str, ratio: torch.Tensor, cost: RoundCost, block: int, calibra
 
 
 def tokens_per_time(rounds, cost: RoundCost, c: int, rule: str, block: int, n: int = 300, calibrated=None) -> float:
-    rng, tokens, time = random.Random(0), 0, 0.0
+    rng, tokens, time, last = random.Random(0), 0, 0.0, None
     for _ in range(n):
         drawn = [rounds[rng.randrange(len(rounds))] for _ in range(c)]
-        accepted = torch.tensor([a for a, _ in drawn])
-        k = lengths(rule, torch.tensor([q for _, q in drawn]), cost, block, calibrated)
+        accepted, ratio = torch.tensor([a for a, _ in drawn]), torch.tensor([q for _, q in drawn])
+        unread = rule == "fixed"
+        if rule == "cost rule + stretches":
+            unread = last is not None and bool((cost_aware_verify_length(last, block, cost, unread_whole=True) == block).all())
+            k = torch.full((c,), block) if unread else lengths("cost rule, rate 1", ratio, cost, block)
+            last = ratio
+        else:
+            k = lengths(rule, ratio, cost, block, calibrated)
         tokens += int((torch.minimum(accepted, k - 1) + 1).sum())
-        time += cost.round_time(c, int(k.sum()), block)
+        time += cost.round_time(c, int(k.sum()), block) - (cost.read_time(c) if unread else 0.0)
     return tokens / time
 
 
@@ -64,11 +77,17 @@ def main(argv=None) -> int:
     p.add_argument("--trace", default="gsm8k", help="a recorded trace of the run (its rounds: accepted, head ratio)")
     p.add_argument("--concurrency", default="1,8,32,128")
     p.add_argument("--calibration", default=None, help="head_calibration.json: also the cost rule on the calibrated head")
+    p.add_argument("--read-ms", default=None, help="c:ms,...: the mid-round read's ms per round by concurrency (module doc)")
     a = p.parse_args(argv)
     res = json.load(open(a.replay_json))
     m = res["meta"]["round_cost"]
+    read = m.get("read_overhead", 0.0)
+    if a.read_ms:
+        pts = sorted((float(c), float(ms)) for c, ms in (x.split(":") for x in a.read_ms.split(",")))
+        read = tuple(float(np.interp(r, *zip(*pts))) / m["unit_ms"] for r in m["rows"])
     cost = RoundCost(rows=m["rows"], tokens_per_row=m["tokens_per_row"], verify=m["verify"], draft_fraction=m["draft_fraction"],
-                     spec_overhead=m.get("spec_overhead", 0.0), plain_overhead=m.get("plain_overhead", 0.0))
+                     spec_overhead=m.get("spec_overhead", 0.0), plain_overhead=m.get("plain_overhead", 0.0),
+                     read_overhead=read)
     rounds, block = res["traces"][a.trace]["rounds"], res["meta"]["block_size"]
     rules = RULES + (("cost rule, calibrated",) if a.calibration else ())
     calibrated = calibration_map(a.calibration, block) if a.calibration else None

@@ -32,7 +32,8 @@ def model_of(meta: dict) -> RoundCost:
     m = meta["round_cost"]
     return RoundCost(rows=tuple(m["rows"]), tokens_per_row=tuple(m["tokens_per_row"]),
                      verify=tuple(tuple(r) for r in m["verify"]), draft_fraction=m["draft_fraction"],
-                     spec_overhead=m.get("spec_overhead", 0.0), plain_overhead=m.get("plain_overhead", 0.0))
+                     spec_overhead=m.get("spec_overhead", 0.0), plain_overhead=m.get("plain_overhead", 0.0),
+                     read_overhead=m.get("read_overhead", 0.0))
 
 
 def round_rows(res: dict, unit_ms: float) -> list[dict]:
