@@ -15,7 +15,7 @@
 #      untimed pass over the same prompts (graph captures, compiles and kernel choices are set-up, not decoding)
 #   4. (sample) test, tau under sampling at TEMPS (default "0.7 1.0"), top-p 0.95, seed 0, concurrency 64: the same methods as 2
 #   5. (dist) examples/sampling_distribution_check.py at its defaults (speculative against plain sampling, with controls)
-# PHASES picks them (default "val tau wall"); without val, CHOICE names an earlier validation_choice.json. GROUPS_RUN
+# PHASES picks them (default "val tau wall"), WALL_METHODS the wall phase's methods and WALL_WARMUP its untimed prompts (default WALL_PROMPTS; fewer of either fit more groups in a call); without val, CHOICE names an earlier validation_choice.json. GROUPS_RUN
 # picks groups of sets by index (default all: one call can run the wall phase for half of them).
 # Needs the eval + training data (the slices drop training duplicates): carry .evaldata (written by
 # `python examples/reference_pair/make_devdata.py --out .evaldata`) and .slimwhl. LIMITS="V T W S D": each phase's
@@ -35,7 +35,7 @@ else
   fi
   export PYTHONPATH=/tmp/site ADAFLASH_DATA=/tmp/ev/data
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  PROMPTS=${PROMPTS:-500}; WALL_PROMPTS=${WALL_PROMPTS:-16}; TOKENS=128; CONC=64; EXTRA="--warmup 0"; WALL_EXTRA="--warmup $WALL_PROMPTS"; DIST_EXTRA=""
+  PROMPTS=${PROMPTS:-500}; WALL_PROMPTS=${WALL_PROMPTS:-16}; TOKENS=128; CONC=64; EXTRA="--warmup 0"; WALL_EXTRA="--warmup ${WALL_WARMUP:-$WALL_PROMPTS}"; DIST_EXTRA=""
   # one group per process: the big sets alone or in pairs, the small ones together (Spec-Bench's categories, ~40 test
   # prompts each, are spec_bench_all less mt_bench, which runs beside sharegpt)
   PROCS=("gsm8k,math500" "mathqa,prose" "codealpaca" "sharegpt,mt_bench" "spec_bench:translation,spec_bench:summarization,spec_bench:qa"
@@ -85,7 +85,7 @@ fi
 has tau && phase tau ${LIMITS[1]} --split test --num-prompts $PROMPTS --concurrency $CONC $CHOICE $EXTRA \
   --methods plain,fixed,cost,adaptive,fixed_alone,cost_alone,fixed_wide,cost_wide,prompt_lookup_exact,prompt_lookup_grid
 has wall && phase_alone wall ${LIMITS[2]} --split test --num-prompts $WALL_PROMPTS --concurrency 1 $CHOICE $WALL_EXTRA \
-  --methods plain,plain_static,prompt_lookup,prompt_lookup_exact,prompt_lookup_tuned,prompt_lookup_grid,fixed,cost,adaptive,fixed_alone,fixed_wide
+  --methods ${WALL_METHODS:-plain,plain_static,prompt_lookup,prompt_lookup_exact,prompt_lookup_tuned,prompt_lookup_grid,fixed,cost,adaptive,fixed_alone,fixed_wide}
 for T in ${TEMPS:-0.7 1.0}; do  # the temperatures at once (TEMPS picks them): 6 processes each share the GPU
   has sample && phase "sample_T$T" ${LIMITS[3]:-300} --split test --num-prompts ${SAMPLE_PROMPTS:-$PROMPTS} --concurrency $CONC $CHOICE $EXTRA \
     --temperature $T --top-p 0.95 --seed 0 --methods plain,fixed,cost,adaptive,prompt_lookup_exact,prompt_lookup_grid &
