@@ -144,8 +144,10 @@ def test_round_trip_keeps_the_head_exactly(tmp_path):
     inputs = drafter_inputs(drafter, target)
     with torch.no_grad():
         a, b = drafter(**inputs).last_hidden_state, loaded(**inputs).last_hidden_state
-        assert torch.equal(a, b)
-        assert torch.equal(drafter.predict_accept_ratio(a), loaded.predict_accept_ratio(b))
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        # the weights are equal bit for bit (above); the outputs only to float32 rounding: safetensors loads each
+        # tensor as a view at its offset in the file, and a CPU's BLAS may sum an unaligned matrix in another order
+        torch.testing.assert_close(drafter.predict_accept_ratio(a), loaded.predict_accept_ratio(b), rtol=0, atol=1e-6)
 
 
 def test_export_dtype_argument(tmp_path):
