@@ -171,65 +171,79 @@ def test_measured_read_overhead_is_what_the_mid_round_read_costs(pair, where):
     assert eng.idle and eng.cache.num_free == 2 and eng.whole_rounds == 0
 
 
-# (name, cost, rows, expected cap): the most plain rounds between two probes
+# (name, cost, rows, expected first hold, expected cap): the plain rounds before the first probe after a plain
+# decision (until they have cost what the probe adds) and the most between two probes (within 2% of their time)
 PROBE_CASES = [
-    ("a free probe: the floor", RoundCost.flat(), 1, vl.PLAIN_PROBE_ROUNDS),
-    ("a probe 0.32 of a plain round: 16 keep it within 2%", RoundCost.flat(draft_fraction=0.32), 4, 16),
-    ("its drafting overhead counts, less the plain one's: 0.32 against 2% of 1.18", RoundCost.flat(spec_overhead=0.5,
-                                                                                                   plain_overhead=0.18), 4, 14),
-    ("a dear drafter: the ceiling", RoundCost.flat(draft_fraction=500.0), 4, vl.PROBE_CAP),
+    ("a free probe: the floors", RoundCost.flat(), 1, 1, vl.PLAIN_PROBE_ROUNDS),
+    ("a probe 0.2 of a plain round: probe after 1, at most 10 apart", RoundCost.flat(draft_fraction=0.2), 4, 1, 10),
+    ("a probe 0.32 of a plain round: probe after 1, 16 keep it within 2%", RoundCost.flat(draft_fraction=0.32), 4, 1, 16),
+    ("its drafting overhead counts, less the plain one's: 1.5 against one plain round of 1.18 / 2% of it",
+     RoundCost.flat(spec_overhead=1.68, plain_overhead=0.18), 4, 2, 64),
+    ("a drafter dearer than 6 plain rounds (the reference pair's own): 7 before the first probe",
+     RoundCost.flat(draft_fraction=6.1), 1, 7, 305),
+    ("a dear drafter: the ceiling for both", RoundCost.flat(draft_fraction=2000.0), 4, vl.PROBE_CAP, vl.PROBE_CAP),
 ]
 
 
-@pytest.mark.parametrize("name,cost,rows,cap", PROBE_CASES, ids=[c[0] for c in PROBE_CASES])
-def test_the_probe_cap_keeps_probing_within_its_share(pair, name, cost, rows, cap):
+@pytest.mark.parametrize("name,cost,rows,first,cap", PROBE_CASES, ids=[c[0] for c in PROBE_CASES])
+def test_the_probe_holds_keep_probing_within_their_shares(pair, name, cost, rows, first, cap):
     target, drafter = pair
     eng = Engine(target, drafter, length_policy="cost", round_cost=cost, max_slots=2, max_len=64, cuda_graphs=False)
-    assert eng._probe_cap(rows) == cap
+    assert eng._probe_holds(rows) == (first, cap)
 
 
 def test_the_probe_cap_grows_with_the_batch_on_the_spec_table(pair):
     """On SPEC's H200 table a probe costs ~0.6 of a plain step at batch 1 and more at 128 requests (the body runs
-    every block position of every request): the cap grows with the batch."""
+    every block position of every request): the holds grow with the batch."""
     target, drafter = pair
     eng = Engine(target, drafter, length_policy="cost", round_cost=SPEC, max_slots=2, max_len=64, cuda_graphs=False)
     eng.block_size = 16  # SPEC's block
-    caps = [eng._probe_cap(n) for n in (1, 8, 32, 64, 128)]
+    holds = [eng._probe_holds(n) for n in (1, 8, 32, 64, 128)]
+    firsts, caps = [h[0] for h in holds], [h[1] for h in holds]
     assert caps[0] > vl.PLAIN_PROBE_ROUNDS and caps[-1] > 2 * caps[0] and caps[1:] == sorted(caps[1:])
+    assert firsts[0] == 1 and firsts[-1] == 2 and firsts == sorted(firsts)  # a probe costs a plain round only at 128
+
+
+def _probes(pair, cost: RoundCost, graphs: bool) -> int:
+    """Drafter bodies run over 100 tokens of a prompt whose head predicts nothing (every round decodes plainly but the
+    probes), checking the output is plain greedy and every verify length 1."""
+    target, drafter = pair
+    prompt = engine_prompts([6], seed=3)
+    eng = Engine(target, drafter, length_policy="cost", round_cost=cost, max_slots=1, max_len=128, token_budget=128,
+                 cuda_graphs=graphs, prompt_ngrams=0)
+    bodies = []
+    if graphs:
+        real = eng.draft_graphs.run_body
+        eng.draft_graphs.run_body = lambda s, c, b: (bodies.append(b is not None), real(s, c, b))[1]
+    else:
+        import adaflash_hf.engine.engine as engine_mod
+
+        real = engine_mod.draft_blocks
+        engine_mod.draft_blocks = lambda *a, **k: (bodies.append(True), real(*a, **k))[1]
+    try:
+        out = eng.generate(prompt, max_new_tokens=100)[0]
+    finally:
+        if not graphs:
+            engine_mod.draft_blocks = real
+    assert out.token_ids == plain_greedy_ids(target, prompt[0], 100)
+    assert set(out.verify_lengths) == {1}
+    return sum(bodies)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_dear_probes_come_further_apart(pair, graphs):
+def test_dear_probes_come_further_apart(pair, graphs, monkeypatch):
     """A head that predicts nothing and a drafter that cannot pay: every round decodes plainly but the probes, which
-    back off 1, 2, 4, ... to the cap; a probe dearer against a plain round (cap 16) runs fewer of them than a cheap
-    one (the control, cap 8). Plain greedy output either way."""
-    target, drafter = pair
+    back off from the first hold to the cap. A probe dearer than a plain round (2.5 of one: first hold 3, cap 125) runs
+    fewer of them than a cheap one (the control: 1, 8); and the same dear probe with the first hold forced to 1 (the
+    rule before) runs more. Plain greedy output every time."""
+    _, drafter = pair
     saved = {k: v.detach().clone() for k, v in drafter.length_head.out.state_dict().items()}
     _head_says(drafter, 1e-6)
-    prompt = engine_prompts([6], seed=3)
-    probes = {}
     try:
-        for fraction, cap in ((0.32, 16), (0.1, 8)):
-            eng = Engine(target, drafter, length_policy="cost", round_cost=RoundCost.flat(draft_fraction=fraction),
-                         max_slots=1, max_len=128, token_budget=128, cuda_graphs=graphs, prompt_ngrams=0)
-            assert eng._probe_cap(1) == cap
-            bodies = []
-            if graphs:
-                real = eng.draft_graphs.run_body
-                eng.draft_graphs.run_body = lambda s, c, b: (bodies.append(b is not None), real(s, c, b))[1]
-            else:
-                import adaflash_hf.engine.engine as engine_mod
-
-                real = engine_mod.draft_blocks
-                engine_mod.draft_blocks = lambda *a, **k: (bodies.append(True), real(*a, **k))[1]
-            try:
-                out = eng.generate(prompt, max_new_tokens=100)[0]
-            finally:
-                if not graphs:
-                    engine_mod.draft_blocks = real
-            assert out.token_ids == plain_greedy_ids(target, prompt[0], 100)
-            assert set(out.verify_lengths) == {1}
-            probes[cap] = sum(bodies)
+        dear, cheap = RoundCost.flat(draft_fraction=2.5), RoundCost.flat(draft_fraction=0.1)
+        probes = {"dear": _probes(pair, dear, graphs), "cheap": _probes(pair, cheap, graphs)}
+        monkeypatch.setattr(vl, "FIRST_PROBE_SHARE", 1e9)
+        probes["dear, first hold 1"] = _probes(pair, dear, graphs)
     finally:
         drafter.length_head.out.load_state_dict(saved)
-    assert 0 < probes[16] < probes[8]
+    assert 0 < probes["dear"] < probes["dear, first hold 1"] <= probes["cheap"]

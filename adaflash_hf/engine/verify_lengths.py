@@ -5,10 +5,11 @@ because every request would verify its whole block.
 Under the ``cost`` policy the verify lengths come from the length head's ratios, which need the drafter's body.
 Before running it, the round is decided on the requests' *last* ratios: when they say every request decodes plainly,
 the body is skipped (only the new context is stored, which keeps the drafter's cache exact). A probe round drafts
-anyway, so the ratios, and a return to drafting, follow the text: after 1 plain round, then after 2, 4, ... doubling
-while the probes keep saying plain (one low ratio amid drafting text costs one plain round, not eight: on the reference
+anyway, so the ratios, and a return to drafting, follow the text: after as many plain rounds as a probe costs more
+than one of them (``FIRST_PROBE_SHARE``; 1 where a probe costs less than a plain round), then twice as many, ...
+doubling while the probes keep saying plain (one low ratio amid drafting text costs one plain round, not eight: on the reference
 pair's RAG prompts at c=1 a fixed cadence of 8 lost 8% tau against a probe every round,
-``docs/logs/stretches_cpu_1204``), up to :meth:`~VerifyLengths._probe_cap` rounds: at least ``PLAIN_PROBE_ROUNDS``, and
+``docs/logs/stretches_cpu_1204``), up to the cap of :meth:`~VerifyLengths._probe_holds`: at least ``PLAIN_PROBE_ROUNDS``, and
 as many as keep the probes' extra time (the drafter's body and a drafting round's overhead, by ``round_cost`` at this
 batch) within ``PROBE_SHARE`` of the plain rounds' between them. A probe costs a fraction of a plain step at batch 1
 but several at 128 requests (the body runs every block position of every request): a fixed cadence of 8 would spend
@@ -33,10 +34,11 @@ import torch
 
 from ..speculation.length_policy import LengthPolicy, choose_verify_length, load_scaled_rate
 
-__all__ = ["PLAIN_PROBE_ROUNDS", "PROBE_SHARE", "VerifyLengths"]
+__all__ = ["FIRST_PROBE_SHARE", "PLAIN_PROBE_ROUNDS", "PROBE_SHARE", "VerifyLengths"]
 
 PLAIN_PROBE_ROUNDS = 8  # the fewest plain rounds between probes once the back-off has grown
 PROBE_SHARE = 0.02  # the most of the plain rounds' time that probing them may add
+FIRST_PROBE_SHARE = 1.0  # the first probe after a plain decision waits until the plain rounds have cost what it does
 PROBE_CAP = 1024  # the most plain rounds between probes whatever the cost (text can turn draftable)
 
 
@@ -147,18 +149,25 @@ class VerifyLengths:
             for r, a in zip(running, ratio.tolist()):
                 r.head_ratio = a
             self._drafted_plain = bool((k_hat <= 1).all())
-            # plain rounds allowed before the next probe: 1, 2, 4, ... up to the cap while drafted rounds say plain
-            self._plain_limit = min(max(1, 2 * self._plain_limit), self._probe_cap(n)) if self._drafted_plain else 0
+            # plain rounds allowed before the next probe: the first hold, then doubling up to the cap while drafted
+            # rounds say plain
+            first, cap = self._probe_holds(n)
+            self._plain_limit = min(max(first, 2 * self._plain_limit), cap) if self._drafted_plain else 0
         return k_hat
 
-    def _probe_cap(self, n: int) -> int:
-        """The most plain rounds of ``n`` requests between two probes: ``PLAIN_PROBE_ROUNDS``, or more where a probe's
-        extra time against a plain round (``round_cost``: the drafter's body, a drafting round's overhead over a plain
-        one's, the same 1-token verify) would exceed ``PROBE_SHARE`` of theirs; at most ``PROBE_CAP``."""
+    def _probe_holds(self, n: int) -> tuple[int, int]:
+        """The plain rounds of ``n`` requests before the first probe after a plain decision, and the most between two
+        probes, from a probe's extra time against a plain round (``round_cost``: the drafter's body, a drafting
+        round's overhead over a plain one's, the same 1-token verify): the first waits until the plain rounds have cost
+        what the probe adds (``FIRST_PROBE_SHARE`` of it: 1 on SPEC's table up to 64 requests, 2 at 128; 3 at 128 on
+        the H200's measured cost of 2026-12-05; 6 at batch 1 on the reference pair, whose drafter costs more than its
+        target's step), the most keeps the probes within ``PROBE_SHARE`` of the plain rounds' time, at least
+        ``PLAIN_PROBE_ROUNDS``, both at most ``PROBE_CAP``."""
         c = self.round_cost
         extra = c.draft_time(n, self.block_size) + c.overhead(n, True) - c.overhead(n, False)
         plain = c.verify_time(n, n) + c.overhead(n, False)
-        return int(min(max(PLAIN_PROBE_ROUNDS, math.ceil(extra / (PROBE_SHARE * plain))), PROBE_CAP))
+        cap = int(min(max(PLAIN_PROBE_ROUNDS, math.ceil(extra / (PROBE_SHARE * plain))), PROBE_CAP))
+        return int(min(max(1, math.ceil(extra / (FIRST_PROBE_SHARE * plain))), cap)), cap
 
     def _length_rate(self, batch: int) -> float:
         """The length head's rate for a round of ``batch`` requests (fixed unless ``halving_batch`` is set)."""
