@@ -16,7 +16,11 @@ Traces (``--traces``):
   ``paper_ref``  the same acceptance, head ratios of the reference pair's length head for rounds that
                  accepted as many (its real calibration, recorded on ``--ratio-set``), at the pair's policy;
   ``<set>``      the reference pair's own rounds on that eval set (``fixed`` mode, whole blocks, float32), accepted
-                 counts and head ratios as recorded. Each such set also gets the pair's real engine runs at
+                 counts and head ratios as recorded, each replayed request walking a recorded request's rounds in
+                 order (``RecordedTrace.stream``: runs before 2026-12-05 drew them at random, which hides the
+                 ratio's memory from round to round that the engine's guess before drafting uses; the two
+                 shipped-head ``paper_ref`` rows stay random: per-slot acceptance has no order). Each such set also
+                 gets the pair's real engine runs at
                  ``--real-concurrency`` (closed batch, EOS honoured, every mode; identity against ``off``).
 
 Modes (``--modes``, round layouts of ``adaflash_hf.speculation.policy.LAYOUTS``) and ``default``: what the trace's drafter

@@ -111,6 +111,33 @@ def test_ratio_from_a_recorded_head():
     assert rec.ratio_for(2, random.Random(0)) == 0.2  # nearest recorded count
 
 
+def _streamed(trace, seed: int, n: int) -> list:
+    stream = trace.stream(random.Random(seed), 8)
+    return [next(stream) for _ in range(n)]
+
+
+def test_a_stream_replays_one_recorded_request_in_order_then_another():
+    """Two recorded requests, one drafting well (ratios 0.9, 0.8, 0.7) and one not (0.1, 0.2): a stream walks one of
+    them from its first round, in order, then another; the same rounds drawn at random (no ``sequences``, the
+    control) break that order."""
+    rounds = [TraceRound(6, 0.9), TraceRound(5, 0.8), TraceRound(4, 0.7), TraceRound(0, 0.1), TraceRound(1, 0.2)]
+    runs = (rounds[:3], rounds[3:])
+    nexts = {a: b for run in runs for a, b in zip(run, run[1:])}  # a round's successor within its request
+    lasts, firsts = {run[-1] for run in runs}, {run[0] for run in runs}
+
+    def in_order(got):
+        return got[0] in firsts and all(nexts.get(a) == b or (a in lasts and b in firsts) for a, b in zip(got, got[1:]))
+
+    assert all(in_order(_streamed(RecordedTrace(rounds, RATE1, sequences=[3, 2]), seed, 12)) for seed in range(20))
+    assert not any(in_order(_streamed(RecordedTrace(rounds, RATE1), seed, 12)) for seed in range(20))
+
+
+@pytest.mark.parametrize("sequences", [[2, 2], [5, 0], [6]])
+def test_sequences_must_cover_the_rounds(sequences):
+    with pytest.raises(ValueError, match="sequences"):
+        RecordedTrace([TraceRound(1, 0.2)] * 5, RATE1, sequences=sequences)
+
+
 @pytest.mark.parametrize("probs", [[0.5, 0.9], [1.2], []])
 def test_bad_per_position_trace_is_rejected(probs):
     with pytest.raises(ValueError, match="per-slot acceptance"):
@@ -130,6 +157,8 @@ def test_record_keeps_whole_blocks_and_the_drafters_policy_and_round_trips(repla
     assert rec.policy == ReplayPolicy("cost", 1.75, 2, B)  # a trained head: the default rule, cost
     back = RecordedTrace.from_json(rec.to_json())
     assert back.rounds == rec.rounds and back.name == "tiny" and back.policy == rec.policy
+    # one run per request, in order: the rounds of each request, as the engine verified them
+    assert len(rec.sequences) == len(prompts) and sum(rec.sequences) == len(rec.rounds) and back.sequences == rec.sequences
     old = {k: v for k, v in rec.to_json().items() if k != "policy"}  # saved before traces carried their policy
     with pytest.raises(ValueError, match="no 'policy'"):
         RecordedTrace.from_json(old)

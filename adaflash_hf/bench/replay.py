@@ -128,7 +128,11 @@ class ReplayPolicy:
 class RecordedTrace:
     """Rounds recorded from a real drafter / target pair: each round's accepted drafts (whole block
     verified) and its length head's ratio, with the :class:`ReplayPolicy` of the drafter that recorded them.
-    ``draw`` picks a recorded round at random.
+    ``draw`` picks a recorded round at random; ``stream`` replays one request's rounds in the order its recorded
+    requests had them (``sequences``: how many consecutive rounds of ``rounds`` each recorded request holds), so a
+    replayed request keeps what a real one has: a ratio that follows the text from round to round, which the engine's
+    guess before drafting (the requests' last ratios) relies on. Random draws keep none of it (the worst case for
+    that guess).
 
     Example:
         >>> t = RecordedTrace([TraceRound(3, 0.25), TraceRound(0, 0.1)], ReplayPolicy("adaptive", 2.0, 1, 16), "demo")
@@ -136,14 +140,19 @@ class RecordedTrace:
         (2.5, 2.0)
     """
 
-    def __init__(self, rounds: list[TraceRound], policy: ReplayPolicy, name: str = "recorded"):
+    def __init__(self, rounds: list[TraceRound], policy: ReplayPolicy, name: str = "recorded",
+                 sequences: list[int] | None = None):
         if not rounds:
             raise ValueError("a recorded trace needs at least one round")
         if not isinstance(policy, ReplayPolicy):
             raise ValueError(f"a recorded trace needs the ReplayPolicy of its drafter, got {policy!r}")
         if any(not 0 <= r.accepted < policy.block_size for r in rounds):
             raise ValueError(f"accepted counts must lie in [0, block_size - 1 = {policy.block_size - 1}]")
+        if sequences is not None and (sum(sequences) != len(rounds) or any(n < 1 for n in sequences)):
+            raise ValueError(f"sequences must be positive run lengths adding up to the {len(rounds)} rounds, "
+                             f"got {sequences}")
         self.rounds, self.policy, self.name = list(rounds), policy, name
+        self.sequences = None if sequences is None else [int(n) for n in sequences]
         self._by_accepted: dict[int, list[float]] = {}
         for r in self.rounds:
             self._by_accepted.setdefault(r.accepted, []).append(r.ratio)
@@ -157,6 +166,20 @@ class RecordedTrace:
         r = self.rounds[rng.randrange(len(self.rounds))]
         return TraceRound(min(r.accepted, block_size - 1), r.ratio)
 
+    def stream(self, rng: random.Random, block_size: int):
+        """One replayed request's rounds: a recorded request's, in order, from its first, then another's when it
+        runs out (random draws for a trace recorded without ``sequences``)."""
+        if self.sequences is None:
+            while True:
+                yield self.draw(rng, block_size)
+        starts = [0]
+        for n in self.sequences:
+            starts.append(starts[-1] + n)
+        while True:
+            i = rng.randrange(len(self.sequences))
+            for r in self.rounds[starts[i]: starts[i + 1]]:
+                yield TraceRound(min(r.accepted, block_size - 1), r.ratio)
+
     def ratio_for(self, accepted: int, rng: random.Random) -> float:
         """A recorded head's ratio for a round that accepted ``accepted`` drafts (the nearest count
         recorded when none accepted exactly that many)."""
@@ -165,7 +188,8 @@ class RecordedTrace:
         return ratios[rng.randrange(len(ratios))]
 
     def to_json(self) -> dict:
-        return {"name": self.name, "policy": self.policy.to_json(), "rounds": [[r.accepted, r.ratio] for r in self.rounds]}
+        out = {"name": self.name, "policy": self.policy.to_json(), "rounds": [[r.accepted, r.ratio] for r in self.rounds]}
+        return out if self.sequences is None else {**out, "sequences": self.sequences}
 
     @classmethod
     def from_json(cls, data: dict) -> "RecordedTrace":
@@ -175,27 +199,29 @@ class RecordedTrace:
             raise ValueError("the trace has no 'policy' (the recording drafter's length policy, rate, minimum and "
                              "block size): record it again")
         return cls([TraceRound(int(a), float(q)) for a, q in data["rounds"]], ReplayPolicy.from_json(data["policy"]),
-                   data.get("name", "recorded"))
+                   data.get("name", "recorded"), data.get("sequences"))
 
     @classmethod
     def record(cls, target, drafter, prompts: list[list[int]], max_new_tokens: int, name: str = "recorded",
                eos_token_id=None, **engine_kwargs) -> "RecordedTrace":
         """Run ``prompts`` greedily through the engine in ``fixed`` mode and keep every verified round
-        (its accepted drafts and the length head's ratio; the drafter needs a length head)."""
+        (its accepted drafts and the length head's ratio; the drafter needs a length head), each request's rounds
+        together and in order (``sequences``)."""
         from ..engine import Engine
 
         if getattr(drafter, "length_head", None) is None:
             raise ValueError("recording a trace needs a drafter with a length head (its ratios are replayed)")
-        rounds: list[TraceRound] = []
+        by_request: dict[int, list[TraceRound]] = {}
 
         def keep(v):
             if v.verify_len == drafter.config.block_size:  # a block cut by max_new_tokens says less
-                rounds.append(TraceRound(v.num_accepted, float(v.predicted_ratio)))
+                by_request.setdefault(v.row, []).append(TraceRound(v.num_accepted, float(v.predicted_ratio)))
 
         engine_kwargs.setdefault("max_len", max(len(p) for p in prompts) + max_new_tokens + 8)
         Engine(target, drafter, length_policy="fixed", round_sink=keep, **engine_kwargs).generate(
             prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-        return cls(rounds, ReplayPolicy.from_drafter(drafter), name)
+        runs = [by_request[k] for k in sorted(by_request)]
+        return cls([r for run in runs for r in run], ReplayPolicy.from_drafter(drafter), name, [len(run) for run in runs])
 
 
 class PerPositionTrace:
@@ -230,6 +256,11 @@ class PerPositionTrace:
     def tau(self) -> float:
         return 1.0 + sum(self.probs)
 
+    def stream(self, rng: random.Random, block_size: int):
+        """One replayed request's rounds: independent draws (per-slot acceptance has no order)."""
+        while True:
+            yield self.draw(rng, block_size)
+
     def draw(self, rng: random.Random, block_size: int) -> TraceRound:
         u = rng.random()
         accepted = min(sum(p > u for p in self.probs), block_size - 1)
@@ -251,8 +282,8 @@ class DraftReplay:
     """Makes the engine's drafts and length-head ratios follow a trace (``Engine(draft_replay=...)``).
 
     ``references[tuple(prompt)]``: the plain greedy continuation of each prompt (at least as long as its
-    ``max_new_tokens``). Per request and round one trace round is drawn (a seeded stream per request
-    id, so two engines given the same submissions draw the same rounds); :meth:`ratios` replaces the
+    ``max_new_tokens``). Per request and round the next round of the request's ``trace.stream`` (seeded per request
+    id, so two engines given the same submissions replay the same rounds); :meth:`ratios` replaces the
     head's ratios, :meth:`drafts` the drafted tokens. ``planned[(request id, round)]`` keeps each draw
     (``round``: the request's verify rounds so far), which a check compares with what was accepted.
     Greedy requests only: under sampling the target's accepted tokens are not the precomputed ones.
@@ -262,7 +293,8 @@ class DraftReplay:
     def __init__(self, references: dict[tuple, list[int]], trace, seed: int = 0):
         self.references, self.trace, self.seed = references, trace, seed
         self.planned: dict[tuple[int, int], TraceRound] = {}
-        self._rngs: dict[int, random.Random] = {}
+        self._streams: dict[int, object] = {}  # per request id: its trace stream
+        self._streams_of = trace
         self._refs: dict[int, list[int]] = {}  # per request id: its prompt's reference (hashing a prompt per round costs)
 
     def _round(self, r, block_size: int) -> TraceRound:
@@ -271,10 +303,12 @@ class DraftReplay:
         if plan is None:
             if not r.params.greedy:
                 raise ValueError("acceptance replay runs greedy requests only")
-            rng = self._rngs.get(r.id)
-            if rng is None:
-                rng = self._rngs[r.id] = random.Random(self.seed * 1_000_003 + r.id)
-            plan = self.planned[key] = self.trace.draw(rng, block_size)
+            if self._streams_of is not self.trace:  # swapped between runs: its streams start afresh
+                self._streams, self._streams_of = {}, self.trace
+            stream = self._streams.get(r.id)
+            if stream is None:
+                stream = self._streams[r.id] = self.trace.stream(random.Random(self.seed * 1_000_003 + r.id), block_size)
+            plan = self.planned[key] = next(stream)
         return plan
 
     def ratios(self, running, ratio: torch.Tensor, block_size: int) -> torch.Tensor:
