@@ -247,3 +247,53 @@ def test_dear_probes_come_further_apart(pair, graphs, monkeypatch):
     finally:
         drafter.length_head.out.load_state_dict(saved)
     assert 0 < probes["dear"] < probes["dear, first hold 1"] <= probes["cheap"]
+
+
+def _staggered_bodies(pair, cost: RoundCost, prior: bool, monkeypatch) -> tuple[int, list]:
+    """Drafter bodies of 4 requests joining one by one (9 steps apart) under a
+    head that predicts nothing, with a new request's guess the latest round's mean ratio (``prior``) or, the rule
+    before, accepting everything; and the outputs."""
+    target, _ = pair
+    if not prior:
+        real = vl.VerifyLengths._keep_ratios
+
+        def no_prior(self, running, ratios):
+            real(self, running, ratios)
+            self._ratio_prior = None
+
+        monkeypatch.setattr(vl.VerifyLengths, "_keep_ratios", no_prior)
+    eng = Engine(target, pair[1], length_policy="cost", round_cost=cost, max_slots=4, max_len=128, token_budget=128,
+                 cuda_graphs=False, prompt_ngrams=0)
+    bodies = []
+    import adaflash_hf.engine.engine as engine_mod
+
+    real_draft = engine_mod.draft_blocks
+    monkeypatch.setattr(engine_mod, "draft_blocks", lambda *a, **k: (bodies.append(True), real_draft(*a, **k))[1])
+    prompts, handles = engine_prompts([5, 6, 7, 8], seed=4), []
+    for p in prompts:
+        handles.append(eng.submit(p, 40))
+        for _ in range(9):
+            eng.step()
+    while not eng.idle:
+        eng.step()
+    monkeypatch.undo()
+    return len(bodies), [(p, h.result().token_ids) for p, h in zip(prompts, handles)]
+
+
+def test_a_new_request_joins_a_plain_batch_without_making_it_draft(pair, monkeypatch):
+    """A head that predicts nothing and a drafter that costs 2 plain rounds: once the probes keep the batch plain, a
+    request joining it is guessed at the batch's latest mean ratio and decodes plainly too, where guessing that it
+    accepts everything (the control, the rule before) made its first round run the body. Plain greedy output."""
+    target, drafter = pair
+    saved = {k: v.detach().clone() for k, v in drafter.length_head.out.state_dict().items()}
+    _head_says(drafter, 1e-6)
+    try:
+        cost = RoundCost.flat(draft_fraction=2.0)
+        eng = Engine(target, drafter, length_policy="cost", round_cost=cost, max_slots=2, max_len=64, cuda_graphs=False)
+        assert eng._ratio_prior is None  # nothing drafted yet: a new request is guessed to accept everything
+        with_prior, outs = _staggered_bodies(pair, cost, True, monkeypatch)
+        without, outs_before = _staggered_bodies(pair, cost, False, monkeypatch)
+    finally:
+        drafter.length_head.out.load_state_dict(saved)
+    assert outs == outs_before and all(ids == plain_greedy_ids(target, p, 40) for p, ids in outs)
+    assert 0 < with_prior < without

@@ -143,10 +143,7 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
         layout = round_layout(drafter, length_policy, rectangular)
         self.policy = resolve_policy(length_policy, drafter) if drafter is not None else None
         self.round_cost = round_cost if round_cost is not None else RoundCost()
-        self._plain_rounds = 0  # rounds in a row whose drafter body the cost policy skipped
-        self._plain_limit = 0  # how many it may skip before the next probe (verify_lengths)
-        self._drafted_plain = False  # the cost policy's last drafted round verified nothing but bonus tokens
-        self._late_ratio = False  # this round verifies whole blocks chosen on the last ratios (verify_lengths)
+        self._reset_verify_state()
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         check_target_supported(target)
@@ -177,27 +174,7 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
         if fused_kernels and self.fused is None:  # asked for and refused: never silently at half speed
             warnings.warn(f"Engine: fused kernels off, the target's layers run through its modules: {self.fusion_note}",
                           RuntimeWarning, stacklevel=2)
-        if self.cuda_graphs:  # one spare slot row takes the bucket padding; slots are whole flex blocks
-            self.cache = make_target_cache(target, max_slots, max_len, spare_slots=1, len_multiple=BLOCK)
-            self.graphs = DecodeGraphs(target, self.cache, self.hidden_layers,
-                                       max_tokens=min(token_budget, max_slots * self.max_q), max_q=self.max_q,
-                                       use_graphs=self.device.type == "cuda", fused=self.fused,
-                                       max_steps=self.decode_steps)
-        else:
-            self.cache, self.graphs = make_target_cache(target, max_slots, max_len), None
-        self.dcache, self.draft_graphs = None, None
-        if self.drafter is not None and self.cuda_graphs:
-            self.dcache = make_drafter_cache(drafter, max_slots, max_len, spare_slots=1, len_multiple=BLOCK)
-            self.draft_graphs = DraftGraphs(drafter, self.dcache, max_rows=max_slots, max_ctx=token_budget, max_q=self.max_q,
-                                            use_graphs=self.device.type == "cuda",
-                                            feat_dtype=next(target.parameters()).dtype, fused=self.fused)
-            if self.graphs is not None:
-                self.draft_graphs.chain_source = self.graphs.hidden  # a round's features, for the chained body
-            if self.fused is not None and self.draft_graphs.fused is None:  # the target fuses, the drafter cannot
-                warnings.warn(f"Engine: the drafter's layers run through its modules: {self.draft_graphs.fusion_note}",
-                              RuntimeWarning, stacklevel=2)
-        elif self.drafter is not None:
-            self.dcache = make_drafter_cache(drafter, max_slots, max_len)
+        self._build_caches(max_slots, max_len, token_budget)
         self.length_rate = length_rate if length_rate is not None else (getattr(cfg, "length_rate", 1.0) if cfg else 1.0)
         self.length_min = length_min if length_min is not None else (getattr(cfg, "length_min", 1) if cfg else 1)
         self.halving_batch = halving_batch
@@ -218,6 +195,30 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
         self.phase_seconds: Counter = Counter()  # with profile=True: draft / target / accept / host
         self.profiled_steps = 0
         self._t_last = 0.0
+
+    def _build_caches(self, max_slots: int, max_len: int, token_budget: int) -> None:
+        """The target's and the drafter's KV caches, and their CUDA graphs where ``cuda_graphs`` is on."""
+        if self.cuda_graphs:  # one spare slot row takes the bucket padding; slots are whole flex blocks
+            self.cache = make_target_cache(self.target, max_slots, max_len, spare_slots=1, len_multiple=BLOCK)
+            self.graphs = DecodeGraphs(self.target, self.cache, self.hidden_layers,
+                                       max_tokens=min(token_budget, max_slots * self.max_q), max_q=self.max_q,
+                                       use_graphs=self.device.type == "cuda", fused=self.fused,
+                                       max_steps=self.decode_steps)
+        else:
+            self.cache, self.graphs = make_target_cache(self.target, max_slots, max_len), None
+        self.dcache, self.draft_graphs = None, None
+        if self.drafter is not None and self.cuda_graphs:
+            self.dcache = make_drafter_cache(self.drafter, max_slots, max_len, spare_slots=1, len_multiple=BLOCK)
+            self.draft_graphs = DraftGraphs(self.drafter, self.dcache, max_rows=max_slots, max_ctx=token_budget, max_q=self.max_q,
+                                            use_graphs=self.device.type == "cuda",
+                                            feat_dtype=next(self.target.parameters()).dtype, fused=self.fused)
+            if self.graphs is not None:
+                self.draft_graphs.chain_source = self.graphs.hidden  # a round's features, for the chained body
+            if self.fused is not None and self.draft_graphs.fused is None:  # the target fuses, the drafter cannot
+                warnings.warn(f"Engine: the drafter's layers run through its modules: {self.draft_graphs.fusion_note}",
+                              RuntimeWarning, stacklevel=3)
+        elif self.drafter is not None:
+            self.dcache = make_drafter_cache(self.drafter, max_slots, max_len)
 
     # ------------------------------------------------------------------ API
     def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams | None = None,

@@ -45,16 +45,27 @@ PROBE_CAP = 1024  # the most plain rounds between probes whatever the cost (text
 class VerifyLengths:
     """Mixin of :class:`~.engine.Engine` (it owns ``policy``, ``layout``, ``block_size``, ``round_cost``,
     ``length_rate``, ``length_min``, ``halving_batch``, ``on_round``, ``whole_block_stretches``, ``_plain_rounds``,
-    ``_plain_limit`` and ``_drafted_plain``)."""
+    ``_plain_limit``, ``_drafted_plain`` and ``_ratio_prior``)."""
+
+    def _reset_verify_state(self) -> None:
+        """The cost policy's state between rounds, as a new engine has it."""
+        self._plain_rounds = 0  # rounds in a row whose drafter body the cost policy skipped
+        self._plain_limit = 0  # how many it may skip before the next probe
+        self._drafted_plain = False  # the cost policy's last drafted round verified nothing but bonus tokens
+        self._ratio_prior: float | None = None  # mean ratio of the latest drafted round: a new request's guess
+        self._late_ratio = False  # this round verifies whole blocks chosen on the last ratios
 
     def _last_ratio_lengths(self, running, unread_whole: bool | None = None) -> torch.Tensor:
-        """The verify lengths the policy gives the requests' last ratios (one that never drafted counts as accepting
-        everything): the guess that decides a round before its drafter body runs. Where the round may verify whole
-        blocks without reading its ratios (``unread_whole``; ``None``: :meth:`_may_skip_read` says), the rule counts
-        the read that choice saves."""
+        """The verify lengths the policy gives the requests' last ratios: the guess that decides a round before its
+        drafter body runs. A request that never drafted counts as the mean ratio of the engine's latest drafted
+        round (``_ratio_prior``; as accepting everything before any), so that a request joining a batch the
+        probes keep plain does not make every round draft (at high load with arrivals, nearly every round would
+        have one). Where the round may verify whole blocks without reading its ratios (``unread_whole``; ``None``:
+        :meth:`_may_skip_read` says), the rule counts the read that choice saves."""
         if unread_whole is None:
             unread_whole = self._may_skip_read(running)
-        guess = torch.tensor([1.0 if r.head_ratio is None else r.head_ratio for r in running])
+        prior = 1.0 if self._ratio_prior is None else self._ratio_prior
+        guess = torch.tensor([prior if r.head_ratio is None else r.head_ratio for r in running])
         return self._verify_lengths(running, guess, guess=True, unread_whole=unread_whole)
 
     def _may_skip_read(self, running) -> bool:
@@ -93,7 +104,7 @@ class VerifyLengths:
     def _skip_drafting(self, running) -> bool:
         """True when no request would verify more than its bonus token this round: every request has one token
         left; under ``adaptive`` the load-scaled length rate caps every ``k_hat`` at 1; under ``cost`` the round
-        decodes plainly by the requests' last head ratios (one that never drafted counts as accepting everything),
+        decodes plainly by the requests' last head ratios (one that never drafted: :meth:`_last_ratio_lengths`),
         but for a probe (after ``_plain_limit`` such rounds in a row), which drafts to refresh the ratios.
         Skipping is lossless (a 1-token verify is plain decoding). Not while a round sink is attached: it is
         promised the length head's prediction for every round."""
@@ -122,15 +133,21 @@ class VerifyLengths:
         """A whole-block round's ratios for its one read, as int64 of their float32 bits (exact, NaN included)."""
         return [drafts.ratio.float().reshape(-1).view(torch.int32).long()] if drafts.late_ratio else []
 
-    @staticmethod
-    def _take_late_ratios(running, drafts, packed: list[int]) -> list[int]:
+    def _take_late_ratios(self, running, drafts, packed: list[int]) -> list[int]:
         """The round's read less the ratios :meth:`_late_bits` put at its end, which become the requests' last ratios."""
         if not drafts.late_ratio:
             return packed
         bits = np.array(packed[-len(running) :], dtype=np.int64).astype(np.int32).view(np.float32)
-        for r, a in zip(running, bits.tolist()):
-            r.head_ratio = a
+        self._keep_ratios(running, bits.tolist())
         return packed[: -len(running)]
+
+    def _keep_ratios(self, running, ratios: list[float]) -> None:
+        """A drafted round's ratios: each request's last, and their mean the guess for a request yet to draft."""
+        for r, a in zip(running, ratios):
+            r.head_ratio = a
+        finite = [a for a in ratios if math.isfinite(a)]
+        if finite:
+            self._ratio_prior = sum(finite) / len(finite)
 
     def _verify_lengths(self, running, ratio: torch.Tensor | None, guess: bool = False,
                         unread_whole: bool = False) -> torch.Tensor:
@@ -146,8 +163,7 @@ class VerifyLengths:
                                      device="cpu", round_cost=self.round_cost,
                                      max_len=torch.tensor([r.remaining for r in running]), unread_whole=unread_whole)
         if self.policy is LengthPolicy.COST and not guess:
-            for r, a in zip(running, ratio.tolist()):
-                r.head_ratio = a
+            self._keep_ratios(running, ratio.tolist())
             self._drafted_plain = bool((k_hat <= 1).all())
             # plain rounds allowed before the next probe: the first hold, then doubling up to the cap while drafted
             # rounds say plain
