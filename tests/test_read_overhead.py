@@ -249,8 +249,9 @@ def test_dear_probes_come_further_apart(pair, graphs, monkeypatch):
     assert 0 < probes["dear"] < probes["dear, first hold 1"] <= probes["cheap"]
 
 
-def _staggered_bodies(pair, cost: RoundCost, prior: bool, monkeypatch) -> tuple[int, list]:
-    """Drafter bodies of 4 requests joining one by one (9 steps apart) under a
+def _staggered_bodies(pair, cost: RoundCost, prior: bool, monkeypatch) -> tuple[list[int], list]:
+    """The steps that ran the drafter's body for 4 requests joining one by one (9 steps apart: each decodes its first
+    round at step 9 i + 1) under a
     head that predicts nothing, with a new request's guess the latest round's mean ratio (``prior``) or, the rule
     before, accepting everything; and the outputs."""
     target, _ = pair
@@ -268,7 +269,7 @@ def _staggered_bodies(pair, cost: RoundCost, prior: bool, monkeypatch) -> tuple[
     import adaflash_hf.engine.engine as engine_mod
 
     real_draft = engine_mod.draft_blocks
-    monkeypatch.setattr(engine_mod, "draft_blocks", lambda *a, **k: (bodies.append(True), real_draft(*a, **k))[1])
+    monkeypatch.setattr(engine_mod, "draft_blocks", lambda *a, **k: (bodies.append(eng.num_steps), real_draft(*a, **k))[1])
     prompts, handles = engine_prompts([5, 6, 7, 8], seed=4), []
     for p in prompts:
         handles.append(eng.submit(p, 40))
@@ -277,13 +278,14 @@ def _staggered_bodies(pair, cost: RoundCost, prior: bool, monkeypatch) -> tuple[
     while not eng.idle:
         eng.step()
     monkeypatch.undo()
-    return len(bodies), [(p, h.result().token_ids) for p, h in zip(prompts, handles)]
+    return bodies, [(p, h.result().token_ids) for p, h in zip(prompts, handles)]
 
 
 def test_a_new_request_joins_a_plain_batch_without_making_it_draft(pair, monkeypatch):
     """A head that predicts nothing and a drafter that costs 2 plain rounds: once the probes keep the batch plain, a
     request joining it is guessed at the batch's latest mean ratio and decodes plainly too, where guessing that it
-    accepts everything (the control, the rule before) made its first round run the body. Plain greedy output."""
+    accepts everything (the rule before) made its first round run the body. Where a probe costs less than a plain
+    round (the control) a new request's first round still drafts, guess or no guess. Plain greedy output."""
     target, drafter = pair
     saved = {k: v.detach().clone() for k, v in drafter.length_head.out.state_dict().items()}
     _head_says(drafter, 1e-6)
@@ -293,7 +295,11 @@ def test_a_new_request_joins_a_plain_batch_without_making_it_draft(pair, monkeyp
         assert eng._ratio_prior is None  # nothing drafted yet: a new request is guessed to accept everything
         with_prior, outs = _staggered_bodies(pair, cost, True, monkeypatch)
         without, outs_before = _staggered_bodies(pair, cost, False, monkeypatch)
+        cheap = RoundCost.flat(draft_fraction=0.5)
+        cheap_bodies = [_staggered_bodies(pair, cheap, prior, monkeypatch)[0] for prior in (True, False)]
     finally:
         drafter.length_head.out.load_state_dict(saved)
     assert outs == outs_before and all(ids == plain_greedy_ids(target, p, 40) for p, ids in outs)
-    assert 0 < with_prior < without
+    firsts = {10, 19}  # the first rounds of the 2nd and 3rd requests (the 4th's would not pay even accepting everything)
+    assert 0 < len(with_prior) < len(without) and firsts <= set(without) and not firsts & set(with_prior)
+    assert cheap_bodies[0] == cheap_bodies[1] and firsts <= set(cheap_bodies[0])

@@ -57,14 +57,16 @@ class VerifyLengths:
 
     def _last_ratio_lengths(self, running, unread_whole: bool | None = None) -> torch.Tensor:
         """The verify lengths the policy gives the requests' last ratios: the guess that decides a round before its
-        drafter body runs. A request that never drafted counts as the mean ratio of the engine's latest drafted
-        round (``_ratio_prior``; as accepting everything before any), so that a request joining a batch the
-        probes keep plain does not make every round draft (at high load with arrivals, nearly every round would
-        have one). Where the round may verify whole blocks without reading its ratios (``unread_whole``; ``None``:
+        drafter body runs. A request that never drafted counts as accepting everything (its first round drafts)
+        where a probe costs less than a plain round; where it costs more, as the mean ratio of the engine's latest
+        drafted round (``_ratio_prior``), so that a request joining a batch the probes keep plain waits for their
+        next one instead of making the round draft (under arrivals at high load nearly every round has a new
+        request). Where the round may verify whole blocks without reading its ratios (``unread_whole``; ``None``:
         :meth:`_may_skip_read` says), the rule counts the read that choice saves."""
         if unread_whole is None:
             unread_whole = self._may_skip_read(running)
-        prior = 1.0 if self._ratio_prior is None else self._ratio_prior
+        cheap = self._ratio_prior is None or self._probe_holds(len(running))[0] <= 1
+        prior = 1.0 if cheap else self._ratio_prior
         guess = torch.tensor([prior if r.head_ratio is None else r.head_ratio for r in running])
         return self._verify_lengths(running, guess, guess=True, unread_whole=unread_whole)
 
