@@ -1,0 +1,132 @@
+"""PROJECTION from real rounds (dev CPU): the reference pair's own rounds decided by the real engine under a cost model
+and timed by that model instead of a clock (issue 35). Here: the first probe's hold after a plain decision and a new
+request's guess. The one implementation of this projection: `docs/logs/probe_cap_cpu_1205/model_time.py` runs it
+with that folder's variants and its original pricing (`probes_charged=False`).
+
+Each engine step of the shipped pair (float32, prompt n-grams off, 96 new tokens) is priced with the cost model: a
+round that ran the drafter's body costs the verify of its tokens, the body and a drafting round's overhead, less the
+read when it made one device read, not two (`fixed`'s rounds, the whole-block stretches); with `probes_charged=False`
+a round that ran the body but verified 1 token per request (a probe that decided plain) is priced as a plain round,
+as the earlier script did, which leaves out what probes cost. Every plain forward costs `verify_time(n, n)` and a plain
+overhead; prefill forwards alike (the same for every variant). Tokens per modelled time of each variant, against `off`
+(no drafter) and `fixed`, per set and concurrency c (the first c validation prompts run together; at c=1 the first N
+one at a time). Every output is compared with `off`'s.
+
+Variants here: `verify_lengths.FIRST_PROBE_SHARE` 1.0 (the new default: the first probe after a plain decision waits
+until the plain rounds have cost what it adds) or 1e9 (a first hold of 1, the rule before); a new request's guess at
+the latest drafted round's mean ratio where probes are dear (the new default) or accepting everything (before). The
+cost model: SPEC section 6's table (`RoundCost()`), or with `COST=real` the reference pair's own round cost as the
+H200 measured it on 2026-12-05 (`docs/logs/replay_h200_1205/replay/replay_bench.json`, `round_cost_real`: its
+drafter costs 3-9 of its target's plain steps).
+
+    ADAFLASH_DATA=/work/shared/data python docs/logs/first_hold_cpu_1205/model_time.py gsm8k,spec_bench:rag 1:8
+    COST=real ADAFLASH_DATA=/work/shared/data python docs/logs/first_hold_cpu_1205/model_time.py gsm8k,spec_bench:rag 1:8,8
+"""
+import json
+import os
+import sys
+
+import torch
+
+import adaflash_hf.engine.verify_lengths as vl
+from adaflash_hf import load_reference_pair
+from adaflash_hf.bench.prompts import load_prompt_set
+from adaflash_hf.engine import Engine
+from adaflash_hf.speculation.round_cost import RoundCost
+
+REAL_KEEP = vl.VerifyLengths._keep_ratios
+
+
+def _no_prior(self, running, ratios):
+    REAL_KEEP(self, running, ratios)
+    self._ratio_prior = None
+
+
+def cost_model() -> RoundCost:
+    """SPEC's table, or the reference pair's measured cost with ``COST=real``."""
+    if os.environ.get("COST") != "real":
+        return RoundCost()
+    m = json.load(open(os.path.join(os.path.dirname(__file__), "..", "replay_h200_1205", "replay", "replay_bench.json")))
+    m = m["meta"]["round_cost_real"]["gsm8k"]
+    return RoundCost(rows=m["rows"], tokens_per_row=m["tokens_per_row"], verify=m["verify"],
+                     draft_fraction=m["draft_fraction"], spec_overhead=m["spec_overhead"],
+                     plain_overhead=m["plain_overhead"], read_overhead=m["read_overhead"])
+
+
+def modelled(pair, cost, prompts, c, policy, settings: dict, prior=True, probes_charged=True):
+    """(tokens, modelled time, outputs, counters) of `prompts` run c at a time, with `settings` set on
+    `verify_lengths` (module constants) first."""
+    target, drafter, _ = pair
+    for k, v in settings.items():
+        setattr(vl, k, v)
+    vl.VerifyLengths._keep_ratios = REAL_KEEP if prior else _no_prior
+    B = drafter.config.block_size
+    e = Engine(target, drafter if policy != "off" else None, length_policy=None if policy == "off" else policy,
+               round_cost=cost, max_slots=c, max_len=4096, token_budget=max(4096, 64 * c), cuda_graphs=True,
+               prompt_ngrams=0)
+    bodies = [0]
+    if e.draft_graphs is not None:
+        real = e.draft_graphs.run_body
+
+        def body(slots, ctx, bonus):
+            bodies[0] += bonus is not None
+            return real(slots, ctx, bonus)
+
+        e.draft_graphs.run_body = body
+    t, outs, probes = 0.0, [], 0
+    for i in range(0, len(prompts), c):
+        handles = [e.submit(p, 96) for p in prompts[i: i + c]]
+        while not e.idle:
+            n, f0, b0, r0 = e.num_running, len(e.forward_tokens), bodies[0], e.host_syncs
+            e.step()
+            fwd = e.forward_tokens[f0:]
+            n = max(n, 1)
+            read = cost.read_time(n) if e.host_syncs - r0 == 1 else 0.0
+            if bodies[0] > b0 and probes_charged:  # a round that ran the drafter's body: a probe that ends plain too
+                t += cost.verify_time(n, fwd[0]) + cost.draft_time(n, B) + cost.overhead(n, True) - read
+            elif bodies[0] > b0:
+                t += cost.round_time(n, fwd[0], B) - read
+            else:
+                t += sum(cost.verify_time(n, x) + cost.overhead(n, False) for x in fwd)
+            probes += bodies[0] > b0 and fwd[0] <= n
+        outs += [h.result().token_ids for h in handles]
+    return sum(map(len, outs)), t, outs, (e.num_steps, e.skipped_drafts, probes)
+
+
+def run(sets, runs, variants, probes_charged=True) -> None:
+    """Print the table for each set and ``(c, prompts)`` of ``runs``; ``variants``: ``(label, policy, settings,
+    prior)``, ``off`` first and ``fixed`` second."""
+    torch.manual_seed(0)
+    pair, cost = load_reference_pair(), cost_model()
+    tok = pair[2]
+    print("| set | c | prompts | variant | tokens / modelled time (x off) | x fixed | forwards | plain forwards | probes |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in sets:
+        for c, n in runs:
+            ps = load_prompt_set(name, n, "/work/shared/data", split="validation")
+            prompts = [tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False) if isinstance(p, list)
+                       else tok(p)["input_ids"] for p in ps.prompts][:n]
+            base = fixed = ref = None
+            for label, policy, settings, prior in variants:
+                tokens, t, outs, (steps, skipped, probes) = modelled(pair, cost, prompts, c, policy, settings, prior,
+                                                                     probes_charged)
+                assert ref is None or outs == ref, (name, c, label)
+                ref = ref or outs
+                rate = tokens / t
+                base = base or rate
+                fixed = rate if policy == "fixed" else fixed
+                print(f"| {name} | {c} | {len(prompts)} | {label} | {rate / base:.3f} | "
+                      f"{rate / fixed if fixed else float('nan'):.3f} | {steps} | {skipped} | {probes} |", flush=True)
+
+
+def parse_runs(arg: str):
+    return [(int(x.split(":")[0]), int(x.split(":")[1]) if ":" in x else int(x)) for x in arg.split(",")]
+
+
+if __name__ == "__main__":
+    run(sys.argv[1].split(","), parse_runs(sys.argv[2]),
+        [("off", "off", {}, True), ("fixed", "fixed", {}, True),
+         ("cost, first hold: what a probe costs, new requests at the prior (new default)", "cost",
+          {"FIRST_PROBE_SHARE": 1.0}, True),
+         ("cost, first hold: what a probe costs, new requests accept everything", "cost", {"FIRST_PROBE_SHARE": 1.0}, False),
+         ("cost, first hold 1, new requests accept everything (before)", "cost", {"FIRST_PROBE_SHARE": 1e9}, False)])
