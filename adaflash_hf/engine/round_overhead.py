@@ -143,8 +143,7 @@ def measure_overheads(engine, cost: RoundCost, base_s: float, context: int, reps
     # Drafting rounds are timed as the cost rule must assume them when it weighs lengths (reading their ratios
     # mid-round), then as whole-block stretches (skipping that read).
     with quiet(engine, policy=LengthPolicy.COST if plain_ok else engine.policy, length_min=1, draft_replay=None,
-               round_cost=PLAIN, _drafted_plain=False, _plain_rounds=0, _plain_limit=0, _ratio_prior=None,
-               whole_block_stretches=False):
+               round_cost=PLAIN, _drafted_plain=False, _plain_rounds=0, _plain_limit=0, whole_block_stretches=False):
         for n in cost.rows:
             handles = [engine.submit([(7 * i + j) % vocab for j in range(prompt_len)], engine.max_len - prompt_len)
                        for i in range(n)]

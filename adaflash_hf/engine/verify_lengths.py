@@ -45,29 +45,23 @@ PROBE_CAP = 1024  # the most plain rounds between probes whatever the cost (text
 class VerifyLengths:
     """Mixin of :class:`~.engine.Engine` (it owns ``policy``, ``layout``, ``block_size``, ``round_cost``,
     ``length_rate``, ``length_min``, ``halving_batch``, ``on_round``, ``whole_block_stretches``, ``_plain_rounds``,
-    ``_plain_limit``, ``_drafted_plain`` and ``_ratio_prior``)."""
+    ``_plain_limit`` and ``_drafted_plain``)."""
 
     def _reset_verify_state(self) -> None:
         """The cost policy's state between rounds, as a new engine has it."""
         self._plain_rounds = 0  # rounds in a row whose drafter body the cost policy skipped
         self._plain_limit = 0  # how many it may skip before the next probe
         self._drafted_plain = False  # the cost policy's last drafted round verified nothing but bonus tokens
-        self._ratio_prior: float | None = None  # mean ratio of the latest drafted round: a new request's guess
         self._late_ratio = False  # this round verifies whole blocks chosen on the last ratios
 
     def _last_ratio_lengths(self, running, unread_whole: bool | None = None) -> torch.Tensor:
-        """The verify lengths the policy gives the requests' last ratios: the guess that decides a round before its
-        drafter body runs. A request that never drafted counts as accepting everything (its first round drafts)
-        where a probe costs less than a plain round; where it costs more, as the mean ratio of the engine's latest
-        drafted round (``_ratio_prior``), so that a request joining a batch the probes keep plain waits for their
-        next one instead of making the round draft (under arrivals at high load nearly every round has a new
-        request). Where the round may verify whole blocks without reading its ratios (``unread_whole``; ``None``:
-        :meth:`_may_skip_read` says), the rule counts the read that choice saves."""
+        """The verify lengths the policy gives the requests' last ratios (one that never drafted counts as accepting
+        everything: its first round drafts): the guess that decides a round before its drafter body runs. Where the
+        round may verify whole blocks without reading its ratios (``unread_whole``; ``None``: :meth:`_may_skip_read`
+        says), the rule counts the read that choice saves."""
         if unread_whole is None:
             unread_whole = self._may_skip_read(running)
-        cheap = self._ratio_prior is None or self._probe_holds(len(running))[0] <= 1
-        prior = 1.0 if cheap else self._ratio_prior
-        guess = torch.tensor([prior if r.head_ratio is None else r.head_ratio for r in running])
+        guess = torch.tensor([1.0 if r.head_ratio is None else r.head_ratio for r in running])
         return self._verify_lengths(running, guess, guess=True, unread_whole=unread_whole)
 
     def _may_skip_read(self, running) -> bool:
@@ -143,13 +137,11 @@ class VerifyLengths:
         self._keep_ratios(running, bits.tolist())
         return packed[: -len(running)]
 
-    def _keep_ratios(self, running, ratios: list[float]) -> None:
-        """A drafted round's ratios: each request's last, and their mean the guess for a request yet to draft."""
+    @staticmethod
+    def _keep_ratios(running, ratios: list[float]) -> None:
+        """A drafted round's ratios become each request's last."""
         for r, a in zip(running, ratios):
             r.head_ratio = a
-        finite = [a for a in ratios if math.isfinite(a)]
-        if finite:
-            self._ratio_prior = sum(finite) / len(finite)
 
     def _verify_lengths(self, running, ratio: torch.Tensor | None, guess: bool = False,
                         unread_whole: bool = False) -> torch.Tensor:

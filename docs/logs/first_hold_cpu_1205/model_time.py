@@ -1,6 +1,6 @@
 """PROJECTION from real rounds (dev CPU): the reference pair's own rounds decided by the real engine under a cost model
 and timed by that model instead of a clock (issue 35). Here: the first probe's hold after a plain decision and a new
-request's guess. The one implementation of this projection: `docs/logs/probe_cap_cpu_1205/model_time.py` runs it
+request's guess (tried, reverted). The one implementation of this projection: `docs/logs/probe_cap_cpu_1205/model_time.py` runs it
 with that folder's variants and its original pricing (`probes_charged=False`).
 
 Each engine step of the shipped pair (float32, prompt n-grams off, 96 new tokens) is priced with the cost model: a
@@ -13,9 +13,7 @@ overhead; prefill forwards alike (the same for every variant). Tokens per modell
 one at a time). Every output is compared with `off`'s.
 
 Variants here: `verify_lengths.FIRST_PROBE_SHARE` 1.0 (the new default: the first probe after a plain decision waits
-until the plain rounds have cost what it adds) or 1e9 (a first hold of 1, the rule before); a new request's guess at
-the latest drafted round's mean ratio where probes are dear (the new default) or accepting everything (before). The
-cost model: SPEC section 6's table (`RoundCost()`), or with `COST=real` the reference pair's own round cost as the
+until the plain rounds have cost what it adds) or 1e9 (a first hold of 1, the rule before). The cost model: SPEC section 6's table (`RoundCost()`), or with `COST=real` the reference pair's own round cost as the
 H200 measured it on 2026-12-05 (`docs/logs/replay_h200_1205/replay/replay_bench.json`, `round_cost_real`: its
 drafter costs 3-9 of its target's plain steps).
 
@@ -34,14 +32,6 @@ from adaflash_hf.bench.prompts import load_prompt_set
 from adaflash_hf.engine import Engine
 from adaflash_hf.speculation.round_cost import RoundCost
 
-REAL_KEEP = vl.VerifyLengths._keep_ratios
-
-
-def _no_prior(self, running, ratios):
-    REAL_KEEP(self, running, ratios)
-    self._ratio_prior = None
-
-
 def cost_model() -> RoundCost:
     """SPEC's table, or the reference pair's measured cost with ``COST=real``."""
     if os.environ.get("COST") != "real":
@@ -53,13 +43,12 @@ def cost_model() -> RoundCost:
                      plain_overhead=m["plain_overhead"], read_overhead=m["read_overhead"])
 
 
-def modelled(pair, cost, prompts, c, policy, settings: dict, prior=True, probes_charged=True):
+def modelled(pair, cost, prompts, c, policy, settings: dict, probes_charged=True):
     """(tokens, modelled time, outputs, counters) of `prompts` run c at a time, with `settings` set on
     `verify_lengths` (module constants) first."""
     target, drafter, _ = pair
     for k, v in settings.items():
         setattr(vl, k, v)
-    vl.VerifyLengths._keep_ratios = REAL_KEEP if prior else _no_prior
     B = drafter.config.block_size
     e = Engine(target, drafter if policy != "off" else None, length_policy=None if policy == "off" else policy,
                round_cost=cost, max_slots=c, max_len=4096, token_budget=max(4096, 64 * c), cuda_graphs=True,
@@ -94,8 +83,8 @@ def modelled(pair, cost, prompts, c, policy, settings: dict, prior=True, probes_
 
 
 def run(sets, runs, variants, probes_charged=True) -> None:
-    """Print the table for each set and ``(c, prompts)`` of ``runs``; ``variants``: ``(label, policy, settings,
-    prior)``, ``off`` first and ``fixed`` second."""
+    """Print the table for each set and ``(c, prompts)`` of ``runs``; ``variants``: ``(label, policy, settings)``,
+    ``off`` first and ``fixed`` second."""
     torch.manual_seed(0)
     pair, cost = load_reference_pair(), cost_model()
     tok = pair[2]
@@ -107,9 +96,8 @@ def run(sets, runs, variants, probes_charged=True) -> None:
             prompts = [tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False) if isinstance(p, list)
                        else tok(p)["input_ids"] for p in ps.prompts][:n]
             base = fixed = ref = None
-            for label, policy, settings, prior in variants:
-                tokens, t, outs, (steps, skipped, probes) = modelled(pair, cost, prompts, c, policy, settings, prior,
-                                                                     probes_charged)
+            for label, policy, settings in variants:
+                tokens, t, outs, (steps, skipped, probes) = modelled(pair, cost, prompts, c, policy, settings, probes_charged)
                 assert ref is None or outs == ref, (name, c, label)
                 ref = ref or outs
                 rate = tokens / t
@@ -125,8 +113,6 @@ def parse_runs(arg: str):
 
 if __name__ == "__main__":
     run(sys.argv[1].split(","), parse_runs(sys.argv[2]),
-        [("off", "off", {}, True), ("fixed", "fixed", {}, True),
-         ("cost, first hold: what a probe costs, new requests at the prior (new default)", "cost",
-          {"FIRST_PROBE_SHARE": 1.0}, True),
-         ("cost, first hold: what a probe costs, new requests accept everything", "cost", {"FIRST_PROBE_SHARE": 1.0}, False),
-         ("cost, first hold 1, new requests accept everything (before)", "cost", {"FIRST_PROBE_SHARE": 1e9}, False)])
+        [("off", "off", {}), ("fixed", "fixed", {}),
+         ("cost, first hold: what a probe costs (default)", "cost", {"FIRST_PROBE_SHARE": 1.0}),
+         ("cost, first hold 1 (before)", "cost", {"FIRST_PROBE_SHARE": 1e9})])

@@ -10,7 +10,7 @@ of each variant, against `off` (no drafter) and `fixed`, per set and concurrency
 together; at c=1 the first N one at a time). Variants: the `cost` policy with the probe cap at PROBE_SHARE = 0.02
 (the default), 0.05, and 1.0 (the cap stays at PLAIN_PROBE_ROUNDS = 8, the rule before the change). Every output is
 compared with `off`'s. Runs `docs/logs/first_hold_cpu_1205/model_time.py` (the one implementation) with these
-variants, the first probe's hold at 1 and a new request guessed to accept everything (the rules of the time), and this
+variants, the first probe's hold at 1 (the rule of the time), and this
 run's pricing (a probe that decided plain priced as a plain round: see the README's caveat).
 
     ADAFLASH_DATA=/work/shared/data python docs/logs/probe_cap_cpu_1205/model_time.py gsm8k 1:8,64,128
@@ -23,8 +23,8 @@ from model_time import parse_runs, run  # noqa: E402
 
 BEFORE = {"FIRST_PROBE_SHARE": 1e9}  # the first probe after 1 plain round, as the engine did at the time
 run(sys.argv[1].split(","), parse_runs(sys.argv[2]),
-    [("off", "off", {}, False), ("fixed", "fixed", {}, False),
-     ("cost, probes <= 2% (default)", "cost", {**BEFORE, "PROBE_SHARE": 0.02}, False),
-     ("cost, probes <= 5%", "cost", {**BEFORE, "PROBE_SHARE": 0.05}, False),
-     ("cost, cap 8 (before)", "cost", {**BEFORE, "PROBE_SHARE": 1.0}, False)],
+    [("off", "off", {}), ("fixed", "fixed", {}),
+     ("cost, probes <= 2% (default)", "cost", {**BEFORE, "PROBE_SHARE": 0.02}),
+     ("cost, probes <= 5%", "cost", {**BEFORE, "PROBE_SHARE": 0.05}),
+     ("cost, cap 8 (before)", "cost", {**BEFORE, "PROBE_SHARE": 1.0})],
     probes_charged=False)
