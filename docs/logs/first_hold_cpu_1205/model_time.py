@@ -15,7 +15,7 @@ one at a time). Every output is compared with `off`'s.
 Variants here: `verify_lengths.FIRST_PROBE_SHARE` 1.0 (the new default: the first probe after a plain decision waits
 until the plain rounds have cost what it adds) or 1e9 (a first hold of 1, the rule before). The cost model: SPEC section 6's table (`RoundCost()`), or with `COST=real` the reference pair's own round cost as the
 H200 measured it on 2026-12-05 (`docs/logs/replay_h200_1205/replay/replay_bench.json`, `round_cost_real`: its
-drafter costs 3-9 of its target's plain steps).
+drafter costs 3-9 of its target's plain steps), or with `COST=h200` the 8B shape's cost measured in the same run.
 
     ADAFLASH_DATA=/work/shared/data python docs/logs/first_hold_cpu_1205/model_time.py gsm8k,spec_bench:rag 1:8
     COST=real ADAFLASH_DATA=/work/shared/data python docs/logs/first_hold_cpu_1205/model_time.py gsm8k,spec_bench:rag 1:8,8
@@ -33,11 +33,12 @@ from adaflash_hf.engine import Engine
 from adaflash_hf.speculation.round_cost import RoundCost
 
 def cost_model() -> RoundCost:
-    """SPEC's table, or the reference pair's measured cost with ``COST=real``."""
-    if os.environ.get("COST") != "real":
+    """SPEC's table; with ``COST=real`` the reference pair's measured cost, with ``COST=h200`` the 8B shape's."""
+    which = os.environ.get("COST")
+    if which not in ("real", "h200"):
         return RoundCost()
     m = json.load(open(os.path.join(os.path.dirname(__file__), "..", "replay_h200_1205", "replay", "replay_bench.json")))
-    m = m["meta"]["round_cost_real"]["gsm8k"]
+    m = m["meta"]["round_cost_real"]["gsm8k"] if which == "real" else m["meta"]["round_cost"]
     return RoundCost(rows=m["rows"], tokens_per_row=m["tokens_per_row"], verify=m["verify"],
                      draft_fraction=m["draft_fraction"], spec_overhead=m["spec_overhead"],
                      plain_overhead=m["plain_overhead"], read_overhead=m["read_overhead"])
