@@ -80,8 +80,9 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
             ``fixed`` (the whole block, DFlash); the same setting as ``generate``'s; default: ``cost``
             when the drafter's length head is trained, else ``fixed``. Under ``cost`` a round whose requests all
             decode plainly by their last head ratios skips the drafter's body (a probe round runs it to refresh them:
-            after 1, 2, 4, ... such rounds, doubling up to what keeps probing within 2% of the time: 8 rounds or
-            more, by ``round_cost`` at the batch; :mod:`.verify_lengths`).
+            first after as many such rounds as a probe costs more than one of them, 1 where it costs less, then
+            doubling up to what keeps probing within 2% of the time, by ``round_cost`` at the batch;
+            :mod:`.verify_lengths`).
         round_cost: the :class:`~adaflash_hf.speculation.round_cost.RoundCost` the ``cost`` policy weighs (default: SPEC
             section 6's H200 table and overheads; :func:`~.warmup.measure_round_cost` measures this engine's own,
             the host's time per round included).

@@ -129,19 +129,15 @@ class VerifyLengths:
         """A whole-block round's ratios for its one read, as int64 of their float32 bits (exact, NaN included)."""
         return [drafts.ratio.float().reshape(-1).view(torch.int32).long()] if drafts.late_ratio else []
 
-    def _take_late_ratios(self, running, drafts, packed: list[int]) -> list[int]:
+    @staticmethod
+    def _take_late_ratios(running, drafts, packed: list[int]) -> list[int]:
         """The round's read less the ratios :meth:`_late_bits` put at its end, which become the requests' last ratios."""
         if not drafts.late_ratio:
             return packed
         bits = np.array(packed[-len(running) :], dtype=np.int64).astype(np.int32).view(np.float32)
-        self._keep_ratios(running, bits.tolist())
-        return packed[: -len(running)]
-
-    @staticmethod
-    def _keep_ratios(running, ratios: list[float]) -> None:
-        """A drafted round's ratios become each request's last."""
-        for r, a in zip(running, ratios):
+        for r, a in zip(running, bits.tolist()):
             r.head_ratio = a
+        return packed[: -len(running)]
 
     def _verify_lengths(self, running, ratio: torch.Tensor | None, guess: bool = False,
                         unread_whole: bool = False) -> torch.Tensor:
@@ -157,12 +153,14 @@ class VerifyLengths:
                                      device="cpu", round_cost=self.round_cost,
                                      max_len=torch.tensor([r.remaining for r in running]), unread_whole=unread_whole)
         if self.policy is LengthPolicy.COST and not guess:
-            self._keep_ratios(running, ratio.tolist())
+            for r, a in zip(running, ratio.tolist()):
+                r.head_ratio = a
             self._drafted_plain = bool((k_hat <= 1).all())
-            # plain rounds allowed before the next probe: the first hold, then doubling up to the cap while drafted
-            # rounds say plain
-            first, cap = self._probe_holds(n)
-            self._plain_limit = min(max(first, 2 * self._plain_limit), cap) if self._drafted_plain else 0
+            if self._drafted_plain:  # plain rounds before the next probe: the first hold, then doubling up to the cap
+                first, cap = self._probe_holds(n)
+                self._plain_limit = min(max(first, 2 * self._plain_limit), cap)
+            else:
+                self._plain_limit = 0
         return k_hat
 
     def _probe_holds(self, n: int) -> tuple[int, int]:
