@@ -33,8 +33,10 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
+import transformers
 from generation_helpers import PAD_ID, make_drafter, make_target, ragged_prompts
 from online_helpers import CollectRequests, real_requests, same, snapshot
 
@@ -299,8 +301,14 @@ def _publish_until_killed(out: Path, drafter, in_place: bool) -> None:
     """The forked child: the adapter's publishing path (save_pretrained, card, VersionStore.write, prune
     with keep_versions=1) in a tight loop, on a disk whose unlinks take 10 ms (as on a network file
     system), so that deletes are a large share of the loop and random kills often land in them.
-    ``in_place``: the negative control, pruning by an rmtree in place (the code before issue 34)."""
+    ``in_place``: the negative control, pruning by an rmtree in place (the code before issue 34).
+
+    Progress bars are off in the child: tqdm's write lock holds a semaphore shared across fork, so a child
+    killed while its save_pretrained bar writes would leave it taken, and the parent's next bar (loading a
+    version) would wait forever."""
     try:
+        transformers.utils.logging.disable_progress_bar()
+        huggingface_hub.utils.disable_progress_bars()
         unlink = os.unlink
         os.unlink = lambda *a, **k: (time.sleep(0.01), unlink(*a, **k))[1]
         if in_place:
