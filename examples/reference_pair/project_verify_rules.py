@@ -18,6 +18,13 @@ blocks without the read, else the rule reads the round's own ratios and pays it)
 
 The last column, "oracle (knows acceptance)", is the bound on any head: each round decodes plainly or drafts and
 verifies what will be accepted (plus the bonus token; more slots where the measured curve makes that cheaper), whichever pays more at the rule's long-run throughput.
+The column before it, "this head's bound", is the bound on any rule that reads this head: it knows, for each of 20
+equal-count bins of the head's ratio (a bin per value where the head gives at most 64), the trace's own chance that slot ``j`` is accepted (fitted on the very rounds it
+is scored on) and sees each round's ratios for free (no body when it then decodes plainly, no read); each round it
+verifies the slots of most expected acceptance first, as many as pay at its long-run throughput, or none.
+
+``--trace paper_ref`` rebuilds the replay's ``paper_ref`` rounds (the paper's per-slot acceptance, each round given a
+ratio the recorded ``--ratio-set`` trace's head gave a round that accepted as many: ``paper_dflash_trace``), 5,000 draws.
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ from adaflash_hf.speculation.length_policy import adaptive_verify_length, cost_a
 from adaflash_hf.speculation.round_cost import RoundCost
 
 ORACLE = "oracle (knows acceptance)"
-RULES = ("off", "fixed", "floor rule (rate 2)", "cost rule, rate 2", "cost rule, rate 1", "cost rule + stretches", ORACLE)
+HEAD_BOUND = "this head's bound"
+RULES = ("off", "fixed", "floor rule (rate 2)", "cost rule, rate 2", "cost rule, rate 1", "cost rule + stretches", HEAD_BOUND,
+         ORACLE)
 
 
 def calibration_map(path: str, block: int):
@@ -73,14 +82,47 @@ def oracle_round(accepted: torch.Tensor, cost: RoundCost, block: int, rho: float
     return max(options, key=lambda o: o[0] - rho * o[1])
 
 
+def head_survival(rounds, block: int, bins: int = 20):
+    """``ratio -> [P(accepted >= j) for j = 1 .. block - 1]``: the trace's own acceptance per draft slot in each of
+    ``bins`` equal-count bins of the head's ratio (one bin per value where the head gives at most 64)."""
+    pts = np.array(sorted((q, min(a, block - 1)) for a, q in rounds))
+    values = np.unique(pts[:, 0])
+    if len(values) <= 64:
+        edges, groups = values[:-1], [pts[pts[:, 0] == v] for v in values]
+    else:
+        groups = np.array_split(pts, bins)
+        edges = np.array([g[-1, 0] for g in groups[:-1]])
+    surv = np.array([[(g[:, 1] >= j).mean() for j in range(1, block)] for g in groups])
+    return lambda ratio: surv[np.searchsorted(edges, np.asarray(ratio), side="left")]
+
+
+def head_bound_round(accepted: torch.Tensor, ratio: torch.Tensor, survival, cost: RoundCost, block: int,
+                     rho: float) -> tuple[int, float]:
+    """A round of the rule that knows the head's acceptance per ratio bin (``survival``): slots taken in order of
+    their expected acceptance (a row's slots in order, as their chances fall), as many as maximise expected
+    ``tokens - rho * time``, or none (a plain round); what it commits is what the trace accepts within them."""
+    c = len(accepted)
+    chance = survival(ratio.numpy())  # [c, block - 1]
+    order = np.argsort(-chance, axis=None, kind="stable")
+    expected = c + np.concatenate([[0.0], np.cumsum(chance.flat[order])])
+    spent = cost.round_time(c, c + np.arange(len(expected)), block) - np.where(np.arange(len(expected)) > 0,
+                                                                               cost.read_time(c), 0.0)
+    m = int(np.argmax(expected - rho * spent))
+    k = np.ones(c, dtype=np.int64)
+    np.add.at(k, order[:m] // (block - 1), 1)
+    return int((torch.minimum(accepted, torch.from_numpy(k) - 1) + 1).sum()), float(spent[m])
+
+
 def tokens_per_time(rounds, cost: RoundCost, c: int, rule: str, block: int, n: int = 300, calibrated=None,
-                    rho: float = 0.0) -> float:
+                    rho: float = 0.0, survival=None) -> float:
     rng, tokens, time, last = random.Random(0), 0, 0.0, None
     for _ in range(n):
         drawn = [rounds[rng.randrange(len(rounds))] for _ in range(c)]
         accepted, ratio = torch.tensor([a for a, _ in drawn]), torch.tensor([q for _, q in drawn])
-        if rule == ORACLE:
-            got, spent = oracle_round(torch.clamp(accepted, max=block - 1), cost, block, rho)
+        if rule in (ORACLE, HEAD_BOUND):
+            clipped = torch.clamp(accepted, max=block - 1)
+            got, spent = (oracle_round(clipped, cost, block, rho) if rule == ORACLE
+                          else head_bound_round(clipped, ratio, survival, cost, block, rho))
             tokens, time = tokens + got, time + spent
             continue
         unread = rule == "fixed"
@@ -95,10 +137,23 @@ def tokens_per_time(rounds, cost: RoundCost, c: int, rule: str, block: int, n: i
     return tokens / time
 
 
+def paper_ref_rounds(res: dict, ratio_set: str, block: int, n: int = 5000) -> list[tuple[int, float]]:
+    """The replay's ``paper_ref`` rounds: the paper's per-slot acceptance, each with a ratio ``ratio_set``'s head gave a
+    round that accepted as many."""
+    from adaflash_hf.bench.replay import RecordedTrace, ReplayPolicy, TraceRound, paper_dflash_trace
+
+    rec = res["traces"][ratio_set]
+    recorded = RecordedTrace([TraceRound(int(a), float(q)) for a, q in rec["rounds"]], ReplayPolicy.from_json(rec["policy"]))
+    trace, rng = paper_dflash_trace(block, ratio_from=recorded), random.Random(0)
+    return [(r.accepted, r.ratio) for r in (trace.draw(rng, block) for _ in range(n))]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("replay_json")
-    p.add_argument("--trace", default="gsm8k", help="a recorded trace of the run (its rounds: accepted, head ratio)")
+    p.add_argument("--trace", default="gsm8k", help="a recorded trace of the run (its rounds: accepted, head ratio), "
+                   "or paper_ref (rebuilt from --ratio-set's rounds)")
+    p.add_argument("--ratio-set", default="gsm8k", help="the recorded trace whose head ratios paper_ref takes")
     p.add_argument("--concurrency", default="1,8,32,128")
     p.add_argument("--calibration", default=None, help="head_calibration.json: also the cost rule on the calibrated head")
     p.add_argument("--read-ms", default=None, help="c:ms,...: the mid-round read's ms per round by concurrency (module doc)")
@@ -112,16 +167,20 @@ def main(argv=None) -> int:
     cost = RoundCost(rows=m["rows"], tokens_per_row=m["tokens_per_row"], verify=m["verify"], draft_fraction=m["draft_fraction"],
                      spec_overhead=m.get("spec_overhead", 0.0), plain_overhead=m.get("plain_overhead", 0.0),
                      read_overhead=read)
-    rounds, block = res["traces"][a.trace]["rounds"], res["meta"]["block_size"]
+    block = res["meta"]["block_size"]
+    rounds = paper_ref_rounds(res, a.ratio_set, block) if a.trace == "paper_ref" else res["traces"][a.trace]["rounds"]
+    survival = head_survival(rounds, block)
     rules = RULES + (("cost rule, calibrated",) if a.calibration else ())
     calibrated = calibration_map(a.calibration, block) if a.calibration else None
     print("| c | " + " | ".join(rules[1:]) + " |\n|---" * 1 + "|---" * (len(rules) - 1) + "|")
     for c in (int(x) for x in a.concurrency.split(",")):
-        v = {rule: tokens_per_time(rounds, cost, c, rule, block, calibrated=calibrated) for rule in rules if rule != ORACLE}
-        rho = v["off"]
-        for _ in range(4):  # the throughput the oracle's per-round choice is weighed at: a fixed point
-            rho = tokens_per_time(rounds, cost, c, ORACLE, block, rho=rho)
-        v[ORACLE] = rho
+        v = {rule: tokens_per_time(rounds, cost, c, rule, block, calibrated=calibrated) for rule in rules
+             if rule not in (ORACLE, HEAD_BOUND)}
+        for bound in (HEAD_BOUND, ORACLE):
+            rho = v["off"]
+            for _ in range(4):  # the throughput the bound's per-round choice is weighed at: a fixed point
+                rho = tokens_per_time(rounds, cost, c, bound, block, rho=rho, survival=survival)
+            v[bound] = rho
         print(f"| {c} | " + " | ".join(f"{v[r] / v['off']:.2f}" for r in rules[1:]) + " |")
     return 0
 
