@@ -175,6 +175,22 @@ def test_round_cost_follows_spec_table():
     assert m.verify_time(8, 32) == 4.0 and m.draft_time(1, 4) == pytest.approx(0.2)
 
 
+# (name, verify table over tokens per row 1 / 8 / 16 at 1 row, expected time of 1 row x 116 tokens): past the table
+EXTENSION_CASES = [
+    ("a last step that grows: its slope", (1.0, 1.1, 1.5), 1.5 + 100 * 0.4 / 8),
+    ("a last step that falls (timing noise): the whole table's slope", (1.0, 2.0, 1.9), 1.9 + 100 * 0.9 / 15),
+    ("a table that falls throughout: flat, never cheaper than its last point", (2.0, 1.5, 1.0), 1.0),
+]
+
+
+@pytest.mark.parametrize("name,ms,expected", EXTENSION_CASES, ids=[c[0] for c in EXTENSION_CASES])
+def test_past_the_table_a_shape_never_costs_less(name, ms, expected):
+    cost = RoundCost(rows=(1,), tokens_per_row=(1, 8, 16), verify=(ms,))
+    assert cost.verify_time(1, 116) == pytest.approx(expected)
+    far = cost.verify_time(1, np.arange(16, 20000, 500))
+    assert (far >= ms[-1] - 1e-12).all() and (np.diff(far) >= 0).all()
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(rows=(16, 1)), "rows must be strictly ascending"),
     (dict(tokens_per_row=(0.5, 2, 4, 8, 16)), "tokens_per_row must be"),

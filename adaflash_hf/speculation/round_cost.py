@@ -59,17 +59,21 @@ SPEC_H200_OVERHEAD_MS = {"spec": (2.26, 2.17, 2.77, 2.68, 3.53), "plain": (0.0, 
                          "read": (1.38, 0.90, 0.51, 0.0, 0.0)}
 
 
-FAR = 1e6  # the grids are extended to FAR times their last point along the last segment's slope
+FAR = 1e6  # the grids are extended to FAR times their last point (``_extend``)
 
 
 def _extend(xs: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``xs, ys`` (``ys`` along its last axis) with one far point on the last segment's line, so that
-    ``np.interp`` (flat outside its grid) is linear past the measured end: a table never caps the cost of a
-    shape larger than it measured. Below the first point it stays flat."""
+    """``xs, ys`` (``ys`` along its last axis) with one far point past the measured end, so that ``np.interp`` (flat
+    outside its grid) is linear there: a table never caps the cost of a shape larger than it measured. The slope is
+    the last segment's or, where it is smaller, the whole grid's (a measured last step that falls, timing noise,
+    would make a larger shape cheaper, and far enough out negative), never below flat. Below the first point it
+    stays flat."""
     if len(xs) == 1:
         return np.array([xs[0], xs[0] * FAR]), np.stack([ys[..., 0], ys[..., 0]], axis=-1)
     x_far = xs[-1] * FAR
-    slope = (ys[..., -1] - ys[..., -2]) / (xs[-1] - xs[-2])
+    last = (ys[..., -1] - ys[..., -2]) / (xs[-1] - xs[-2])
+    whole = (ys[..., -1] - ys[..., 0]) / (xs[-1] - xs[0])
+    slope = np.maximum(np.maximum(last, whole), 0.0)
     return np.append(xs, x_far), np.concatenate([ys, (ys[..., -1] + slope * (x_far - xs[-1]))[..., None]], axis=-1)
 
 
