@@ -172,15 +172,17 @@ def test_measured_read_overhead_is_what_the_mid_round_read_costs(pair, where):
 
 
 # (name, cost, rows, expected first hold, expected cap): the plain rounds before the first probe after a plain
-# decision (until they have cost what the probe adds) and the most between two probes (within 2% of their time)
+# decision (until they have cost 1 / FIRST_PROBE_SHARE = 4 times what the probe adds) and the most between two probes
+# (within 2% of their time)
 PROBE_CASES = [
     ("a free probe: the floors", RoundCost.flat(), 1, 1, vl.PLAIN_PROBE_ROUNDS),
-    ("a probe 0.2 of a plain round: probe after 1, at most 10 apart", RoundCost.flat(draft_fraction=0.2), 4, 1, 10),
-    ("a probe 0.32 of a plain round: probe after 1, 16 keep it within 2%", RoundCost.flat(draft_fraction=0.32), 4, 1, 16),
-    ("its drafting overhead counts, less the plain one's: 1.5 against one plain round of 1.18 / 2% of it",
-     RoundCost.flat(spec_overhead=1.68, plain_overhead=0.18), 4, 2, 64),
-    ("a drafter dearer than 6 plain rounds (the reference pair's own): 7 before the first probe",
-     RoundCost.flat(draft_fraction=6.1), 1, 7, 305),
+    ("a probe 0.2 of a plain round: probe after 1 (0.8 of the probe's 4), at most 10 apart",
+     RoundCost.flat(draft_fraction=0.2), 4, 1, 10),
+    ("a probe 0.32 of a plain round: probe after 2, 16 keep it within 2%", RoundCost.flat(draft_fraction=0.32), 4, 2, 16),
+    ("its drafting overhead counts, less the plain one's: 4 x 1.5 against plain rounds of 1.18 / 2% of it",
+     RoundCost.flat(spec_overhead=1.68, plain_overhead=0.18), 4, 6, 64),
+    ("a drafter dearer than 6 plain rounds (the reference pair's own): 25 before the first probe",
+     RoundCost.flat(draft_fraction=6.1), 1, 25, 305),
     ("a dear drafter: the ceiling for both", RoundCost.flat(draft_fraction=2000.0), 4, vl.PROBE_CAP, vl.PROBE_CAP),
 ]
 
@@ -193,7 +195,7 @@ def test_the_probe_holds_keep_probing_within_their_shares(pair, name, cost, rows
 
 
 def test_the_probe_cap_grows_with_the_batch_on_the_spec_table(pair):
-    """On SPEC's H200 table a probe costs ~0.6 of a plain step at batch 1 and more at 128 requests (the body runs
+    """On SPEC's H200 table a probe costs ~0.6 of a plain step at batch 1 and 1.3 at 128 requests (the body runs
     every block position of every request): the holds grow with the batch."""
     target, drafter = pair
     eng = Engine(target, drafter, length_policy="cost", round_cost=SPEC, max_slots=2, max_len=64, cuda_graphs=False)
@@ -201,7 +203,7 @@ def test_the_probe_cap_grows_with_the_batch_on_the_spec_table(pair):
     holds = [eng._probe_holds(n) for n in (1, 8, 32, 64, 128)]
     firsts, caps = [h[0] for h in holds], [h[1] for h in holds]
     assert caps[0] > vl.PLAIN_PROBE_ROUNDS and caps[-1] > 2 * caps[0] and caps[1:] == sorted(caps[1:])
-    assert firsts[0] == 1 and firsts[-1] == 2 and firsts == sorted(firsts)  # a probe costs a plain round only at 128
+    assert firsts[0] == 3 and firsts[-1] == 6 and firsts == sorted(firsts)  # 4 x 0.6 plain steps at 1, 4 x 1.3 at 128
 
 
 def _probes(pair, cost: RoundCost, graphs: bool) -> int:
@@ -233,7 +235,7 @@ def _probes(pair, cost: RoundCost, graphs: bool) -> int:
 @pytest.mark.parametrize("graphs", [False, True])
 def test_dear_probes_come_further_apart(pair, graphs, monkeypatch):
     """A head that predicts nothing and a drafter that cannot pay: every round decodes plainly but the probes, which
-    back off from the first hold to the cap. A probe dearer than a plain round (2.5 of one: first hold 3, cap 125) runs
+    back off from the first hold to the cap. A probe dearer than a plain round (2.5 of one: first hold 10, cap 125) runs
     fewer of them than a cheap one (the control: 1, 8); and the same dear probe with the first hold forced to 1 (the
     rule before) runs more. Plain greedy output every time."""
     _, drafter = pair

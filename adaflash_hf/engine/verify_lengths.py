@@ -5,8 +5,9 @@ because every request would verify its whole block.
 Under the ``cost`` policy the verify lengths come from the length head's ratios, which need the drafter's body.
 Before running it, the round is decided on the requests' *last* ratios: when they say every request decodes plainly,
 the body is skipped (only the new context is stored, which keeps the drafter's cache exact). A probe round drafts
-anyway, so the ratios, and a return to drafting, follow the text: after as many plain rounds as a probe costs more
-than one of them (``FIRST_PROBE_SHARE``; 1 where a probe costs less than a plain round), then twice as many, ...
+anyway, so the ratios, and a return to drafting, follow the text: after as many plain rounds as cost four times what a
+probe adds (``FIRST_PROBE_SHARE``: probing takes at most a fifth of the time from the first plain decision on; 2
+rounds at batch 1, 9 at 128 requests on the H200's measured 8B cost), then twice as many, ...
 doubling while the probes keep saying plain (one low ratio amid drafting text costs one plain round, not eight: on the reference
 pair's RAG prompts at c=1 a fixed cadence of 8 lost 8% tau against a probe every round,
 ``docs/logs/stretches_cpu_1204``), up to the cap of :meth:`~VerifyLengths._probe_holds`: at least ``PLAIN_PROBE_ROUNDS``, and
@@ -38,7 +39,7 @@ __all__ = ["FIRST_PROBE_SHARE", "PLAIN_PROBE_ROUNDS", "PROBE_SHARE", "VerifyLeng
 
 PLAIN_PROBE_ROUNDS = 8  # the fewest plain rounds between probes once the back-off has grown
 PROBE_SHARE = 0.02  # the most of the plain rounds' time that probing them may add
-FIRST_PROBE_SHARE = 1.0  # the first probe after a plain decision waits until the plain rounds have cost what it does
+FIRST_PROBE_SHARE = 0.25  # the first probe after a plain decision waits until the plain rounds have cost 4x what it adds
 PROBE_CAP = 1024  # the most plain rounds between probes whatever the cost (text can turn draftable)
 
 
@@ -167,10 +168,10 @@ class VerifyLengths:
         """The plain rounds of ``n`` requests before the first probe after a plain decision, and the most between two
         probes, from a probe's extra time against a plain round (``round_cost``: the drafter's body, a drafting
         round's overhead over a plain one's, the same 1-token verify): the first waits until the plain rounds have cost
-        what the probe adds (``FIRST_PROBE_SHARE`` of it: 1 on SPEC's table up to 64 requests, 2 at 128; 3 at 128 on
-        the H200's measured cost of 2026-12-05; 6 at batch 1 on the reference pair, whose drafter costs more than its
-        target's step), the most keeps the probes within ``PROBE_SHARE`` of the plain rounds' time, at least
-        ``PLAIN_PROBE_ROUNDS``, both at most ``PROBE_CAP``."""
+        1 / ``FIRST_PROBE_SHARE`` times what the probe adds (3 on SPEC's table up to 32 requests, 6 at 128; 2 at batch 1
+        and 9 at 128 on the H200's measured 8B cost of 2026-12-05; 24 at batch 1 on the reference pair, whose drafter
+        costs more than its target's step), the most keeps the probes within ``PROBE_SHARE`` of the plain rounds' time,
+        at least ``PLAIN_PROBE_ROUNDS``, both at most ``PROBE_CAP``."""
         c = self.round_cost
         extra = c.draft_time(n, self.block_size) + c.overhead(n, True) - c.overhead(n, False)
         plain = c.verify_time(n, n) + c.overhead(n, False)
