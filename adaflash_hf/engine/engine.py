@@ -80,7 +80,7 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
             ``fixed`` (the whole block, DFlash); the same setting as ``generate``'s; default: ``cost``
             when the drafter's length head is trained, else ``fixed``. Under ``cost`` a round whose requests all
             decode plainly by their last head ratios skips the drafter's body (a probe round runs it to refresh them:
-            first after as many such rounds as a probe costs more than one of them, 1 where it costs less, then
+            first once such rounds have cost four times what a probe adds, then
             doubling up to what keeps probing within 2% of the time, by ``round_cost`` at the batch;
             :mod:`.verify_lengths`).
         round_cost: the :class:`~adaflash_hf.speculation.round_cost.RoundCost` the ``cost`` policy weighs (default: SPEC
