@@ -44,13 +44,10 @@ def cost_model() -> RoundCost:
                      plain_overhead=m["plain_overhead"], read_overhead=m["read_overhead"])
 
 
-def modelled(pair, cost, prompts, c, policy, settings: dict, probes_charged=True):
-    """(tokens, modelled time, outputs, counters) of `prompts` run c at a time, with `settings` set on
-    `verify_lengths` (module constants) first."""
+def counted_engine(pair, cost, c, policy):
+    """The engine of a run (``policy``: ``off``, ``fixed`` or ``cost``) and a one-element list counting its drafter
+    bodies (probes included)."""
     target, drafter, _ = pair
-    for k, v in settings.items():
-        setattr(vl, k, v)
-    B = drafter.config.block_size
     e = Engine(target, drafter if policy != "off" else None, length_policy=None if policy == "off" else policy,
                round_cost=cost, max_slots=c, max_len=4096, token_budget=max(4096, 64 * c), cuda_graphs=True,
                prompt_ngrams=0)
@@ -63,6 +60,35 @@ def modelled(pair, cost, prompts, c, policy, settings: dict, probes_charged=True
             return real(slots, ctx, bonus)
 
         e.draft_graphs.run_body = body
+    return e, bodies
+
+
+def step_time(cost, n, fwd, block, body, read_once, probes_charged=True) -> float:
+    """Modelled time of one engine step of ``n`` running requests whose forwards carried ``fwd`` tokens: with a drafter
+    ``body`` the verify, the body and a drafting round's overhead (less the read when the step made one device read);
+    else each forward's verify and a plain overhead."""
+    read = cost.read_time(n) if read_once else 0.0
+    if body and probes_charged:  # a round that ran the drafter's body: a probe that ends plain too
+        return cost.verify_time(n, fwd[0]) + cost.draft_time(n, block) + cost.overhead(n, True) - read
+    if body:
+        return cost.round_time(n, fwd[0], block) - read
+    return sum(cost.verify_time(n, x) + cost.overhead(n, False) for x in fwd)
+
+
+def validation_prompts(name, n, tok):
+    """The first ``n`` validation prompts of set ``name``, as token ids (chat prompts through the chat template)."""
+    ps = load_prompt_set(name, n, os.environ.get("ADAFLASH_DATA", "/work/shared/data"), split="validation")
+    return [tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False) if isinstance(p, list)
+            else tok(p)["input_ids"] for p in ps.prompts][:n]
+
+
+def modelled(pair, cost, prompts, c, policy, settings: dict, probes_charged=True):
+    """(tokens, modelled time, outputs, counters) of `prompts` run c at a time, with `settings` set on
+    `verify_lengths` (module constants) first."""
+    for k, v in settings.items():
+        setattr(vl, k, v)
+    B = pair[1].config.block_size
+    e, bodies = counted_engine(pair, cost, c, policy)
     t, outs, probes = 0.0, [], 0
     for i in range(0, len(prompts), c):
         handles = [e.submit(p, 96) for p in prompts[i: i + c]]
@@ -70,15 +96,8 @@ def modelled(pair, cost, prompts, c, policy, settings: dict, probes_charged=True
             n, f0, b0, r0 = e.num_running, len(e.forward_tokens), bodies[0], e.host_syncs
             e.step()
             fwd = e.forward_tokens[f0:]
-            n = max(n, 1)
-            read = cost.read_time(n) if e.host_syncs - r0 == 1 else 0.0
-            if bodies[0] > b0 and probes_charged:  # a round that ran the drafter's body: a probe that ends plain too
-                t += cost.verify_time(n, fwd[0]) + cost.draft_time(n, B) + cost.overhead(n, True) - read
-            elif bodies[0] > b0:
-                t += cost.round_time(n, fwd[0], B) - read
-            else:
-                t += sum(cost.verify_time(n, x) + cost.overhead(n, False) for x in fwd)
-            probes += bodies[0] > b0 and fwd[0] <= n
+            t += step_time(cost, max(n, 1), fwd, B, bodies[0] > b0, e.host_syncs - r0 == 1, probes_charged)
+            probes += bodies[0] > b0 and fwd[0] <= max(n, 1)
         outs += [h.result().token_ids for h in handles]
     return sum(map(len, outs)), t, outs, (e.num_steps, e.skipped_drafts, probes)
 
@@ -93,9 +112,7 @@ def run(sets, runs, variants, probes_charged=True) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for name in sets:
         for c, n in runs:
-            ps = load_prompt_set(name, n, "/work/shared/data", split="validation")
-            prompts = [tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False) if isinstance(p, list)
-                       else tok(p)["input_ids"] for p in ps.prompts][:n]
+            prompts = validation_prompts(name, n, tok)
             base = fixed = ref = None
             for label, policy, settings in variants:
                 tokens, t, outs, (steps, skipped, probes) = modelled(pair, cost, prompts, c, policy, settings, probes_charged)
