@@ -29,9 +29,10 @@ from adaflash_hf.speculation.rounds import mean_tokens_per_round
 
 
 def serve(target, drafter, stream, run: str, args, eos, record) -> dict:
-    """Serve ``stream`` chunk by chunk with an adapter attached as ``run`` says (``off``, ``opd``, or ``opd@0.25``:
-    OPD with ``train_share`` 0.25); ``record(rows)`` after each chunk."""
-    method, _, share = run.partition("@")
+    """Serve ``stream`` chunk by chunk with an adapter attached as ``run`` says (``off``, ``opd``, ``opd@0.25``: OPD
+    with ``train_share`` 0.25; a ``+process`` suffix trains in a child process); ``record(rows)`` after each chunk."""
+    spec, _, trainer = run.partition("+")
+    method, _, share = spec.partition("@")
     d = copy_drafter(drafter, target)
     router = RoundRouter()
     settings = ProtocolSettings(concurrency=args.concurrency, max_new_tokens=args.max_new_tokens)
@@ -40,7 +41,7 @@ def serve(target, drafter, stream, run: str, args, eos, record) -> dict:
     warmup(engine, args.concurrency)
     engine.generate(stream[: args.chunk], args.max_new_tokens, eos_token_id=eos)
     adapter = OnlineAdapter(d, target, OnlineConfig(method=method, lr=args.lr, seed=0, train_share=float(share or 1.0),
-                                                    samples_per_update=args.samples_per_update))
+                                                    samples_per_update=args.samples_per_update, trainer=trainer or "thread"))
     router.sink = adapter
     rows, served, texts = [], 0, []
     try:
@@ -104,7 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--samples-per-update", type=int, default=128)
-    p.add_argument("--methods", default="off,opd", help="runs: off, opd, osd; METHOD@SHARE sets train_share (opd@0.25)")
+    p.add_argument("--methods", default="off,opd", help="runs: off, opd, osd; METHOD@SHARE sets train_share (opd@0.25); "
+                   "+process trains in a child process (opd+process, opd@0.5+process)")
     p.add_argument("--smoke", action="store_true", help="CPU check: built-in prompts, 12 requests, an update every 4")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="serving_cost")

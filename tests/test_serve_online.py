@@ -34,12 +34,13 @@ def reference():
     return ids, [tok.decode(o, skip_special_tokens=True) for o in plain]
 
 
-def _start(out_dir) -> tuple[subprocess.Popen, str]:
+def _start(out_dir, trainer: str) -> tuple[subprocess.Popen, str]:
     # --train-share 1: the worker trains flat out instead of sleeping three quarters of each update (serve's default
     # 0.25 paces it); the pacer and that default are tested in tests/test_online.py, and here they only doubled the
     # wall time (96 s -> 48 s) while the server waited for its second version
     cmd = [sys.executable, "-m", "adaflash_hf.cli", "serve", "--online", "--output-dir", str(out_dir), "--port", "0",
-           "--samples-per-update", "4", "--epochs", "1", "--max-slots", "4", "--max-len", "128", "--train-share", "1"]
+           "--samples-per-update", "4", "--epochs", "1", "--max-slots", "4", "--max-len", "128", "--train-share", "1",
+           "--trainer", trainer]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
     line = proc.stdout.readline()  # the one line printed once the server listens
@@ -50,15 +51,41 @@ def _start(out_dir) -> tuple[subprocess.Popen, str]:
     return proc, m.group(1)
 
 
+def _spawned_children(pid: int) -> list[int]:
+    """The multiprocessing children of ``pid`` (Linux /proc): the online trainer process, if any."""
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    out = []
+    for k in kids:
+        try:
+            with open(f"/proc/{k}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():  # not the resource tracker
+                    out.append(k)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _metrics(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=10).text
     return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def test_serve_online_publishes_swaps_and_stays_lossless(reference, tmp_path):
+@pytest.mark.parametrize("trainer", ["thread", "process"])
+def test_serve_online_publishes_swaps_and_stays_lossless(reference, tmp_path, trainer):
     ids, expected = reference
-    proc, url = _start(tmp_path / "versions")
+    proc, url = _start(tmp_path / "versions", trainer)
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
     def ask(i: int) -> tuple[int, str]:
@@ -87,8 +114,12 @@ def test_serve_online_publishes_swaps_and_stays_lossless(reference, tmp_path):
         assert 1.0 <= after["adaflash_spec_decode_tau"] <= after["adaflash_spec_decode_mean_verify_length"]
         with ThreadPoolExecutor(4) as pool:  # one more update's worth of requests: SIGTERM may land mid-update
             list(pool.map(ask, range(4)))
+        trainers = _spawned_children(proc.pid)
+        assert len(trainers) == (trainer == "process"), trainers
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+        time.sleep(1.0)  # the trainer process, if any, is stopped by the server before it exits
+        assert not [pid for pid in trainers if _alive(pid)], trainers
     finally:
         if proc.poll() is None:
             proc.kill()

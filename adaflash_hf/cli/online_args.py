@@ -40,6 +40,9 @@ def add_online_args(g, method_flag: str = "--method", output_required: bool = Tr
     add("--train-share", type=number(float, lambda v: 0 < v <= 1, "a number in (0, 1]"), default=train_share,
         help="the most of the wall clock an update may train (it sleeps between steps, so serving beside it "
              f"loses less; default: {'1.0' if train_share is None else train_share})")
+    add("--trainer", choices=("thread", "process"), default=None,
+        help="where an update trains: a thread of this process (default) or a child process sharing the models' "
+             "memory, so that its Python never holds the serving loop's interpreter lock")
     add("--layout", choices=("native", "dflash"), default="native", help="version layout (dflash: what SGLang / vLLM load)")
     add("--keep-versions", type=positive_int, default=None, help="rolling window of versions kept on disk")
     add("--guard-samples", type=nonneg_int, default=None,
@@ -83,7 +86,7 @@ def online_config(args):
     from ..online import OnlineConfig
 
     flags = {"sample_unit": args.sample_unit, "samples_per_update": args.samples_per_update, "epochs": args.epochs,
-             "batch_size": args.train_batch_size, "lr": args.lr, "head_lr": args.head_lr, "train_share": args.train_share, "keep_versions": args.keep_versions,
+             "batch_size": args.train_batch_size, "lr": args.lr, "head_lr": args.head_lr, "train_share": args.train_share, "trainer": args.trainer, "keep_versions": args.keep_versions,
              "guard_samples": args.guard_samples, "guard_margin": args.guard_margin, "rollback_rounds": args.rollback_rounds,
              "rollback_margin": args.rollback_margin}
     return OnlineConfig(

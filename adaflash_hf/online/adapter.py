@@ -63,6 +63,7 @@ from .hub import redact
 from .lock import RoundLock
 from .publish import VersionPublisher
 from .update_loop import UpdateLoop, UpdateRecord
+from .trainer_process import ProcessTrainer
 from .worker import NonFiniteLossError, ShadowTrainer, copy_drafter
 
 _MAX_OPEN_ROWS = 4096  # requests in flight whose served rounds are kept
@@ -119,7 +120,7 @@ class OnlineAdapter(UpdateLoop):
             if config.output_dir else None
         )  # fmt: skip
         self.hub = self.publisher.hub if self.publisher is not None else None
-        self.worker = ShadowTrainer(drafter, target, config)
+        self.worker = (ProcessTrainer if config.trainer == "process" else ShadowTrainer)(drafter, target, config)
         self.guard = UpdateGuard(config)
         self.device = self.worker.device
 
@@ -370,6 +371,7 @@ class OnlineAdapter(UpdateLoop):
         if self._thread is not None:
             self._thread.join(timeout)
             done = done and not self._thread.is_alive()
+        self.worker.close()
         unregister_hooks(self.drafter, self._hooks)
         if self.publisher is not None:
             done = self.publisher.close(hub_timeout) and done

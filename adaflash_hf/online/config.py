@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LABEL_MODES", "METHODS", "SAMPLE_UNITS", "OnlineConfig"]
+__all__ = ["LABEL_MODES", "METHODS", "SAMPLE_UNITS", "TRAINERS", "OnlineConfig"]
 
 METHODS = ("opd", "osd", "off")
 # Where a round sample's per-slot labels come from. "verified": the verify forward, free, but only
@@ -30,6 +30,8 @@ LABEL_MODES = ("verified", "rollout")
 # "round": one verified round, a single block supervised by its verify forward.
 SAMPLE_UNITS = ("request", "round")
 LAYOUTS = ("native", "dflash")
+# Where an update trains: a thread of the serving process, or a child process (online/trainer_process.py).
+TRAINERS = ("thread", "process")
 
 
 @dataclass
@@ -64,6 +66,10 @@ class OnlineConfig:
             (default): for OPD only, as the paper. Set it to compare objectives on the same blocks.
         label_mode: round samples only: ``"verified"`` (labels up to the first rejection) or
             ``"rollout"`` (every slot, along the target's own greedy continuation).
+        trainer: ``"thread"`` (default) trains in a thread of the serving process; ``"process"`` in a child
+            process that shares the target's and the drafter's memory (:mod:`~adaflash_hf.online.trainer_process`),
+            so that the update's Python never holds the serving loop's interpreter lock; the guard, swap and
+            publishing stay in the serving process either way.
         train_dtype: the shadow's dtype (default: fp32 master weights for a bf16 / fp16 drafter).
         device: where the shadow trains (default: the drafter's device).
         seed: shuffling seed.
@@ -131,6 +137,7 @@ class OnlineConfig:
     served_anchors: bool | None = None
     max_anchors: int = 512
     label_mode: str = "verified"
+    trainer: str = "thread"
     train_dtype: torch.dtype | None = None
     device: torch.device | str | None = None
     seed: int = 0
@@ -156,7 +163,8 @@ class OnlineConfig:
     rollback_margin: float = 0.1
 
     def __post_init__(self):
-        for name, allowed in (("method", METHODS), ("sample_unit", SAMPLE_UNITS), ("label_mode", LABEL_MODES)):
+        for name, allowed in (("method", METHODS), ("sample_unit", SAMPLE_UNITS), ("label_mode", LABEL_MODES),
+                              ("trainer", TRAINERS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if int(self.warmup_steps) < 0:

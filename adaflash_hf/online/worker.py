@@ -130,6 +130,10 @@ class ShadowTrainer:
         """Drop the shadow and its optimizer (rebuilt from the serving weights next time)."""
         self.shadow, self.optimizer, self.scheduler = None, None, None
 
+    def close(self) -> None:
+        """Release what the trainer holds beyond its shadow (nothing here; a child process in
+        :class:`~adaflash_hf.online.trainer_process.ProcessTrainer`)."""
+
     # ------------------------------------------------------------------ the target's side
     @torch.no_grad()
     def target_pass(self, s: Sample) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -1,0 +1,185 @@
+"""Training an online update in a second process, so that its Python never holds the serving loop's GIL.
+
+With ``OnlineConfig(trainer="process")`` the adapter's worker thread hands each update's samples to a child process
+(spawned at the first update) that trains the shadow there and sends its weights back; the guard, the swap, the
+rollback and publishing stay in the serving process exactly as with ``trainer="thread"``, on a local shadow that
+receives the child's weights after every update. The child is given the target and the serving drafter through
+``torch.multiprocessing``, which shares their storage (CUDA IPC on GPU, shared memory on CPU) instead of copying
+it, so a second target costs no memory; it rebuilds its shadow from the serving weights whenever the adapter's
+own is reset (a refusal, a rollback, a failure).
+
+Why: on an H200 an update trained in a thread beside the engine cost serving 40% of its tok/s while the GPU was
+20-40% busy (BENCHMARKS section 3): the loss is the one interpreter both Python loops share, not the GPU.
+
+The spawned child imports the program's main module, as every ``multiprocessing`` spawn does: a script that makes
+an adapter with ``trainer="process"`` keeps its entry point under ``if __name__ == "__main__":``.
+
+Example:
+    >>> adapter = OnlineAdapter(drafter, target, OnlineConfig(trainer="process"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from itertools import chain
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from .buffer import Sample
+from .config import OnlineConfig
+from .worker import NonFiniteLossError, ShadowTrainer, UpdateAbandoned
+
+__all__ = ["ProcessTrainer"]
+
+logger = logging.getLogger("adaflash_hf.online")
+
+_POLL_S = 0.05  # how often the waiting worker thread checks for a close or a dead child
+
+
+class ProcessTrainer(ShadowTrainer):
+    """A :class:`ShadowTrainer` whose :meth:`train` runs in a child process (module doc); everything else (the
+    guard's measurements, the shadow that is swapped in, kept aside or published) runs here as before."""
+
+    def __init__(self, drafter, target, config: OnlineConfig):
+        super().__init__(drafter, target, config)
+        self.process: mp.Process | None = None
+        self._conn = None
+        self._stop = None
+        self._child_fresh = True  # the child must rebuild its shadow from the serving weights
+
+    def reset(self) -> None:
+        super().reset()
+        self._child_fresh = True
+
+    def _start_child(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self._stop = ctx.Event()
+        config = self.config.replace(device=self.device, output_dir=None, hub_repo=None)  # train on this device
+        self.process = ctx.Process(target=_child_main, name="adaflash-online-trainer", daemon=True,
+                                   args=(child_conn, self._stop, portable(self.drafter), portable(self.target), config))
+        self.process.start()
+        child_conn.close()
+        self._child_fresh = True
+
+    def train(self, samples: list[Sample], update_index: int, should_stop=lambda: False) -> dict:
+        shadow, _ = self.ensure_shadow()  # the local copy that receives the child's weights
+        if self.process is None or not self.process.is_alive():
+            self._start_child()
+        self._stop.clear()
+        self._conn.send(("train", samples, update_index, self._child_fresh))
+        kind, payload = self._reply(should_stop)
+        if kind == "ok":
+            result, state = payload
+            with torch.no_grad():
+                for name, t in shadow.state_dict().items():
+                    t.copy_(state[name])
+            self._child_fresh = False
+            return result
+        self.reset()
+        if kind == "abandoned":
+            raise UpdateAbandoned("the adapter is closing")
+        if kind == "nonfinite":
+            raise NonFiniteLossError(payload)
+        raise RuntimeError(f"the online trainer process failed: {payload}")
+
+    def _reply(self, should_stop) -> tuple[str, object]:
+        """The child's answer to one update; a close asks it to stop at its next step; a dead child is a failure
+        (the next update starts a new one)."""
+        while not self._conn.poll(_POLL_S):
+            if should_stop():
+                self._stop.set()
+            if not self.process.is_alive():
+                break
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self.process.join(5)
+            code = self.process.exitcode
+            self._drop_child()
+            return "died", f"it died during the update (exit code {code})"
+
+    def _drop_child(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+        if self.process is not None:
+            self.process.join(5)
+        self.process, self._child_fresh = None, True
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Stop the child: asked first, killed after ``timeout`` seconds."""
+        if self.process is None:
+            return
+        try:
+            self._stop.set()
+            self._conn.send(("close",))
+        except (OSError, ValueError):
+            pass
+        self.process.join(timeout)
+        self._drop_child()
+
+
+def portable(model: nn.Module) -> tuple:
+    """``(class, config, tensors)``: what rebuilds ``model`` in another process around the same memory
+    (:func:`rebuild`). Its runtime state stays behind: transformers' output-capturing hooks are local functions that
+    pickle refuses, and a compiled or hooked module is not the object to train from anyway."""
+    named = chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+    return type(model), model.config, {name: t.detach() for name, t in named}
+
+
+def rebuild(cls, config, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """The model :func:`portable` described, built on the meta device and given the shared tensors (no copy), in
+    eval mode and frozen."""
+    with torch.device("meta"):
+        model = cls(config)
+    for name, t in tensors.items():
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if leaf in module._parameters:
+            module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+        else:
+            module._buffers[leaf] = t
+    missing = [n for n, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if missing:
+        raise RuntimeError(f"{cls.__name__} rebuilt without tensors for {missing[:5]}")
+    return model.eval().requires_grad_(False)
+
+
+def _child_main(conn, stop, drafter, target, config: OnlineConfig) -> None:
+    """The child's loop: one update per message until ``close`` or the parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the parent decides
+    parent = os.getppid()
+    target = rebuild(*target)
+    trainer = ShadowTrainer(rebuild(*drafter).bind_target(target), target, config)
+    while True:
+        if not conn.poll(1.0):
+            if os.getppid() != parent:
+                return
+            continue
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message[0] == "close":
+            return
+        _, samples, update_index, fresh = message
+        if fresh:
+            trainer.reset()
+        try:
+            result = trainer.train(samples, update_index, should_stop=stop.is_set)
+            state = {k: v.detach().to("cpu", copy=True) for k, v in trainer.shadow.state_dict().items()}
+            reply = ("ok", (result, state))
+        except UpdateAbandoned:
+            reply = ("abandoned", None)
+        except NonFiniteLossError as e:
+            reply = ("nonfinite", str(e))
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the update
+            logger.exception("online trainer process: the update failed")
+            reply = ("error", f"{type(e).__name__}: {e}")
+        if reply[0] != "ok":
+            trainer.reset()
+        conn.send(reply)

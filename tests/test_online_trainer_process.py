@@ -1,0 +1,94 @@
+"""Online updates trained in a child process (`OnlineConfig(trainer="process")`, online/trainer_process.py): the same
+weights as the thread, identity with plain greedy after the swap, a close mid-update, a child that dies. CPU, the
+tiny seeded pair of online_helpers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from adaflash_hf.online import OnlineAdapter, OnlineConfig
+from online_helpers import fresh_drafter, greedy, pair, prompts, real_requests, same, snapshot  # noqa: F401 (pair: a fixture)
+
+
+def _wait(condition, timeout=60.0):
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+def _trained(target, trainer: str, reqs, **settings):
+    d = fresh_drafter(target)
+    adapter = OnlineAdapter(d, target, trainer=trainer, samples_per_update=1000, epochs=2, lr=1e-2, head_lr=1e-2,
+                            **settings)  # fmt: skip
+    try:
+        for r in reqs:
+            adapter.on_request(r)
+        assert adapter.flush(120)
+        return d, adapter.stats
+    finally:
+        adapter.close()
+
+
+@pytest.mark.parametrize("method", ["opd", "osd"])
+def test_a_child_process_trains_the_weights_a_thread_does(pair, method):
+    reqs = real_requests(pair, fresh_drafter(pair))
+    by_thread, stats_t = _trained(pair, "thread", reqs, method=method, served_anchors=True)
+    by_child, stats_p = _trained(pair, "process", reqs, method=method, served_anchors=True)
+    assert stats_t["updates"] == stats_p["updates"] == 1 and stats_p["failures"] == 0
+    start = snapshot(fresh_drafter(pair))
+    assert not same(start, snapshot(by_child))  # the control: the update moved the weights
+    for name, t in snapshot(by_thread).items():
+        torch.testing.assert_close(snapshot(by_child)[name], t, rtol=1e-5, atol=1e-6, msg=name)
+    ids, mask, _ = prompts(7)
+    assert torch.equal(greedy(pair, ids, mask, assistant_model=by_child), greedy(pair, ids, mask))
+
+
+def test_closing_mid_update_stops_the_child_and_keeps_the_serving_weights(pair):
+    d = fresh_drafter(pair)
+    reqs = real_requests(pair, d)
+    good = snapshot(d)
+    adapter = OnlineAdapter(d, pair, trainer="process", samples_per_update=len(reqs), epochs=10_000, lr=1e-2)
+    for r in reqs:
+        adapter.on_request(r)
+    _wait(lambda: adapter.worker.process is not None and adapter.worker.process.is_alive())
+    child = adapter.worker.process
+    t0 = time.monotonic()
+    assert adapter.close(abandon=True, timeout=60)
+    assert time.monotonic() - t0 < 30 and not child.is_alive() and adapter.worker.process is None
+    assert adapter.stats["updates"] == 0 and adapter.stats["failures"] == 0 and same(good, snapshot(d))
+
+
+def test_a_child_that_dies_fails_its_update_and_the_next_update_starts_another(pair):
+    d = fresh_drafter(pair)
+    reqs = real_requests(pair, d)
+    good = snapshot(d)
+    adapter = OnlineAdapter(d, pair, trainer="process", samples_per_update=len(reqs), epochs=10_000, lr=1e-2)
+    try:
+        for r in reqs:
+            adapter.on_request(r)
+        _wait(lambda: adapter.worker.process is not None and adapter.worker.process.is_alive())
+        first = adapter.worker.process
+        time.sleep(1.0)  # inside the update
+        os.kill(first.pid, signal.SIGKILL)
+        _wait(lambda: adapter.stats["failures"] == 1)
+        assert adapter.stats["updates"] == 0 and same(good, snapshot(d)) and "died during the update (exit code -9)" in adapter.last_error
+        adapter.config.epochs = 1  # read by the next child when it starts
+        for r in reqs:
+            adapter.on_request(r)
+        assert adapter.flush(120) and adapter.stats["updates"] == 1 and not same(good, snapshot(d))
+        assert adapter.worker.process is not first and adapter.worker.process.is_alive()
+    finally:
+        adapter.close()
+    assert adapter.worker.process is None
+
+
+def test_the_trainer_setting_is_checked():
+    assert OnlineConfig(trainer="process").trainer == "process"
+    with pytest.raises(ValueError, match="trainer must be one of"):
+        OnlineConfig(trainer="fork")
