@@ -57,6 +57,22 @@ def test_replay_is_lossless_and_follows_the_trace(replay_pair, mode, graphs):
                     assert v == plan.accepted + 1
 
 
+def test_every_run_of_the_same_prompts_replays_the_same_rounds(replay_pair):
+    # An engine reused for a second run numbers its requests on, and a second engine starts from 0: both must walk the
+    # same recorded rounds per prompt, or two modes compared at one concurrency replay different requests.
+    target, drafter, prompts, refs = replay_pair
+    trace = RecordedTrace([TraceRound(a, 0.5) for a in (0, 7, 3, 1, 6, 2, 5, 4)], RATE1, sequences=[1, 2, 3, 2])
+    replay = DraftReplay(refs, trace, seed=2)
+    eng = Engine(target, **layout_args(drafter, "fixed"), max_slots=3, max_len=48, token_budget=64, draft_replay=replay)
+    runs = [eng.generate(prompts, max_new_tokens=MAX_NEW) for _ in range(2)]
+    runs.append(Engine(target, **layout_args(drafter, "fixed"), max_slots=3, max_len=48, token_budget=64,
+                       draft_replay=DraftReplay(refs, trace, seed=2)).generate(prompts[::-1], max_new_tokens=MAX_NEW)[::-1])
+    assert runs[0][0].request_id != runs[1][0].request_id  # the ids moved on
+    for run in runs[1:]:
+        assert [o.accepted for o in run] == [o.accepted for o in runs[0]]
+    assert len({tuple(o.accepted) for o in runs[0]}) > 1  # the control: different prompts walk different rounds
+
+
 @pytest.mark.parametrize("accepted", [0, 2, B - 1])
 def test_recorded_trace_sets_tau_exactly(replay_pair, accepted):
     outs, _ = _run(replay_pair, "fixed", RecordedTrace([TraceRound(accepted, 1.0)], RATE1))

@@ -282,8 +282,10 @@ class DraftReplay:
     """Makes the engine's drafts and length-head ratios follow a trace (``Engine(draft_replay=...)``).
 
     ``references[tuple(prompt)]``: the plain greedy continuation of each prompt (at least as long as its
-    ``max_new_tokens``). Per request and round the next round of the request's ``trace.stream`` (seeded per request
-    id, so two engines given the same submissions replay the same rounds); :meth:`ratios` replaces the
+    ``max_new_tokens``). Per request and round the next round of the request's ``trace.stream`` (seeded by the
+    prompt's place among ``references``, so that every engine, run and mode given the same prompts replays the same
+    rounds: engines reused across runs number their requests on, and a stream seeded by request id would give two modes
+    compared at one concurrency different recorded requests); :meth:`ratios` replaces the
     head's ratios, :meth:`drafts` the drafted tokens. ``planned[(request id, round)]`` keeps each draw
     (``round``: the request's verify rounds so far), which a check compares with what was accepted.
     Greedy requests only: under sampling the target's accepted tokens are not the precomputed ones.
@@ -296,6 +298,7 @@ class DraftReplay:
         self._streams: dict[int, object] = {}  # per request id: its trace stream
         self._streams_of = trace
         self._refs: dict[int, list[int]] = {}  # per request id: its prompt's reference (hashing a prompt per round costs)
+        self._place = {prompt: i for i, prompt in enumerate(references)}  # seeds each prompt's stream
 
     def _round(self, r, block_size: int) -> TraceRound:
         key = (r.id, len(r.accepted))
@@ -307,7 +310,8 @@ class DraftReplay:
                 self._streams, self._streams_of = {}, self.trace
             stream = self._streams.get(r.id)
             if stream is None:
-                stream = self._streams[r.id] = self.trace.stream(random.Random(self.seed * 1_000_003 + r.id), block_size)
+                place = self._place.get(tuple(r.prompt), len(self._place) + r.id)
+                stream = self._streams[r.id] = self.trace.stream(random.Random(self.seed * 1_000_003 + place), block_size)
             plan = self.planned[key] = next(stream)
         return plan
 
