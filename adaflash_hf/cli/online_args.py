@@ -11,12 +11,16 @@ from ..loading import HUB_ID, UsageError
 from .common import nonneg_float, nonneg_int, number, positive_float, positive_int
 
 
-SERVE_TRAIN_SHARE = 0.25  # a server keeps most of its throughput while it learns (BENCHMARKS section 3)
+# A server keeps its throughput while it learns: on an H200, serving beside an update kept 0.98x of its tok/s with
+# these two, 0.85x training in a thread at the same share (BENCHMARKS section 3, "What learning costs a server").
+SERVE_TRAIN_SHARE = 0.25
+SERVE_TRAINER = "process"
 
 
-def add_online_args(g, method_flag: str = "--method", output_required: bool = True, train_share: float | None = None) -> None:
+def add_online_args(g, method_flag: str = "--method", output_required: bool = True, train_share: float | None = None,
+                    trainer: str | None = None) -> None:
     """Add the adapter's flags to the argparse group ``g`` (``method_flag``: its name for the method;
-    ``train_share``: the default of --train-share, ``None`` for OnlineConfig's)."""
+    ``train_share`` / ``trainer``: the defaults of --train-share / --trainer, ``None`` for OnlineConfig's)."""
     _DEFAULTS.clear()
 
     def add(*flags, **kwargs):  # remembers each flag's default, for online_flags_given
@@ -40,9 +44,9 @@ def add_online_args(g, method_flag: str = "--method", output_required: bool = Tr
     add("--train-share", type=number(float, lambda v: 0 < v <= 1, "a number in (0, 1]"), default=train_share,
         help="the most of the wall clock an update may train (it sleeps between steps, so serving beside it "
              f"loses less; default: {'1.0' if train_share is None else train_share})")
-    add("--trainer", choices=("thread", "process"), default=None,
-        help="where an update trains: a thread of this process (default) or a child process sharing the models' "
-             "memory, so that its Python never holds the serving loop's interpreter lock")
+    add("--trainer", choices=("thread", "process"), default=trainer,
+        help="where an update trains: a thread of this process or a child process sharing the models' memory, so "
+             f"that its Python never holds the serving loop's interpreter lock (default: {trainer or 'thread'})")
     add("--layout", choices=("native", "dflash"), default="native", help="version layout (dflash: what SGLang / vLLM load)")
     add("--keep-versions", type=positive_int, default=None, help="rolling window of versions kept on disk")
     add("--guard-samples", type=nonneg_int, default=None,

@@ -9,7 +9,7 @@ import sys
 from ..loading import UsageError, check_drafter_path, check_target_path, one_line
 from ..speculation.policy import ENGINE_POLICIES
 from .common import PROG, add_model_args, check_either_reference, load_models_from_args, number, positive_int
-from .online_args import SERVE_TRAIN_SHARE, add_online_args, check_online_args, online_config, online_flags_given
+from .online_args import SERVE_TRAIN_SHARE, SERVE_TRAINER, add_online_args, check_online_args, online_config, online_flags_given
 
 seconds = number(float, lambda v: v >= 0, "a number of seconds >= 0")
 API_KEY_ENV = "ADAFLASH_API_KEY"  # as vLLM reads VLLM_API_KEY
@@ -79,9 +79,10 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("online adaptation (--online)")
     g.add_argument("--online", action="store_true",
                    help="distil the drafter from the target's verification of the traffic while serving: updates train "
-                        "on a worker thread (a side CUDA stream on GPU), are swapped in between rounds and published as "
-                        "numbered versions (--output-dir); answers stay the target's own")
-    add_online_args(g, method_flag="--online-method", output_required=False, train_share=SERVE_TRAIN_SHARE)
+                        "in a child process (--trainer), are swapped in between rounds and published as numbered "
+                        "versions (--output-dir); answers stay the target's own")
+    add_online_args(g, method_flag="--online-method", output_required=False, train_share=SERVE_TRAIN_SHARE,
+                    trainer=SERVE_TRAINER)
 
 
 def _check_models(args) -> bool:

@@ -149,12 +149,16 @@ def rebuild(cls, config, tensors: dict[str, torch.Tensor]) -> nn.Module:
     return model.eval().requires_grad_(False)
 
 
-def _child_main(conn, stop, drafter, target, config: OnlineConfig) -> None:
+def _child_main(conn, stop, drafter_parts, target_parts, config: OnlineConfig) -> None:
     """The child's loop: one update per message until ``close`` or the parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the parent decides
     parent = os.getppid()
-    target = rebuild(*target)
-    trainer = ShadowTrainer(rebuild(*drafter).bind_target(target), target, config)
+    target, drafter = rebuild(*target_parts), rebuild(*drafter_parts)
+    for _, _, tensors in (target_parts, drafter_parts):
+        # The Process object keeps its arguments until exit: emptied here, the shared tensors are released with the
+        # models when this function returns, not at interpreter teardown (where CUDA IPC warns of unreleased memory).
+        tensors.clear()
+    trainer = ShadowTrainer(drafter.bind_target(target), target, config)
     while True:
         if not conn.poll(1.0):
             if os.getppid() != parent:
