@@ -3,7 +3,7 @@
 - :class:`OnlineAdapter` (``adapter.py``): the `RoundSink` that buffers finished requests (or
   verified rounds) and swaps trained weights in between rounds; :class:`OnlineConfig`
   (``config.py``) holds its settings; ``worker.py`` trains the shadow drafter in the background
-  through the offline training objective; ``guard.py`` swaps an update in only if it does not lower
+  through the offline training objective, in a thread or (``trainer_process.py``) a child process; ``guard.py`` swaps an update in only if it does not lower
   acceptance on held-back requests, and rolls a swap back when served tau falls after it; ``lock.py``
   is the round lock.
 - :class:`ReplayBuffer` (``buffer.py``): bounded by samples and bytes; what a sample costs.
