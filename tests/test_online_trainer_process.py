@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from adaflash_hf.online import OnlineAdapter, OnlineConfig
-from online_helpers import fresh_drafter, greedy, pair, prompts, real_requests, same, snapshot  # noqa: F401 (pair: a fixture)
+from online_helpers import fresh_drafter, greedy, pair, prompts, real_requests, real_rounds, same, snapshot  # noqa: F401 (pair: a fixture)
 
 
 def _wait(condition, timeout=60.0):
@@ -22,24 +22,25 @@ def _wait(condition, timeout=60.0):
         time.sleep(0.02)
 
 
-def _trained(target, trainer: str, reqs, **settings):
+def _trained(target, trainer: str, samples, **settings):
     d = fresh_drafter(target)
     adapter = OnlineAdapter(d, target, trainer=trainer, samples_per_update=1000, epochs=2, lr=1e-2, head_lr=1e-2,
                             **settings)  # fmt: skip
     try:
-        for r in reqs:
-            adapter.on_request(r)
+        for x in samples:
+            adapter.on_round(x) if settings.get("sample_unit") == "round" else adapter.on_request(x)
         assert adapter.flush(120)
         return d, adapter.stats
     finally:
         adapter.close()
 
 
-@pytest.mark.parametrize("method", ["opd", "osd"])
-def test_a_child_process_trains_the_weights_a_thread_does(pair, method):
-    reqs = real_requests(pair, fresh_drafter(pair))
-    by_thread, stats_t = _trained(pair, "thread", reqs, method=method, served_anchors=True)
-    by_child, stats_p = _trained(pair, "process", reqs, method=method, served_anchors=True)
+@pytest.mark.parametrize("method,unit", [("opd", "request"), ("osd", "request"), ("opd", "round")])
+def test_a_child_process_trains_the_weights_a_thread_does(pair, method, unit):
+    samples = real_requests(pair, fresh_drafter(pair)) if unit == "request" else real_rounds(pair, fresh_drafter(pair))
+    settings = dict(method=method, sample_unit=unit) | ({"served_anchors": True} if unit == "request" else {})
+    by_thread, stats_t = _trained(pair, "thread", samples, **settings)
+    by_child, stats_p = _trained(pair, "process", samples, **settings)
     assert stats_t["updates"] == stats_p["updates"] == 1 and stats_p["failures"] == 0
     start = snapshot(fresh_drafter(pair))
     assert not same(start, snapshot(by_child))  # the control: the update moved the weights

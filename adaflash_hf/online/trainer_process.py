@@ -61,7 +61,8 @@ class ProcessTrainer(ShadowTrainer):
         self._stop = ctx.Event()
         config = self.config.replace(device=self.device, output_dir=None, hub_repo=None)  # train on this device
         self.process = ctx.Process(target=_child_main, name="adaflash-online-trainer", daemon=True,
-                                   args=(child_conn, self._stop, portable(self.drafter), portable(self.target), config))
+                                   args=(child_conn, self._stop, portable(self.drafter), portable(self.target), config,
+                                         torch.get_num_threads()))
         self.process.start()
         child_conn.close()
         self._child_fresh = True
@@ -149,9 +150,10 @@ def rebuild(cls, config, tensors: dict[str, torch.Tensor]) -> nn.Module:
     return model.eval().requires_grad_(False)
 
 
-def _child_main(conn, stop, drafter_parts, target_parts, config: OnlineConfig) -> None:
+def _child_main(conn, stop, drafter_parts, target_parts, config: OnlineConfig, threads: int) -> None:
     """The child's loop: one update per message until ``close`` or the parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the parent decides
+    torch.set_num_threads(threads)  # the serving process's CPU threads, not a second full set beside it
     parent = os.getppid()
     target, drafter = rebuild(*target_parts), rebuild(*drafter_parts)
     for _, _, tensors in (target_parts, drafter_parts):
