@@ -7,6 +7,7 @@ was in progress at its start or end. Writes ``serving_cost.json`` (per chunk: re
 whether an update was training, updates so far) and ``serving_cost.png`` (tok/s and tau per chunk, both runs).
 
     python examples/online_serving_cost.py --dataset alpaca_eval --requests 2048 --out $OUT/cost
+    python examples/online_serving_cost.py --methods off,opd@0.25,opd@0.25+process   # thread vs child process
     python examples/online_serving_cost.py --smoke          # CPU: built-in prompts, 12 requests, an update every 4
 """
 
