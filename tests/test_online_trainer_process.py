@@ -89,6 +89,28 @@ def test_a_child_that_dies_fails_its_update_and_the_next_update_starts_another(p
     assert adapter.worker.process is None
 
 
+def test_a_child_that_cannot_start_fails_the_update_and_the_next_one_retries(pair, monkeypatch):
+    import adaflash_hf.online.trainer_process as tp
+
+    d = fresh_drafter(pair)
+    reqs = real_requests(pair, d)
+    adapter = OnlineAdapter(d, pair, trainer="process", samples_per_update=len(reqs), epochs=1, lr=1e-2)
+    real = tp.portable
+    try:
+        monkeypatch.setattr(tp, "portable", lambda model: (_ for _ in ()).throw(RuntimeError("no shared memory")))
+        for r in reqs:
+            adapter.on_request(r)
+        _wait(lambda: adapter.stats["failures"] == 1)
+        assert adapter.worker.process is None and "no shared memory" in adapter.last_error
+        monkeypatch.setattr(tp, "portable", real)
+        for r in reqs:
+            adapter.on_request(r)
+        assert adapter.flush(120) and adapter.stats["updates"] == 1
+    finally:
+        adapter.close()
+    assert adapter.worker.process is None
+
+
 def test_the_trainer_setting_is_checked():
     assert OnlineConfig(trainer="process").trainer == "process"
     with pytest.raises(ValueError, match="trainer must be one of"):

@@ -60,12 +60,14 @@ class ProcessTrainer(ShadowTrainer):
         self._conn, child_conn = ctx.Pipe()
         self._stop = ctx.Event()
         config = self.config.replace(device=self.device, output_dir=None, hub_repo=None)  # train on this device
-        self.process = ctx.Process(target=_child_main, name="adaflash-online-trainer", daemon=True,
-                                   args=(child_conn, self._stop, portable(self.drafter), portable(self.target), config,
-                                         torch.get_num_threads()))
-        self.process.start()
-        child_conn.close()
-        self._child_fresh = True
+        process = ctx.Process(target=_child_main, name="adaflash-online-trainer", daemon=True,
+                              args=(child_conn, self._stop, portable(self.drafter), portable(self.target), config,
+                                    torch.get_num_threads()))
+        try:
+            process.start()  # pickles the models' tensors: a failure here fails the update, nothing is left started
+        finally:
+            child_conn.close()
+        self.process, self._child_fresh = process, True
 
     def train(self, samples: list[Sample], update_index: int, should_stop=lambda: False) -> dict:
         shadow, _ = self.ensure_shadow()  # the local copy that receives the child's weights
