@@ -107,6 +107,35 @@ def test_serve_length_policies_are_the_engines():
     assert p.parse_args([]).length_policy is None and not p.parse_args([]).plain
 
 
+class _On:
+    """A stand-in drafter whose parameters live on ``device`` (no GPU needed to test the choice)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+
+    def parameters(self):
+        yield self  # what online_config reads of a parameter: its .device
+
+
+@pytest.mark.parametrize("flags,device,expected", [
+    ([], "cpu", "thread"),                            # serve's default, auto: a thread on the CPU
+    ([], "cuda", "process"),                          # ... a child process on CUDA
+    ([], None, "thread"),                             # the flags' own check, before any model loads
+    (["--trainer", "thread"], "cuda", "thread"),      # asked for: kept
+    (["--trainer", "process"], "cpu", "process"),
+])
+def test_serve_trainer_auto_follows_the_drafters_device(flags, device, expected):
+    import argparse
+
+    from adaflash_hf.cli.online_args import online_config
+    from adaflash_hf.cli.serve import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--online", *flags])
+    assert online_config(args, None if device is None else _On(device)).trainer == expected
+
+
 def test_no_command_prints_help(capsys):
     rc, out, _ = run([], capsys)
     assert rc == 0 and "usage: adaflash" in out

@@ -58,7 +58,7 @@ def _records(args) -> list[dict]:
 def _adapter(args, target, drafter):
     from ..online import OnlineAdapter
 
-    return OnlineAdapter(drafter, target, online_config(args))
+    return OnlineAdapter(drafter, target, online_config(args, drafter))
 
 
 def _serve(args, records, target, drafter, tok, adapter) -> int:

@@ -13,8 +13,10 @@ from .common import nonneg_float, nonneg_int, number, positive_float, positive_i
 
 # A server keeps its throughput while it learns: on an H200, serving beside an update kept 0.98x of its tok/s with
 # these two, 0.85x training in a thread at the same share (BENCHMARKS section 3, "What learning costs a server").
+# "auto": a child process on CUDA (shared through CUDA IPC); on the CPU a thread, since sharing CPU tensors goes
+# through /dev/shm, which containers often keep small, and the measurement was a GPU's.
 SERVE_TRAIN_SHARE = 0.25
-SERVE_TRAINER = "process"
+SERVE_TRAINER = "auto"
 
 
 def add_online_args(g, method_flag: str = "--method", output_required: bool = True, train_share: float | None = None,
@@ -44,9 +46,10 @@ def add_online_args(g, method_flag: str = "--method", output_required: bool = Tr
     add("--train-share", type=number(float, lambda v: 0 < v <= 1, "a number in (0, 1]"), default=train_share,
         help="the most of the wall clock an update may train (it sleeps between steps, so serving beside it "
              f"loses less; default: {'1.0' if train_share is None else train_share})")
-    add("--trainer", choices=("thread", "process"), default=trainer,
+    add("--trainer", choices=("thread", "process", "auto"), default=trainer,
         help="where an update trains: a thread of this process or a child process sharing the models' memory, so "
-             f"that its Python never holds the serving loop's interpreter lock (default: {trainer or 'thread'})")
+             "that its Python never holds the serving loop's interpreter lock; auto: a process when the drafter is "
+             f"on CUDA, else a thread (default: {trainer or 'thread'})")
     add("--layout", choices=("native", "dflash"), default="native", help="version layout (dflash: what SGLang / vLLM load)")
     add("--keep-versions", type=positive_int, default=None, help="rolling window of versions kept on disk")
     add("--guard-samples", type=nonneg_int, default=None,
@@ -85,12 +88,18 @@ def check_online_args(args) -> None:
         raise UsageError(f"online adaptation flags: {e}", "see the flags' --help") from None
 
 
-def online_config(args):
-    """The :class:`OnlineConfig` the flags describe (unset flags: its defaults)."""
+def online_config(args, drafter=None):
+    """The :class:`OnlineConfig` the flags describe (unset flags: its defaults); ``--trainer auto`` is resolved by
+    ``drafter``'s device (a thread when no drafter is given: the flags' own check, before anything loads)."""
     from ..online import OnlineConfig
 
+    trainer = args.trainer
+    if trainer == "auto":
+        on_cuda = drafter is not None and next(drafter.parameters()).device.type == "cuda"
+        trainer = "process" if on_cuda else "thread"
+
     flags = {"sample_unit": args.sample_unit, "samples_per_update": args.samples_per_update, "epochs": args.epochs,
-             "batch_size": args.train_batch_size, "lr": args.lr, "head_lr": args.head_lr, "train_share": args.train_share, "trainer": args.trainer, "keep_versions": args.keep_versions,
+             "batch_size": args.train_batch_size, "lr": args.lr, "head_lr": args.head_lr, "train_share": args.train_share, "trainer": trainer, "keep_versions": args.keep_versions,
              "guard_samples": args.guard_samples, "guard_margin": args.guard_margin, "rollback_rounds": args.rollback_rounds,
              "rollback_margin": args.rollback_margin}
     return OnlineConfig(

@@ -79,8 +79,8 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("online adaptation (--online)")
     g.add_argument("--online", action="store_true",
                    help="distil the drafter from the target's verification of the traffic while serving: updates train "
-                        "in a child process (--trainer), are swapped in between rounds and published as numbered "
-                        "versions (--output-dir); answers stay the target's own")
+                        "in a child process on CUDA, a thread on the CPU (--trainer), are swapped in between rounds and "
+                        "published as numbered versions (--output-dir); answers stay the target's own")
     add_online_args(g, method_flag="--online-method", output_required=False, train_share=SERVE_TRAIN_SHARE,
                     trainer=SERVE_TRAINER)
 
@@ -121,7 +121,7 @@ def _service(args, need_drafter: bool):
     if args.online:
         from ..online import OnlineAdapter
 
-        adapter = OnlineAdapter(drafter, target, online_config(args))
+        adapter = OnlineAdapter(drafter, target, online_config(args, drafter))
     cfg = target.config.get_text_config(decoder=True)
     max_len = args.max_len or min(2048, getattr(cfg, "max_position_embeddings", None) or 2048)
     token_budget = args.token_budget or max_len
