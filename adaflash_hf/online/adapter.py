@@ -62,8 +62,8 @@ from .guard import RollbackWatch, UpdateGuard
 from .hub import redact
 from .lock import RoundLock
 from .publish import VersionPublisher
-from .update_loop import UpdateLoop, UpdateRecord
 from .trainer_process import ProcessTrainer
+from .update_loop import UpdateLoop, UpdateRecord
 from .worker import NonFiniteLossError, ShadowTrainer, copy_drafter
 
 _MAX_OPEN_ROWS = 4096  # requests in flight whose served rounds are kept

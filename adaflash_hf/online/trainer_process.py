@@ -78,9 +78,7 @@ class ProcessTrainer(ShadowTrainer):
         kind, payload = self._reply(should_stop)
         if kind == "ok":
             result, state = payload
-            with torch.no_grad():
-                for name, t in shadow.state_dict().items():
-                    t.copy_(state[name])
+            shadow.load_state_dict(state)
             self._child_fresh = False
             return result
         self.reset()
@@ -107,9 +105,9 @@ class ProcessTrainer(ShadowTrainer):
             return "died", f"it died during the update (exit code {code})"
 
     def _drop_child(self) -> None:
-        if self.process is not None and self.process.is_alive():
-            self.process.kill()
         if self.process is not None:
+            if self.process.is_alive():
+                self.process.kill()
             self.process.join(5)
         self.process, self._child_fresh = None, True
 
