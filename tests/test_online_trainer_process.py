@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from adaflash_hf.online import OnlineAdapter, OnlineConfig
+from generation_helpers import make_target
 from online_helpers import fresh_drafter, greedy, pair, prompts, real_requests, real_rounds, same, snapshot  # noqa: F401 (pair: a fixture)
 
 
@@ -109,6 +110,40 @@ def test_a_child_that_cannot_start_fails_the_update_and_the_next_one_retries(pai
     finally:
         adapter.close()
     assert adapter.worker.process is None
+
+
+def _pointers(model) -> dict[str, int]:
+    return {n: t.data_ptr() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def test_memory_a_serving_forward_may_read_is_never_moved():
+    """Pickling a CPU tensor moves its storage into shared memory in place and frees the old memory, under whatever
+    forward another thread runs on it. So the trainer moves its models when it is made, before anything serves, an
+    engine built afterwards keeps its fused weights there, and `portable` sends a copy of anything still outside."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from adaflash_hf.engine import Engine
+    from adaflash_hf.online.trainer_process import portable
+
+    target = make_target(layers=2, seed=3).requires_grad_(False)
+    d = fresh_drafter(target)
+    loose = torch.randn(4, 4)
+    before = loose.data_ptr()
+    ForkingPickler.dumps(loose)
+    assert loose.is_shared() and loose.data_ptr() != before  # the control: what a plain pickle does
+    before = _pointers(d)
+    ForkingPickler.dumps(portable(d))
+    assert _pointers(d) == before and not any(t.is_shared() for t in d.parameters())
+    adapter = OnlineAdapter(d, target, trainer="process")
+    try:
+        for model in (target, d):
+            assert all(t.is_shared() for t in [*model.parameters(), *model.buffers()])
+        before = _pointers(target)
+        Engine(target, d, max_slots=2, max_len=64, round_sink=adapter)
+        assert _pointers(target) != before  # the engine fused the target's projections into new storage
+        assert all(t.is_shared() for t in target.parameters())
+    finally:
+        adapter.close()
 
 
 def test_the_trainer_setting_is_checked():

@@ -41,14 +41,20 @@ def _start(out_dir, trainer: str) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "adaflash_hf.cli", "serve", "--online", "--output-dir", str(out_dir), "--port", "0",
            "--samples-per-update", "4", "--epochs", "1", "--max-slots", "4", "--max-len", "128", "--train-share", "1",
            "--trainer", trainer]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    log = open(out_dir.parent / "serve.log", "w")  # read back when the test fails: the server's own account
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
     line = proc.stdout.readline()  # the one line printed once the server listens
     m = re.search(r"at (http://[\d.]+:\d+)/v1", line)
     if m is None:
         proc.kill()
-        pytest.fail(f"adaflash serve --online did not start: {line!r}")
+        pytest.fail(f"adaflash serve --online did not start: {line!r}\n{_log_tail(out_dir)}")
     return proc, m.group(1)
+
+
+def _log_tail(out_dir, chars: int = 4000) -> str:
+    text = (out_dir.parent / "serve.log").read_text(errors="replace")
+    return f"the server's stderr ends:\n{text[-chars:]}"
 
 
 def _spawned_children(pid: int) -> list[int]:
@@ -120,6 +126,8 @@ def test_serve_online_publishes_swaps_and_stays_lossless(reference, tmp_path, tr
         assert proc.wait(timeout=60) == 0
         time.sleep(1.0)  # the trainer process, if any, is stopped by the server before it exits
         assert not [pid for pid in trainers if _alive(pid)], trainers
+    except Exception as e:  # the client sees only a dropped connection when the server dies: say why it died
+        raise AssertionError(f"{type(e).__name__}: {e}; server exit code {proc.poll()}\n{_log_tail(tmp_path / 'versions')}") from e
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -5,7 +5,8 @@ With ``OnlineConfig(trainer="process")`` the adapter's worker thread hands each 
 rollback and publishing stay in the serving process exactly as with ``trainer="thread"``, on a local shadow that
 receives the child's weights after every update. The child is given the target and the serving drafter through
 ``torch.multiprocessing``, which shares their storage (CUDA IPC on GPU, shared memory on CPU) instead of copying
-it, so a second target costs no memory; it rebuilds its shadow from the serving weights whenever the adapter's
+it, so a second target costs no memory (on CPU the trainer moves both models into shared memory when it is made,
+before anything serves: moved later, their old memory would be freed under a forward reading it); it rebuilds its shadow from the serving weights whenever the adapter's
 own is reset (a refusal, a rollback, a failure).
 
 Why: on an H200 an update trained in a thread beside the engine cost serving 40% of its tok/s while the GPU was
@@ -46,6 +47,8 @@ class ProcessTrainer(ShadowTrainer):
 
     def __init__(self, drafter, target, config: OnlineConfig):
         super().__init__(drafter, target, config)
+        for model in (target, drafter):
+            share_cpu_memory(model)  # now, before serving reads them (module doc)
         self.process: mp.Process | None = None
         self._conn = None
         self._stop = None
@@ -124,12 +127,31 @@ class ProcessTrainer(ShadowTrainer):
         self._drop_child()
 
 
+def _tensors(model: nn.Module):
+    return chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+
+
+def share_cpu_memory(model: nn.Module) -> None:
+    """Move ``model``'s CPU tensors into shared memory, in place. Only while nothing reads the model: the move frees
+    the old memory under any forward running in another thread."""
+    for _, t in _tensors(model):
+        if t.device.type == "cpu" and not t.is_shared():
+            t.share_memory_()
+
+
 def portable(model: nn.Module) -> tuple:
     """``(class, config, tensors)``: what rebuilds ``model`` in another process around the same memory
     (:func:`rebuild`). Its runtime state stays behind: transformers' output-capturing hooks are local functions that
-    pickle refuses, and a compiled or hooked module is not the object to train from anyway."""
-    named = chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
-    return type(model), model.config, {name: t.detach() for name, t in named}
+    pickle refuses, and a compiled or hooked module is not the object to train from anyway.
+
+    A CPU tensor outside shared memory is sent as a shared copy: pickling it as it is would move its storage into
+    shared memory in place, freeing the memory a serving forward may be reading at that moment."""
+    sent: dict[int, torch.Tensor] = {}  # by the tensor's identity: a tied weight stays one tensor in the child
+    for name, t in _tensors(model):
+        if id(t) not in sent:
+            copy = t.device.type == "cpu" and not t.is_shared()
+            sent[id(t)] = t.detach().clone().share_memory_() if copy else t.detach()
+    return type(model), model.config, {name: sent[id(t)] for name, t in _tensors(model)}
 
 
 def rebuild(cls, config, tensors: dict[str, torch.Tensor]) -> nn.Module:

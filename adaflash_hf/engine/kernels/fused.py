@@ -132,6 +132,8 @@ def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | N
             return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
         with torch.no_grad(), torch.inference_mode(False):  # the model's weights stay normal (updatable) tensors
             out = torch.cat([t.detach() for t in tensors])
+            if out.device.type == "cpu" and all(t.is_shared() for t in tensors):
+                out.share_memory_()  # a model in shared memory stays there: an online trainer process reads it
             start = 0
             for t in tensors:
                 t.data = out[start : start + t.shape[0]]
