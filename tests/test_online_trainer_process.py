@@ -4,6 +4,7 @@ tiny seeded pair of online_helpers."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -110,6 +111,48 @@ def test_a_child_that_cannot_start_fails_the_update_and_the_next_one_retries(pai
     finally:
         adapter.close()
     assert adapter.worker.process is None
+
+
+def _after_a_rollback(target, trainer: str) -> tuple[dict, dict]:
+    """Update 1 swapped in, rolled back when served tau falls after it, then update 2 on other requests: (the weights
+    before update 1, the serving weights after update 2)."""
+    d = fresh_drafter(target)
+    rounds = real_rounds(target, d)
+    first, second = real_requests(target, d, seeds=(0,)), real_requests(target, d, seeds=(1,))
+    served = lambda accepted: dataclasses.replace(rounds[0], num_accepted=accepted)  # noqa: E731
+    adapter = OnlineAdapter(d, target, trainer=trainer, samples_per_update=len(first), epochs=1, lr=1e-2,
+                            guard_samples=0, rollback_rounds=4, rollback_margin=0.05)  # fmt: skip
+    try:
+        for _ in range(4):
+            adapter.on_round(served(5))  # served tau 6 before the swap
+        start = snapshot(d)
+        for r in first:
+            adapter.on_request(r)
+        assert adapter.wait_for_update(120) and adapter.stats["updates"] == 1 and not same(start, snapshot(d))
+        for _ in range(4):
+            adapter.on_round(served(0))  # ... and 1 after it
+        assert adapter.wait_for_update(120) and adapter.stats["rollbacks"] == 1 and same(start, snapshot(d))
+        for r in second[: len(first)]:
+            adapter.on_request(r)
+        assert adapter.wait_for_update(120) and adapter.stats["updates"] == 2 and adapter.stats["failures"] == 0
+        return start, snapshot(d)
+    finally:
+        adapter.close()
+
+
+@pytest.mark.parametrize("child_rebuilds", [True, False])
+def test_after_a_rollback_the_child_trains_from_the_restored_weights(pair, monkeypatch, child_rebuilds):
+    """A rollback resets the shadow: the child must rebuild its own from the restored serving weights, not go on from
+    the undone ones. The control keeps the child's stale shadow and must come out different from the thread."""
+    import adaflash_hf.online.trainer_process as tp
+
+    start, by_thread = _after_a_rollback(pair, "thread")
+    if not child_rebuilds:
+        monkeypatch.setattr(tp.ProcessTrainer, "reset", tp.ShadowTrainer.reset)
+    _, by_child = _after_a_rollback(pair, "process")
+    assert not same(start, by_child)  # update 2 moved the weights
+    close = all(torch.allclose(by_child[k], t, rtol=1e-5, atol=1e-6) for k, t in by_thread.items())
+    assert close == child_rebuilds
 
 
 def _pointers(model) -> dict[str, int]:
