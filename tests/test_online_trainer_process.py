@@ -189,6 +189,23 @@ def test_memory_a_serving_forward_may_read_is_never_moved():
         adapter.close()
 
 
+@pytest.mark.parametrize("free_bytes", [4096, 1 << 40])
+def test_too_little_shared_memory_is_refused_before_anything_moves(monkeypatch, free_bytes):
+    import adaflash_hf.online.trainer_process as tp
+
+    target = make_target(layers=2, seed=3).requires_grad_(False)
+    d = fresh_drafter(target)
+    monkeypatch.setattr(tp, "_SHM", "/tmp")  # a directory that exists on every machine, reporting the space below
+    monkeypatch.setattr(tp.os, "statvfs", lambda path: os.statvfs_result((4096, 1, 0, 0, free_bytes, 0, 0, 0, 0, 255)))
+    if free_bytes < 1 << 20:
+        with pytest.raises(RuntimeError, match=r"needs 0\.\d\d GiB of shared memory .* /tmp has 0\.00 GiB free: use trainer='thread'"):
+            OnlineAdapter(d, target, trainer="process")
+        assert not any(t.is_shared() for t in [*target.parameters(), *d.parameters()])
+    else:  # the control: room enough, both models moved
+        OnlineAdapter(d, target, trainer="process").close()
+        assert all(t.is_shared() for t in [*target.parameters(), *d.parameters()])
+
+
 def test_the_trainer_setting_is_checked():
     assert OnlineConfig(trainer="process").trainer == "process"
     with pytest.raises(ValueError, match="trainer must be one of"):

@@ -38,6 +38,7 @@ __all__ = ["ProcessTrainer"]
 
 logger = logging.getLogger("adaflash_hf.online")
 
+_SHM = "/dev/shm"
 _POLL_S = 0.05  # how often the waiting worker thread checks for a close or a dead child
 
 
@@ -47,8 +48,7 @@ class ProcessTrainer(ShadowTrainer):
 
     def __init__(self, drafter, target, config: OnlineConfig):
         super().__init__(drafter, target, config)
-        for model in (target, drafter):
-            share_cpu_memory(model)  # now, before serving reads them (module doc)
+        share_cpu_memory(target, drafter)  # now, before serving reads them (module doc)
         self.process: mp.Process | None = None
         self._conn = None
         self._stop = None
@@ -131,12 +131,25 @@ def _tensors(model: nn.Module):
     return chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
 
 
-def share_cpu_memory(model: nn.Module) -> None:
-    """Move ``model``'s CPU tensors into shared memory, in place. Only while nothing reads the model: the move frees
-    the old memory under any forward running in another thread."""
-    for _, t in _tensors(model):
-        if t.device.type == "cpu" and not t.is_shared():
-            t.share_memory_()
+def share_cpu_memory(*models: nn.Module) -> None:
+    """Move the models' CPU tensors into shared memory, in place. Only while nothing reads them: the move frees the
+    old memory under any forward running in another thread. Refused before any move when ``/dev/shm`` (where torch
+    puts it on Linux) has too little room: a full one kills the process with SIGBUS mid-copy instead."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for m in models for _, t in _tensors(m)
+                if t.device.type == "cpu" and not t.is_shared()}
+    need = sum(storages.values())
+    if need and os.path.isdir(_SHM):
+        fs = os.statvfs(_SHM)
+        free = fs.f_bavail * fs.f_frsize
+        if need > free:
+            raise RuntimeError(
+                f"the online trainer process needs {need / 2**30:.2f} GiB of shared memory for the models on the CPU; "
+                f"{_SHM} has {free / 2**30:.2f} GiB free: use trainer='thread' (--trainer thread), or enlarge {_SHM} "
+                "(docker run --shm-size)")
+    for m in models:
+        for _, t in _tensors(m):
+            if t.device.type == "cpu" and not t.is_shared():
+                t.share_memory_()
 
 
 def portable(model: nn.Module) -> tuple:
