@@ -6,8 +6,8 @@ rollback and publishing stay in the serving process exactly as with ``trainer="t
 receives the child's weights after every update. The child is given the target and the serving drafter through
 ``torch.multiprocessing``, which shares their storage (CUDA IPC on GPU, shared memory on CPU) instead of copying
 it, so a second target costs no memory (on CPU the trainer moves both models into shared memory when it is made,
-before anything serves: moved later, their old memory would be freed under a forward reading it); it rebuilds its shadow from the serving weights whenever the adapter's
-own is reset (a refusal, a rollback, a failure).
+before anything serves: moved later, their old memory would be freed under a forward reading it); it rebuilds its
+shadow from the serving weights whenever the adapter's own is reset (a refusal, a rollback, a failure).
 
 Why: on an H200 an update trained in a thread beside the engine cost serving 40% of its tok/s while the GPU was
 20-40% busy (BENCHMARKS section 3): the loss is the one interpreter both Python loops share, not the GPU.
