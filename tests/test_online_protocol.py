@@ -24,7 +24,7 @@ def test_protocol_measures_checks_and_updates():
     result = run_protocol(target, drafter, SimpleNamespace(eos_token_id=None), prompts[3:], prompts[:3],
                           methods=("opd", "off"), settings=ProtocolSettings(updates=1, concurrency=4, max_new_tokens=8, max_len=64),
                           config=OnlineConfig(samples_per_update=4, epochs=1, lr=1e-3, guard_samples=0, rollback_rounds=0),
-                          checkpoint=lambda r: saved.append(len(r["methods"])))
+                          checkpoint=lambda r: saved.append({m: len(v["updates"]) for m, v in r["methods"].items()}))
     opd, off = result["methods"]["opd"], result["methods"]["off"]
     assert [c["update"] for c in opd["curve"]] == [0, 1] and [c["update"] for c in off["curve"]] == [0]
     assert len(opd["updates"]) == 1 and opd["complete"] and off["complete"]
@@ -33,5 +33,6 @@ def test_protocol_measures_checks_and_updates():
         assert len(c["acceptance_by_position"]) == 3 and sum(c["accepted_density"]) == pytest.approx(1.0)
         assert c["tau"] >= 1.0 and c["rounds"] > 0
     assert opd["curve"][0]["tau"] == off["curve"][0]["tau"]  # the same drafter before any update
-    assert saved and saved[-1] == 2  # a checkpoint after every measurement
+    # a checkpoint after every measurement, with the update records so far (a run stopped early keeps them)
+    assert saved[:2] == [{"opd": 0}, {"opd": 1}] and saved[-1] == {"opd": 1, "off": 0}
     assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())  # it trains copies, never the drafter passed in

@@ -89,12 +89,13 @@ def serving_engine(target, drafter, settings: ProtocolSettings, router):
 
 
 def _run_method(target, drafter, method, stream, held, refs, eos, settings, config, record) -> dict:
-    """One method's curve: held-out measurements after 0, 1, ... updates (``record(curve)`` after each)."""
+    """One method's curve: held-out measurements after 0, 1, ... updates (``record(curve, updates)`` after each, with
+    the adapter's update records so far: a run stopped early keeps the guard's decisions too)."""
     d = copy_drafter(drafter, target)
     router = RoundRouter()
     engine = serving_engine(target, d, settings, router)
     curve = [{"update": 0, "served": 0, **_measure(engine, router, held, refs, settings, eos)}]
-    record(curve)
+    record(curve, [])
     if method == "off":
         return {"curve": curve, "updates": [], "failures": 0}
     adapter = OnlineAdapter(d, target, config.replace(method=method))
@@ -113,7 +114,7 @@ def _run_method(target, drafter, method, stream, held, refs, eos, settings, conf
             stats = adapter.stats
             curve.append({"update": update, "served": served, "loss": stats["last_loss"],
                           **_measure(engine, router, held, refs, settings, eos)})
-            record(curve)
+            record(curve, stats["history"])
             print(f"[protocol] {method} update {update}: held-out tau {curve[-1]['tau']:.3f} "
                   f"identical={curve[-1]['identical']} (served {served})", flush=True)
     finally:
@@ -137,8 +138,8 @@ def run_protocol(target, drafter, tokenizer, stream, held_out, methods=("opd", "
         torch.manual_seed(config.seed)
         start = time.perf_counter()
 
-        def record(curve, method=method):
-            result["methods"][method] = {"curve": curve, "complete": False}
+        def record(curve, updates, method=method):
+            result["methods"][method] = {"curve": curve, "updates": updates, "complete": False}
             if checkpoint is not None:
                 checkpoint(result)
 
