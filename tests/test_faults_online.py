@@ -41,7 +41,7 @@ from generation_helpers import PAD_ID, make_drafter, make_target, ragged_prompts
 from online_helpers import CollectRequests, real_requests, same, snapshot
 
 from adaflash_hf import AdaFlashDrafter
-from adaflash_hf.online import OnlineAdapter, VersionPublisher, VersionStore, latest_version, list_versions
+from adaflash_hf.online import OnlineAdapter, OnlineConfig, VersionPublisher, VersionStore, latest_version, list_versions
 from adaflash_hf.online.worker import copy_drafter
 
 
@@ -457,6 +457,24 @@ def test_an_update_that_lowers_held_back_acceptance_is_refused_and_kept_aside(re
         assert torch.equal(target.generate(ids, assistant_model=d, do_sample=False, max_new_tokens=24), plain)
     finally:
         adapter.close(timeout=10)
+
+
+@pytest.mark.parametrize("distinct,held", [
+    (8, 2),  # the control: every request its own sequence, 2 of 8 held back, the other 6 trained on
+    (4, 2),  # each sequence twice: the held-back ones' repeats leave training with them
+    (1, 0),  # one sequence eight times: nothing else to train on, so nothing is held back
+])
+def test_a_held_back_requests_repeats_are_not_trained_on(distinct, held):
+    from adaflash_hf.online.buffer import RequestSample
+    from adaflash_hf.online.guard import UpdateGuard
+
+    samples = [RequestSample(input_ids=torch.tensor([1, 2, i % distinct]), prompt_len=1) for i in range(8)]
+    train, kept = UpdateGuard(OnlineConfig(samples_per_update=8, guard_samples=2)).split(samples, update_index=1)
+    seq = lambda s: tuple(s.input_ids.tolist())  # noqa: E731
+    kept_seqs = {seq(s) for s in kept}
+    assert len(kept) == held and all(any(s is x for x in samples) for s in train + kept)
+    assert train == [s for s in samples if not any(s is k for k in kept) and seq(s) not in kept_seqs]
+    assert (len(train) < 8 - len(kept)) == (distinct == 4)  # repeats left training only where there were some
 
 
 def _round(rounds, accepted: int):

@@ -95,7 +95,8 @@ class OnlineConfig:
             ``guard_margin``; otherwise it is kept aside (``output_dir/refused/``) with the reason.
             ``None`` (default): ``samples_per_update // 8`` (16 of 128; 0, i.e. off, below 8); 0: off;
             otherwise fewer than ``samples_per_update``. An update on fewer samples (``flush``) holds
-            back the same share, rounded down. ``sample_unit="round"``: always off (a round sample is
+            back the same share, rounded down. Requests identical to a held-back one are not trained on
+            either (greedy decoding answers a repeated prompt the same way). ``sample_unit="round"``: always off (a round sample is
             labelled only up to the serving drafter's first rejected draft, so acceptance measured on
             it is censored by the serving weights and cannot judge a candidate fairly); a positive
             value is refused. Cost: the held-back requests are not trained on, and each update runs

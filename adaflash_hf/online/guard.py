@@ -3,7 +3,7 @@ does not lower acceptance on recent traffic held back from its training, and a s
 tau served after it falls.
 
 * **Guard** (:class:`UpdateGuard`). Each update holds back ``OnlineConfig.held_back`` of its request
-  samples (a seeded draw) from training. The adapter measures training's ``accept_len`` (the mean greedy
+  samples (a seeded draw) from training, with their exact repeats. The adapter measures training's ``accept_len`` (the mean greedy
   accepted length + 1 per block of the drafter's drafts against the target's argmax) on them twice, on the
   worker's side stream, at the same blocks (the served rounds' anchors, or anchors drawn from one seed):
   with the shadow *before* it trains, when it holds the serving weights, and with the trained shadow. So
@@ -48,6 +48,12 @@ REASON_FILE = "reason.json"
 _REFUSED_RE = re.compile(r"^update-(\d{4,})$")
 
 
+def _sequence(sample) -> bytes | int:
+    """What makes two request samples the same: their token ids (a round sample is only ever itself)."""
+    ids = getattr(sample, "input_ids", None)
+    return ids.numpy().tobytes() if ids is not None else id(sample)
+
+
 class UpdateGuard:
     """Holds back samples, judges a trained shadow against the serving weights, keeps refused ones aside."""
 
@@ -59,12 +65,20 @@ class UpdateGuard:
 
     def split(self, samples: list, update_index: int) -> tuple[list, list]:
         """``(to train on, held back)``: ``held_back`` of a full update's samples, the same share (rounded
-        down) of a smaller one; a seeded draw, not the newest, so the check sees the update's whole mix."""
+        down) of a smaller one; a seeded draw, not the newest, so the check sees the update's whole mix.
+
+        A held-back request's exact repeats (a prompt served again answers the same under greedy decoding) are
+        left out of training too: trained on, they would let the guard judge the candidate on what it learnt by
+        heart. When nothing else is left to train on, nothing is held back (the rollback watch still judges)."""
         k = self.config.held_back * len(samples) // self.config.samples_per_update
         if k == 0:
             return samples, []
         held = set(random.Random(f"guard-{self._seed(update_index)}").sample(range(len(samples)), k))
-        return [s for i, s in enumerate(samples) if i not in held], [samples[i] for i in sorted(held)]
+        held_sequences = {_sequence(samples[i]) for i in held}
+        train = [s for i, s in enumerate(samples) if i not in held and _sequence(s) not in held_sequences]
+        if not train:
+            return samples, []
+        return train, [samples[i] for i in sorted(held)]
 
     def measure(self, worker, held: list, update_index: int) -> float | None:
         """The shadow's ``accept_len`` on ``held`` at this update's blocks (None when nothing is held back)."""
