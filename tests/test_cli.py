@@ -136,6 +136,21 @@ def test_serve_trainer_auto_follows_the_drafters_device(flags, device, expected)
     assert online_config(args, None if device is None else _On(device)).trainer == expected
 
 
+@pytest.mark.parametrize("command", ["serve", "adapt"])
+def test_a_trainer_process_without_room_in_dev_shm_is_one_line(command, ckpts, capsys, monkeypatch, tmp_path):
+    import adaflash_hf.online.trainer_process as tp
+
+    monkeypatch.setattr(tp, "_SHM", str(tmp_path))
+    monkeypatch.setattr(tp.os, "statvfs", lambda path: os.statvfs_result((4096, 1, 0, 0, 4096, 0, 0, 0, 0, 255)))
+    extra = ["--online", "--port", "0"] if command == "serve" else ["--prompts-file", ckpts["prompts"]]
+    rc, out, err = run([command, "--reference", "--trainer", "process", "--output-dir", str(tmp_path / "out"), *extra],
+                       capsys)
+    assert rc == 2, (out, err)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("adaflash: error: the online trainer process needs") and "GiB free" in last, last
+    assert "(hint: --trainer thread" in last and "Traceback" not in err
+
+
 def test_no_command_prints_help(capsys):
     rc, out, _ = run([], capsys)
     assert rc == 0 and "usage: adaflash" in out

@@ -20,7 +20,7 @@ from .common import (
     read_prompts_file,
     sampling_kwargs,
 )
-from .online_args import add_online_args, check_online_args, online_config
+from .online_args import add_online_args, check_online_args, online_adapter
 
 HELP = "online adaptation: serve a jsonl stream of prompts with an OnlineAdapter attached, write versions"
 DESCRIPTION = (
@@ -53,12 +53,6 @@ def _records(args) -> list[dict]:
     if args.max_prompts:
         records = records[: args.max_prompts]
     return records
-
-
-def _adapter(args, target, drafter):
-    from ..online import OnlineAdapter
-
-    return OnlineAdapter(drafter, target, online_config(args, drafter))
 
 
 def _serve(args, records, target, drafter, tok, adapter) -> int:
@@ -119,7 +113,7 @@ def run(args) -> int:
     records = _records(args)
     target, drafter, tok = load_models_from_args(args)
     check_policy(drafter, args.length_policy)
-    adapter = _adapter(args, target, drafter)
+    adapter = online_adapter(args, drafter, target)
     cfg = adapter.config
     print(f"online adaptation ({cfg.method}) over {len(records)} prompts from {args.prompts_file}: an update every "
           f"{cfg.samples_per_update} {'finished requests' if cfg.sample_unit == 'request' else 'verified rounds'}, versions in {args.output_dir}"

@@ -88,6 +88,18 @@ def check_online_args(args) -> None:
         raise UsageError(f"online adaptation flags: {e}", "see the flags' --help") from None
 
 
+def online_adapter(args, drafter, target):
+    """The :class:`OnlineAdapter` the flags describe, attached to ``drafter``; a trainer process whose shared memory
+    does not fit is the user's one-line error."""
+    from ..online import OnlineAdapter
+    from ..online.trainer_process import SharedMemoryTooSmall
+
+    try:
+        return OnlineAdapter(drafter, target, online_config(args, drafter))
+    except SharedMemoryTooSmall as e:
+        raise UsageError(e.problem, "--trainer thread, or a larger /dev/shm (docker run --shm-size)") from None
+
+
 def online_config(args, drafter=None):
     """The :class:`OnlineConfig` the flags describe (unset flags: its defaults); ``--trainer auto`` is resolved by
     ``drafter``'s device (a thread when no drafter is given: the flags' own check, before anything loads)."""

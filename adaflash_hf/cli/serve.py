@@ -9,7 +9,7 @@ import sys
 from ..loading import UsageError, check_drafter_path, check_target_path, one_line
 from ..speculation.policy import ENGINE_POLICIES
 from .common import PROG, add_model_args, check_either_reference, load_models_from_args, number, positive_int
-from .online_args import SERVE_TRAIN_SHARE, SERVE_TRAINER, add_online_args, check_online_args, online_config, online_flags_given
+from .online_args import SERVE_TRAIN_SHARE, SERVE_TRAINER, add_online_args, check_online_args, online_adapter, online_flags_given
 
 seconds = number(float, lambda v: v >= 0, "a number of seconds >= 0")
 API_KEY_ENV = "ADAFLASH_API_KEY"  # as vLLM reads VLLM_API_KEY
@@ -117,11 +117,7 @@ def _service(args, need_drafter: bool):
     from ..engine.serve.server import CompletionService
 
     target, drafter, tok = load_models_from_args(args, need_drafter=need_drafter)
-    adapter = None
-    if args.online:
-        from ..online import OnlineAdapter
-
-        adapter = OnlineAdapter(drafter, target, online_config(args, drafter))
+    adapter = online_adapter(args, drafter, target) if args.online else None
     cfg = target.config.get_text_config(decoder=True)
     max_len = args.max_len or min(2048, getattr(cfg, "max_position_embeddings", None) or 2048)
     token_budget = args.token_budget or max_len

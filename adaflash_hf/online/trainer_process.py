@@ -34,12 +34,23 @@ from .buffer import Sample
 from .config import OnlineConfig
 from .worker import NonFiniteLossError, ShadowTrainer, UpdateAbandoned
 
-__all__ = ["ProcessTrainer"]
+__all__ = ["ProcessTrainer", "SharedMemoryTooSmall"]
 
 logger = logging.getLogger("adaflash_hf.online")
 
 _SHM = "/dev/shm"
 _POLL_S = 0.05  # how often the waiting worker thread checks for a close or a dead child
+
+
+class SharedMemoryTooSmall(RuntimeError):
+    """``/dev/shm`` cannot hold the models a CPU trainer process shares (raised before anything moves)."""
+
+    remedy = "use trainer='thread' (--trainer thread), or enlarge /dev/shm (docker run --shm-size)"
+
+    def __init__(self, need: int, free: int, path: str):
+        self.problem = (f"the online trainer process needs {need / 2**30:.2f} GiB of shared memory for the models on "
+                        f"the CPU; {path} has {free / 2**30:.2f} GiB free")
+        super().__init__(f"{self.problem}: {self.remedy}")
 
 
 class ProcessTrainer(ShadowTrainer):
@@ -142,10 +153,7 @@ def share_cpu_memory(*models: nn.Module) -> None:
         fs = os.statvfs(_SHM)
         free = fs.f_bavail * fs.f_frsize
         if need > free:
-            raise RuntimeError(
-                f"the online trainer process needs {need / 2**30:.2f} GiB of shared memory for the models on the CPU; "
-                f"{_SHM} has {free / 2**30:.2f} GiB free: use trainer='thread' (--trainer thread), or enlarge {_SHM} "
-                "(docker run --shm-size)")
+            raise SharedMemoryTooSmall(need, free, _SHM)
     for m in models:
         for _, t in _tensors(m):
             if t.device.type == "cpu" and not t.is_shared():
