@@ -96,10 +96,10 @@ class OnlineConfig:
             ``None`` (default): ``samples_per_update // 8`` (16 of 128; 0, i.e. off, below 8); 0: off;
             otherwise fewer than ``samples_per_update``. An update on fewer samples (``flush``) holds
             back the same share, rounded down. Requests identical to a held-back one are not trained on
-            either (greedy decoding answers a repeated prompt the same way). ``sample_unit="round"``: always off (a round sample is
-            labelled only up to the serving drafter's first rejected draft, so acceptance measured on
-            it is censored by the serving weights and cannot judge a candidate fairly); a positive
-            value is refused. Cost: the held-back requests are not trained on, and each update runs
+            either (greedy decoding answers a repeated prompt the same way). ``sample_unit="round"``:
+            always off (a round sample is labelled only up to the serving drafter's first rejected draft,
+            so acceptance measured on it is censored by the serving weights and cannot judge a candidate
+            fairly); a positive value is refused. Cost: the held-back requests are not trained on, and each update runs
             the target and the shadow over them twice (no gradient).
         guard_margin: acceptance (tokens per block) a candidate may lose and still be swapped in
             (negative: how much it must gain).

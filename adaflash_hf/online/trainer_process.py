@@ -142,22 +142,24 @@ def _tensors(model: nn.Module):
     return chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
 
 
+def _unshared(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and not t.is_shared()
+
+
 def share_cpu_memory(*models: nn.Module) -> None:
     """Move the models' CPU tensors into shared memory, in place. Only while nothing reads them: the move frees the
     old memory under any forward running in another thread. Refused before any move when ``/dev/shm`` (where torch
     puts it on Linux) has too little room: a full one kills the process with SIGBUS mid-copy instead."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for m in models for _, t in _tensors(m)
-                if t.device.type == "cpu" and not t.is_shared()}
-    need = sum(storages.values())
+    # one tensor per storage: moving it moves every view of that storage (tied and fused weights) with it
+    loose = {t.untyped_storage().data_ptr(): t for m in models for _, t in _tensors(m) if _unshared(t)}
+    need = sum(t.untyped_storage().nbytes() for t in loose.values())
     if need and os.path.isdir(_SHM):
         fs = os.statvfs(_SHM)
         free = fs.f_bavail * fs.f_frsize
         if need > free:
             raise SharedMemoryTooSmall(need, free, _SHM)
-    for m in models:
-        for _, t in _tensors(m):
-            if t.device.type == "cpu" and not t.is_shared():
-                t.share_memory_()
+    for t in loose.values():
+        t.share_memory_()
 
 
 def portable(model: nn.Module) -> tuple:
@@ -170,8 +172,7 @@ def portable(model: nn.Module) -> tuple:
     sent: dict[int, torch.Tensor] = {}  # by the tensor's identity: a tied weight stays one tensor in the child
     for name, t in _tensors(model):
         if id(t) not in sent:
-            copy = t.device.type == "cpu" and not t.is_shared()
-            sent[id(t)] = t.detach().clone().share_memory_() if copy else t.detach()
+            sent[id(t)] = t.detach().clone().share_memory_() if _unshared(t) else t.detach()
     return type(model), model.config, {name: sent[id(t)] for name, t in _tensors(model)}
 
 
