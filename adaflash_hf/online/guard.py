@@ -6,8 +6,8 @@ tau served after it falls.
   samples (a seeded draw) from training, with their exact repeats. The adapter measures training's
   ``accept_len`` (the mean greedy accepted length + 1 per block of the drafter's drafts against the target's
   argmax) on them twice, on the worker's side stream, at the same blocks (the served rounds' anchors, or
-  anchors drawn from one seed): with the shadow *before* it trains, when it holds the serving weights, and with the trained shadow. So
-  both numbers come from one model object in one dtype and attention kernel (a serving drafter running a
+  anchors drawn from one seed): with the shadow *before* it trains, when it holds the serving weights, and
+  with the trained shadow. So both numbers come from one model object in one dtype and attention kernel (a serving drafter running a
   flash kernel cannot take training's block mask), and the serving drafter is never read by the check
   while it serves. The update is swapped in only when ``candidate >= serving - guard_margin``; otherwise
   it is *refused*: nothing serves or is published from it, the shadow is rebuilt from the serving weights,
