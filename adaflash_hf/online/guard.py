@@ -2,18 +2,18 @@
 does not lower acceptance on recent traffic held back from its training, and a swap is undone when the
 tau served after it falls.
 
-* **Guard** (:class:`UpdateGuard`). Each update holds back ``OnlineConfig.held_back`` of its request
-  samples (a seeded draw) from training, with their exact repeats. The adapter measures training's
-  ``accept_len`` (the mean greedy accepted length + 1 per block of the drafter's drafts against the target's
-  argmax) on them twice, on the worker's side stream, at the same blocks (the served rounds' anchors, or
-  anchors drawn from one seed): with the shadow *before* it trains, when it holds the serving weights, and
-  with the trained shadow. So both numbers come from one model object in one dtype and attention kernel (a serving drafter running a
-  flash kernel cannot take training's block mask), and the serving drafter is never read by the check
-  while it serves. The update is swapped in only when ``candidate >= serving - guard_margin``; otherwise
-  it is *refused*: nothing serves or is published from it, the shadow is rebuilt from the serving weights,
-  and with an ``output_dir`` its weights (in the serving dtype) and ``reason.json`` are kept aside in
-  ``output_dir/refused/update-NNNN/`` (numbered in the order of refusal, written atomically, the newest
-  ``keep_versions`` kept; never listed as a version, ``reason.json`` names the update).
+* **Guard** (:class:`UpdateGuard`). Each update holds back ``OnlineConfig.held_back`` of its request samples (a
+  seeded draw) from training, with their exact repeats. The adapter measures training's ``accept_len`` (the mean
+  greedy accepted length + 1 per block of the drafter's drafts against the target's argmax) on them twice, on the
+  worker's side stream, at the same blocks (the served rounds' anchors, or anchors drawn from one seed): with the
+  shadow *before* it trains, when it holds the serving weights, and with the trained shadow. So both numbers come
+  from one model object in one dtype and attention kernel (a serving drafter running a flash kernel cannot take
+  training's block mask), and the serving drafter is never read by the check while it serves. The update is swapped
+  in only when ``candidate >= serving - guard_margin``; otherwise it is *refused*: nothing serves or is published
+  from it, the shadow is rebuilt from the serving weights, and with an ``output_dir`` its weights (in the serving
+  dtype) and ``reason.json`` are kept aside in ``output_dir/refused/update-NNNN/`` (numbered in the order of
+  refusal, written atomically, the newest ``keep_versions`` kept; never listed as a version, ``reason.json`` names
+  the update).
 * **Rollback** (:class:`RollbackWatch`). Every served round updates a window of the last
   ``rollback_rounds`` rounds' tokens. A swap made with a full window keeps a CPU copy of the weights it
   replaced and that window's tau; once ``rollback_rounds`` rounds have been served with the new weights,
