@@ -90,7 +90,11 @@ def serving_engine(target, drafter, settings: ProtocolSettings, router):
 
 def _run_method(target, drafter, method, stream, held, refs, eos, settings, config, record) -> dict:
     """One method's curve: held-out measurements after 0, 1, ... updates (``record(curve, updates)`` after each, with
-    the adapter's update records so far: a run stopped early keeps the guard's decisions too)."""
+    the adapter's update records so far: a run stopped early keeps the guard's decisions too).
+
+    An update is one training on ``samples_per_update`` served requests, whatever came of it: swapped in, refused by
+    the guard or failed. After a refusal or a failure the serving weights are the ones measured last, so that
+    measurement is carried (``"measured": False``) instead of repeated; a rollback changes them, so it is measured."""
     d = copy_drafter(drafter, target)
     router = RoundRouter()
     engine = serving_engine(target, d, settings, router)
@@ -99,27 +103,44 @@ def _run_method(target, drafter, method, stream, held, refs, eos, settings, conf
     if method == "off":
         return {"curve": curve, "updates": [], "failures": 0}
     adapter = OnlineAdapter(d, target, config.replace(method=method))
-    served = 0
+    served, measured = 0, 0  # measured: the swaps (updates and rollbacks) behind the latest measurement
     try:
         for update in range(1, settings.updates + 1):
             router.sink = adapter
-            while adapter.updates + adapter.failures < update and served < len(stream):
+            before = _counts(adapter)
+            while _attempts(adapter) < update and served < len(stream) and not adapter.stopped:
                 chunk = stream[served : served + config.samples_per_update]
                 engine.generate(chunk, settings.max_new_tokens, eos_token_id=eos)
                 served += len(chunk)
                 adapter.wait_for_update()
             router.sink = None
-            if adapter.updates < update:
+            if _attempts(adapter) < update:
                 break
             stats = adapter.stats
-            curve.append({"update": update, "served": served, "loss": stats["last_loss"],
-                          **_measure(engine, router, held, refs, settings, eos)})
+            outcome = next(k for k, b, a in zip(("swapped", "refused", "failed"), before, _counts(adapter)) if a > b)
+            swaps = stats["updates"] + stats["rollbacks"]
+            if swaps == measured:
+                point = {**{k: v for k, v in curve[-1].items() if k not in ("update", "served", "loss", "outcome")},
+                         "measured": False}
+            else:
+                point = _measure(engine, router, held, refs, settings, eos)
+            measured = swaps
+            curve.append({"update": update, "served": served, "loss": stats["last_loss"], "outcome": outcome, **point})
             record(curve, stats["history"])
-            print(f"[protocol] {method} update {update}: held-out tau {curve[-1]['tau']:.3f} "
+            print(f"[protocol] {method} update {update} ({outcome}): held-out tau {curve[-1]['tau']:.3f} "
                   f"identical={curve[-1]['identical']} (served {served})", flush=True)
     finally:
         adapter.close()
     return {"curve": curve, "updates": adapter.stats["history"], "failures": adapter.failures}
+
+
+def _attempts(adapter: OnlineAdapter) -> int:
+    """Updates trained so far, whatever came of them (rollbacks are not trainings)."""
+    return sum(_counts(adapter))
+
+
+def _counts(adapter: OnlineAdapter) -> tuple[int, int, int]:
+    return adapter.updates, adapter.swaps_refused, adapter.failures
 
 
 def run_protocol(target, drafter, tokenizer, stream, held_out, methods=("opd", "osd", "off"),

@@ -4,7 +4,8 @@
 
 Runs are grouped by their folder name without a trailing ``__<method>`` and ``_s<seed>``, and by method. Per group: held-out tau
 after each update (mean ± sample sd over seeds, [min, max]), the change from update 0 to the last (relative),
-the lowest tau after any update relative to the start, every output identical to plain greedy or not; then
+the lowest tau after any update relative to the start, how many updates were swapped in (the others were refused by
+the guard or failed; each seed's count), every output identical to plain greedy or not; then
 acceptance per draft position before and after (mean over seeds); then OPD minus OSD per update, paired by seed.
 Writes ``protocol_summary.md`` and ``protocol_summary.json`` into ``--out`` (default RUNS_DIR).
 """
@@ -41,8 +42,8 @@ def fmt(s: dict | None, digits: int = 3) -> str:
 
 
 def summarise(groups) -> tuple[list[dict], str]:
-    rows, lines = [], ["| run | source | method | seeds | held-out tau after update 0, 1, ... | last / start | lowest / start | identical |",
-                       "|---|---|---|---|---|---|---|---|"]
+    rows, lines = [], ["| run | source | method | seeds | held-out tau after update 0, 1, ... | last / start | lowest / start | swapped in "
+                       "| identical |", "|---|---|---|---|---|---|---|---|---|"]
     for (group, method), seeds in sorted(groups.items()):
         curves = [r["curve"] for r in seeds.values()]
         last = max(len(c) for c in curves)
@@ -50,14 +51,17 @@ def summarise(groups) -> tuple[list[dict], str]:
         rel_last = spread([c[-1]["tau"] / c[0]["tau"] for c in curves if len(c) == last])
         rel_low = spread([min(x["tau"] for x in c[1:]) / c[0]["tau"] for c in curves if len(c) > 1])
         identical = all(x["identical"] for c in curves for x in c)
+        swapped = [f"{sum(x.get('outcome', 'swapped') == 'swapped' for x in c[1:])}/{len(c) - 1}" for c in curves]
         row = {"run": group, "source": next(iter(seeds.values()))["dataset"], "method": method, "seeds": sorted(seeds),
-               "tau": taus, "last_over_start": rel_last, "lowest_over_start": rel_low, "identical": identical,
+               "tau": taus, "last_over_start": rel_last, "lowest_over_start": rel_low, "swapped": swapped,
+               "identical": identical,
                "acceptance_before": _mean_lists([c[0]["acceptance_by_position"] for c in curves]),
                "acceptance_after": _mean_lists([c[-1]["acceptance_by_position"] for c in curves if len(c) == last])}
         rows.append(row)
         lines.append(f"| {group} | {row['source']} | {method} | {','.join(map(str, sorted(seeds)))} | "
                      + "<br>".join(f"{u}: {fmt(t)}" for u, t in enumerate(taus))
-                     + f" | {fmt(rel_last)} | {fmt(rel_low)} | {'yes' if identical else '**no**'} |")
+                     + f" | {fmt(rel_last)} | {fmt(rel_low)} | {', '.join(swapped) if method != 'off' else '-'} "
+                     + f"| {'yes' if identical else '**no**'} |")
     lines += ["", "Acceptance per draft position (positions 1-8), before -> after the last update (mean over seeds):", "",
               "| run | method | before | after |", "|---|---|---|---|"]
     for r in rows:
