@@ -261,7 +261,7 @@ def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile=Fal
     trace written into ``out_dir``)."""
     if warm:
         eng.generate(prompts, max_new_tokens=max_new, eos_token_id=eos)
-    steps0, fwd0 = eng.num_steps, len(eng.forward_tokens)
+    steps0, fwd0, reads0, whole0 = eng.num_steps, len(eng.forward_tokens), eng.host_syncs, eng.whole_rounds
     runs = [timed_run(eng, prompts, max_new, device, eos) for _ in range(reps)]
     outs = runs[-1]["outputs"]
     acc = [a for o in outs for a in o.accepted]
@@ -274,6 +274,8 @@ def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile=Fal
            "end_to_end_runs": [r["e2e"] for r in runs], "tau": mean_tokens_per_round(acc) if acc else 1.0,
            "mean_verify_len": sum(vl) / max(1, len(vl)), "steps_per_run": (eng.num_steps - steps0) / reps,
            "mean_forward_tokens": sum(fwd) / max(1, len(fwd)),
+           # the engine's mid-round reads and whole-block rounds per timed run (issue 35 item 2)
+           "mid_round_reads_per_run": (eng.host_syncs - reads0) / reps, "whole_rounds_per_run": (eng.whole_rounds - whole0) / reps,
            "identical": min(sum(o.token_ids == refs[tuple(p)] for o, p in zip(r["outputs"], prompts)) for r in runs),
            "requests": len(prompts)}
     if replay is not None:

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..engine.graphs import to_device
 from ..speculation.rounds import mean_tokens_per_round
 
 __all__ = ["DraftReplay", "PerPositionTrace", "RecordedTrace", "ReplayPolicy", "TraceRound", "paper_dflash_trace"]
@@ -318,7 +319,9 @@ class DraftReplay:
     def ratios(self, running, ratio: torch.Tensor, block_size: int) -> torch.Tensor:
         """The trace's head ratio of this round for each running request (on ``ratio``'s device)."""
         values = [self._round(r, block_size).ratio for r in running]
-        return torch.tensor(values, dtype=torch.float32).to(ratio.device, non_blocking=True)
+        # Through pinned memory: a copy from pageable memory makes CUDA wait for the stream first, a read that
+        # `fixed` (which never asks for ratios) would not pay.
+        return to_device(torch.tensor(values, dtype=torch.float32), ratio.device)
 
     def drafts(self, running, tokens: torch.Tensor, block_size: int) -> None:
         """Overwrite ``tokens [n, B-1]`` (host) in place: the request's greedy continuation for the round's
