@@ -435,6 +435,7 @@ def test_an_update_that_lowers_held_back_acceptance_is_refused_and_kept_aside(re
         stats, h = adapter.stats, adapter.stats["history"][-1]
         assert h["held_back"] == 2 and h["samples"] == len(requests) - 2 and stats["failures"] == 0
         assert h["guard_serving"] > 2.0, h  # the reference drafter accepts: a measure with teeth
+        assert h["guard_candidate"] - h["guard_serving"] == pytest.approx(h["guard_gain"]) and h["guard_gain_se"] >= 0
         if spoilt:
             assert h["guard_candidate"] < h["guard_serving"] and not h["swapped"] and h["version"] is None
             assert same(start, snapshot(d)) and list_versions(tmp_path) == [] and latest_version(tmp_path) is None
@@ -475,6 +476,44 @@ def test_a_held_back_requests_repeats_are_not_trained_on(distinct, held):
     assert len(kept) == held and all(any(s is x for x in samples) for s in train + kept)
     assert train == [s for s in samples if not any(s is k for k in kept) and seq(s) not in kept_seqs]
     assert (len(train) < 8 - len(kept)) == (distinct == 4)  # repeats left training only where there were some
+
+
+NOISY_GAIN = ([(4.0, 2), (2.0, 2), (3.0, 3)], [(6.0, 2), (2.0, 2), (2.0, 3)])  # +1/7 per block, standard error 0.39
+STEADY_GAIN = ([(4.0, 2), (2.0, 2)], [(5.0, 2), (3.0, 2)])  # +0.5 per block on every request: standard error 0
+LOSS = ([(4.0, 2), (2.0, 2)], [(3.0, 2), (1.0, 2)])  # -0.5 per block on every request
+
+
+@pytest.mark.parametrize("rows, margin, confidence, swapped", [
+    (NOISY_GAIN, 0.0, 0.0, True),  # the default: the gain itself decides
+    (NOISY_GAIN, 0.0, 1.0, False),  # a gain within one standard error of nothing is refused
+    (NOISY_GAIN, 0.3, 1.0, True),  # ... unless the margin lets it lose that much
+    (STEADY_GAIN, 0.0, 2.0, True),  # the control: a gain every request shows clears any confidence
+    (LOSS, 0.0, 0.0, False),
+    (LOSS, 0.6, 0.0, True),  # a loss within the margin
+])
+def test_the_guard_judges_a_candidate_by_its_paired_gain(rows, margin, confidence, swapped):
+    from adaflash_hf.online.guard import UpdateGuard
+
+    serving, candidate = rows
+    judged = UpdateGuard(OnlineConfig(guard_margin=margin, guard_confidence=confidence)).judge(serving, candidate)
+    assert (judged.refusal is None) == swapped
+    blocks = sum(n for _, n in serving)
+    assert judged.gain == pytest.approx(sum(c for c, _ in candidate) / blocks - sum(s for s, _ in serving) / blocks)
+    assert judged.candidate - judged.serving == pytest.approx(judged.gain)
+    assert (judged.gain_se == 0.0) == (rows is not NOISY_GAIN)
+    if not swapped:
+        assert judged.refusal["gain_standard_error"] == judged.gain_se and judged.refusal["guard_confidence"] == confidence
+
+
+def test_the_guard_needs_both_measures_on_the_same_blocks():
+    from adaflash_hf.online.guard import UpdateGuard
+
+    guard = UpdateGuard(OnlineConfig(guard_confidence=1.0))
+    assert guard.judge(None, None).refusal is None and guard.judge(None, None).serving is None  # off: nothing held back
+    with pytest.raises(ValueError, match="same blocks"):
+        guard.judge([(1.0, 2)], [(1.0, 3)])
+    with pytest.raises(ValueError, match="guard_confidence"):
+        OnlineConfig(guard_confidence=-1)
 
 
 def _round(rounds, accepted: int):

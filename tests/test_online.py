@@ -432,12 +432,13 @@ def test_guard_flags_reach_the_config_and_unset_ones_keep_its_defaults(command):
 
     default = OnlineConfig()
     cfg = online_config(parse())
-    assert (cfg.guard_samples, cfg.guard_margin, cfg.rollback_rounds, cfg.rollback_margin) == (
-        default.guard_samples, default.guard_margin, default.rollback_rounds, default.rollback_margin)
+    assert (cfg.guard_samples, cfg.guard_margin, cfg.guard_confidence, cfg.rollback_rounds, cfg.rollback_margin) == (
+        default.guard_samples, default.guard_margin, default.guard_confidence, default.rollback_rounds, default.rollback_margin)
     assert cfg.held_back == 16  # 16 of the default 128 requests
-    cfg = online_config(parse("--guard-samples", "0", "--guard-margin", "-0.25", "--rollback-rounds", "64",
-                              "--rollback-margin", "0.2"))
-    assert (cfg.held_back, cfg.guard_margin, cfg.rollback_rounds, cfg.rollback_margin) == (0, -0.25, 64, 0.2)
+    cfg = online_config(parse("--guard-samples", "0", "--guard-margin", "-0.25", "--guard-confidence", "1.5",
+                              "--rollback-rounds", "64", "--rollback-margin", "0.2"))
+    assert (cfg.held_back, cfg.guard_margin, cfg.guard_confidence, cfg.rollback_rounds, cfg.rollback_margin) == (
+        0, -0.25, 1.5, 64, 0.2)
     with pytest.raises(UsageError, match="guard_samples"):
         check_online_args(parse("--samples-per-update", "8", "--guard-samples", "8"))
 

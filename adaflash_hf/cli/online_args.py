@@ -59,6 +59,9 @@ def add_online_args(g, method_flag: str = "--method", output_required: bool = Tr
     add("--guard-margin", type=number(float, lambda v: True, "a number"), default=None,
         help="acceptance (tokens per block) a candidate may lose on the held-back requests and still be "
              "swapped in (negative: what it must gain)")
+    add("--guard-confidence", type=nonneg_float, default=None,
+        help="standard errors of a candidate's paired gain on the held-back requests it must clear to be swapped "
+             "in (default 0: the gain itself decides; 1-2 refuse gains the held-back sample cannot tell from noise)")
     add("--rollback-rounds", type=nonneg_int, default=None,
         help="served rounds after a swap that judge it against as many rounds before it; a fall of served "
              "tau beyond --rollback-margin restores the previous weights (0: never)")
@@ -112,7 +115,8 @@ def online_config(args, drafter=None):
 
     flags = {"sample_unit": args.sample_unit, "samples_per_update": args.samples_per_update, "epochs": args.epochs,
              "batch_size": args.train_batch_size, "lr": args.lr, "head_lr": args.head_lr, "train_share": args.train_share, "trainer": trainer, "keep_versions": args.keep_versions,
-             "guard_samples": args.guard_samples, "guard_margin": args.guard_margin, "rollback_rounds": args.rollback_rounds,
+             "guard_samples": args.guard_samples, "guard_margin": args.guard_margin,
+             "guard_confidence": args.guard_confidence, "rollback_rounds": args.rollback_rounds,
              "rollback_margin": args.rollback_margin}
     return OnlineConfig(
         method=args.method, output_dir=args.output_dir, hub_repo=args.hub_repo, version_layout=args.layout,

@@ -103,6 +103,11 @@ class OnlineConfig:
             the target and the shadow over them twice (no gradient).
         guard_margin: acceptance (tokens per block) a candidate may lose and still be swapped in
             (negative: how much it must gain).
+        guard_confidence: standard errors of the candidate's paired gain (across the held-back requests,
+            each measured alone with both weights) it must clear: swapped in only when ``gain - guard_confidence
+            x standard error >= -guard_margin``. 0 (default): the gain itself decides. On 16 held-back
+            requests a gain does not tell the sign of a 1-4% change (BENCHMARKS section 3, "Item 3 through the
+            guard"): 1 or 2 swap in only gains the sample can tell, at the price of refusing small real ones.
         rollback_rounds: served rounds that judge a swap (0: never roll back). Once this many rounds
             have been served with new weights, if their tau is below the tau of the last
             ``rollback_rounds`` rounds before the swap by more than ``rollback_margin`` (relative),
@@ -160,6 +165,7 @@ class OnlineConfig:
     max_consecutive_failures: int | None = 5
     guard_samples: int | None = None
     guard_margin: float = 0.0
+    guard_confidence: float = 0.0
     rollback_rounds: int = 2048
     rollback_margin: float = 0.1
 
@@ -197,7 +203,8 @@ class OnlineConfig:
                                  "pass 0 or leave it unset")
         self.rollback_rounds = int(self.rollback_rounds)
         self.guard_margin, self.rollback_margin = float(self.guard_margin), float(self.rollback_margin)
-        for name in ("rollback_rounds", "rollback_margin"):
+        self.guard_confidence = float(self.guard_confidence)
+        for name in ("rollback_rounds", "rollback_margin", "guard_confidence"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

@@ -8,8 +8,10 @@ tau served after it falls.
   worker's side stream, at the same blocks (the served rounds' anchors, or anchors drawn from one seed): with the
   shadow *before* it trains, when it holds the serving weights, and with the trained shadow. So both numbers come
   from one model object in one dtype and attention kernel (a serving drafter running a flash kernel cannot take
-  training's block mask), and the serving drafter is never read by the check while it serves. The update is swapped
-  in only when ``candidate >= serving - guard_margin``; otherwise it is *refused*: nothing serves or is published
+  training's block mask), and the serving drafter is never read by the check while it serves. Each request is measured
+  alone, so the candidate's gain pairs request by request (:func:`paired_gain`: the gain in accepted drafts per block
+  and its standard error across the requests). The update is swapped in only when ``gain - guard_confidence x
+  standard error >= -guard_margin`` (by default: ``candidate >= serving - guard_margin``); otherwise it is *refused*: nothing serves or is published
   from it, the shadow is rebuilt from the serving weights, and with an ``output_dir`` its weights (in the serving
   dtype) and ``reason.json`` are kept aside in ``output_dir/refused/update-NNNN/`` (numbered in the order of
   refusal, written atomically, the newest ``keep_versions`` kept; never listed as a version, ``reason.json`` names
@@ -30,18 +32,21 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..atomic_io import TMP_PREFIX, remove_temporaries, write_dir_atomic
 from .config import OnlineConfig
+from .worker import mean_accept_len
 
-__all__ = ["REFUSED_DIR", "RollbackWatch", "UpdateGuard"]
+__all__ = ["REFUSED_DIR", "Judgement", "RollbackWatch", "UpdateGuard", "paired_gain"]
 
 REFUSED_DIR = "refused"
 REASON_FILE = "reason.json"
@@ -52,6 +57,42 @@ def _sequence(sample) -> bytes | int:
     """What makes two request samples the same: their token ids (a round sample is only ever itself)."""
     ids = getattr(sample, "input_ids", None)
     return ids.numpy().tobytes() if ids is not None else id(sample)
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """The guard's view of one candidate (all None: the guard is off): the serving weights' and the candidate's
+    ``accept_len`` on the held-back requests, the candidate's paired gain and its standard error, and the reason to
+    refuse it (None: swap it in)."""
+
+    serving: float | None = None
+    candidate: float | None = None
+    gain: float | None = None
+    gain_se: float | None = None
+    refusal: dict | None = None
+
+
+def paired_gain(serving: list[tuple[float, int]], candidate: list[tuple[float, int]]) -> tuple[float, float]:
+    """The candidate's gain in accepted drafts per block over the serving weights on the same requests and blocks,
+    and its standard error across requests (a ratio estimator: each request weighs by its blocks; 0 with one request).
+
+    Example:
+        >>> paired_gain([(4.0, 2), (2.0, 2)], [(5.0, 2), (3.0, 2)])
+        (0.5, 0.0)
+    """
+    blocks = [n for _, n in serving]
+    if blocks != [n for _, n in candidate]:
+        raise ValueError("the serving weights and the candidate must be measured on the same blocks")
+    total = sum(blocks)
+    if total == 0:
+        return 0.0, 0.0
+    diff = [c - s for (s, _), (c, _) in zip(serving, candidate)]
+    gain = sum(diff) / total
+    m = len(diff)
+    if m < 2:
+        return gain, 0.0
+    spread = sum((d - gain * n) ** 2 for d, n in zip(diff, blocks)) * m / (m - 1)
+    return gain, math.sqrt(spread) / total
 
 
 class UpdateGuard:
@@ -80,26 +121,37 @@ class UpdateGuard:
             return samples, []
         return train, [samples[i] for i in sorted(held)]
 
-    def measure(self, worker, held: list, update_index: int) -> float | None:
-        """The shadow's ``accept_len`` on ``held`` at this update's blocks (None when nothing is held back)."""
+    def measure(self, worker, held: list, update_index: int) -> list[tuple[float, int]] | None:
+        """The shadow's ``(accepted drafts, blocks)`` on each of ``held`` at this update's blocks (None when nothing
+        is held back)."""
         if not held:
             return None
         shadow, _ = worker.ensure_shadow()
-        return worker.accept_len(shadow, held, seed=self._seed(update_index))
+        return worker.request_acceptance(shadow, held, seed=self._seed(update_index))
 
-    def refusal(self, serving: float | None, candidate: float | None, held: int) -> dict | None:
-        """The reason to refuse a candidate (a JSON-able dict), or None to swap it in."""
-        margin = self.config.guard_margin
-        if serving is None or candidate is None or candidate >= serving - margin:
-            return None
-        return {
-            "reason": f"accept_len on {held} held-back requests fell from {serving:.4f} (serving) to "
-                      f"{candidate:.4f} (candidate), more than the margin {margin:g}",
-            "serving_accept_len": serving,
-            "candidate_accept_len": candidate,
+    def judge(self, serving: list[tuple[float, int]] | None, candidate: list[tuple[float, int]] | None) -> "Judgement":
+        """The guard's decision on a candidate from both models' per-request measures (:meth:`measure`, the same
+        held-back requests and blocks): refused when its paired gain less ``guard_confidence`` standard errors of it
+        falls below ``-guard_margin`` (with ``guard_confidence`` 0: when its accept_len falls by more than the margin)."""
+        if serving is None or candidate is None:
+            return Judgement()
+        gain, se = paired_gain(serving, candidate)
+        before, after = mean_accept_len(serving), mean_accept_len(candidate)
+        margin, z = self.config.guard_margin, self.config.guard_confidence
+        if gain - z * se >= -margin:
+            return Judgement(before, after, gain, se)
+        held = len(serving)
+        bound = f"; gain {gain:+.4f} ± {se:.4f}, less {z:g} standard errors" if z else ""
+        return Judgement(before, after, gain, se, {
+            "reason": f"accept_len on {held} held-back requests fell from {before:.4f} (serving) to {after:.4f} "
+                      f"(candidate){bound}, more than the margin {margin:g}",
+            "serving_accept_len": before,
+            "candidate_accept_len": after,
+            "gain_standard_error": se,
+            "guard_confidence": z,
             "guard_margin": margin,
             "held_back": held,
-        }  # fmt: skip
+        })  # fmt: skip
 
     def keep_aside(self, shadow, dtype: torch.dtype, reason: dict) -> Path:
         """Write ``shadow`` (cast to ``dtype``) and ``reason.json`` atomically as the next

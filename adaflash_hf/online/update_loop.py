@@ -39,7 +39,8 @@ class UpdateRecord:
 
     The guard (:mod:`~adaflash_hf.online.guard`): ``held_back`` requests judged the update,
     ``guard_serving`` / ``guard_candidate`` are the serving weights' and the trained shadow's
-    ``accept_len`` on them (None when the guard is off); ``swapped`` is False for a refused update (its
+    ``accept_len`` on them (None when the guard is off), ``guard_gain`` / ``guard_gain_se`` the candidate's paired
+    gain in accepted drafts per block and its standard error across those requests; ``swapped`` is False for a refused update (its
     ``version`` is None, ``path`` the folder it was kept aside in, ``tau_before`` the tau served so far
     with the weights it did not replace, ``update`` the number it would have had). A rollback is its own
     record: ``rollback_of`` names the update undone, ``version`` the restored weights' new version,
@@ -65,6 +66,8 @@ class UpdateRecord:
     held_back: int = 0
     guard_serving: float | None = None
     guard_candidate: float | None = None
+    guard_gain: float | None = None
+    guard_gain_se: float | None = None
     rollback_of: int | None = None
 
 
@@ -111,8 +114,8 @@ class UpdateLoop:
             if self._roll_back_if_due(held):  # the shadow trained on the weights just undone: the update goes too
                 logger.info("online update discarded: it was trained from weights that were just rolled back")
                 return
-            refusal = self.guard.refusal(serving, candidate, len(held))
-            if refusal is None:
+            judged = self.guard.judge(serving, candidate)
+            if judged.refusal is None:
                 self._swap()
         except UpdateAbandoned:
             worker.reset()  # the shadow stopped mid-update: rebuilt from the serving weights if ever needed
@@ -125,10 +128,11 @@ class UpdateLoop:
             update=self.updates + 1, samples=len(samples), loss_first=result["loss_first"], loss_last=result["loss_last"],
             head_loss_last=result["head_loss_last"], grad_norm=result.get("grad_norm"), tau_before=None, rounds_before=0,
             seconds=time.perf_counter() - t0,
-            domains=dict(domains), held_back=len(held), guard_serving=serving, guard_candidate=candidate,
+            domains=dict(domains), held_back=len(held), guard_serving=judged.serving, guard_candidate=judged.candidate,
+            guard_gain=judged.gain, guard_gain_se=judged.gain_se,
         )  # fmt: skip
-        if refusal is not None:
-            self._refuse(record, refusal, index)
+        if judged.refusal is not None:
+            self._refuse(record, judged.refusal, index)
             return
         self._record_swapped(record)
         if self.config.clear_after_update and leftover is not None:
@@ -336,6 +340,7 @@ class UpdateLoop:
             "layout": self.config.version_layout,
             "guard_serving": record.guard_serving,
             "guard_candidate": record.guard_candidate,
+            "guard_gain_se": record.guard_gain_se,
             "rollback_of": record.rollback_of,
         }
 

@@ -352,15 +352,25 @@ class ShadowTrainer:
         samples per forward. The blocks are the served rounds' anchors when the samples carry them, else
         anchors drawn from ``seed``: given the same samples and seed, every model is scored on the same
         blocks, so two models compare pairwise."""
+        return mean_accept_len(self._accepted(model, samples, seed, self.config.batch_size))
+
+    @torch.no_grad()
+    def request_acceptance(self, model: AdaFlashDrafter, samples: list[RequestSample], seed: int) -> list[tuple[float, int]]:
+        """Per request sample, ``(accepted drafts summed over its blocks, its blocks)``: :meth:`accept_len`'s
+        measure one request per forward, so that two models compare request by request (the guard's paired gain)."""
+        return self._accepted(model, samples, seed, 1)
+
+    def _accepted(self, model, samples, seed: int, batch_size: int) -> list[tuple[float, int]]:
+        """``(accepted drafts, blocks)`` per forward of ``batch_size`` samples (the measure of :meth:`accept_len`)."""
         from ..training.blocks import sample_anchors
 
         wrapper = self.request_model(model)
         was_training = model.training
         model.eval()  # no dropout in a measurement
-        accepted, blocks = 0.0, 0
+        out_rows = []
         try:
-            for start in range(0, len(samples), self.config.batch_size):
-                batch = self.request_batch(samples[start : start + self.config.batch_size], self.device)
+            for start in range(0, len(samples), batch_size):
+                batch = self.request_batch(samples[start : start + batch_size], self.device)
                 if "anchors" not in batch:
                     mask = batch["loss_mask"] & batch["attention_mask"]  # where the wrapper draws its anchors
                     gen = torch.Generator(device=mask.device).manual_seed(seed + start)
@@ -368,11 +378,16 @@ class ShadowTrainer:
                                                                              generator=gen)  # fmt: skip
                 out = wrapper(**batch)
                 n = int(out["num_blocks"])
-                accepted, blocks = accepted + (float(out["accept_len"]) - 1.0) * n, blocks + n
+                out_rows.append(((float(out["accept_len"]) - 1.0) * n, n))
         finally:
             model.train(was_training)
-        return accepted / blocks + 1.0 if blocks else 1.0
+        return out_rows
 
+
+def mean_accept_len(rows: list[tuple[float, int]]) -> float:
+    """``accept_len`` over every block of ``(accepted drafts, blocks)`` rows (1.0 with no block)."""
+    blocks = sum(n for _, n in rows)
+    return sum(a for a, _ in rows) / blocks + 1.0 if blocks else 1.0
 
 def served_blocks(batch: list[RequestSample], max_anchors: int) -> dict[str, torch.Tensor]:
     """Blocks anchored at each request's served rounds, with the length head's labels from real verification:
