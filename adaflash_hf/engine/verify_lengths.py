@@ -41,9 +41,6 @@ PLAIN_PROBE_ROUNDS = 8  # the fewest plain rounds between probes once the back-o
 PROBE_SHARE = 0.02  # the most of the plain rounds' time that probing them may add
 FIRST_PROBE_SHARE = 0.25  # the first probe after a plain decision waits until the plain rounds have cost 4x what it adds
 PROBE_CAP = 1024  # the most plain rounds between probes whatever the cost (text can turn draftable)
-SUNK_BODY = False
-DRAFT_HEAD_SHARE = 0.4
-GUESS_WEIGHT = 1.0
 
 
 class VerifyLengths:
@@ -140,7 +137,7 @@ class VerifyLengths:
             return packed
         bits = np.array(packed[-len(running) :], dtype=np.int64).astype(np.int32).view(np.float32)
         for r, a in zip(running, bits.tolist()):
-            r.head_ratio = _next_guess(r.head_ratio, a)
+            r.head_ratio = a
         return packed[: -len(running)]
 
     def _verify_lengths(self, running, ratio: torch.Tensor | None, guess: bool = False,
@@ -153,16 +150,13 @@ class VerifyLengths:
         if ratio is None or self.layout == "fixed":
             return choose_verify_length(LengthPolicy.FIXED, n, B)
         ratio = ratio.float().cpu().view(-1)  # read 1 of the round (the cost rule and the floor rule run on the host)
-        choose = lambda cost: choose_verify_length(  # noqa: E731
-            self.policy, n, B, ratio=ratio, rate=self._length_rate(n), min_len=self.length_min, device="cpu",
-            round_cost=cost, max_len=torch.tensor([r.remaining for r in running]), unread_whole=unread_whole)
-        k_hat = choose(self.round_cost)
+        k_hat = choose_verify_length(self.policy, n, B, ratio=ratio, rate=self._length_rate(n), min_len=self.length_min,
+                                     device="cpu", round_cost=self.round_cost,
+                                     max_len=torch.tensor([r.remaining for r in running]), unread_whole=unread_whole)
         if self.policy is LengthPolicy.COST and not guess:
             for r, a in zip(running, ratio.tolist()):
-                r.head_ratio = _next_guess(r.head_ratio, a)
+                r.head_ratio = a
             self._drafted_plain = bool((k_hat <= 1).all())
-            if SUNK_BODY:
-                k_hat = choose(self.round_cost.after_body(DRAFT_HEAD_SHARE))
             if self._drafted_plain:  # plain rounds before the next probe: the first hold, then doubling up to the cap
                 first, cap = self._probe_holds(n)
                 self._plain_limit = min(max(first, 2 * self._plain_limit), cap)
@@ -189,7 +183,3 @@ class VerifyLengths:
         if self.halving_batch is None:
             return self.length_rate
         return load_scaled_rate(self.length_rate, batch, self.halving_batch)
-
-
-def _next_guess(previous: float | None, ratio: float) -> float:
-    return ratio if previous is None or ratio != ratio else GUESS_WEIGHT * ratio + (1 - GUESS_WEIGHT) * previous

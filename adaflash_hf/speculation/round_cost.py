@@ -32,7 +32,7 @@ The default table's overheads are the H200 replay's (``SPEC_H200_OVERHEAD_MS``);
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -184,12 +184,6 @@ class RoundCost:
             curve = self._per_rows[rows] = _extend(qgrid[:-1], per_q)
         out = np.interp(np.asarray(tokens, dtype=np.float64) / rows, *curve)
         return float(out) if np.ndim(out) == 0 else out
-
-    def after_body(self, head_share: float) -> "RoundCost":
-        """The cost of the rest of a drafting round once its drafter body has run: of the drafter, only its LM head
-        (``head_share`` of its time) is left to pay, and a drafting round's overhead no longer differs from a plain
-        one's."""
-        return replace(self, draft_fraction=self.draft_fraction * head_share, spec_overhead=self.plain_overhead)
 
     def draft_time(self, rows: int, block_size: int) -> float:
         """Time of the drafter's round for ``rows`` requests with blocks of ``block_size``."""

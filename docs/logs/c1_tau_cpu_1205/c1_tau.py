@@ -5,6 +5,11 @@ one implementation: `step_time`) prices it, under SPEC's table or, with `COST=h2
 measured on 2026-12-05. Tau: tokens per round over every round (a plain round counts 1), as the benchmark counts it.
 
     ADAFLASH_DATA=/work/shared/data python docs/logs/c1_tau_cpu_1205/c1_tau.py spec_bench:translation,prose 1:12,64:64
+
+The variants set two knobs that exist only at commit 3436c48 (a prototype, reverted after this projection):
+`verify_lengths.SUNK_BODY` (the rule decided after the drafter's body prices only the LM head, `DRAFT_HEAD_SHARE` 0.4
+of the drafter's time, and no drafting overhead beyond a plain round's) and `GUESS_WEIGHT` (the guess before a round is
+an EMA of the request's ratios with this weight on the newest; 1.0: the last ratio). Run it on that commit's tree.
 """
 import os
 import sys
