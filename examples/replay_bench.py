@@ -217,10 +217,17 @@ def poisson_row(eng, replay, prompts, refs, max_new, device, rate, c, seed) -> d
 
 def submit_and_prefill(eng, prompts, max_new, eos=None) -> list:
     """Submit ``prompts`` and step the engine until each has its first token (a few rounds when the prompts
-    exceed the token budget); returns the handles."""
+    exceed the token budget); returns the handles. A request that fails instead (e.g. the device out of memory) fails
+    the row at once, naming why, rather than leaving it waiting for a token that never comes."""
     handles = [eng.submit(p, max_new, eos_token_id=eos) for p in prompts]
-    while not all(h.token_ids for h in handles):
-        eng.step()
+    while not all(h.token_ids or h.done for h in handles):
+        if not eng.healthy:  # a failed round fails the requests in flight; the queued ones would wait for ever
+            raise RuntimeError(f"the engine failed before every request had its first token: {eng.last_error}")
+        if not eng.step():
+            raise RuntimeError("the engine went idle before every request had its first token")
+    errors = [h.result().error for h in handles if h.done and h.result().finish_reason == "error"]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(handles)} requests failed: {errors[0]}")
     return handles
 
 

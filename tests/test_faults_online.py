@@ -502,7 +502,8 @@ def test_the_guard_judges_a_candidate_by_its_paired_gain(rows, margin, confidenc
     assert judged.candidate - judged.serving == pytest.approx(judged.gain)
     assert (judged.gain_se == 0.0) == (rows is not NOISY_GAIN)
     if not swapped:
-        assert judged.refusal["gain_standard_error"] == judged.gain_se and judged.refusal["guard_confidence"] == confidence
+        assert judged.refusal["gain_standard_error"] == judged.gain_se
+        assert judged.refusal["guard_confidence"] == confidence
 
 
 def test_the_guard_needs_both_measures_on_the_same_blocks():

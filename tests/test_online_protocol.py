@@ -47,9 +47,10 @@ def test_an_update_is_one_training_whatever_the_guard_decides(margin, outcome):
     _, _, rows = ragged_prompts(15, [5, 7, 6], seed=2)
     prompts = [r.tolist() for r in rows]
     result = run_protocol(target, drafter, SimpleNamespace(eos_token_id=None), prompts[3:], prompts[:3],
-                          methods=("opd",), settings=ProtocolSettings(updates=2, concurrency=4, max_new_tokens=8, max_len=64),
-                          config=OnlineConfig(samples_per_update=4, epochs=1, lr=1e-3, guard_samples=1, guard_margin=margin,
-                                              rollback_rounds=0))
+                          methods=("opd",),
+                          settings=ProtocolSettings(updates=2, concurrency=4, max_new_tokens=8, max_len=64),
+                          config=OnlineConfig(samples_per_update=4, epochs=1, lr=1e-3, guard_samples=1,
+                                              guard_margin=margin, rollback_rounds=0))
     opd = result["methods"]["opd"]
     curve, trained = opd["curve"], [u for u in opd["updates"] if u["rollback_of"] is None]
     assert [c["update"] for c in curve] == [0, 1, 2] and [c["served"] for c in curve] == [0, 4, 8]

@@ -192,3 +192,42 @@ def test_replay_rejects_sampled_requests(replay_pair):
                  draft_replay=DraftReplay(refs, paper_dflash_trace(B)))
     out = eng.generate(prompts[:1], max_new_tokens=4, temperature=1.0, seed=0)[0]
     assert out.finish_reason == "error" and "greedy" in out.error
+
+
+@pytest.mark.parametrize("fails", ["round", "request", None])
+def test_the_replay_bench_fails_a_row_whose_requests_fail_instead_of_waiting(monkeypatch, fails):
+    """A round that fails (the device out of memory at 128 requests on an 80 GB card, 2026-12-05) fails the requests in
+    flight and leaves the rest queued on an unhealthy engine; the bench's prefill then names the failure at once.
+    Before, it stepped the engine for ever, waiting for their first tokens. A request failing alone fails the row
+    too. The control: healthy requests get their first tokens and go on."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    monkeypatch.syspath_prepend(str(examples))
+    spec = importlib.util.spec_from_file_location("replay_bench_under_test", examples / "replay_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)
+    spec.loader.exec_module(bench)
+    target = make_target(layers=2, seed=3)
+    eng = Engine(target, max_slots=2, max_len=64, token_budget=64)
+    if fails == "round":
+        monkeypatch.setattr(eng, "_step", lambda: (_ for _ in ()).throw(RuntimeError("CUDA out of memory (simulated)")))
+    elif fails == "request":
+        submit = eng.submit
+        def failing(*args, **kwargs):
+            handle = submit(*args, **kwargs)
+            eng._fail(handle._req, "bad row (simulated)")
+            return handle
+
+        monkeypatch.setattr(eng, "submit", failing)
+    prompts = engine_prompts([5, 7], seed=11)
+    if fails:
+        why = "engine failed before .*out of memory" if fails == "round" else "2 of 2 requests failed: bad row"
+        with pytest.raises(RuntimeError, match=why):
+            bench.submit_and_prefill(eng, prompts, 4)
+    else:
+        handles = bench.submit_and_prefill(eng, prompts, 4)
+        assert all(h.token_ids for h in handles)
+        assert [h.result().token_ids for h in handles] == [plain_greedy_ids(target, p, 4) for p in prompts]

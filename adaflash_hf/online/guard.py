@@ -132,7 +132,8 @@ class UpdateGuard:
     def judge(self, serving: list[tuple[float, int]] | None, candidate: list[tuple[float, int]] | None) -> "Judgement":
         """The guard's decision on a candidate from both models' per-request measures (:meth:`measure`, the same
         held-back requests and blocks): refused when its paired gain less ``guard_confidence`` standard errors of it
-        falls below ``-guard_margin`` (with ``guard_confidence`` 0: when its accept_len falls by more than the margin)."""
+        falls below ``-guard_margin`` (with ``guard_confidence`` 0: when its accept_len falls by more than the
+        margin)."""
         if serving is None or candidate is None:
             return Judgement()
         gain, se = paired_gain(serving, candidate)

@@ -355,7 +355,8 @@ class ShadowTrainer:
         return mean_accept_len(self._accepted(model, samples, seed, self.config.batch_size))
 
     @torch.no_grad()
-    def request_acceptance(self, model: AdaFlashDrafter, samples: list[RequestSample], seed: int) -> list[tuple[float, int]]:
+    def request_acceptance(self, model: AdaFlashDrafter, samples: list[RequestSample],
+                           seed: int) -> list[tuple[float, int]]:
         """Per request sample, ``(accepted drafts summed over its blocks, its blocks)``: :meth:`accept_len`'s
         measure one request per forward, so that two models compare request by request (the guard's paired gain)."""
         return self._accepted(model, samples, seed, 1)
