@@ -225,7 +225,7 @@ def submit_and_prefill(eng, prompts, max_new, eos=None) -> list:
             raise RuntimeError(f"the engine failed before every request had its first token: {eng.last_error}")
         if not eng.step():
             raise RuntimeError("the engine went idle before every request had its first token")
-    errors = [h.result().error for h in handles if h.done and h.result().finish_reason == "error"]
+    errors = [o.error for o in (h.result() for h in handles if h.done) if o.finish_reason == "error"]
     if errors:
         raise RuntimeError(f"{len(errors)} of {len(handles)} requests failed: {errors[0]}")
     return handles
@@ -282,7 +282,8 @@ def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile=Fal
            "mean_verify_len": sum(vl) / max(1, len(vl)), "steps_per_run": (eng.num_steps - steps0) / reps,
            "mean_forward_tokens": sum(fwd) / max(1, len(fwd)),
            # the engine's mid-round reads and whole-block rounds per timed run (issue 35 item 2)
-           "mid_round_reads_per_run": (eng.host_syncs - reads0) / reps, "whole_rounds_per_run": (eng.whole_rounds - whole0) / reps,
+           "mid_round_reads_per_run": (eng.host_syncs - reads0) / reps,
+           "whole_rounds_per_run": (eng.whole_rounds - whole0) / reps,
            "identical": min(sum(o.token_ids == refs[tuple(p)] for o, p in zip(r["outputs"], prompts)) for r in runs),
            "requests": len(prompts)}
     if replay is not None:

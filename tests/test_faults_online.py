@@ -504,6 +504,7 @@ def test_the_guard_judges_a_candidate_by_its_paired_gain(rows, margin, confidenc
     if not swapped:
         assert judged.refusal["gain_standard_error"] == judged.gain_se
         assert judged.refusal["guard_confidence"] == confidence
+        assert ("fell from" in judged.refusal["reason"]) == (confidence == 0)  # a positive gain short of its bound
 
 
 def test_the_guard_needs_both_measures_on_the_same_blocks():

@@ -99,8 +99,8 @@ class OnlineConfig:
             either (greedy decoding answers a repeated prompt the same way). ``sample_unit="round"``:
             always off (a round sample is labelled only up to the serving drafter's first rejected draft,
             so acceptance measured on it is censored by the serving weights and cannot judge a candidate
-            fairly); a positive value is refused. Cost: the held-back requests are not trained on, and each update runs
-            the target and the shadow over them twice (no gradient).
+            fairly); a positive value is refused. Cost: the held-back requests are not trained on, and each
+            update runs the target and the shadow over them twice (no gradient), one request per forward.
         guard_margin: acceptance (tokens per block) a candidate may lose and still be swapped in
             (negative: how much it must gain).
         guard_confidence: standard errors of the candidate's paired gain (across the held-back requests,

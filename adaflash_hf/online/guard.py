@@ -8,14 +8,14 @@ tau served after it falls.
   worker's side stream, at the same blocks (the served rounds' anchors, or anchors drawn from one seed): with the
   shadow *before* it trains, when it holds the serving weights, and with the trained shadow. So both numbers come
   from one model object in one dtype and attention kernel (a serving drafter running a flash kernel cannot take
-  training's block mask), and the serving drafter is never read by the check while it serves. Each request is measured
-  alone, so the candidate's gain pairs request by request (:func:`paired_gain`: the gain in accepted drafts per block
-  and its standard error across the requests). The update is swapped in only when ``gain - guard_confidence x
-  standard error >= -guard_margin`` (by default: ``candidate >= serving - guard_margin``); otherwise it is *refused*: nothing serves or is published
-  from it, the shadow is rebuilt from the serving weights, and with an ``output_dir`` its weights (in the serving
-  dtype) and ``reason.json`` are kept aside in ``output_dir/refused/update-NNNN/`` (numbered in the order of
-  refusal, written atomically, the newest ``keep_versions`` kept; never listed as a version, ``reason.json`` names
-  the update).
+  training's block mask), and the serving drafter is never read by the check while it serves. Each request is
+  measured alone, so the candidate's gain pairs request by request (:func:`paired_gain`: the gain in accepted drafts
+  per block and its standard error across the requests). The update is swapped in only when ``gain -
+  guard_confidence x standard error >= -guard_margin`` (by default: ``candidate >= serving - guard_margin``);
+  otherwise it is *refused*: nothing serves or is published from it, the shadow is rebuilt from the serving weights,
+  and with an ``output_dir`` its weights (in the serving dtype) and ``reason.json`` are kept aside in
+  ``output_dir/refused/update-NNNN/`` (numbered in the order of refusal, written atomically, the newest
+  ``keep_versions`` kept; never listed as a version, ``reason.json`` names the update).
 * **Rollback** (:class:`RollbackWatch`). Every served round updates a window of the last
   ``rollback_rounds`` rounds' tokens. A swap made with a full window keeps a CPU copy of the weights it
   replaced and that window's tau; once ``rollback_rounds`` rounds have been served with the new weights,
@@ -142,10 +142,15 @@ class UpdateGuard:
         if gain - z * se >= -margin:
             return Judgement(before, after, gain, se)
         held = len(serving)
-        bound = f"; gain {gain:+.4f} ± {se:.4f}, less {z:g} standard errors" if z else ""
+        if z:  # the gain itself may be positive: what fell short is its lower bound
+            reason = (f"on {held} held-back requests the candidate's gain in accept_len ({before:.4f} serving, "
+                      f"{after:.4f} candidate) is {gain:+.4f} ± {se:.4f}; less {z:g} standard errors it falls below "
+                      f"minus the margin ({margin:g})")
+        else:
+            reason = (f"accept_len on {held} held-back requests fell from {before:.4f} (serving) to {after:.4f} "
+                      f"(candidate), more than the margin {margin:g}")
         return Judgement(before, after, gain, se, {
-            "reason": f"accept_len on {held} held-back requests fell from {before:.4f} (serving) to {after:.4f} "
-                      f"(candidate){bound}, more than the margin {margin:g}",
+            "reason": reason,
             "serving_accept_len": before,
             "candidate_accept_len": after,
             "gain_standard_error": se,

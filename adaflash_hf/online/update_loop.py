@@ -38,13 +38,13 @@ class UpdateRecord:
     mean gradient norm per step before clipping.
 
     The guard (:mod:`~adaflash_hf.online.guard`): ``held_back`` requests judged the update,
-    ``guard_serving`` / ``guard_candidate`` are the serving weights' and the trained shadow's
-    ``accept_len`` on them (None when the guard is off), ``guard_gain`` / ``guard_gain_se`` the candidate's paired
-    gain in accepted drafts per block and its standard error across those requests; ``swapped`` is False for a refused update (its
-    ``version`` is None, ``path`` the folder it was kept aside in, ``tau_before`` the tau served so far
-    with the weights it did not replace, ``update`` the number it would have had). A rollback is its own
-    record: ``rollback_of`` names the update undone, ``version`` the restored weights' new version,
-    ``tau_before`` the tau served with the undone weights."""
+    ``guard_serving`` / ``guard_candidate`` are the serving weights' and the trained shadow's ``accept_len`` on
+    them (None when the guard is off), ``guard_gain`` / ``guard_gain_se`` the candidate's paired gain in accepted
+    drafts per block and its standard error across those requests; ``swapped`` is False for a refused update (its
+    ``version`` is None, ``path`` the folder it was kept aside in, ``tau_before`` the tau served so far with the
+    weights it did not replace, ``update`` the number it would have had). A rollback is its own record:
+    ``rollback_of`` names the update undone, ``version`` the restored weights' new version, ``tau_before`` the tau
+    served with the undone weights."""
 
     update: int
     samples: int

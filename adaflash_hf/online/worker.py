@@ -390,6 +390,7 @@ def mean_accept_len(rows: list[tuple[float, int]]) -> float:
     blocks = sum(n for _, n in rows)
     return sum(a for a, _ in rows) / blocks + 1.0 if blocks else 1.0
 
+
 def served_blocks(batch: list[RequestSample], max_anchors: int) -> dict[str, torch.Tensor]:
     """Blocks anchored at each request's served rounds, with the length head's labels from real verification:
     ``anchors`` / ``anchor_valid`` / ``served_accepted`` / ``served_verify_len`` ``[b, n]`` (up to
