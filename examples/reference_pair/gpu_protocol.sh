@@ -5,6 +5,8 @@
 # Inputs carried beside the checkout: WHEELS (default .slimwhl/, slim_wheel.py) and DATA (default .gpudata/data: the
 # eval files of the sets named in RUNS, copied from shared/data).
 # Outputs in $OUT: runs.tar (NAME/protocol.json and NAME.log per run), timings.txt, gpu_usage.csv.
+# WAVE: each run holds up to ~5 GiB while it trains; 14 side by side peaked at 69 GiB on an 80 GB H100, 19 ran
+# out of memory in some updates (each such update fails and is recorded as failed; serving goes on).
 #   RUNS=examples/reference_pair/online_runs/sweep_alpaca.txt BUDGET_S=540 bash examples/reference_pair/gpu_protocol.sh
 # CPU smoke: INSTALL=0 DEVICE=cpu WAVE=1 RUNS=<file with tiny runs> bash <this>
 set -uo pipefail
