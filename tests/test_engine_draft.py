@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import adaflash_hf.engine.verify_lengths as verify_lengths
 from adaflash_hf.engine import Engine, SamplingParams, draft_blocks, layout_args, make_drafter_cache
 from adaflash_hf.engine.kernels.attention import BLOCK
 from adaflash_hf.engine.drafter import DraftGraphs, append_context
@@ -243,11 +244,13 @@ MIXED = [SamplingParams(0.8, top_k=20, top_p=0.9, seed=5), SamplingParams(1.2)]
 @pytest.mark.parametrize("mode,reads,sampled,stretches", [
     ("fixed", 1, False, True), ("packed", 2, False, False), ("packed", 1, False, True), ("off", 1, False, True),
     ("fixed", 1, True, True), ("packed", 2, True, False), ("packed", 1, True, True)])
-def test_static_round_work_does_not_grow_with_requests(mode, reads, sampled, stretches):
+def test_static_round_work_does_not_grow_with_requests(mode, reads, sampled, stretches, monkeypatch):
     """A verify-only round on the static path dispatches the same number of (non-view) tensor ops for 2 and for
     6 requests (no per-request kernels or reads) and reads the device ``reads`` times: verify lengths (packed, unless
     the last ratios chose whole blocks: ``stretches``, verify_lengths) and the acceptance (with the drafts: they reach
-    the target's input on the device). ``sampled``: the requests sample, with :data:`MIXED` parameters."""
+    the target's input on the device). ``sampled``: the requests sample, with :data:`MIXED` parameters. The guess
+    before a round is the head's last ratio here (not what the random drafter's rounds accepted)."""
+    monkeypatch.setattr(verify_lengths, "GUESS_PRIOR_ROUNDS", 0.0)
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=8)
     force_length_head(drafter, ratio_high=True)

@@ -108,11 +108,13 @@ def _left(out, max_new: int) -> list[int]:
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_engine_spares_the_read_with_whole_blocks_where_it_pays(pair, graphs):
+def test_engine_spares_the_read_with_whole_blocks_where_it_pays(pair, graphs, monkeypatch):
     """The head says 0.4 for every block: under ``BLOCK8`` a round that reads its ratios verifies 6 of 8, but whole
     blocks sparing the read pay more, so every drafting round after the first is a whole-block stretch (one device
     read instead of two); without a read to spare (the control) the rounds stay packed at 6. Plain greedy output
-    either way."""
+    either way. The guess before a round is the head's last ratio here (the random drafter's rejections would
+    otherwise say drafting seldom pays: ``test_next_round_guess``)."""
+    monkeypatch.setattr(vl, "GUESS_PRIOR_ROUNDS", 0.0)
     target, drafter = pair
     saved = {k: v.detach().clone() for k, v in drafter.length_head.out.state_dict().items()}
     _head_says(drafter, 0.4)

@@ -131,9 +131,9 @@ class RecordedTrace:
     verified) and its length head's ratio, with the :class:`ReplayPolicy` of the drafter that recorded them.
     ``draw`` picks a recorded round at random; ``stream`` replays one request's rounds in the order its recorded
     requests had them (``sequences``: how many consecutive rounds of ``rounds`` each recorded request holds), so a
-    replayed request keeps what a real one has: a ratio that follows the text from round to round, which the engine's
-    guess before drafting (the requests' last ratios) relies on. Random draws keep none of it (the worst case for
-    that guess).
+    replayed request keeps what a real one has: an acceptance level of its own, which the engine's guess before
+    drafting (each request's rounds' mean acceptance, shrunk toward the traffic's) relies on. Random draws keep none
+    of it (the worst case for that guess).
 
     Example:
         >>> t = RecordedTrace([TraceRound(3, 0.25), TraceRound(0, 0.1)], ReplayPolicy("adaptive", 2.0, 1, 16), "demo")

@@ -55,7 +55,8 @@ class Request:
         self.tokens: list[int] = []
         self.pending_ctx: torch.Tensor | None = None  # target features the drafter has not consumed
         self.ngrams = None  # prompt + tokens indexed for the prompt n-gram rule (`speculation.prompt_ngrams.NgramIndex`)
-        self.head_ratio: float | None = None  # the length head's last ratio (the cost policy's guess before drafting)
+        self.head_ratio: float | None = None  # the length head's last ratio
+        self.seen = (0.0, 0)  # sum and count of its rounds' acceptance ratios (the cost policy's guess before a round)
         self.state = "queued"
         self.cancel_requested = False
         self.output: EngineOutput | None = None

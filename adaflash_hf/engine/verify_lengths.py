@@ -3,7 +3,9 @@ and when a round may skip the drafter's body because nothing it drafts would be 
 because every request would verify its whole block.
 
 Under the ``cost`` policy the verify lengths come from the length head's ratios, which need the drafter's body.
-Before running it, the round is decided on the requests' *last* ratios: when they say every request decodes plainly,
+Before running it, the round is decided on a **guess** of each request's acceptance (:meth:`VerifyLengths._guess`: its
+rounds' mean acceptance shrunk toward the traffic's; a round's ratio says little of the next round's): when the guesses
+say every request decodes plainly,
 the body is skipped (only the new context is stored, which keeps the drafter's cache exact). A probe round drafts
 anyway, so the ratios, and a return to drafting, follow the text: after as many plain rounds as cost four times what a
 probe adds (``FIRST_PROBE_SHARE``: probing takes at most a fifth of the time from the first plain decision on; 2
@@ -16,7 +18,7 @@ batch) within ``PROBE_SHARE`` of the plain rounds' between them. A probe costs a
 but several at 128 requests (the body runs every block position of every request): a fixed cadence of 8 would spend
 a quarter of the time there probing for drafts that cannot pay.
 
-The mirror case, **whole-block stretches**: when the last ratios say every request verifies its whole block (a flat
+The mirror case, **whole-block stretches**: when the guesses say every request verifies its whole block (a flat
 cost, at small batches), the round does not wait for this round's ratios in the middle (a device read between the
 drafter's body and its LM head, during which the GPU idles): it verifies whole blocks, as ``fixed`` does, and reads the
 ratios with the round's one read at its end, for the next round's decision. The guess counts what skipping the read
@@ -35,12 +37,14 @@ import torch
 
 from ..speculation.length_policy import LengthPolicy, choose_verify_length, load_scaled_rate
 
-__all__ = ["FIRST_PROBE_SHARE", "PLAIN_PROBE_ROUNDS", "PROBE_SHARE", "VerifyLengths"]
+__all__ = ["FIRST_PROBE_SHARE", "GUESS_PRIOR_ROUNDS", "PLAIN_PROBE_ROUNDS", "PROBE_SHARE", "TRAFFIC_DECAY", "VerifyLengths"]
 
 PLAIN_PROBE_ROUNDS = 8  # the fewest plain rounds between probes once the back-off has grown
 PROBE_SHARE = 0.02  # the most of the plain rounds' time that probing them may add
 FIRST_PROBE_SHARE = 0.25  # the first probe after a plain decision waits until the plain rounds have cost 4x what it adds
 PROBE_CAP = 1024  # the most plain rounds between probes whatever the cost (text can turn draftable)
+GUESS_PRIOR_ROUNDS = 8.0  # the guess before a round: a request's mean acceptance, shrunk by this many traffic rounds
+TRAFFIC_DECAY = 0.999  # the traffic's mean acceptance weighs its last ~1,000 rounds that verified drafts
 
 
 class VerifyLengths:
@@ -53,17 +57,43 @@ class VerifyLengths:
         self._plain_rounds = 0  # rounds in a row whose drafter body the cost policy skipped
         self._plain_limit = 0  # how many it may skip before the next probe
         self._drafted_plain = False  # the cost policy's last drafted round verified nothing but bonus tokens
-        self._late_ratio = False  # this round verifies whole blocks chosen on the last ratios
+        self._late_ratio = False  # this round verifies whole blocks chosen on the guesses
+        self._seen = (0.0, 0.0)  # the traffic's acceptance: decayed sum and count of rounds that verified drafts
 
-    def _last_ratio_lengths(self, running, unread_whole: bool | None = None) -> torch.Tensor:
-        """The verify lengths the policy gives the requests' last ratios (one that never drafted counts as accepting
-        everything: its first round drafts): the guess that decides a round before its drafter body runs. Where the
+    def _guessed_lengths(self, running, unread_whole: bool | None = None) -> torch.Tensor:
+        """The verify lengths the policy gives the requests' guesses (:meth:`_guess`; one that never drafted counts as
+        accepting everything: its first round drafts), which decide a round before its drafter body runs. Where the
         round may verify whole blocks without reading its ratios (``unread_whole``; ``None``: :meth:`_may_skip_read`
         says), the rule counts the read that choice saves."""
         if unread_whole is None:
             unread_whole = self._may_skip_read(running)
-        guess = torch.tensor([1.0 if r.head_ratio is None else r.head_ratio for r in running])
+        guess = torch.tensor([1.0 if r.head_ratio is None else self._guess(r) for r in running])
         return self._verify_lengths(running, guess, guess=True, unread_whole=unread_whole)
+
+    def _guess(self, r) -> float:
+        """``r``'s expected acceptance ratio in its next round, before its drafter runs. Rounds hardly predict each
+        other (on the reference pair the next round's acceptance correlates with the last ratio at -0.08 to 0.11,
+        ``docs/logs/c1_guess_cpu_1205``): the best guess is the request's own level. It is the mean of what its rounds
+        that verified drafts accepted, shrunk toward the traffic's mean by ``GUESS_PRIOR_ROUNDS`` rounds (a new
+        request's first rounds say little); the last ratio until any round has been seen. ``GUESS_PRIOR_ROUNDS`` 0:
+        the last ratio, the rule before."""
+        if GUESS_PRIOR_ROUNDS <= 0 or self._seen[1] == 0:
+            return r.head_ratio
+        prior = self._seen[0] / self._seen[1]
+        return (GUESS_PRIOR_ROUNDS * prior + r.seen[0]) / (GUESS_PRIOR_ROUNDS + r.seen[1])
+
+    def _observe_round(self, r, accepted: int, verify_len: int) -> None:
+        """Count what a round that verified drafts says of ``r``'s acceptance, as a ratio like the head's, into the
+        request's and the traffic's sums (the traffic's decayed, so it follows a change of the prompt mix):
+        ``(accepted + 1) / B``; where every verified draft was accepted short of the block (a censored count: it would
+        have accepted at least that many), at least the head's ratio of the round."""
+        if self.policy is not LengthPolicy.COST or verify_len <= 1:
+            return
+        seen = (accepted + 1) / self.block_size
+        if accepted >= verify_len - 1 and verify_len < self.block_size and r.head_ratio is not None:
+            seen = max(seen, r.head_ratio)
+        r.seen = (r.seen[0] + seen, r.seen[1] + 1)
+        self._seen = (TRAFFIC_DECAY * self._seen[0] + seen, TRAFFIC_DECAY * self._seen[1] + 1)
 
     def _may_skip_read(self, running) -> bool:
         """Whether a drafting round of ``running`` may verify whole blocks without this round's ratios: under ``cost``
@@ -72,36 +102,36 @@ class VerifyLengths:
         return (self.whole_block_stretches and self.policy is LengthPolicy.COST and self.layout == "packed"
                 and self.on_round is None and all(r.head_ratio is not None for r in running))
 
-    def _plain_by_last_ratios(self, running) -> bool:
-        """Whether the cost rule, on the requests' last ratios, decodes every request plainly."""
-        return bool((self._last_ratio_lengths(running) <= 1).all())
+    def _plain_by_guess(self, running) -> bool:
+        """Whether the cost rule, on the requests' guesses, decodes every request plainly."""
+        return bool((self._guessed_lengths(running) <= 1).all())
 
     def _plain_stretch(self, running) -> int:
         """How many plain rounds in a row (1: none beyond this one) the ``cost`` policy may queue as greedy decode
         steps behind one read (:mod:`.decode_steps`, ``decode_steps`` at most), as ``off`` does: its last drafted round
-        verified nothing but bonus tokens, the last ratios still say so, and no probe falls inside."""
+        verified nothing but bonus tokens, the guesses say so, and no probe falls inside."""
         if self.policy is not LengthPolicy.COST or self.layout != "packed" or self.on_round is not None \
                 or not self._drafted_plain:
             return 1
         steps = min(self.decode_steps, self._plain_limit - self._plain_rounds, min(r.remaining for r in running))
-        if steps <= 1 or not self._plain_by_last_ratios(running):  # the cheap bounds first: the rule runs on the host
+        if steps <= 1 or not self._plain_by_guess(running):  # the cheap bounds first: the rule runs on the host
             return 1
         self._plain_rounds += steps
         return steps
 
     def _whole_blocks(self, running) -> bool:
         """True when this drafting round verifies whole blocks without reading its ratios first: it may
-        (:meth:`_may_skip_read`), and the cost rule on the requests' last ratios, counting the read this saves,
+        (:meth:`_may_skip_read`), and the cost rule on the requests' guesses, counting the read this saves,
         chooses every request's whole block, or all it has left."""
         if not self._may_skip_read(running):
             return False
         whole = torch.tensor([min(self.block_size, r.remaining) for r in running])
-        return bool((self._last_ratio_lengths(running, unread_whole=True) >= whole).all())
+        return bool((self._guessed_lengths(running, unread_whole=True) >= whole).all())
 
     def _skip_drafting(self, running) -> bool:
         """True when no request would verify more than its bonus token this round: every request has one token
         left; under ``adaptive`` the load-scaled length rate caps every ``k_hat`` at 1; under ``cost`` the round
-        decodes plainly by the requests' last head ratios (one that never drafted: :meth:`_last_ratio_lengths`),
+        decodes plainly by the requests' guesses (:meth:`_guessed_lengths`),
         but for a probe (after ``_plain_limit`` such rounds in a row), which drafts to refresh the ratios.
         Skipping is lossless (a 1-token verify is plain decoding). Not while a round sink is attached: it is
         promised the length head's prediction for every round."""
@@ -112,9 +142,9 @@ class VerifyLengths:
         if self.layout not in ("packed", "rectangular"):
             return False
         if self.policy is LengthPolicy.COST:
-            if not self._drafted_plain:  # the last ratios asked for drafts: no need to ask them again
+            if not self._drafted_plain:  # the round's own ratios asked for drafts: no need to guess again
                 return False
-            plain = self._plain_by_last_ratios(running)
+            plain = self._plain_by_guess(running)
             self._plain_rounds = self._plain_rounds + 1 if plain else 0
             if self._plain_rounds > self._plain_limit:
                 self._plain_rounds = 0

@@ -1,0 +1,101 @@
+"""The cost rule's guess of a request's next round before its drafter runs (issue 35's tau at concurrency 1): what a
+round says of the request's acceptance, the guess shrunk toward the traffic's mean, and the engine deciding on it."""
+
+import pytest
+import torch
+
+import adaflash_hf.engine.verify_lengths as vl
+from adaflash_hf.engine import Engine
+from adaflash_hf.engine.requests import Request
+from adaflash_hf.engine.sampling import SamplingParams
+
+from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = make_target("qwen3")
+    return target, make_drafter(target, block_size=8)
+
+
+def _request(head_ratio=None) -> Request:
+    r = Request(0, [1, 2], 30, SamplingParams(), None)
+    r.head_ratio = head_ratio
+    return r
+
+
+# (name, accepted, verify length, the round's head ratio, what the round says of acceptance, block 8; None: nothing)
+OBSERVED = [
+    ("a rejection inside the verify: what it accepted", 2, 8, 0.9, 3 / 8),
+    ("a draft rejected short of the block: what it accepted", 1, 4, 0.9, 2 / 8),
+    ("every verified draft accepted short of the block: at least the head's ratio", 3, 4, 0.75, 0.75),
+    ("censored, the head lower: what it accepted", 3, 4, 0.25, 4 / 8),
+    ("the whole block accepted", 7, 8, 0.1, 1.0),
+    ("control: a plain round says nothing", 0, 1, 0.5, None),
+]
+
+
+@pytest.mark.parametrize("name,accepted,verify,ratio,seen", OBSERVED, ids=[c[0] for c in OBSERVED])
+def test_what_a_round_says_of_acceptance(pair, name, accepted, verify, ratio, seen):
+    eng = Engine(*pair, length_policy="cost", max_slots=1, max_len=32, token_budget=32)
+    r = _request(ratio)
+    eng._observe_round(r, accepted, verify)
+    if seen is None:
+        assert r.seen == (0.0, 0) and eng._seen == (0.0, 0.0)
+    else:
+        assert r.seen == (pytest.approx(seen), 1) and eng._seen == (pytest.approx(seen), 1.0)
+
+
+@pytest.mark.parametrize("prior", [8.0, 0.0])
+def test_the_guess_is_the_requests_level_shrunk_toward_the_traffic(pair, monkeypatch, prior):
+    """A request that accepted 1 of 8 on its rounds while the traffic accepted 5 of 8: its guess lies between, nearer
+    the traffic's after one round than after eight; nothing seen yet: the head's last ratio. With no prior rounds (the
+    control, the rule before) the guess is the last ratio whatever was seen."""
+    monkeypatch.setattr(vl, "GUESS_PRIOR_ROUNDS", prior)
+    eng = Engine(*pair, length_policy="cost", max_slots=1, max_len=32, token_budget=32)
+    mine, other = _request(0.9), _request(0.6)
+    assert eng._guess(mine) == 0.9
+    for _ in range(24):
+        eng._observe_round(other, 4, 8)  # 5 of 8
+    guesses, traffic = [], []
+    for _ in range(8):
+        eng._observe_round(mine, 0, 8)  # 1 of 8, a rejection at the first draft
+        guesses.append(eng._guess(mine))
+        traffic.append(eng._seen[0] / eng._seen[1])  # its own rounds count in the traffic too
+    if prior == 0.0:
+        assert guesses == [0.9] * 8
+        return
+    assert all(1 / 8 < g < t < 5 / 8 for g, t in zip(guesses, traffic))
+    assert guesses[0] == pytest.approx((prior * traffic[0] + 1 / 8) / (prior + 1))
+    assert guesses == sorted(guesses, reverse=True) and guesses[-1] < (guesses[0] + 1 / 8) / 2 + 0.05
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_engine_trusts_what_rounds_accepted_over_the_heads_last_ratio(pair, monkeypatch, graphs):
+    """The head says every draft will be accepted (ratio ~1) and the random drafter's drafts are rejected: decided on
+    the last ratio (the control, ``GUESS_PRIOR_ROUNDS`` 0) every round after the first verifies whole blocks without
+    reading its ratios; decided on what the rounds accepted, the engine reads them instead (a flat cost with a read
+    to spare makes whole blocks pay only when drafts are likely accepted). Plain greedy output either way."""
+    from adaflash_hf.speculation.round_cost import RoundCost
+
+    target, drafter = pair
+    saved = {k: v.detach().clone() for k, v in drafter.length_head.out.state_dict().items()}
+    force_length_head(drafter, ratio_high=True)
+    cost = RoundCost(rows=(1,), tokens_per_row=(1, 8), verify=((1.0, 2.0),), draft_fraction=0.0, spec_overhead=1.0,
+                     read_overhead=0.5)
+    prompts = engine_prompts([5, 7], seed=11)
+    whole = {}
+    try:
+        for prior in (8.0, 0.0):
+            monkeypatch.setattr(vl, "GUESS_PRIOR_ROUNDS", prior)
+            eng = Engine(target, drafter, length_policy="cost", round_cost=cost, max_slots=2, max_len=64,
+                         token_budget=64, cuda_graphs=graphs, prompt_ngrams=0)
+            outs = eng.generate(prompts, max_new_tokens=30)
+            assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 30) for p in prompts]
+            accepted = [a for o in outs for a in o.accepted]
+            whole[prior] = (eng.whole_rounds, eng.num_steps - eng.skipped_drafts - 1)
+    finally:
+        drafter.length_head.out.load_state_dict(saved)
+    assert sum(accepted) < len(accepted)  # the premise: the drafts are mostly rejected
+    assert whole[0.0][0] == whole[0.0][1] - 1  # the control: every drafting round but the first
+    assert whole[8.0][0] < whole[0.0][0] // 2
