@@ -33,6 +33,8 @@ class BenchConfig:
     ``length_rate``: the length head's ``k_hat = clamp(floor(a * B * rate), 1, B)`` rate for every adaptive
     method (``None``: the drafter config's); ``halving_batch``: the engine methods scale that rate down with
     the batch (half at this many requests; ``None``, the default: fixed rate, load left to admission).
+    ``fast_path``: our loop's methods take the engine's fast path off CUDA too (on CUDA they do by default), so a
+    CPU run makes the GPU path's decisions.
     ``online_*``: the online methods' adapter (``OnlineAdapter``) settings: what a sample is
     (``"request"``: a finished request, or ``"round"``), samples that trigger an
     update, epochs over them, learning rate, and whether each triggered update is waited for
@@ -61,6 +63,7 @@ class BenchConfig:
     prompt_lookup_choice: str | None = None
     length_rate: float | None = None
     halving_batch: int | None = None
+    fast_path: bool = False
     online_sample_unit: str = "request"
     online_samples_per_update: int = 128
     online_epochs: int = 2

@@ -81,7 +81,8 @@ def measure(method, ctx, cell, layouts, config, eos_ids, warm_pool, warmed, pad_
     if method.online:  # a fresh copy of the drafter per cell: every cell's curve starts from the given weights
         ctx = BenchContext(ctx.target, _private_drafter(ctx.drafter, ctx.target), ctx.assistant, ctx.tokenizer, ctx.device,
                            ctx.generate_kwargs, prompt_lookup_num_tokens=ctx.prompt_lookup_num_tokens,
-                           length_rate=ctx.length_rate, halving_batch=ctx.halving_batch)  # fmt: skip
+                           length_rate=ctx.length_rate, halving_batch=ctx.halving_batch,
+                           fast_path=ctx.fast_path)  # fmt: skip
     _warm_up(method, ctx, cell, config, eos_ids, warm_pool, warmed, pad_id, device, on_cuda)
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(device)

@@ -204,7 +204,8 @@ def run_bench(config: BenchConfig) -> BenchResult:
     )  # fmt: skip
     gen, pad_id, eos_ids = _generate_kwargs(config, target, tokenizer)
     ctx = BenchContext(target, drafter, assistant, tokenizer, device, gen, prompt_lookup_num_tokens=config.prompt_lookup_num_tokens,
-                       length_rate=config.length_rate, halving_batch=config.halving_batch)
+                       length_rate=config.length_rate, halving_batch=config.halving_batch,
+                       fast_path=True if config.fast_path else "auto")
     result = BenchResult(config=_config_dict(config, tokenizer), environment=environment(config, device, dtype),
                          hardware=hardware(target, drafter, device))  # fmt: skip
 

@@ -22,6 +22,7 @@ class BenchContext:
     length_rate: float | None = None  # the length head's rate (None: the drafter config's)
     halving_batch: int | None = None  # engine methods: load-scaled rate (None: fixed rate, the default)
     prompt_lookup_tuned: Any = None  # the current set's `PromptLookupSettings` chosen on validation (prompt_lookup_grid)
+    fast_path: Any = "auto"  # our loop's `fast_path` (True: the engine off CUDA too, as on CUDA by default)
 
 
 @dataclass

@@ -29,6 +29,7 @@ def ours(policy, prompt_ngrams=None):
             return_stats=True,
             streamer=streamer,
             prompt_ngrams=prompt_ngrams,
+            fast_path=ctx.fast_path,
             **ctx.generate_kwargs,
         )
         return MethodOutput(out, stats=stats)
