@@ -11,6 +11,7 @@ from conftest import build_drafter, build_tiny_target
 
 from adaflash_hf import bench
 from adaflash_hf.bench import METHODS, BenchCell, BenchConfig, Method, MethodOutput, run_bench
+from adaflash_hf.bench.cli_args import config_from_args
 from adaflash_hf.bench.prompts import load_prompts
 from adaflash_hf.bench.report import markdown
 
@@ -250,6 +251,22 @@ def test_adaflash_uses_the_cost_policy_with_a_trained_head(setup, tmp_path):
     notes = " ".join(cell.notes)
     assert "verify-length policy cost" in notes and "--no-online-wait" in notes
     assert all(torch.equal(v, before[k]) for k, v in drafter.state_dict().items())  # a private copy trained
+
+
+@pytest.mark.parametrize("fast_path,engine_calls", [(True, 1), (False, 0)])
+def test_fast_path_takes_our_loop_through_the_engine_off_cuda(setup, tmp_path, monkeypatch, fast_path, engine_calls):
+    """``--fast-path``: our loop's methods run through the engine on the CPU, as on CUDA (one engine call per batch);
+    without it (the control) the eager loop. Output equal to plain either way."""
+    import adaflash_hf.generation.decoding as decoding
+
+    calls, real = [], decoding.engine_decoding
+    monkeypatch.setattr(decoding, "engine_decoding", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    res = run_bench(_config(setup, tmp_path, methods=["plain", "cost"], concurrency=[1], datasets=setup["datasets"][:1],
+                            num_prompts=2, warmup=0, plots=False, fast_path=fast_path))
+    assert res.ok and res.cell("cost", "alpha", 1).identical is True
+    assert len(calls) == 2 * engine_calls  # two prompts, one at a time
+    args = bench.add_arguments(argparse.ArgumentParser()).parse_args(["--fast-path"] if fast_path else [])
+    assert config_from_args(args).fast_path is fast_path
 
 
 def test_online_flags():
