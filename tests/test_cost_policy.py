@@ -82,6 +82,50 @@ def test_zero_overhead_keeps_the_rule_as_it_was():
         assert cost.spec_overhead == (0.0,) and cost.plain_overhead == (0.0,)
 
 
+# (name, ratios, block, cost, k_hat with the drafter still to pay, once it has run): `drafted`
+DRAFTED = [
+    ("a dear drafter: plain before it runs, whole blocks after", [0.3, 0.5], 16, HEAVY_DRAFT, [1, 1], [16, 16]),
+    ("a dear round: the same", [0.3], 16, RoundCost.flat(spec_overhead=5.0), [1], [16]),
+    ("SPEC at batch 1, a low ratio: a few drafts once they cost only their slots", [0.1], 16, SPEC_COST, [1], [5]),
+    ("control: nothing predicted, slots that cost: nothing verified either way", [0.0, 0.0], 8,
+     dataclasses.replace(STEEP, draft_fraction=50.0), [1, 1], [1, 1]),
+    ("control: a free drafter, nothing to spend", [0.45, 0.45], 16, STEEP, [5, 5], [5, 5]),
+]
+
+
+@pytest.mark.parametrize("name,ratios,block,cost,before,after", DRAFTED, ids=[c[0] for c in DRAFTED])
+def test_a_drafter_that_has_run_is_spent(name, ratios, block, cost, before, after):
+    ratio = torch.tensor(ratios)
+    assert cost_aware_verify_length(ratio, block, cost).tolist() == before
+    assert cost_aware_verify_length(ratio, block, cost, drafted=True).tolist() == after
+    assert choose_verify_length("cost", len(ratios), block, ratio=ratio, round_cost=cost, drafted=True).tolist() == after
+
+
+def test_the_eager_loop_prices_the_drafter_as_spent(monkeypatch):
+    """The eager loop drafts every round before it chooses: it asks the rule with ``drafted``; the engine, which may
+    skip the drafter, does not (the control)."""
+    import adaflash_hf.generation.drafting as drafting_mod
+    from adaflash_hf import speculative_generate
+
+    seen, real = [], drafting_mod.choose_verify_length
+    monkeypatch.setattr(drafting_mod, "choose_verify_length", lambda *a, **k: (seen.append(k.get("drafted")), real(*a, **k))[1])
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=8)
+    prompt = engine_prompts([5], seed=3)[0]
+    out = speculative_generate(target, drafter, torch.tensor([prompt]), length_policy="cost", max_new_tokens=12,
+                               fast_path=False)
+    assert out[0, len(prompt):].tolist() == plain_greedy_ids(target, prompt, 12)
+    assert seen and all(d is True for d in seen)
+    import adaflash_hf.engine.verify_lengths as vl_mod
+
+    in_engine, real_vl = [], vl_mod.choose_verify_length
+    monkeypatch.setattr(vl_mod, "choose_verify_length",
+                        lambda *a, **k: (in_engine.append(k.get("drafted", False)), real_vl(*a, **k))[1])
+    eng = Engine(target, drafter, length_policy="cost", max_slots=1, max_len=48, token_budget=48)
+    assert eng.generate([prompt], max_new_tokens=12)[0].token_ids == plain_greedy_ids(target, prompt, 12)
+    assert in_engine and not any(in_engine)
+
+
 def test_round_time_and_overhead_by_rows():
     cost = RoundCost(rows=(1, 9), tokens_per_row=(1,), verify=((1.0,), (2.0,)), draft_fraction=0.5,
                      spec_overhead=(1.0, 3.0), plain_overhead=0.5)

@@ -119,7 +119,8 @@ class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         finite = torch.isfinite(logits).all(dim=-1).all(dim=-1)
         ratio = d.predict_accept_ratio(hidden) if d.length_head is not None else None
         k_hat = choose_verify_length(self.policy, b, self.block_size, ratio=ratio, draft_logits=logits, rate=self.length_rate,
-                                     min_len=self.length_min, verify_token_cost=self.verify_token_cost, device=logits.device)
+                                     min_len=self.length_min, verify_token_cost=self.verify_token_cost, device=logits.device,
+                                     drafted=True)  # this loop drafts every round: the drafter's time is spent
         draft_len = torch.minimum(k_hat - 1, budget.clamp(min=0))
         draft_len = torch.where(finite, draft_len, torch.zeros_like(draft_len))
         tokens = torch.nan_to_num(logits).argmax(dim=-1)

@@ -48,13 +48,14 @@ def choose_verify_length(
     round_cost: RoundCost | None = None,
     max_len: torch.Tensor | None = None,
     unread_whole: bool = False,
+    drafted: bool = False,
 ) -> torch.Tensor:
     """Each row's verify length ``k_hat`` (``LongTensor[batch]``, bonus slot included) under ``policy``.
 
     ``cost`` (the default with a trained length head) reads the length head's ``ratio`` (as its label: ``rate``
     is not applied) and chooses every row's ``k_hat`` together against ``round_cost`` (default :class:`RoundCost`, SPEC section 6), each row at
-    most ``max_len`` (e.g. the tokens it has left), on ``device`` (default: the ratio's), with ``unread_whole`` as
-    :func:`cost_aware_verify_length` takes it;
+    most ``max_len`` (e.g. the tokens it has left), on ``device`` (default: the ratio's), with ``unread_whole`` and
+    ``drafted`` as :func:`cost_aware_verify_length` takes them;
     ``adaptive`` is the paper's floor rule on the ``ratio``; ``expected_gain`` stands the draft's own top-1
     probability (from ``draft_logits [b, B-1, V]``) in for each slot's conditional acceptance;
     ``fixed`` verifies the whole block (on ``device``).
@@ -72,7 +73,7 @@ def choose_verify_length(
         # shipped rate 2.0 applied here, it expected twice the acceptance the head predicts and drafted at c=128
         # where plain decoding is faster (BENCHMARKS section 9, replay of 2026-12-03).
         k_hat = cost_aware_verify_length(ratio, block_size, round_cost, min_len=min_len, max_len=max_len,
-                                         unread_whole=unread_whole)
+                                         unread_whole=unread_whole, drafted=drafted)
         return k_hat.to(device if device is not None else ratio.device)
     if policy is LengthPolicy.ADAPTIVE:
         return adaptive_verify_length(ratio, block_size, rate=rate, min_len=min_len)
@@ -163,6 +164,7 @@ def cost_aware_verify_length(
     min_len: int = 1,
     max_len: torch.Tensor | None = None,
     unread_whole: bool = False,
+    drafted: bool = False,
 ) -> torch.Tensor:
     """The round's verify lengths that maximise expected committed tokens per unit of round time (``LongTensor[b]``,
     on the CPU).
@@ -181,7 +183,10 @@ def cost_aware_verify_length(
     than the expected acceptance earns, plain decoding (every ``k_hat`` 1). ``unread_whole``: the round is decided
     before its drafter runs, and verifying every row's whole block (all ``max_len`` allows) spares it the read of
     its ratios mid-round, ``round_cost.read_time(b)`` less time (the engine's whole-block stretches); once the
-    ratios are read, that time is spent and the flag is off.
+    ratios are read, that time is spent and the flag is off. ``drafted``: the drafter has run for the round already
+    (a loop that drafts every round, then chooses): its time and the drafting overhead stay in the round's time
+    whatever the lengths, so a plain verify saves only the verify's slots: drafts the rule would not have drafted for
+    are verified where their slots pay.
 
     Example:
         >>> ratio = torch.tensor([0.1, 0.25])
@@ -195,6 +200,10 @@ def cost_aware_verify_length(
         [13]
         >>> cost_aware_verify_length(torch.tensor([0.2]), 16, RoundCost(), unread_whole=True).tolist()  # unless it spares the read
         [16]
+        >>> cost_aware_verify_length(torch.tensor([0.1]), 16, RoundCost()).tolist()  # a drafter not worth running
+        [1]
+        >>> cost_aware_verify_length(torch.tensor([0.1]), 16, RoundCost(), drafted=True).tolist()  # once it has run
+        [5]
     """
     _check_len_bounds(block_size, min_len)
     if not (math.isfinite(rate) and rate > 0):
@@ -223,7 +232,7 @@ def cost_aware_verify_length(
     order = np.argsort(-flat_key, kind="stable")[: int(allowed.sum())]
     gain = b + np.concatenate([[0.0], np.cumsum(flat_surv[order])])
     t = np.arange(order.shape[0] + 1)
-    time = cost.round_time(b, b + t, block_size)  # the whole round's: a round's overhead makes its slots cheaper
+    time = cost.round_time(b, b + t, block_size, drafted)  # the whole round's: its overhead makes its slots cheaper
     if unread_whole and t[-1] > 0:  # every allowed slot is every row's whole block: no mid-round read
         time[-1] -= cost.read_time(b)
     rate_of = np.where(t >= int(forced.sum()), gain / time, -np.inf)

@@ -211,17 +211,20 @@ class RoundCost:
         """
         return float(np.interp(rows, self.rows, self.read_overhead))
 
-    def round_time(self, rows: int, tokens, block_size: int):
+    def round_time(self, rows: int, tokens, block_size: int, drafted: bool = False):
         """Time of a whole round of ``rows`` requests verifying ``tokens`` tokens in all (an int, or an array of
         candidate totals: an array back): the verify, and, when it carries drafts (``tokens > rows``), the drafter
-        and the drafting round's overhead, else the plain round's overhead (no drafter runs).
+        and the drafting round's overhead, else the plain round's overhead (no drafter runs). ``drafted``: the
+        drafter has run already (a loop that drafts every round and then chooses the lengths): its time and a
+        drafting round's overhead are part of the round whatever it verifies.
 
         Example:
             >>> c = RoundCost.flat(draft_fraction=0.5, spec_overhead=2.0)
-            >>> c.round_time(4, 4, 16), c.round_time(4, 5, 16)
-            (1.0, 3.5)
+            >>> c.round_time(4, 4, 16), c.round_time(4, 5, 16), c.round_time(4, 4, 16, drafted=True)
+            (1.0, 3.5, 3.5)
         """
         t = np.asarray(tokens, dtype=np.float64)
-        extra = np.where(t > rows, self.draft_time(rows, block_size) + self.overhead(rows, True), self.overhead(rows, False))
+        drafting = self.draft_time(rows, block_size) + self.overhead(rows, True)
+        extra = np.where((t > rows) | drafted, drafting, self.overhead(rows, False))
         out = self.verify_time(rows, t) + extra
         return float(out) if np.ndim(out) == 0 else out
