@@ -98,7 +98,8 @@ def test_a_drafter_that_has_run_is_spent(name, ratios, block, cost, before, afte
     ratio = torch.tensor(ratios)
     assert cost_aware_verify_length(ratio, block, cost).tolist() == before
     assert cost_aware_verify_length(ratio, block, cost, drafted=True).tolist() == after
-    assert choose_verify_length("cost", len(ratios), block, ratio=ratio, round_cost=cost, drafted=True).tolist() == after
+    chosen = choose_verify_length("cost", len(ratios), block, ratio=ratio, round_cost=cost, drafted=True)
+    assert chosen.tolist() == after
 
 
 def test_the_eager_loop_prices_the_drafter_as_spent(monkeypatch):
@@ -108,7 +109,8 @@ def test_the_eager_loop_prices_the_drafter_as_spent(monkeypatch):
     from adaflash_hf import speculative_generate
 
     seen, real = [], drafting_mod.choose_verify_length
-    monkeypatch.setattr(drafting_mod, "choose_verify_length", lambda *a, **k: (seen.append(k.get("drafted")), real(*a, **k))[1])
+    monkeypatch.setattr(drafting_mod, "choose_verify_length",
+                        lambda *a, **k: (seen.append(k.get("drafted")), real(*a, **k))[1])
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=8)
     prompt = engine_prompts([5], seed=3)[0]

@@ -65,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--length-rate", type=float, default=None,
                    help="adaptive methods: rate of k_hat = floor(a*B*rate) (default: the drafter config's)")
     g.add_argument("--fast-path", action="store_true",
-                   help="our loop's methods take the engine's fast path off CUDA too (on CUDA they do by default): a CPU "
-                        "run then makes the GPU path's decisions")
+                   help="our loop's methods take the engine's fast path off CUDA too (on CUDA they do by default): "
+                        "a CPU run then makes the GPU path's decisions")
     g.add_argument("--halving-batch", type=int, default=None,
                    help="engine methods: scale the rate down with the batch, half at this many requests (default: fixed rate)")
     g = parser.add_argument_group("online methods (osd, adaflash)")

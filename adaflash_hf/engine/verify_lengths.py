@@ -37,7 +37,8 @@ import torch
 
 from ..speculation.length_policy import LengthPolicy, choose_verify_length, load_scaled_rate
 
-__all__ = ["FIRST_PROBE_SHARE", "GUESS_PRIOR_ROUNDS", "PLAIN_PROBE_ROUNDS", "PROBE_SHARE", "TRAFFIC_DECAY", "VerifyLengths"]
+__all__ = ["FIRST_PROBE_SHARE", "GUESS_PRIOR_ROUNDS", "PLAIN_PROBE_ROUNDS", "PROBE_SHARE", "TRAFFIC_DECAY",
+           "VerifyLengths"]
 
 PLAIN_PROBE_ROUNDS = 8  # the fewest plain rounds between probes once the back-off has grown
 PROBE_SHARE = 0.02  # the most of the plain rounds' time that probing them may add

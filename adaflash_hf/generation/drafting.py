@@ -118,9 +118,10 @@ class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         logits = d.compute_logits(hidden[:, 1:]).float()
         finite = torch.isfinite(logits).all(dim=-1).all(dim=-1)
         ratio = d.predict_accept_ratio(hidden) if d.length_head is not None else None
-        k_hat = choose_verify_length(self.policy, b, self.block_size, ratio=ratio, draft_logits=logits, rate=self.length_rate,
-                                     min_len=self.length_min, verify_token_cost=self.verify_token_cost, device=logits.device,
-                                     drafted=True)  # this loop drafts every round: the drafter's time is spent
+        # this loop drafts every round before it chooses: the drafter's time is spent whatever the lengths
+        k_hat = choose_verify_length(self.policy, b, self.block_size, ratio=ratio, draft_logits=logits,
+                                     rate=self.length_rate, min_len=self.length_min,
+                                     verify_token_cost=self.verify_token_cost, device=logits.device, drafted=True)
         draft_len = torch.minimum(k_hat - 1, budget.clamp(min=0))
         draft_len = torch.where(finite, draft_len, torch.zeros_like(draft_len))
         tokens = torch.nan_to_num(logits).argmax(dim=-1)
