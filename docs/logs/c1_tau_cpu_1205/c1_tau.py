@@ -14,13 +14,10 @@ an EMA of the request's ratios with this weight on the newest; 1.0: the last rat
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "first_hold_cpu_1205"))
 import model_time as mt  # noqa: E402
 
 import adaflash_hf.engine.verify_lengths as vl  # noqa: E402
-from adaflash_hf import load_reference_pair  # noqa: E402
 
 DEFAULTS = {k: getattr(vl, k) for k in ("FIRST_PROBE_SHARE", "PLAIN_PROBE_ROUNDS", "PROBE_SHARE", "SUNK_BODY", "GUESS_WEIGHT")}
 VARIANTS = [("off", "off", {}), ("fixed", "fixed", {}),
@@ -30,47 +27,10 @@ VARIANTS = [("off", "off", {}), ("fixed", "fixed", {}),
             ("cost, body sunk, guess EMA 0.25", "cost", {"SUNK_BODY": True, "GUESS_WEIGHT": 0.25})]
 
 
-def run_one(pair, cost, prompts, c, policy, settings):
+def apply(settings):
     for k, v in {**DEFAULTS, **settings}.items():
         setattr(vl, k, v)
-    B = pair[1].config.block_size
-    e, bodies = mt.counted_engine(pair, cost, c, policy)
-    t, outs, rounds, verify = 0.0, [], [], []
-    for i in range(0, len(prompts), c):
-        handles = [e.submit(p, 96) for p in prompts[i : i + c]]
-        while not e.idle:
-            n, f0, b0, r0 = e.num_running, len(e.forward_tokens), bodies[0], e.host_syncs
-            e.step()
-            t += mt.step_time(cost, max(n, 1), e.forward_tokens[f0:], B, bodies[0] > b0, e.host_syncs - r0 == 1)
-        for h in handles:
-            res = h.result()
-            outs.append(res.token_ids)
-            rounds += [a + 1 for a in res.accepted]
-            verify += list(res.verify_lengths)
-    counts = {"rounds": len(rounds), "bodies": bodies[0], "skipped": e.skipped_drafts, "reads": e.host_syncs,
-              "whole": e.whole_rounds, "verify": round(sum(verify) / max(len(verify), 1), 2)}
-    return sum(map(len, outs)) / t, outs, sum(rounds) / max(len(rounds), 1), counts
-
-
-def main(sets, runs):
-    torch.manual_seed(0)
-    pair, cost = load_reference_pair(), mt.cost_model()
-    print("| set | c | prompts | variant | tau | tau / fixed | modelled tokens per time x fixed | counters |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name in sets:
-        for c, n in runs:
-            prompts = mt.validation_prompts(name, n, pair[2])
-            ref = fixed = None
-            for label, policy, settings in VARIANTS:
-                rate, outs, tau, counts = run_one(pair, cost, prompts, c, policy, settings)
-                assert ref is None or outs == ref, (name, label)
-                ref = ref or outs
-                fixed = fixed or ((rate, tau) if policy == "fixed" else None)
-                if policy == "off":
-                    continue
-                print(f"| {name} | {c} | {len(prompts)} | {label} | {tau:.2f} | {tau / fixed[1]:.3f} | "
-                      f"{rate / fixed[0]:.3f} | {counts} |", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1].split(","), mt.parse_runs(sys.argv[2]))
+    mt.tau_table(sys.argv[1].split(","), mt.parse_runs(sys.argv[2]), VARIANTS, apply)

@@ -82,24 +82,67 @@ def validation_prompts(name, n, tok):
             else tok(p)["input_ids"] for p in ps.prompts][:n]
 
 
-def modelled(pair, cost, prompts, c, policy, settings: dict, probes_charged=True):
-    """(tokens, modelled time, outputs, counters) of `prompts` run c at a time, with `settings` set on
-    `verify_lengths` (module constants) first."""
-    for k, v in settings.items():
-        setattr(vl, k, v)
-    B = pair[1].config.block_size
-    e, bodies = counted_engine(pair, cost, c, policy)
-    t, outs, probes = 0.0, [], 0
+def drive(e, bodies, cost, prompts, c, block, probes_charged=True):
+    """Run ``prompts`` through engine ``e`` (``counted_engine``'s) ``c`` at a time, 96 new tokens each, pricing every
+    step: (modelled time, the requests' results in order, probes: bodies that ran for a round of bonus tokens only)."""
+    t, results, probes = 0.0, [], 0
     for i in range(0, len(prompts), c):
         handles = [e.submit(p, 96) for p in prompts[i: i + c]]
         while not e.idle:
             n, f0, b0, r0 = e.num_running, len(e.forward_tokens), bodies[0], e.host_syncs
             e.step()
             fwd = e.forward_tokens[f0:]
-            t += step_time(cost, max(n, 1), fwd, B, bodies[0] > b0, e.host_syncs - r0 == 1, probes_charged)
+            t += step_time(cost, max(n, 1), fwd, block, bodies[0] > b0, e.host_syncs - r0 == 1, probes_charged)
             probes += bodies[0] > b0 and fwd[0] <= max(n, 1)
-        outs += [h.result().token_ids for h in handles]
+        results += [h.result() for h in handles]
+    return t, results, probes
+
+
+def modelled(pair, cost, prompts, c, policy, settings: dict, probes_charged=True):
+    """(tokens, modelled time, outputs, counters) of `prompts` run c at a time, with `settings` set on
+    `verify_lengths` (module constants) first."""
+    for k, v in settings.items():
+        setattr(vl, k, v)
+    e, bodies = counted_engine(pair, cost, c, policy)
+    t, results, probes = drive(e, bodies, cost, prompts, c, pair[1].config.block_size, probes_charged)
+    outs = [r.token_ids for r in results]
     return sum(map(len, outs)), t, outs, (e.num_steps, e.skipped_drafts, probes)
+
+
+def tau_run(pair, cost, prompts, c, policy):
+    """(tokens per modelled time, outputs, tau, counters) of `prompts` run c at a time under `policy`. Tau: tokens per
+    round over every round (a plain round counts 1), as the benchmark counts it."""
+    e, bodies = counted_engine(pair, cost, c, policy)
+    t, results, _ = drive(e, bodies, cost, prompts, c, pair[1].config.block_size)
+    outs = [r.token_ids for r in results]
+    rounds = [a + 1 for r in results for a in r.accepted]
+    verify = [v for r in results for v in r.verify_lengths]
+    counts = {"rounds": len(rounds), "bodies": bodies[0], "skipped": e.skipped_drafts, "reads": e.host_syncs,
+              "whole": e.whole_rounds, "verify": round(sum(verify) / max(len(verify), 1), 2)}
+    return sum(map(len, outs)) / t, outs, sum(rounds) / max(len(rounds), 1), counts
+
+
+def tau_table(sets, runs, variants, apply) -> None:
+    """Print tau and modelled time against ``fixed`` for each set and ``(c, prompts)`` of ``runs``; ``variants``:
+    ``(label, policy, setting)``, ``off`` first and ``fixed`` second, ``apply(setting)`` called before each run."""
+    torch.manual_seed(0)
+    pair, cost = load_reference_pair(), cost_model()
+    print("| set | c | prompts | variant | tau | tau / fixed | modelled tokens per time x fixed | counters |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in sets:
+        for c, n in runs:
+            prompts = validation_prompts(name, n, pair[2])
+            ref = fixed = None
+            for label, policy, setting in variants:
+                apply(setting)
+                rate, outs, tau, counts = tau_run(pair, cost, prompts, c, policy)
+                assert ref is None or outs == ref, (name, label)
+                ref = ref or outs
+                fixed = fixed or ((rate, tau) if policy == "fixed" else None)
+                if policy == "off":
+                    continue
+                print(f"| {name} | {c} | {len(prompts)} | {label} | {tau:.2f} | {tau / fixed[1]:.3f} | "
+                      f"{rate / fixed[0]:.3f} | {counts} |", flush=True)
 
 
 def run(sets, runs, variants, probes_charged=True) -> None:
