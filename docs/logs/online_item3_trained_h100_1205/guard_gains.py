@@ -2,12 +2,13 @@
 refused), its acceptance on the held-back requests over the serving weights' on the same requests, minus 1; per source
 and method over seeds, for these runs and the four unseen sources of 2026-12-05 14:29Z.
 
-    python docs/logs/online_item3_trained_h100_1205/guard_gains.py
+    python docs/logs/online_item3_trained_h100_1205/guard_gains.py [RUNS_DIR ...]    # default: the two folders
 """
 
 import collections
 import json
 import statistics
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -16,7 +17,7 @@ ROOTS = [HERE, HERE.parent / "online_item3_h100_1205" / "per_update"]
 
 def main() -> None:
     gains = collections.defaultdict(list)
-    for root in ROOTS:
+    for root in [Path(p) for p in sys.argv[1:]] or ROOTS:
         for path in sorted(root.rglob("protocol.json")):
             source = path.parent.name.rsplit("__", 1)[0]
             for method, res in json.loads(path.read_text(encoding="utf-8"))["methods"].items():
