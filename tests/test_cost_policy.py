@@ -11,6 +11,8 @@ import torch
 import adaflash_hf.engine.engine as engine_mod
 from adaflash_hf.engine.verify_lengths import PLAIN_PROBE_ROUNDS
 from adaflash_hf.engine import Engine
+from adaflash_hf.engine.requests import Request
+from adaflash_hf.engine.sampling import SamplingParams
 from adaflash_hf.speculation.length_policy import choose_verify_length, cost_aware_verify_length, survival_curve
 from adaflash_hf.speculation.round_cost import SPEC_H200_MS, SPEC_H200_OVERHEAD_MS, SPEC_ROWS, SPEC_TOKENS_PER_ROW, RoundCost
 
@@ -102,9 +104,36 @@ def test_a_drafter_that_has_run_is_spent(name, ratios, block, cost, before, afte
     assert chosen.tolist() == after
 
 
+# (name, ratios, cost, the rounds after it decode plainly, this round verifies drafts); block 8
+IN_ROUND = [
+    ("a dear drafter: plain from now on, this round's whole blocks verified", [0.3, 0.5], HEAVY_DRAFT, True, True),
+    ("SPEC at batch 1, a low ratio: plain next, a few drafts now", [0.16], SPEC_COST, True, True),
+    ("control: nothing predicted: plain now too", [0.0], dataclasses.replace(STEEP, draft_fraction=50.0), True, False),
+    ("control: drafting pays: the rule's lengths, no plain rounds", [0.45, 0.45], STEEP, False, True),
+]
+
+
+@pytest.mark.parametrize("name,ratios,cost,plain,drafts", IN_ROUND, ids=[c[0] for c in IN_ROUND])
+def test_the_engines_round_spends_the_body_it_ran(name, ratios, cost, plain, drafts):
+    """Once a round's ratios are read its drafter body is spent: the plain decision for the rounds after it prices the
+    body (they would spare it), this round's lengths do not."""
+    target = make_target("qwen3")
+    eng = Engine(target, make_drafter(target, block_size=8), length_policy="cost", round_cost=cost, max_slots=2,
+                 max_len=64, token_budget=64)
+    running = [Request(i, [1, 2], 30, SamplingParams(), None) for i in range(len(ratios))]
+    ratio = torch.tensor(ratios)
+    lengths = eng._verify_lengths(running, ratio).tolist()
+    assert lengths == cost_aware_verify_length(ratio, 8, cost, drafted=plain).tolist()
+    assert (max(lengths) > 1) is drafts
+    assert (cost_aware_verify_length(ratio, 8, cost).max() <= 1).item() is plain
+    assert eng._drafted_plain is plain and (eng._plain_limit > 0) is plain
+    assert [r.head_ratio for r in running] == pytest.approx(ratios)
+
+
 def test_the_eager_loop_prices_the_drafter_as_spent(monkeypatch):
     """The eager loop drafts every round before it chooses: it asks the rule with ``drafted``; the engine, which may
-    skip the drafter, does not (the control)."""
+    skip the drafter, first asks without it (whether the rounds after this one should spare the body), and with it
+    only right after an answer of every request plain (this round's body is spent)."""
     import adaflash_hf.generation.drafting as drafting_mod
     from adaflash_hf import speculative_generate
 
@@ -120,12 +149,18 @@ def test_the_eager_loop_prices_the_drafter_as_spent(monkeypatch):
     assert seen and all(d is True for d in seen)
     import adaflash_hf.engine.verify_lengths as vl_mod
 
-    in_engine, real_vl = [], vl_mod.choose_verify_length
-    monkeypatch.setattr(vl_mod, "choose_verify_length",
-                        lambda *a, **k: (in_engine.append(k.get("drafted", False)), real_vl(*a, **k))[1])
+    calls, real_vl = [], vl_mod.choose_verify_length
+
+    def record(*a, **k):
+        k_hat = real_vl(*a, **k)
+        calls.append((k.get("drafted", False), bool((k_hat <= 1).all())))
+        return k_hat
+
+    monkeypatch.setattr(vl_mod, "choose_verify_length", record)
     eng = Engine(target, drafter, length_policy="cost", max_slots=1, max_len=48, token_budget=48)
     assert eng.generate([prompt], max_new_tokens=12)[0].token_ids == plain_greedy_ids(target, prompt, 12)
-    assert in_engine and not any(in_engine)
+    assert calls and not calls[0][0]
+    assert all(not before[0] and before[1] for before, now in zip(calls, calls[1:]) if now[0])
 
 
 def test_round_time_and_overhead_by_rows():
@@ -285,8 +320,9 @@ def pair():
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("cost,plain", [(HEAVY_DRAFT, True), (RoundCost.flat(spec_overhead=50.0), True), (FLAT, False)])
 def test_engine_plain_rounds_skip_the_drafter_body(pair, monkeypatch, graphs, cost, plain):
-    """A drafter too dear to pay: every round decodes plainly and the body runs only on probes; a flat cost (the
-    negative control): the body runs every round and whole blocks are verified. Output identical either way."""
+    """A drafter too dear to pay: every round decodes plainly and the body runs only on probes, which, their body
+    spent, verify the whole block the head rates high; a flat cost (the negative control): the body runs every round
+    and whole blocks are verified. Output identical either way."""
     target, drafter = pair
     force_length_head(drafter, ratio_high=True)
     bodies = []
@@ -306,7 +342,8 @@ def test_engine_plain_rounds_skip_the_drafter_body(pair, monkeypatch, graphs, co
     lens = [v for o in outs for v in o.verify_lengths]
     ran = sum(bodies)
     if plain:
-        assert set(lens) == {1} and eng.skipped_drafts == eng.num_steps - 1  # all but the prefill round
+        assert eng.skipped_drafts == eng.num_steps - 1 - ran  # all but the prefill round and the probes
+        assert sorted(set(lens)) == [1, 8] and lens.count(8) == ran * len(prompts)  # probes verify, the rest plain
         ramp = PLAIN_PROBE_ROUNDS.bit_length() - 1  # probes after 1, 2, 4 plain rounds before the steady cadence
         assert 0 < ran <= ramp + eng.num_steps // (PLAIN_PROBE_ROUNDS + 1) + 1  # probes only
     else:
@@ -352,9 +389,10 @@ def test_engine_whole_block_rounds_read_their_ratios_at_the_end(pair, graphs, bi
 @pytest.mark.parametrize("cost,stretches", [(HEAVY_DRAFT, True), (FLAT, False)])
 def test_engine_plain_stretches_queue_steps_behind_one_read(monkeypatch, cost, stretches):
     """Where drafting does not pay, plain rounds run as ``decode_steps`` greedy steps behind one read, as ``off``
-    does: fewer device reads than one round at a time, the same outputs and verify lengths, and the probes' length-head
-    ratios (the random head reads the drafter's context) equal to those of one plain round at a time, so the context
-    the stretches stored is the same. A flat cost (the control) drafts every round: no stretch, the same reads."""
+    does (only probes verify drafts): fewer device reads than one round at a time, the same outputs and verify
+    lengths, and the probes' length-head ratios (the random head reads the drafter's context) equal to those of one
+    plain round at a time, so the context the stretches stored is the same. A flat cost (the control) drafts every
+    round: no stretch, the same reads."""
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=8, seed=5)  # its length head untouched: ratios follow the context
     prompts = engine_prompts([5, 7], seed=11)
@@ -378,7 +416,8 @@ def test_engine_plain_stretches_queue_steps_behind_one_read(monkeypatch, cost, s
     for a, b in zip(probes, one_probes):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     if stretches:
-        assert set(v for row in lens for v in row) == {1} and eng.host_syncs < one.host_syncs / 2
+        drafted = [v for row in lens for v in row if v > 1]  # the probes', their body spent (whole blocks rated high)
+        assert len(drafted) <= len(probes) * len(prompts) and eng.host_syncs < one.host_syncs / 2
     else:
         assert eng.host_syncs == one.host_syncs
 

@@ -97,5 +97,7 @@ def test_the_engine_trusts_what_rounds_accepted_over_the_heads_last_ratio(pair, 
     finally:
         drafter.length_head.out.load_state_dict(saved)
     assert sum(accepted) < len(accepted)  # the premise: the drafts are mostly rejected
-    assert whole[0.0][0] == whole[0.0][1] - 1  # the control: every drafting round but the first
+    # the control: every drafting round but the first (no ratio yet) and at most one near the end, whose ratios said
+    # plain and which verified what its spent body had left
+    assert whole[0.0][1] - 2 <= whole[0.0][0] <= whole[0.0][1] - 1
     assert whole[8.0][0] < whole[0.0][0] // 2

@@ -131,7 +131,9 @@ def test_engine_spares_the_read_with_whole_blocks_where_it_pays(pair, graphs, mo
         drafter.length_head.out.load_state_dict(saved)
     (eng, lens), (ctl, ctl_lens) = runs[0.5], runs[0.0]
     drafting = eng.num_steps - eng.skipped_drafts - 1  # the prefill round verifies nothing
-    assert eng.whole_rounds == drafting - 1
+    # every drafting round but the first (no last ratios) and at most one near the end, whose ratios said plain and
+    # which verified what its spent body had left
+    assert drafting - 2 <= eng.whole_rounds <= drafting - 1
     for (row, left), (ctl_row, ctl_left) in zip(lens, ctl_lens):  # mid-text: 8 against 6; near the end what is left
         assert row[0] == 6 and all(k == 8 for k, n in zip(row[1:], left[1:]) if n >= 8)  # the first round has no last ratios
         assert all(k == 6 for k, n in zip(ctl_row, ctl_left) if n >= 8)
@@ -210,7 +212,8 @@ def test_the_probe_cap_grows_with_the_batch_on_the_spec_table(pair):
 
 def _probes(pair, cost: RoundCost, graphs: bool) -> int:
     """Drafter bodies run over 100 tokens of a prompt whose head predicts nothing (every round decodes plainly but the
-    probes), checking the output is plain greedy and every verify length 1."""
+    probes), checking the output is plain greedy and every verify length 1 but the probes' (their body spent, a flat
+    cost verifies what they drafted)."""
     target, drafter = pair
     prompt = engine_prompts([6], seed=3)
     eng = Engine(target, drafter, length_policy="cost", round_cost=cost, max_slots=1, max_len=128, token_budget=128,
@@ -230,7 +233,7 @@ def _probes(pair, cost: RoundCost, graphs: bool) -> int:
         if not graphs:
             engine_mod.draft_blocks = real
     assert out.token_ids == plain_greedy_ids(target, prompt[0], 100)
-    assert set(out.verify_lengths) == {1}
+    assert sum(k > 1 for k in out.verify_lengths) <= sum(bodies)
     return sum(bodies)
 
 

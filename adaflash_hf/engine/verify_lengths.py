@@ -26,6 +26,12 @@ saves (:attr:`~adaflash_hf.speculation.round_cost.RoundCost.read_overhead`): at 
 little, a tail of drafts worth less than the slots it occupies but more than the read becomes a whole block, where
 the packed round would otherwise pay the read to save the slots (issue 35: at c <= 8 on the H200 the packed round cost
 1.1-1.4 ms more than ``fixed``'s at equal length). Lossless like any verify length.
+
+A **probe**, or any drafting round whose ratios say every request should decode plainly, has paid for its drafter's
+body by the time the ratios are read: the plain decision holds for the rounds after it, priced with the body, but the
+round itself verifies what pays with the body spent (``drafted=True``), so a probe commits the drafts the head
+under-rated and its rounds' acceptance reaches the guess (on the reference pair's Spec-Bench summarization at c=1, the
+projection of ``docs/logs/spent_probe_cpu_1205``: tau 0.963 -> 0.997 of ``fixed``).
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ class VerifyLengths:
         """The cost policy's state between rounds, as a new engine has it."""
         self._plain_rounds = 0  # rounds in a row whose drafter body the cost policy skipped
         self._plain_limit = 0  # how many it may skip before the next probe
-        self._drafted_plain = False  # the cost policy's last drafted round verified nothing but bonus tokens
+        self._drafted_plain = False  # the cost policy's last drafted round's ratios said: decode every request plainly
         self._late_ratio = False  # this round verifies whole blocks chosen on the guesses
         self._seen = (0.0, 0.0)  # the traffic's acceptance: decayed sum and count of rounds that verified drafts
 
@@ -109,8 +115,8 @@ class VerifyLengths:
 
     def _plain_stretch(self, running) -> int:
         """How many plain rounds in a row (1: none beyond this one) the ``cost`` policy may queue as greedy decode
-        steps behind one read (:mod:`.decode_steps`, ``decode_steps`` at most), as ``off`` does: its last drafted round
-        verified nothing but bonus tokens, the guesses say so, and no probe falls inside."""
+        steps behind one read (:mod:`.decode_steps`, ``decode_steps`` at most), as ``off`` does: its last drafted
+        round's ratios said plain (priced with the body), the guesses say so, and no probe falls inside."""
         if self.policy is not LengthPolicy.COST or self.layout != "packed" or self.on_round is not None \
                 or not self._drafted_plain:
             return 1
@@ -175,20 +181,28 @@ class VerifyLengths:
                         unread_whole: bool = False) -> torch.Tensor:
         """Each running request's ``k_hat`` (host ``[n]``) under the engine's policy from the length head's ``ratio``
         (``None``: the whole block). The one place the engine calls :func:`choose_verify_length`. Unless this is a
-        ``guess`` (before drafting), the cost policy keeps the ratios and whether the round decodes plainly.
-        ``unread_whole``: whole blocks would spare the round its mid-round read (a guess's only)."""
+        ``guess`` (before drafting), the cost policy keeps the ratios and whether the rounds after this one decode
+        plainly (priced with the drafter's body, which they would spare); a round so judged has spent its body and
+        verifies what pays with it spent (``drafted=True``). ``unread_whole``: whole blocks would spare the round its
+        mid-round read (a guess's only)."""
         n, B = len(running), self.block_size
         if ratio is None or self.layout == "fixed":
             return choose_verify_length(LengthPolicy.FIXED, n, B)
         ratio = ratio.float().cpu().view(-1)  # read 1 of the round (the cost rule and the floor rule run on the host)
-        k_hat = choose_verify_length(self.policy, n, B, ratio=ratio, rate=self._length_rate(n), min_len=self.length_min,
-                                     device="cpu", round_cost=self.round_cost,
-                                     max_len=torch.tensor([r.remaining for r in running]), unread_whole=unread_whole)
+
+        def choose(drafted: bool) -> torch.Tensor:
+            return choose_verify_length(self.policy, n, B, ratio=ratio, rate=self._length_rate(n),
+                                        min_len=self.length_min, device="cpu", round_cost=self.round_cost,
+                                        max_len=torch.tensor([r.remaining for r in running]),
+                                        unread_whole=unread_whole, drafted=drafted)
+
+        k_hat = choose(False)
         if self.policy is LengthPolicy.COST and not guess:
             for r, a in zip(running, ratio.tolist()):
                 r.head_ratio = a
             self._drafted_plain = bool((k_hat <= 1).all())
             if self._drafted_plain:  # plain rounds before the next probe: the first hold, then doubling up to the cap
+                k_hat = choose(True)  # this round's body is spent: it verifies what pays all the same
                 first, cap = self._probe_holds(n)
                 self._plain_limit = min(max(first, 2 * self._plain_limit), cap)
             else:

@@ -132,7 +132,7 @@ def tau_table(sets, runs, variants, apply) -> None:
     for name in sets:
         for c, n in runs:
             prompts = validation_prompts(name, n, pair[2])
-            ref = fixed = None
+            ref = fixed = off = None
             for label, policy, setting in variants:
                 apply(setting)
                 rate, outs, tau, counts = tau_run(pair, cost, prompts, c, policy)
@@ -140,9 +140,12 @@ def tau_table(sets, runs, variants, apply) -> None:
                 ref = ref or outs
                 fixed = fixed or ((rate, tau) if policy == "fixed" else None)
                 if policy == "off":
+                    off = rate
                     continue
                 print(f"| {name} | {c} | {len(prompts)} | {label} | {tau:.2f} | {tau / fixed[1]:.3f} | "
                       f"{rate / fixed[0]:.3f} | {counts} |", flush=True)
+                if policy == "fixed" and off is not None:  # plain decoding's modelled rate on the same scale
+                    print(f"| {name} | {c} | {len(prompts)} | off | 1.00 | - | {off / fixed[0]:.3f} | - |", flush=True)
 
 
 def run(sets, runs, variants, probes_charged=True) -> None:
