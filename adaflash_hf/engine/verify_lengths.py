@@ -190,11 +190,12 @@ class VerifyLengths:
             return choose_verify_length(LengthPolicy.FIXED, n, B)
         ratio = ratio.float().cpu().view(-1)  # read 1 of the round (the cost rule and the floor rule run on the host)
 
+        left = torch.tensor([r.remaining for r in running])
+
         def choose(drafted: bool) -> torch.Tensor:
             return choose_verify_length(self.policy, n, B, ratio=ratio, rate=self._length_rate(n),
                                         min_len=self.length_min, device="cpu", round_cost=self.round_cost,
-                                        max_len=torch.tensor([r.remaining for r in running]),
-                                        unread_whole=unread_whole, drafted=drafted)
+                                        max_len=left, unread_whole=unread_whole, drafted=drafted)
 
         k_hat = choose(False)
         if self.policy is LengthPolicy.COST and not guess:

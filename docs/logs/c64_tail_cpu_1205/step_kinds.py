@@ -16,19 +16,16 @@ prompts = mt.validation_prompts(name, n, pair[2])
 B = pair[1].config.block_size
 for policy in sys.argv[4].split(","):
     e, bodies = mt.counted_engine(pair, cost, c, policy)
-    agg = collections.defaultdict(lambda: [0, 0.0, 0, 0])  # steps, time, tokens, rows
-    handles = []
-    for i in range(0, len(prompts), c):
-        hs = [e.submit(p, 96) for p in prompts[i: i + c]]
-        while not e.idle:
-            nrun, f0, b0, r0 = e.num_running, len(e.forward_tokens), bodies[0], e.host_syncs
-            e.step()
-            fwd = e.forward_tokens[f0:]
-            t = mt.step_time(cost, max(nrun, 1), fwd, B, bodies[0] > b0, e.host_syncs - r0 == 1)
-            kind = ("body" if bodies[0] > b0 else "plain") + ("+prefill" if fwd and fwd[0] > 16 * max(nrun, 1) else "")
-            a = agg[kind]; a[0] += 1; a[1] += t; a[3] += nrun
-        handles += hs
-    total_t = sum(a[1] for a in agg.values())
-    toks = sum(len(h.result().token_ids) for h in handles)
-    kinds = {k: (v[0], round(v[1], 1), round(v[3] / v[0], 1)) for k, v in agg.items()}
+    agg = collections.defaultdict(lambda: [0, 0.0, 0])  # steps, modelled time, rows running summed
+
+    def on_step(nrun, fwd, body, t, agg=agg):
+        kind = ("body" if body else "plain") + ("+prefill" if fwd and fwd[0] > 16 * max(nrun, 1) else "")
+        a = agg[kind]
+        a[0] += 1
+        a[1] += t
+        a[2] += nrun
+
+    total_t, results, _ = mt.drive(e, bodies, cost, prompts, c, B, on_step=on_step)
+    toks = sum(len(r.token_ids) for r in results)
+    kinds = {k: (v[0], round(v[1], 1), round(v[2] / v[0], 1)) for k, v in agg.items()}
     print(policy, "tokens", toks, "time", round(total_t, 1), "rate", round(toks / total_t, 2), kinds, flush=True)

@@ -82,9 +82,11 @@ def validation_prompts(name, n, tok):
             else tok(p)["input_ids"] for p in ps.prompts][:n]
 
 
-def drive(e, bodies, cost, prompts, c, block, probes_charged=True):
+def drive(e, bodies, cost, prompts, c, block, probes_charged=True, on_step=None):
     """Run ``prompts`` through engine ``e`` (``counted_engine``'s) ``c`` at a time, 96 new tokens each, pricing every
-    step: (modelled time, the requests' results in order, probes: bodies that ran for a round of bonus tokens only)."""
+    step: (modelled time, the requests' results in order, probes: bodies that ran for a round of bonus tokens only).
+    ``on_step(n, fwd, body, t)``, if given, sees each step's running requests, forward tokens, whether the drafter's
+    body ran, and its modelled time."""
     t, results, probes = 0.0, [], 0
     for i in range(0, len(prompts), c):
         handles = [e.submit(p, 96) for p in prompts[i: i + c]]
@@ -92,7 +94,10 @@ def drive(e, bodies, cost, prompts, c, block, probes_charged=True):
             n, f0, b0, r0 = e.num_running, len(e.forward_tokens), bodies[0], e.host_syncs
             e.step()
             fwd = e.forward_tokens[f0:]
-            t += step_time(cost, max(n, 1), fwd, block, bodies[0] > b0, e.host_syncs - r0 == 1, probes_charged)
+            dt = step_time(cost, max(n, 1), fwd, block, bodies[0] > b0, e.host_syncs - r0 == 1, probes_charged)
+            t += dt
+            if on_step is not None:
+                on_step(n, fwd, bodies[0] > b0, dt)
             probes += bodies[0] > b0 and fwd[0] <= max(n, 1)
         results += [h.result() for h in handles]
     return t, results, probes

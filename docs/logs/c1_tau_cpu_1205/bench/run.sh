@@ -1,11 +1,3 @@
 #!/bin/bash
-# $1: comma list of sets, run one set at a time
-cd /work/main
-IFS=, read -r -a SETS <<< "$1"
-for s in "${SETS[@]}"; do
-  n=$(echo "$s" | tr ':' '_')
-  ADAFLASH_DATA=/work/shared/data OMP_NUM_THREADS=1 python3 -m adaflash_hf.bench --reference --max-new-tokens 128 --dtype fp32 \
-    --length-rate 2 --no-plots --quiet --datasets "$s" --split test --num-prompts 500 --concurrency 1 --warmup 0 \
-    --methods plain,fixed,cost --device cpu --out /tmp/c1/$n > /tmp/c1/$n.log 2>&1
-  echo "$s done rc=$? $(date -u +%T)" >> /tmp/c1/progress.txt
-done
+# $1: comma list of sets, run one set at a time: the eager loop off CUDA (no --fast-path), outputs in /tmp/c1
+OUT=/tmp/c1 PATH_FLAG= bash /work/main/docs/logs/c1_guess_cpu_1205/run_bench.sh "$1"
