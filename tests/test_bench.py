@@ -341,6 +341,29 @@ def test_reference_computed_when_plain_not_requested_and_sampling_not_compared(s
     assert not computed.skipped and computed.rounds > 0 and computed.identical is None
 
 
+@pytest.mark.parametrize("size, batches", [(None, [1, 1, 1]), (2, [2, 1]), (1, [1, 1, 1])])
+def test_reference_decoded_at_its_own_concurrency(setup, tmp_path, monkeypatch, size, batches):
+    seen = []
+    plain = METHODS["plain"]
+
+    def counted(ctx, ids, mask, streamer):
+        seen.append(ids.shape[0])
+        return plain.run(ctx, ids, mask, streamer)
+
+    monkeypatch.setitem(METHODS, "plain", dataclasses.replace(plain, run=counted))
+    monkeypatch.setitem(METHODS, "lossy", Method("lossy", _lossy))  # the control: a wrong token is still caught
+    res = run_bench(_config(setup, tmp_path, methods=["fixed", "lossy"], concurrency=[1], datasets=setup["datasets"][1:],
+                            num_prompts=3, plots=False, warmup=0, reference_concurrency=size))
+    assert seen == batches
+    assert res.cell("fixed", "beta", 1).identical is True
+    assert sorted(f["prompt_index"] for f in res.failures) == [0, 1, 2] and res.cell("lossy", "beta", 1).identical is False
+
+
+def test_bad_reference_concurrency_refused_before_loading():
+    with pytest.raises(ValueError, match="reference_concurrency must be >= 1"):
+        run_bench(BenchConfig(methods=["fixed"], reference_concurrency=0))
+
+
 SAMPLED = ("plain", "hf_assisted", "prompt_lookup", "fixed", "adaptive", "engine_fixed", "engine_adaptive")
 
 

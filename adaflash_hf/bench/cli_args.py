@@ -67,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--fast-path", action="store_true",
                    help="our loop's methods take the engine's fast path off CUDA too (on CUDA they do by default): "
                         "a CPU run then makes the GPU path's decisions")
+    g.add_argument("--reference-concurrency", type=int, default=None, metavar="N",
+                   help="without plain among the methods: decode the untimed plain rows greedy outputs are compared "
+                        "with N prompts at a time (default: each cell's concurrency); greedy float32 rows do not "
+                        "depend on the batch")
     g.add_argument("--halving-batch", type=int, default=None,
                    help="engine methods: scale the rate down with the batch, half at this many requests (default: fixed rate)")
     g = parser.add_argument_group("online methods (osd, adaflash)")
@@ -119,7 +123,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         methods=args.methods, device=args.device, dtype=args.dtype, attn_implementation=args.attn_implementation,
         warmup=args.warmup, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
         prompt_lookup_choice=args.prompt_lookup_choice, length_rate=args.length_rate,
-        halving_batch=args.halving_batch, fast_path=args.fast_path, online_sample_unit=args.online_sample_unit,
+        halving_batch=args.halving_batch, fast_path=args.fast_path, reference_concurrency=args.reference_concurrency, online_sample_unit=args.online_sample_unit,
         online_samples_per_update=args.online_samples_per_update, online_epochs=args.online_epochs,
         online_lr=args.online_lr, online_wait=args.online_wait, out=args.out, data_dir=args.data_dir, split=args.split,
         command=getattr(args, "command", None), plots=not args.no_plots, verbose=not args.quiet,

@@ -33,6 +33,10 @@ class BenchConfig:
     ``length_rate``: the length head's ``k_hat = clamp(floor(a * B * rate), 1, B)`` rate for every adaptive
     method (``None``: the drafter config's); ``halving_batch``: the engine methods scale that rate down with
     the batch (half at this many requests; ``None``, the default: fixed rate, load left to admission).
+    ``reference_concurrency``: when ``plain`` is not among the methods, the untimed plain rows that greedy cells are
+    compared with are decoded this many prompts at a time (``None``: at each cell's concurrency). Plain greedy float32
+    decoding gives the same rows at any batch (BENCHMARKS section 7), and at concurrency 1 the drafter methods run
+    several times faster than plain does, so a long concurrency-1 run spends most of its time on its reference.
     ``fast_path``: our loop's methods take the engine's fast path off CUDA too (on CUDA they do by default), so a
     CPU run makes the GPU path's decisions.
     ``online_*``: the online methods' adapter (``OnlineAdapter``) settings: what a sample is
@@ -64,6 +68,7 @@ class BenchConfig:
     length_rate: float | None = None
     halving_batch: int | None = None
     fast_path: bool = False
+    reference_concurrency: int | None = None
     online_sample_unit: str = "request"
     online_samples_per_update: int = 128
     online_epochs: int = 2

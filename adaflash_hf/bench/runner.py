@@ -91,6 +91,17 @@ class _Run:
     def on_cuda(self) -> bool:
         return self.ctx.device.type == "cuda"
 
+    def reference_rows(self, prompts: list[list[int]], conc: int, layouts, greedy: bool) -> list[list[int]]:
+        """Plain's rows, untimed, for a group that does not time plain: at ``reference_concurrency`` prompts a batch
+        when set (greedy only: sampled rows depend on how the batch draws), else in the group's own batches."""
+        size = self.config.reference_concurrency
+        if greedy and size and size != conc:
+            layouts = [left_pad(prompts[i : i + size], self.pad_id, self.ctx.device) for i in range(0, len(prompts), size)]
+        rows: list[list[int]] = []
+        for bi, (ids, mask) in enumerate(layouts):
+            rows += run_batch(METHODS["plain"], self.ctx, ids, mask, self.eos_ids, self.config.seed + bi, self.on_cuda)[1]
+        return rows
+
     def group(self, label: str, prompts: list[list[int]], conc: int, methods: list[str]) -> list[BenchCell]:
         """Every method on one (dataset, concurrency): the cells, speedups filled in."""
         config = self.config
@@ -101,9 +112,7 @@ class _Run:
         reference: list[list[int]] | None = None
         wants_rows = greedy or any(METHODS[n].from_plain is not None for n in methods)
         if wants_rows and "plain" not in methods:
-            reference = []
-            for bi, (ids, mask) in enumerate(layouts):
-                reference += run_batch(METHODS["plain"], self.ctx, ids, mask, self.eos_ids, config.seed + bi, self.on_cuda)[1]
+            reference = self.reference_rows(prompts, conc, layouts, greedy)
         group: list[BenchCell] = []
         for name in methods:
             cell = BenchCell(method=name, dataset=label, concurrency=conc, num_prompts=len(prompts), num_batches=len(batches))
@@ -185,8 +194,10 @@ def run_bench(config: BenchConfig) -> BenchResult:
     unknown = [m for m in config.methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}: choose from {', '.join(METHODS)}")
-    if config.num_prompts < 1 or any(c < 1 for c in config.concurrency):
-        raise ValueError("num_prompts and every concurrency must be >= 1")
+    ref = config.reference_concurrency
+    counts = [config.num_prompts, *config.concurrency, *([ref] if ref is not None else [])]
+    if min(counts) < 1:
+        raise ValueError("num_prompts, every concurrency and reference_concurrency must be >= 1")
     if not (config.temperature >= 0 and 0 < config.top_p <= 1 and config.top_k >= 0):  # NaN fails too
         raise ValueError(f"need temperature >= 0 (0: greedy), top_p in (0, 1] and top_k >= 0 (0: off); got "
                          f"{config.temperature!r}, {config.top_p!r}, {config.top_k!r}")

@@ -15,11 +15,13 @@
 #      untimed pass over the same prompts (graph captures, compiles and kernel choices are set-up, not decoding)
 #   4. (sample) test, tau under sampling at TEMPS (default "0.7 1.0"), top-p 0.95, seed 0, concurrency 64: the same methods as 2
 #   5. (dist) examples/sampling_distribution_check.py at its defaults (speculative against plain sampling, with controls)
+#   6. (c1) test, tau at concurrency 1 (issue 35's goal: `cost` keeps >= 97% of `fixed`'s tau): fixed and cost, every
+#      output compared with plain's rows decoded 64 at a time
 # PHASES picks them (default "val tau wall"), WALL_METHODS the wall phase's methods and WALL_WARMUP its untimed prompts (default WALL_PROMPTS; fewer of either fit more groups in a call); without val, CHOICE names an earlier validation_choice.json. GROUPS_RUN
 # picks groups of sets by index (default all: one call can run the wall phase for half of them).
 # Needs the eval + training data (the slices drop training duplicates): carry .evaldata (written by
-# `python examples/reference_pair/make_devdata.py --out .evaldata`) and .slimwhl. LIMITS="V T W S D": each phase's
-# timeout in seconds (default "120 200 180 300 200"). --smoke: CPU, 2 prompts, 16 tokens.
+# `python examples/reference_pair/make_devdata.py --out .evaldata`) and .slimwhl. LIMITS="V T W S D C": each phase's
+# timeout in seconds (default "120 200 180 300 200 420"). --smoke: CPU, 2 prompts, 16 tokens.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -90,6 +92,10 @@ for T in ${TEMPS:-0.7 1.0}; do  # the temperatures at once (TEMPS picks them): 6
   has sample && phase "sample_T$T" ${LIMITS[3]:-300} --split test --num-prompts ${SAMPLE_PROMPTS:-$PROMPTS} --concurrency $CONC $CHOICE $EXTRA \
     --temperature $T --top-p 0.95 --seed 0 --methods plain,fixed,cost,adaptive,prompt_lookup_exact,prompt_lookup_grid &
 done; wait
+# issue 35's goal at batch 1: `fixed` and `cost` (the default) at concurrency 1 on the test slices, compared with plain's
+# rows decoded CONC at a time (greedy float32 rows do not depend on the batch; plain at batch 1 would take most of the call)
+has c1 && phase c1 ${LIMITS[5]:-420} --split test --num-prompts $PROMPTS --concurrency 1 --reference-concurrency $CONC \
+  $EXTRA --methods fixed,cost
 has dist && { timeout ${LIMITS[4]:-200} python3 examples/sampling_distribution_check.py $DIST_EXTRA --out "$OUT/distribution" \
   > "$OUT/distribution.log" 2>&1; echo "dist rc=$?"; }
 echo "total ${SECONDS}s"
