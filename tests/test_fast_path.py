@@ -253,3 +253,23 @@ def test_a_failing_call_leaves_nothing_queued_in_the_cached_engine(eager_loop_fo
     assert cached.engine.idle
     assert torch.equal(_gen(target, drafter, ids, None, True),
                        target.generate(ids, do_sample=False, max_new_tokens=14, pad_token_id=PAD_ID))
+
+
+def test_a_bigger_engine_for_the_same_pair_keeps_what_the_traffic_accepted(eager_loop_forbidden):
+    """A call that outgrows the cached engine gets a new one, which starts from the old one's record of what the
+    traffic's rounds accepted (the cost rule's prior); a new pair starts from nothing (the control)."""
+    target = make_target("qwen3", seed=9)
+    drafter = make_drafter(target, block_size=4)
+    ids, mask, _ = ragged_prompts(1, [6], seed=9)
+    _gen(target, drafter, ids, mask, True, length_policy="cost")
+    (first,) = fast_path._ENGINES.values()
+    seen = first.engine.traffic_seen
+    assert seen[1] > 0  # the premise: rounds that verified drafts
+    ids, mask, _ = ragged_prompts(1, [300], seed=9)  # past the first engine's max_len
+    out = _gen(target, drafter, ids, mask, True, length_policy="cost", max_new_tokens=4)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4, pad_token_id=PAD_ID))
+    (second,) = fast_path._ENGINES.values()
+    assert second.engine is not first.engine and second.engine.traffic_seen[1] >= seen[1] * 0.999 ** 8
+    other = make_drafter(target, block_size=4)
+    fast_path.warmup(target, other, batch_size=1, prompt_len=6, max_new_tokens=4, length_policy="cost")
+    assert fast_path._ENGINES[next(reversed(fast_path._ENGINES))].engine.traffic_seen == (0.0, 0.0)

@@ -41,9 +41,9 @@ def test_what_a_round_says_of_acceptance(pair, name, accepted, verify, ratio, se
     r = _request(ratio)
     eng._observe_round(r, accepted, verify)
     if seen is None:
-        assert r.seen == (0.0, 0) and eng._seen == (0.0, 0.0)
+        assert r.seen == (0.0, 0) and eng.traffic_seen == (0.0, 0.0)
     else:
-        assert r.seen == (pytest.approx(seen), 1) and eng._seen == (pytest.approx(seen), 1.0)
+        assert r.seen == (pytest.approx(seen), 1) and eng.traffic_seen == (pytest.approx(seen), 1.0)
 
 
 @pytest.mark.parametrize("prior", [8.0, 0.0])
@@ -61,7 +61,7 @@ def test_the_guess_is_the_requests_level_shrunk_toward_the_traffic(pair, monkeyp
     for _ in range(8):
         eng._observe_round(mine, 0, 8)  # 1 of 8, a rejection at the first draft
         guesses.append(eng._guess(mine))
-        traffic.append(eng._seen[0] / eng._seen[1])  # its own rounds count in the traffic too
+        traffic.append(eng.traffic_seen[0] / eng.traffic_seen[1])  # its own rounds count in the traffic too
     if prior == 0.0:
         assert guesses == [0.9] * 8
         return
@@ -101,3 +101,59 @@ def test_the_engine_trusts_what_rounds_accepted_over_the_heads_last_ratio(pair, 
     # plain and which verified what its spent body had left
     assert whole[0.0][1] - 2 <= whole[0.0][0] <= whole[0.0][1] - 1
     assert whole[8.0][0] < whole[0.0][0] // 2
+
+
+# (GUESS_PRIOR_ROUNDS, the traffic's rounds seen, the guess of a request yet to draft)
+UNDRAFTED = [
+    ("no traffic yet: it accepts everything, its first round drafts", 8.0, False, 1.0),
+    ("traffic seen: the traffic's mean", 8.0, True, 5 / 8),
+    ("control, no prior rounds (the rule before): it accepts everything", 0.0, True, 1.0),
+]
+
+
+@pytest.mark.parametrize("name,prior,traffic,want", UNDRAFTED, ids=[c[0] for c in UNDRAFTED])
+def test_a_request_yet_to_draft_is_guessed_at_the_traffics_mean(pair, monkeypatch, name, prior, traffic, want):
+    monkeypatch.setattr(vl, "GUESS_PRIOR_ROUNDS", prior)
+    eng = Engine(*pair, length_policy="cost", max_slots=1, max_len=32, token_budget=32)
+    for _ in range(24 if traffic else 0):
+        eng._observe_round(_request(0.6), 4, 8)  # 5 of 8
+    assert eng._guess(_request()) == pytest.approx(want)
+
+
+def test_new_requests_skip_the_body_the_traffic_says_cannot_pay(pair, monkeypatch):
+    """A drafter costing twice a whole-block verify, traffic that accepted 1 of 8 and the head saying ~0: requests
+    arriving after a plain decision skip their first round's body on the traffic's mean; guessed as accepting
+    everything (the control, ``GUESS_PRIOR_ROUNDS`` 0) each runs it. Plain greedy output either way."""
+    import adaflash_hf.engine.engine as engine_module
+    from adaflash_hf.speculation.round_cost import RoundCost
+
+    target, drafter = pair
+    saved = {k: v.detach().clone() for k, v in drafter.length_head.out.state_dict().items()}
+    force_length_head(drafter, ratio_high=False)
+    cost = RoundCost(rows=(1,), tokens_per_row=(1, 8), verify=((1.0, 2.0),), draft_fraction=2.0, spec_overhead=1.0)
+    bodies = [0]
+    real = engine_module.draft_blocks
+
+    def counted(*a, **k):
+        bodies[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(engine_module, "draft_blocks", counted)
+    first, later = engine_prompts([6], seed=3), engine_prompts([5, 7, 9], seed=4)
+    runs = {}
+    try:
+        for prior in (8.0, 0.0):
+            monkeypatch.setattr(vl, "GUESS_PRIOR_ROUNDS", prior)
+            eng = Engine(target, drafter, length_policy="cost", round_cost=cost, max_slots=1, max_len=64,
+                         token_budget=64, cuda_graphs=False, prompt_ngrams=0)
+            eng.generate(first, max_new_tokens=12)  # its first round drafts, its ratios say plain
+            for _ in range(24):
+                eng._observe_round(_request(0.1), 0, 8)  # the traffic accepted 1 of 8
+            bodies[0] = 0
+            outs = eng.generate(later, max_new_tokens=12)
+            assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 12) for p in later]
+            runs[prior] = bodies[0]
+    finally:
+        drafter.length_head.out.load_state_dict(saved)
+    assert runs[0.0] >= len(later)  # the control: every request's first round runs the body
+    assert runs[8.0] < runs[0.0]

@@ -57,7 +57,9 @@ TRAFFIC_DECAY = 0.999  # the traffic's mean acceptance weighs its last ~1,000 ro
 class VerifyLengths:
     """Mixin of :class:`~.engine.Engine` (it owns ``policy``, ``layout``, ``block_size``, ``round_cost``,
     ``length_rate``, ``length_min``, ``halving_batch``, ``on_round``, ``whole_block_stretches``, ``_plain_rounds``,
-    ``_plain_limit`` and ``_drafted_plain``)."""
+    ``_plain_limit`` and ``_drafted_plain``). ``traffic_seen``: what the traffic's rounds accepted (a decayed sum of
+    :meth:`_observe_round`'s ratios and its weight), the prior of every guess; an engine that replaces another for the
+    same pair may start from it (``generate``'s fast path does)."""
 
     def _reset_verify_state(self) -> None:
         """The cost policy's state between rounds, as a new engine has it."""
@@ -65,16 +67,16 @@ class VerifyLengths:
         self._plain_limit = 0  # how many it may skip before the next probe
         self._drafted_plain = False  # the cost policy's last drafted round's ratios said: decode every request plainly
         self._late_ratio = False  # this round verifies whole blocks chosen on the guesses
-        self._seen = (0.0, 0.0)  # the traffic's acceptance: decayed sum and count of rounds that verified drafts
+        self.traffic_seen = (0.0, 0.0)  # the traffic's acceptance: decayed sum and count of rounds that verified drafts
 
     def _guessed_lengths(self, running, unread_whole: bool | None = None) -> torch.Tensor:
-        """The verify lengths the policy gives the requests' guesses (:meth:`_guess`; one that never drafted counts as
-        accepting everything: its first round drafts), which decide a round before its drafter body runs. Where the
+        """The verify lengths the policy gives the requests' guesses (:meth:`_guess`), which decide a round before its
+        drafter body runs. Where the
         round may verify whole blocks without reading its ratios (``unread_whole``; ``None``: :meth:`_may_skip_read`
         says), the rule counts the read that choice saves."""
         if unread_whole is None:
             unread_whole = self._may_skip_read(running)
-        guess = torch.tensor([1.0 if r.head_ratio is None else self._guess(r) for r in running])
+        guess = torch.tensor([self._guess(r) for r in running])
         return self._verify_lengths(running, guess, guess=True, unread_whole=unread_whole)
 
     def _guess(self, r) -> float:
@@ -82,11 +84,14 @@ class VerifyLengths:
         other (on the reference pair the next round's acceptance correlates with the last ratio at -0.08 to 0.11,
         ``docs/logs/c1_guess_cpu_1205``): the best guess is the request's own level. It is the mean of what its rounds
         that verified drafts accepted, shrunk toward the traffic's mean by ``GUESS_PRIOR_ROUNDS`` rounds (a new
-        request's first rounds say little); the last ratio until any round has been seen. ``GUESS_PRIOR_ROUNDS`` 0:
-        the last ratio, the rule before."""
-        if GUESS_PRIOR_ROUNDS <= 0 or self._seen[1] == 0:
-            return r.head_ratio
-        prior = self._seen[0] / self._seen[1]
+        request's first rounds say little), so a request yet to draft is guessed at the traffic's mean: where the traffic
+        says this batch decodes plainly, its first round does not run the drafter for nothing (on the reference pair's
+        own cost at batch 1, modelled time 0.946 -> 0.975 of plain decoding on gsm8k, ``docs/logs/new_request_cpu_1205``).
+        Until any round has been seen: the last ratio, and a request yet to draft counts as accepting everything (its
+        first round drafts). ``GUESS_PRIOR_ROUNDS`` 0: that, whatever was seen (the rule before)."""
+        if GUESS_PRIOR_ROUNDS <= 0 or self.traffic_seen[1] == 0:
+            return 1.0 if r.head_ratio is None else r.head_ratio
+        prior = self.traffic_seen[0] / self.traffic_seen[1]
         return (GUESS_PRIOR_ROUNDS * prior + r.seen[0]) / (GUESS_PRIOR_ROUNDS + r.seen[1])
 
     def _observe_round(self, r, accepted: int, verify_len: int) -> None:
@@ -100,7 +105,7 @@ class VerifyLengths:
         if accepted >= verify_len - 1 and verify_len < self.block_size and r.head_ratio is not None:
             seen = max(seen, r.head_ratio)
         r.seen = (r.seen[0] + seen, r.seen[1] + 1)
-        self._seen = (TRAFFIC_DECAY * self._seen[0] + seen, TRAFFIC_DECAY * self._seen[1] + 1)
+        self.traffic_seen = (TRAFFIC_DECAY * self.traffic_seen[0] + seen, TRAFFIC_DECAY * self.traffic_seen[1] + 1)
 
     def _may_skip_read(self, running) -> bool:
         """Whether a drafting round of ``running`` may verify whole blocks without this round's ratios: under ``cost``
