@@ -267,7 +267,8 @@ def test_a_bigger_engine_for_the_same_pair_keeps_what_the_traffic_accepted(eager
     assert seen[1] > 0  # the premise: rounds that verified drafts
     ids, mask, _ = ragged_prompts(1, [300], seed=9)  # past the first engine's max_len
     out = _gen(target, drafter, ids, mask, True, length_policy="cost", max_new_tokens=4)
-    assert torch.equal(out, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4, pad_token_id=PAD_ID))
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4, pad_token_id=PAD_ID)
+    assert torch.equal(out, plain)
     (second,) = fast_path._ENGINES.values()
     assert second.engine is not first.engine and second.engine.traffic_seen[1] >= seen[1] * 0.999 ** 8
     other = make_drafter(target, block_size=4)

@@ -84,9 +84,10 @@ class VerifyLengths:
         other (on the reference pair the next round's acceptance correlates with the last ratio at -0.08 to 0.11,
         ``docs/logs/c1_guess_cpu_1205``): the best guess is the request's own level. It is the mean of what its rounds
         that verified drafts accepted, shrunk toward the traffic's mean by ``GUESS_PRIOR_ROUNDS`` rounds (a new
-        request's first rounds say little), so a request yet to draft is guessed at the traffic's mean: where the traffic
-        says this batch decodes plainly, its first round does not run the drafter for nothing (on the reference pair's
-        own cost at batch 1, modelled time 0.946 -> 0.975 of plain decoding on gsm8k, ``docs/logs/new_request_cpu_1205``).
+        request's first rounds say little), so a request yet to draft is guessed at the traffic's mean: where the
+        traffic says this batch decodes plainly, its first round does not run the drafter for nothing (on the
+        reference pair's own cost at batch 1, modelled time 0.946 -> 0.975 of plain decoding on gsm8k,
+        ``docs/logs/new_request_cpu_1205``).
         Until any round has been seen: the last ratio, and a request yet to draft counts as accepting everything (its
         first round drafts). ``GUESS_PRIOR_ROUNDS`` 0: that, whatever was seen (the rule before)."""
         if GUESS_PRIOR_ROUNDS <= 0 or self.traffic_seen[1] == 0:
