@@ -5,6 +5,8 @@ Kept apart from `conftest.py` so the generation tests do not depend on fixtures 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.generation.streamers import BaseStreamer
@@ -47,6 +49,16 @@ def make_drafter(target, block_size: int = 8, num_layers: int = 1, seed: int = 0
     vocab = target.get_input_embeddings().weight.shape[0]
     torch.manual_seed(seed)
     return cls.from_target(target, num_layers=num_layers, block_size=block_size, mask_token_id=vocab - 1, **kw).eval()
+
+
+@contextlib.contextmanager
+def kept_length_head(drafter):
+    """The drafter's length head as it was, restored on leaving the block (tests force it to say something)."""
+    saved = {k: v.detach().clone() for k, v in drafter.length_head.out.state_dict().items()}
+    try:
+        yield
+    finally:
+        drafter.length_head.out.load_state_dict(saved)
 
 
 def force_length_head(drafter, ratio_high: bool) -> None:

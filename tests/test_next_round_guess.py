@@ -9,7 +9,8 @@ from adaflash_hf.engine import Engine
 from adaflash_hf.engine.requests import Request
 from adaflash_hf.engine.sampling import SamplingParams
 
-from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids
+from generation_helpers import (engine_prompts, force_length_head, kept_length_head, make_drafter, make_target,
+                                plain_greedy_ids)
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +80,12 @@ def test_the_engine_trusts_what_rounds_accepted_over_the_heads_last_ratio(pair, 
     from adaflash_hf.speculation.round_cost import RoundCost
 
     target, drafter = pair
-    saved = {k: v.detach().clone() for k, v in drafter.length_head.out.state_dict().items()}
-    force_length_head(drafter, ratio_high=True)
     cost = RoundCost(rows=(1,), tokens_per_row=(1, 8), verify=((1.0, 2.0),), draft_fraction=0.0, spec_overhead=1.0,
                      read_overhead=0.5)
     prompts = engine_prompts([5, 7], seed=11)
     whole = {}
-    try:
+    with kept_length_head(drafter):
+        force_length_head(drafter, ratio_high=True)
         for prior in (8.0, 0.0):
             monkeypatch.setattr(vl, "GUESS_PRIOR_ROUNDS", prior)
             eng = Engine(target, drafter, length_policy="cost", round_cost=cost, max_slots=2, max_len=64,
@@ -94,8 +94,6 @@ def test_the_engine_trusts_what_rounds_accepted_over_the_heads_last_ratio(pair, 
             assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 30) for p in prompts]
             accepted = [a for o in outs for a in o.accepted]
             whole[prior] = (eng.whole_rounds, eng.num_steps - eng.skipped_drafts - 1)
-    finally:
-        drafter.length_head.out.load_state_dict(saved)
     assert sum(accepted) < len(accepted)  # the premise: the drafts are mostly rejected
     # the control: every drafting round but the first (no ratio yet) and at most one near the end, whose ratios said
     # plain and which verified what its spent body had left
@@ -128,8 +126,6 @@ def test_new_requests_skip_the_body_the_traffic_says_cannot_pay(pair, monkeypatc
     from adaflash_hf.speculation.round_cost import RoundCost
 
     target, drafter = pair
-    saved = {k: v.detach().clone() for k, v in drafter.length_head.out.state_dict().items()}
-    force_length_head(drafter, ratio_high=False)
     cost = RoundCost(rows=(1,), tokens_per_row=(1, 8), verify=((1.0, 2.0),), draft_fraction=2.0, spec_overhead=1.0)
     bodies = [0]
     real = engine_module.draft_blocks
@@ -141,7 +137,8 @@ def test_new_requests_skip_the_body_the_traffic_says_cannot_pay(pair, monkeypatc
     monkeypatch.setattr(engine_module, "draft_blocks", counted)
     first, later = engine_prompts([6], seed=3), engine_prompts([5, 7, 9], seed=4)
     runs = {}
-    try:
+    with kept_length_head(drafter):
+        force_length_head(drafter, ratio_high=False)
         for prior in (8.0, 0.0):
             monkeypatch.setattr(vl, "GUESS_PRIOR_ROUNDS", prior)
             eng = Engine(target, drafter, length_policy="cost", round_cost=cost, max_slots=1, max_len=64,
@@ -153,7 +150,5 @@ def test_new_requests_skip_the_body_the_traffic_says_cannot_pay(pair, monkeypatc
             outs = eng.generate(later, max_new_tokens=12)
             assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 12) for p in later]
             runs[prior] = bodies[0]
-    finally:
-        drafter.length_head.out.load_state_dict(saved)
     assert runs[0.0] >= len(later)  # the control: every request's first round runs the body
     assert runs[8.0] < runs[0.0]

@@ -15,7 +15,8 @@ from adaflash_hf.engine import Engine
 from adaflash_hf.speculation.length_policy import choose_verify_length, cost_aware_verify_length, survival_curve
 from adaflash_hf.speculation.round_cost import SPEC_H200_MS, SPEC_H200_OVERHEAD_MS, RoundCost
 
-from generation_helpers import delay_drafting_rounds, engine_prompts, make_drafter, make_target, plain_greedy_ids
+from generation_helpers import (delay_drafting_rounds, engine_prompts, kept_length_head, make_drafter, make_target,
+                                plain_greedy_ids)
 
 SPEC = RoundCost()
 BLOCK8 = RoundCost(rows=(1,), tokens_per_row=(1, 8), verify=((1.0, 2.0),), draft_fraction=0.0, spec_overhead=1.0,
@@ -116,19 +117,16 @@ def test_engine_spares_the_read_with_whole_blocks_where_it_pays(pair, graphs, mo
     otherwise say drafting seldom pays: ``test_next_round_guess``)."""
     monkeypatch.setattr(vl, "GUESS_PRIOR_ROUNDS", 0.0)
     target, drafter = pair
-    saved = {k: v.detach().clone() for k, v in drafter.length_head.out.state_dict().items()}
-    _head_says(drafter, 0.4)
     prompts = engine_prompts([5, 7], seed=11)
     runs = {}
-    try:
+    with kept_length_head(drafter):
+        _head_says(drafter, 0.4)
         for read in (0.5, 0.0):
             eng = Engine(target, drafter, length_policy="cost", round_cost=dataclasses.replace(BLOCK8, read_overhead=read),
                          max_slots=2, max_len=64, token_budget=64, cuda_graphs=graphs, prompt_ngrams=0)
             outs = eng.generate(prompts, max_new_tokens=30)
             assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 30) for p in prompts]
             runs[read] = (eng, [(o.verify_lengths, _left(o, 30)) for o in outs])
-    finally:
-        drafter.length_head.out.load_state_dict(saved)
     (eng, lens), (ctl, ctl_lens) = runs[0.5], runs[0.0]
     drafting = eng.num_steps - eng.skipped_drafts - 1  # the prefill round verifies nothing
     # every drafting round but the first (no last ratios) and at most one near the end, whose ratios said plain and
@@ -244,14 +242,11 @@ def test_dear_probes_come_further_apart(pair, graphs, monkeypatch):
     fewer of them than a cheap one (the control: 1, 8); and the same dear probe with the first hold forced to 1 (the
     rule before) runs more. Plain greedy output every time."""
     _, drafter = pair
-    saved = {k: v.detach().clone() for k, v in drafter.length_head.out.state_dict().items()}
-    _head_says(drafter, 1e-6)
-    try:
+    with kept_length_head(drafter):
+        _head_says(drafter, 1e-6)
         dear, cheap = RoundCost.flat(draft_fraction=2.5), RoundCost.flat(draft_fraction=0.1)
         probes = {"dear": _probes(pair, dear, graphs), "cheap": _probes(pair, cheap, graphs)}
         monkeypatch.setattr(vl, "FIRST_PROBE_SHARE", 1e9)
         probes["dear, first hold 1"] = _probes(pair, dear, graphs)
-    finally:
-        drafter.length_head.out.load_state_dict(saved)
     assert 0 < probes["dear"] < probes["dear, first hold 1"] <= probes["cheap"]
 
