@@ -348,7 +348,7 @@ def parse(argv):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--poisson-min-requests", type=int, default=4, help="a Poisson row sends max(c, this) requests")
     ap.add_argument("--reps", type=int, default=1, help="timed closed-batch runs per row after the warm-up (median)")
-    ap.add_argument("--profile-at", default="", help="concurrencies whose paper-trace closed rows also get a profiled run")
+    ap.add_argument("--profile-at", default="", help="concurrencies whose closed rows (every trace) also get a profiled run")
     ap.add_argument("--kernels-at", default="", help="concurrencies whose off and paper-trace closed rows also get a "
                     "device-kernel profile (mid-run target forwards, by kind)")
     ap.add_argument("--budget-s", type=float, default=500.0, help="rows that would start after this are skipped")
@@ -509,7 +509,7 @@ def replay_rows(results: Results, args, engines, traces: dict, prompts, device, 
                     warmed.add((key, c))
                     first = name in (None, "paper")
                     fn = lambda eng=eng, replay=replay, warm=warm, first=first, c=c: run_row(
-                        eng, replay, prompts[:c], refs, max_new, device, args.reps, warm, first and c in profile_at,
+                        eng, replay, prompts[:c], refs, max_new, device, args.reps, warm, c in profile_at,
                         first and c in kernels_at, results.out_dir)
                 else:
                     off_row = next((r for r in rows if r["kind"] == "replay" and r["mode"] == "off"

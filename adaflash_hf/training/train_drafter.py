@@ -54,7 +54,6 @@ import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 from dataclasses import asdict  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -420,8 +419,10 @@ def _trainer(r: DrafterRecipe, model, samples, collator, out: Path, device: torc
     clock = WallClockCallback(r.minutes * 60.0)
     timed = r.steps is None  # LR schedule over wall-clock time; tqdm would show a meaningless total
     callbacks = [JsonlLogCallback(log_path, verbose=timed or not r.progress, budget_s=r.minutes * 60.0), clock]
+    # output_dir: the run's own folder (save_strategy "no": the Trainer writes nothing there; a temporary folder per
+    # run was left behind by every run)
     targs = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="adaflash_trainer_"), per_device_train_batch_size=r.batch_size,
+        output_dir=str(out), per_device_train_batch_size=r.batch_size,
         learning_rate=r.lr, weight_decay=r.weight_decay, max_grad_norm=r.grad_clip, lr_scheduler_type="cosine",
         warmup_steps=r.warmup_ratio, max_steps=r.steps if r.steps is not None else 10**9,
         logging_steps=r.logging_steps, logging_first_step=True, save_strategy="no", report_to=[],
