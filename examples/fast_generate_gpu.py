@@ -406,7 +406,9 @@ def main(argv=None):
     if args.child:
         return child_main(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    os.environ.setdefault("ADAFLASH_HF_CACHE", tempfile.mkdtemp(prefix="adaflash_kcache_"))  # a fresh tuning cache
+    if "ADAFLASH_HF_CACHE" not in os.environ:  # a fresh tuning cache for this run and its children, removed at exit
+        args.kernel_cache = tempfile.TemporaryDirectory(prefix="adaflash_kcache_")
+        os.environ["ADAFLASH_HF_CACHE"] = args.kernel_cache.name
     deadline = time.perf_counter() + args.budget_s
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
