@@ -133,11 +133,30 @@ def test_sampling_matches_the_exact_target_distribution(rule, n, ngrams, monkeyp
         assert not ok, checks
 
 
+@pytest.mark.parametrize("fast_path", [False, True])
+def test_num_return_sequences_samples_each_prompt_that_many_times(fast_path):
+    """``num_return_sequences=n`` under sampling is the call with each prompt's row repeated n times, draw for draw
+    (same seed); the rows' independence is what the distribution test above checks on repeated prompts."""
+    target, _, drafter = sampling_setup()
+    ids = torch.tensor([[3, 7, 1, 5], [SV - 2, 2, 9, 4]])  # the second left-padded
+    mask = (ids != SV - 2).long()
+    kw = dict(assistant_model=drafter, do_sample=True, temperature=TEMP, top_k=TOP_K, max_new_tokens=6,
+              pad_token_id=SV - 2, fast_path=fast_path)
+    torch.manual_seed(7)
+    out = target.generate(ids, attention_mask=mask, num_return_sequences=3, **kw)
+    torch.manual_seed(7)
+    ref = target.generate(ids.repeat_interleave(3, 0), attention_mask=mask.repeat_interleave(3, 0), **kw)
+    assert out.shape == (6, 10) and torch.equal(out, ref)
+    assert torch.equal(out[:, :4], ids.repeat_interleave(3, 0))
+    torch.manual_seed(8)
+    assert not torch.equal(target.generate(ids, attention_mask=mask, num_return_sequences=3, **kw), out)  # control: a new seed
+
+
 # --------------------------------------------------------------------------- 3. errors before decoding
 def _err_cases():
     return [
         ("beam search", lambda t: dict(assistant_model=make_drafter(t), num_beams=2), r"beam search"),
-        ("num_return_sequences", lambda t: dict(assistant_model=make_drafter(t), num_return_sequences=2, do_sample=True), r"num_return_sequences"),
+        ("greedy num_return_sequences", lambda t: dict(assistant_model=make_drafter(t), num_return_sequences=2), r"num_return_sequences"),
         ("dtype", lambda t: dict(assistant_model=make_drafter(t).to(torch.float64)), r"float64.*float32"),
         ("hidden size", lambda t: dict(assistant_model=make_drafter(make_target("qwen3", hidden=64))), r"hidden size: target 32, drafter 64"),
         ("layer count", lambda t: dict(assistant_model=make_drafter(make_target("qwen3", layers=4))), r"layer count"),

@@ -33,8 +33,8 @@ def _check_call(model, drafter, generation_config, input_ids, model_kwargs, roun
         raise TypeError(f"drafter must be an AdaFlashDrafter, got {type(drafter).__name__}")
     if generation_config.num_beams != 1:
         raise ValueError("speculative decoding with an AdaFlash drafter does not support beam search (num_beams > 1)")
-    if generation_config.num_return_sequences != 1:
-        raise ValueError("speculative decoding with an AdaFlash drafter does not support num_return_sequences > 1")
+    # num_return_sequences > 1 needs nothing here: generate repeats each prompt's row that many times before this
+    # loop runs (sampling only; transformers refuses it for greedy decoding), and rows sample independently.
     if generation_config.output_attentions:
         # Verify forwards attend over draft tokens that may be rejected: plain decoding never
         # computes those attention rows, so there is nothing faithful to return.
