@@ -143,6 +143,44 @@ def test_streaming_matches_the_non_streamed_answer(setup, kind):
     assert streamed == expected and len(chunks) > 5  # token by token, not one blob
 
 
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_n_choices_each_answer_the_prompt(setup, kind):
+    """``n`` choices: one engine request each, indexed 0..n-1, the prompt counted once in the usage; streamed, each
+    choice's deltas carry its index and add up to its non-streamed text, each with its own finish chunk."""
+    server, tok = setup["server"], setup["tok"]
+    path = C if kind == "completion" else CHAT
+    req = {"prompt": "w20 w21 w22"} if kind == "completion" else {"messages": [{"role": "user", "content": "w20 w21"}]}
+    req.update(max_tokens=9, temperature=0, n=3)
+    status, full = post(server, path, req)
+    assert status == 200, full
+    texts = [c["text"] if kind == "completion" else c["message"]["content"] for c in full["choices"]]
+    ids = tok(req["prompt"])["input_ids"] if kind == "completion" else tok("w20 w21 w1")["input_ids"]
+    assert [c["index"] for c in full["choices"]] == [0, 1, 2]
+    assert texts == [tok.decode(greedy(setup, ids, 9), skip_special_tokens=True)] * 3  # greedy: the same answer
+    assert full["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 27, "total_tokens": len(ids) + 27}
+    status, _, text = _request(server, "POST", path, {**req, "stream": True, "stream_options": {"include_usage": True}})
+    evs = events(text)
+    assert status == 200 and evs[-1] == "[DONE]" and evs[-2]["usage"] == full["usage"]
+    streamed, finishes = ["", "", ""], [[], [], []]
+    for e in evs[:-2]:
+        (c,) = e["choices"]
+        streamed[c["index"]] += c["text"] if kind == "completion" else c["delta"].get("content", "")
+        finishes[c["index"]].append(c["finish_reason"])
+    assert streamed == texts
+    assert all(f[-1] == "length" and not any(f[:-1]) for f in finishes)
+
+
+def test_n_seeded_choices_sample_with_seed_plus_index(setup):
+    """A seeded request's choice i is the request alone with seed + i: reproducible, and not n copies."""
+    server = setup["server"]
+    req = {"prompt": "w40 w41", "max_tokens": 12, "temperature": 1.0, "seed": 11}
+    status, both = post(server, C, {**req, "n": 2})
+    assert status == 200, both
+    alone = [post(server, C, {**req, "seed": 11 + i})[1]["choices"][0]["text"] for i in range(2)]
+    assert [c["text"] for c in both["choices"]] == alone
+    assert alone[0] != alone[1]  # control: two seeds, two samples (else the check above could not tell)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_truncates_and_finishes_early(setup, stream):
     tok, server, state = setup["tok"], setup["server"], setup["state"]
@@ -200,7 +238,9 @@ BAD = {
     "seed-string": (C, {"prompt": "w1", "seed": "x"}, 400, "seed", "integer"),
     "empty-stop": (C, {"prompt": "w1", "stop": [""]}, 400, "stop", "non-empty"),
     "stream-not-bool": (C, {"prompt": "w1", "stream": "yes"}, 400, "stream", "true or false"),
-    "n-two": (C, {"prompt": "w1", "n": 2}, 400, "n", "not supported"),
+    "n-zero": (C, {"prompt": "w1", "n": 0}, 400, "n", "integer from 1 to 16"),
+    "n-too-many": (C, {"prompt": "w1", "n": 17}, 400, "n", "integer from 1 to 16"),
+    "best-of-two": (C, {"prompt": "w1", "best_of": 2}, 400, "best_of", "not supported"),
     "unknown-model": (C, {"prompt": "w1", "model": "gpt-4"}, 404, "model", "does not exist"),
     "missing-messages": (CHAT, {"max_tokens": 4}, 400, "messages", "missing required field `messages`"),
     "messages-not-list": (CHAT, {"messages": "hi"}, 400, "messages", "non-empty list"),
@@ -323,13 +363,14 @@ def test_concurrent_requests_are_batched_and_exact(setup):
     assert max(i.slots_in_use for i in state["infos"]) > 1  # decoded together
 
 
-def test_client_disconnect_cancels_the_request(setup, caplog):
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_cancels_the_request(setup, caplog, n):
     server, state = setup["server"], setup["state"]
     state["infos"].clear()
     state["delay"] = 0.01
     caplog.set_level(logging.INFO, logger="adaflash_hf.server")
     try:
-        body = json.dumps({"prompt": "w5 w6", "max_tokens": 80, "temperature": 0, "stream": True}).encode()
+        body = json.dumps({"prompt": "w5 w6", "max_tokens": 80, "temperature": 0, "stream": True, "n": n}).encode()
         sock = socket.create_connection(server.server_address[:2], timeout=10)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))

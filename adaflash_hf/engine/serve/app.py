@@ -57,6 +57,7 @@ class _Request(BaseModel):
     top_p: float | None = Field(None, description="must be a number in (0, 1]")
     top_k: int | None = Field(None, description="must be an integer >= 1 (0 or -1: off)")
     seed: int | None = Field(None, description="must be an integer")
+    n: int | None = Field(None, description="must be an integer from 1 to 16")
     stop: str | list[str] | None = Field(None, description="must be a non-empty string or a list of non-empty strings")
     stream: bool | None = Field(None, description="must be true or false")
     stream_options: dict[str, Any] | None = Field(None, description="must be an object")
@@ -185,38 +186,83 @@ async def _complete(svc: CompletionService, request: Request, body: _Request, ki
     # off the event loop: tokenizing (and the chat template) of a long prompt would stall every connection
     req = await asyncio.to_thread(svc.parse, body.model_dump(exclude_unset=True), kind)
     stats.update(prompt_tokens=len(req.prompt_ids), stream=req.stream)
-    gen = svc.start(req)
+    gens = svc.start(req)  # one engine request per choice (`n`)
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
     streaming = False
     try:
-        await _until_answered(gen.admitted(), request, settings.disconnect_poll_s)  # a 400 here if it can never fit
+        # a 400 here if it can never fit
+        await _until_answered(asyncio.gather(*(g.admitted() for g in gens)), request, settings.disconnect_poll_s)
         if req.stream:
-            streaming = True  # from here the stream owns the request (and cancels it when the client goes)
-            return StreamingResponse(_events(svc, req, gen, rid, stats),  # no "; charset": as OpenAI sends it
+            streaming = True  # from here the stream owns the requests (and cancels them when the client goes)
+            return StreamingResponse(_events(svc, req, gens, rid, stats),  # no "; charset": as OpenAI sends it
                                      headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        text = await _until_answered(gen.text(), request, settings.disconnect_poll_s)
-        stats.update(completion_tokens=gen.completion_tokens, finish_reason=gen.finish_reason)
-        return JSONResponse(svc.response(req, gen, text, rid))
+        texts = await _until_answered(asyncio.gather(*(g.text() for g in gens)), request, settings.disconnect_poll_s)
+        _finished(stats, gens)
+        return JSONResponse(svc.response(req, gens, texts, rid))
     finally:
-        if not streaming and not gen.future.done():  # an error or a client that left: free the engine slot
+        if not streaming:  # an error or a client that left: free the engine slots
+            _cancel(gens)
+
+
+def _cancel(gens) -> None:
+    for gen in gens:
+        if not gen.future.done():
             gen.cancel()
+
+
+def _finished(stats: dict, gens) -> None:
+    """The log line's completion tokens (all choices) and finish reasons (comma-separated, one per choice)."""
+    stats.update(completion_tokens=sum(g.completion_tokens for g in gens),
+                 finish_reason=",".join(str(g.finish_reason) for g in gens))
+
+
+async def _merged(gens):
+    """``(choice index, text piece)`` from every choice's deltas as they come, ``(index, None)`` when that choice has
+    finished; a choice's error is raised here. The pumps are cancelled when the consumer stops early."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, gen):
+        try:
+            async for piece in gen.deltas():
+                queue.put_nowait((i, piece, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:  # an APIError mid-stream: reported by the consumer
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, piece, error = await queue.get()
+            if error is not None:
+                raise error
+            left -= piece is None
+            yield i, piece
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-async def _events(svc: CompletionService, req, gen, rid: str, stats: dict):
-    """The SSE stream: OpenAI's chunks, ``[DONE]``; an error mid-stream is reported in-band."""
+async def _events(svc: CompletionService, req, gens, rid: str, stats: dict):
+    """The SSE stream: OpenAI's chunks, each choice's as they come (its ``index``), ``[DONE]``; an error mid-stream
+    is reported in-band."""
     try:
         if req.kind == "chat":
-            yield _sse(svc.chunk(req, rid, role=True))
-        async for piece in gen.deltas():
-            yield _sse(svc.chunk(req, rid, text=piece))
-        stats.update(completion_tokens=gen.completion_tokens, finish_reason=gen.finish_reason)
-        yield _sse(svc.chunk(req, rid, finish=gen.finish_reason, text="" if req.kind != "chat" else None))
+            for i in range(len(gens)):
+                yield _sse(svc.chunk(req, rid, role=True, index=i))
+        async for i, piece in _merged(gens):
+            if piece is not None:
+                yield _sse(svc.chunk(req, rid, text=piece, index=i))
+            else:
+                yield _sse(svc.chunk(req, rid, finish=gens[i].finish_reason, text="" if req.kind != "chat" else None,
+                                     index=i))
+        _finished(stats, gens)
         if req.include_usage:
-            yield _sse(svc.chunk(req, rid, usage=svc.usage(req, gen)))
+            yield _sse(svc.chunk(req, rid, usage=svc.usage(req, gens)))
         yield _DONE
     except APIError as e:
         stats["error"] = e.message
@@ -226,8 +272,7 @@ async def _events(svc: CompletionService, req, gen, rid: str, stats: dict):
         stats["error"] = "client disconnected"
         raise
     finally:
-        if not gen.future.done():
-            gen.cancel()
+        _cancel(gens)
 
 
 class _FrontDoor:

@@ -4,24 +4,25 @@
 :class:`AsyncEngine` (so concurrent requests are decoded together) and shapes the answers; the HTTP
 transport (``app.py``, ``server.py``) only moves bytes. Supported fields: ``prompt`` (a string or a
 list of token ids) / ``messages``, ``max_tokens`` (``max_completion_tokens``), ``temperature``,
-``top_p``, ``top_k``, ``seed``, ``stop`` (a string or a list: the text is cut before the first stop
-string and the request is cancelled right there, ``finish_reason="stop"``), ``stream`` (chunks in
-OpenAI's format; ``stream_options.include_usage`` adds a usage chunk) and ``usage`` counts. A bad
-request raises :class:`APIError` (a 400 with an OpenAI-style ``{"error": {...}}`` body).
+``top_p``, ``top_k``, ``seed``, ``n`` (choices, one engine request each), ``stop`` (a string or a list: the
+text is cut before the first stop string and the request is cancelled right there, ``finish_reason="stop"``),
+``stream`` (chunks in OpenAI's format; ``stream_options.include_usage`` adds a usage chunk) and ``usage`` counts. A
+bad request raises :class:`APIError` (a 400 with an OpenAI-style ``{"error": {...}}`` body).
 
 Example::
 
     svc = CompletionService(Engine(target, drafter, max_slots=8, max_len=1024), tok)
     req = svc.parse({"prompt": "Hi", "max_tokens": 8, "temperature": 0}, "completion")
-    gen = svc.start(req)                     # inside a running event loop
-    text = await gen.text()
-    print(svc.response(req, gen, text, "cmpl-1"))
+    gens = svc.start(req)                    # inside a running event loop: one per choice
+    texts = [await gen.text() for gen in gens]
+    print(svc.response(req, gens, texts, "cmpl-1"))
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import math
 import threading
@@ -35,11 +36,12 @@ from ..sampling import SamplingParams
 __all__ = ["APIError", "CompletionService"]
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # the most choices (`n`) one request may ask for: each is an engine request of its own
 _END = object()
 _FINISH = {"eos": "stop", "length": "length", "cancelled": "cancelled"}
 # Fields we do not implement: the value a request may carry anyway (OpenAI clients send defaults).
 _UNSUPPORTED = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
+    "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
     "top_logprobs": (None, 0), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
 }  # fmt: skip
@@ -92,14 +94,14 @@ def _is_number(v) -> bool:
 
 
 class _Parsed:
-    __slots__ = ("kind", "prompt_ids", "max_tokens", "params", "stops", "stream", "include_usage")
+    __slots__ = ("kind", "prompt_ids", "max_tokens", "params", "stops", "stream", "include_usage", "n")
 
 
 class _Generation:
     """One request in flight, read on an event loop: submits it, turns committed tokens into text deltas,
     applies stop strings. Create it inside a running loop (the engine thread hands tokens to that loop)."""
 
-    def __init__(self, service: "CompletionService", req: _Parsed):
+    def __init__(self, service: "CompletionService", req: _Parsed, params: SamplingParams):
         self.service, self.req = service, req
         self.finish_reason: str | None = None
         self.completion_tokens = 0
@@ -107,7 +109,7 @@ class _Generation:
         self._head = None  # the first item, read by admitted()
         put = partial(_to_loop, asyncio.get_running_loop(), self._q.put_nowait)
         try:
-            self.future = service.engine.submit(req.prompt_ids, req.max_tokens, req.params, on_token=put)
+            self.future = service.engine.submit(req.prompt_ids, req.max_tokens, params, on_token=put)
         except (EngineClosed, EngineFailed) as e:
             raise APIError(503, f"the engine is not running: {e}") from None
         self.future.add_done_callback(lambda f: _quietly(put, _END))
@@ -300,6 +302,9 @@ class CompletionService:
         r.kind = kind
         max_tokens = self._max_tokens(body, kind)
         r.params = self._sampling(body)
+        r.n = body.get("n", 1) if body.get("n") is not None else 1
+        if not _is_int(r.n) or not 1 <= r.n <= MAX_CHOICES:
+            raise _bad(f"`n` must be an integer from 1 to {MAX_CHOICES}, got {describe(r.n)}", "n")
         r.stops = self._stops(body.get("stop"))
         stream = body.get("stream", False)
         if stream is not None and not isinstance(stream, bool):
@@ -425,33 +430,46 @@ class CompletionService:
         return [_text(s, "stop", "stop") for s in stops]
 
     # ------------------------------------------------------------------ responses
-    def start(self, req: _Parsed) -> _Generation:
-        """Submit a parsed request inside a running event loop; ``await gen.admitted()`` (a 400 if the engine
-        can never fit it), then ``await gen.text()`` or ``async for piece in gen.deltas()``."""
-        return _Generation(self, req)
+    def start(self, req: _Parsed) -> list[_Generation]:
+        """Submit a parsed request's ``n`` choices inside a running event loop, one engine request each; for each,
+        ``await gen.admitted()`` (a 400 if the engine can never fit it), then ``await gen.text()`` or
+        ``async for piece in gen.deltas()``. A seeded request's choice ``i`` samples with ``seed + i`` (the same
+        seed would give the same tokens)."""
+        gens: list[_Generation] = []
+        try:
+            for i in range(req.n):
+                seed = req.params.seed
+                params = req.params if seed is None or i == 0 else dataclasses.replace(req.params, seed=seed + i)
+                gens.append(_Generation(self, req, params))
+        except APIError:
+            for gen in gens:  # the engine stopped part way: free what was submitted
+                gen.cancel()
+            raise
+        return gens
 
-    def usage(self, req: _Parsed, gen: _Generation) -> dict:
-        n = len(req.prompt_ids)
-        return {"prompt_tokens": n, "completion_tokens": gen.completion_tokens, "total_tokens": n + gen.completion_tokens}
+    def usage(self, req: _Parsed, gens: list[_Generation]) -> dict:
+        n, done = len(req.prompt_ids), sum(gen.completion_tokens for gen in gens)
+        return {"prompt_tokens": n, "completion_tokens": done, "total_tokens": n + done}
 
-    def response(self, req: _Parsed, gen: _Generation, text: str, rid: str) -> dict:
+    def response(self, req: _Parsed, gens: list[_Generation], texts: list[str], rid: str) -> dict:
         base = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if req.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": gen.finish_reason}
-            return {**base, "object": "chat.completion", "choices": [choice], "usage": self.usage(req, gen)}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": gen.finish_reason}
-        return {**base, "object": "text_completion", "choices": [choice], "usage": self.usage(req, gen)}
+            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                        "finish_reason": gen.finish_reason} for i, (gen, text) in enumerate(zip(gens, texts))]
+            return {**base, "object": "chat.completion", "choices": choices, "usage": self.usage(req, gens)}
+        choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": gen.finish_reason}
+                   for i, (gen, text) in enumerate(zip(gens, texts))]
+        return {**base, "object": "text_completion", "choices": choices, "usage": self.usage(req, gens)}
 
     def chunk(self, req: _Parsed, rid: str, text: str | None = None, finish: str | None = None,
-              role: bool = False, usage: dict | None = None) -> dict:
+              role: bool = False, usage: dict | None = None, index: int = 0) -> dict:
         obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
         out = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
         if usage is not None:
             return {**out, "choices": [], "usage": usage}
         if req.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
         return {**out, "choices": [choice]}
