@@ -19,6 +19,15 @@ def pair():
     return target, make_drafter(target, block_size=8)
 
 
+def _engines_by_prior(monkeypatch, pair, cost, **engine_kwargs):
+    """``(prior, engine)``: a ``cost`` engine built under ``GUESS_PRIOR_ROUNDS`` 8 (the default), then 0 (the
+    control: the rule before the guess)."""
+    for prior in (8.0, 0.0):
+        monkeypatch.setattr(vl, "GUESS_PRIOR_ROUNDS", prior)
+        yield prior, Engine(*pair, length_policy="cost", round_cost=cost, max_len=64, token_budget=64, prompt_ngrams=0,
+                            **engine_kwargs)
+
+
 def _request(head_ratio=None) -> Request:
     r = Request(0, [1, 2], 30, SamplingParams(), None)
     r.head_ratio = head_ratio
@@ -86,10 +95,7 @@ def test_the_engine_trusts_what_rounds_accepted_over_the_heads_last_ratio(pair, 
     whole = {}
     with kept_length_head(drafter):
         force_length_head(drafter, ratio_high=True)
-        for prior in (8.0, 0.0):
-            monkeypatch.setattr(vl, "GUESS_PRIOR_ROUNDS", prior)
-            eng = Engine(target, drafter, length_policy="cost", round_cost=cost, max_slots=2, max_len=64,
-                         token_budget=64, cuda_graphs=graphs, prompt_ngrams=0)
+        for prior, eng in _engines_by_prior(monkeypatch, pair, cost, max_slots=2, cuda_graphs=graphs):
             outs = eng.generate(prompts, max_new_tokens=30)
             assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 30) for p in prompts]
             accepted = [a for o in outs for a in o.accepted]
@@ -139,10 +145,7 @@ def test_new_requests_skip_the_body_the_traffic_says_cannot_pay(pair, monkeypatc
     runs = {}
     with kept_length_head(drafter):
         force_length_head(drafter, ratio_high=False)
-        for prior in (8.0, 0.0):
-            monkeypatch.setattr(vl, "GUESS_PRIOR_ROUNDS", prior)
-            eng = Engine(target, drafter, length_policy="cost", round_cost=cost, max_slots=1, max_len=64,
-                         token_budget=64, cuda_graphs=False, prompt_ngrams=0)
+        for prior, eng in _engines_by_prior(monkeypatch, pair, cost, max_slots=1, cuda_graphs=False):
             eng.generate(first, max_new_tokens=12)  # its first round drafts, its ratios say plain
             for _ in range(24):
                 eng._observe_round(_request(0.1), 0, 8)  # the traffic accepted 1 of 8

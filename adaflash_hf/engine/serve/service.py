@@ -302,7 +302,7 @@ class CompletionService:
         r.kind = kind
         max_tokens = self._max_tokens(body, kind)
         r.params = self._sampling(body)
-        r.n = body.get("n", 1) if body.get("n") is not None else 1
+        r.n = 1 if body.get("n") is None else body["n"]
         if not _is_int(r.n) or not 1 <= r.n <= MAX_CHOICES:
             raise _bad(f"`n` must be an integer from 1 to {MAX_CHOICES}, got {describe(r.n)}", "n")
         r.stops = self._stops(body.get("stop"))
@@ -436,10 +436,10 @@ class CompletionService:
         ``async for piece in gen.deltas()``. A seeded request's choice ``i`` samples with ``seed + i`` (the same
         seed would give the same tokens)."""
         gens: list[_Generation] = []
+        seed = req.params.seed
         try:
             for i in range(req.n):
-                seed = req.params.seed
-                params = req.params if seed is None or i == 0 else dataclasses.replace(req.params, seed=seed + i)
+                params = req.params if seed is None else dataclasses.replace(req.params, seed=seed + i)
                 gens.append(_Generation(self, req, params))
         except APIError:
             for gen in gens:  # the engine stopped part way: free what was submitted
