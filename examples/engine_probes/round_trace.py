@@ -1,0 +1,178 @@
+"""Where one engine round's time goes on a GPU: the reference pair's engine, steady state, per round layout and
+concurrency (torch.profiler, host and device).
+
+For each (mode, c): c gsm8k prompts are submitted and prefilled, a few rounds run unprofiled, then ``--steps`` rounds
+are timed without the profiler (wall ms per round), then the same number of rounds again under torch.profiler with
+host and device activities, and a third time under cProfile (the Python functions the host spends its time in).
+Per round it reports:
+
+- ``wall_ms``: the round's time without a profiler;
+- ``gpu_busy_ms``: the union of the device's kernels, copies and memsets (overlapping activity counted once);
+- ``host_only_ms``: ``wall_ms - gpu_busy_ms``, the time the device waits for the host;
+- ``syncs``: device-to-host synchronisations (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
+  ``cudaEventSynchronize`` and synchronous ``cudaMemcpy``), and ``dtoh_copies`` (device-to-host memcpys, blocking
+  or not);
+- ``launches``: kernel launches from the host, and ``graph_launches`` (one CUDA graph replay each);
+- the host's top runtime calls and Python functions.
+
+    python examples/engine_probes/round_trace.py --out $OUT/round_trace --modes off,fixed,default --concurrency 1,32
+
+Writes ``round_trace.json`` and ``round_trace.md`` into ``--out``. ``--smoke``: CPU, tiny, the same code path (no
+device activity: the device columns read 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import gpu_common as common  # noqa: E402
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
+def busy_us(events) -> float:
+    """The union of device activity intervals (us)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    total, end = 0.0, float("-inf")
+    for s, e in spans:
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def runtime_counts(events) -> Counter:
+    """Host-side CUDA runtime / driver calls by name (profiler events of kind ``cuda_runtime`` / ``cuda_driver``)."""
+    return Counter(e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(("cuda", "cu")))
+
+
+def profile_rounds(eng, handles, steps: int, device) -> dict:
+    """One timed pass, one torch.profiler pass and one cProfile pass of ``steps`` rounds each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    common.sync(device)
+    tok0, t = sum(len(h.token_ids) for h in handles), time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    common.sync(device)
+    wall_ms = 1e3 * (time.perf_counter() - t) / steps
+    tokens = (sum(len(h.token_ids) for h in handles) - tok0) / steps
+    if any(h.done for h in handles):
+        raise RuntimeError("a request finished inside the timed rounds: raise --max-new-tokens")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+        common.sync(device)
+    ev = prof.events()
+    rt = runtime_counts(ev)
+    dtoh = sum(1 for e in ev if e.device_type == torch.autograd.DeviceType.CUDA and "DtoH" in e.name)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        eng.step()
+    common.sync(device)
+    pr.disable()
+    st = pstats.Stats(pr)
+    py = sorted(((v[2], v[3], v[0], f"{Path(k[0]).name}:{k[1]}({k[2]})") for k, v in st.stats.items()), reverse=True)
+    return {"wall_ms": wall_ms, "tokens_per_round": tokens, "gpu_busy_ms": busy_us(ev) / 1e3 / steps,
+            "syncs": sum(rt[n] for n in SYNC_CALLS) / steps, "dtoh_copies": dtoh / steps,
+            "launches": sum(rt[n] for n in LAUNCH_CALLS) / steps, "graph_launches": rt["cudaGraphLaunch"] / steps,
+            "runtime_calls": {k: round(v / steps, 2) for k, v in rt.most_common(12)},
+            "python_self_ms": [{"ms": round(1e3 * s / steps, 3), "cum_ms": round(1e3 * c / steps, 3), "calls": round(n / steps, 1),
+                                "fn": f} for s, c, n, f in py[:15]]}
+
+
+def engine_for(mode: str, target, drafter, kw: dict):
+    from adaflash_hf.engine import Engine
+
+    if mode == "off":
+        return Engine(target, drafter=None, **kw)
+    if mode == "default":
+        return Engine(target, drafter=drafter, **kw)
+    return Engine(target, drafter=drafter, length_policy=mode, **kw)
+
+
+def run(args) -> dict:
+    device = "cpu" if args.smoke else "cuda"
+    target, drafter, prompts, eos, source = common.reference_pair(device, torch.float32, args.dataset, max(args.concurrency))
+    longest = max(map(len, prompts))
+    res = {"meta": {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+                    "prompts": source, "steps": args.steps, "max_new": args.max_new_tokens}, "rows": []}
+    for c in args.concurrency:
+        kw = dict(max_slots=c, max_len=longest + args.max_new_tokens + 40, token_budget=max(4096, longest + c * 16),
+                  cuda_graphs=device == "cuda")
+        for mode in args.modes:
+            eng = engine_for(mode, target, drafter, kw)
+            ps = [prompts[i % len(prompts)] for i in range(c)]
+            eng.generate(ps, max_new_tokens=args.max_new_tokens)  # graphs captured, kernels tuned
+            handles = [eng.submit(p, args.max_new_tokens) for p in ps]
+            while not all(h.token_ids for h in handles):
+                eng.step()
+            for _ in range(3):
+                eng.step()
+            row = {"mode": mode, "concurrency": c, **profile_rounds(eng, handles, args.steps, device)}
+            while not all(h.done for h in handles):
+                eng.step()
+            common.log(f"{mode:8s} c={c:3d}: wall {row['wall_ms']:.3f} ms, {row['tokens_per_round']:.2f} tokens, gpu busy {row['gpu_busy_ms']:.3f} ms, "
+                       f"syncs {row['syncs']:.1f}, dtoh {row['dtoh_copies']:.1f}, launches {row['launches']:.1f}, "
+                       f"graphs {row['graph_launches']:.1f}")
+            res["rows"].append(row)
+            del eng
+            common.free_memory()
+    return res
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# One round, {res['meta']['device']} (torch {res['meta']['torch']}), {res['meta']['steps']} rounds each", "",
+             "| mode | c | tokens / round | wall ms | GPU busy ms | host-only ms | syncs | DtoH copies | kernel launches | graph launches |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['tokens_per_round']:.2f} | {r['wall_ms']:.3f} | {r['gpu_busy_ms']:.3f} | "
+                     f"{r['wall_ms'] - r['gpu_busy_ms']:.3f} | {r['syncs']:.1f} | {r['dtoh_copies']:.1f} | {r['launches']:.1f} | "
+                     f"{r['graph_launches']:.1f} |")
+    for r in res["rows"]:
+        lines += ["", f"## {r['mode']}, c={r['concurrency']}: runtime calls per round", "",
+                  ", ".join(f"{k} {v}" for k, v in r["runtime_calls"].items()), "",
+                  "Python functions by self time per round (cProfile; its own overhead inflates them):", ""]
+        lines += [f"- {p['ms']} ms self, {p['cum_ms']} ms cumulative, {p['calls']} calls: `{p['fn']}`" for p in r["python_self_ms"][:10]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--modes", default="off,fixed,default")
+    ap.add_argument("--concurrency", default="1,32")
+    ap.add_argument("--dataset", default="gsm8k")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=1024)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    if args.smoke:
+        args.steps, args.max_new_tokens, args.concurrency = 2, 64, [1, 2]
+    res = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "round_trace.json").write_text(json.dumps(res, indent=1))
+    (out / "round_trace.md").write_text(markdown(res))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
