@@ -1,5 +1,8 @@
-"""Plain greedy decoding several steps per device read (``Engine(decode_steps=)``): the ``off`` layout's fast path,
-and the ``cost`` policy's plain stretches (rounds where drafting does not pay, :meth:`.verify_lengths.VerifyLengths._plain_stretch`).
+"""Plain greedy decoding, up to several steps per device read (``Engine(decode_steps=)``): the ``off`` layout's step,
+and the one a ``cost`` round the planner makes plain runs (rounds where drafting does not pay,
+:meth:`~adaflash_hf.speculation.length.planner.LengthPlanner.plain_stretch`): the same function, so a plain plan does
+the work of ``off``'s step, plus what resuming drafting needs (module doc of the planner): the target's features of the
+decoded tokens are kept for the drafter, and the drafter's context is stored once per stretch, not per step.
 
 While nothing waits for admission and every running request is greedy, up to ``decode_steps`` decode steps are queued
 back to back (one graph replay each, launched while the previous runs) and read back once
@@ -23,11 +26,12 @@ class DecodeSteps:
     and the commit / fail / announce / profile methods)."""
 
     def _greedy_steps(self, running) -> int:
-        """How many plain greedy decode steps to queue before the next device read (1: a normal round)."""
-        if self.decode_steps == 1 or not running or self._queue or not all(r.params.greedy for r in running):
-            return 1
+        """How many plain greedy decode steps to queue before the next device read (0: a normal round). Needs the
+        graphs' static path, an empty queue (admission needs a normal round) and greedy requests only."""
+        if self.graphs is None or not running or self._queue or not all(r.params.greedy for r in running):
+            return 0
         if self.drafter is not None:
-            return self._plain_stretch(running)
+            return self.planner.plain_stretch(running, self.decode_steps, sink=self.on_round is not None)
         return min(self.decode_steps, min(r.remaining for r in running))
 
     def _store_pending_context(self, running) -> None:
@@ -53,7 +57,7 @@ class DecodeSteps:
         if self.profile:
             self._tick("host")
         new = self.graphs.run_greedy([r.bonus for r in running], layout, steps)
-        feats = self.graphs.step_hidden
+        feats = self.graphs.step_hidden if steps > 1 else self.graphs.hidden[:n][None] if self.graphs.hidden is not None else None
         self.forward_tokens.extend([n] * steps)
         self.num_steps += steps
         if self.profile:
