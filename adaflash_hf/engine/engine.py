@@ -193,6 +193,7 @@ class Engine(DecodeSteps, RequestLifecycle):
         self._running: list[Request] = []
         self._ids = itertools.count()
         self._in_step = False
+        self._kept_stretch = None  # the requests and step count whose features plain steps keep (decode_steps)
         self.num_steps = 0
         self.forward_tokens: list[int] = []  # tokens per target forward (benchmarks, tests)
         self.skipped_drafts = 0  # rounds whose drafter forward was skipped (nothing could be verified)
@@ -227,7 +228,8 @@ class Engine(DecodeSteps, RequestLifecycle):
             self.graphs = DecodeGraphs(self.target, self.cache, self.hidden_layers,
                                        max_tokens=min(token_budget, max_slots * self.max_q), max_q=self.max_q,
                                        use_graphs=self.device.type == "cuda", fused=self.fused,
-                                       max_steps=self.decode_steps)
+                                       max_steps=self.decode_steps,
+                                       kept_steps=min(8 * self.decode_steps, token_budget // max_slots))
         else:
             self.cache, self.graphs = make_target_cache(self.target, max_slots, max_len), None
         self.dcache, self.draft_graphs = None, None
@@ -345,6 +347,7 @@ class Engine(DecodeSteps, RequestLifecycle):
         steps = self._greedy_steps(running)
         if steps:
             return self._decode_steps(running, steps)
+        self._kept_stretch = None  # this round's body stores the features plain steps kept (decode_steps)
 
         # 1. Draft and choose verify lengths (the adaptive policy reads them back); the drafts stay on the device.
         drafts = self._draft(running)
