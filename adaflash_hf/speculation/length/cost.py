@@ -172,6 +172,26 @@ class RoundCost:
             raise ValueError(f"the first measured time must be finite and > 0, got {base}")
         return cls(tuple(rows), tuple(tokens_per_row), tuple(tuple(float(v) / base for v in r) for r in ms), draft_fraction)
 
+    def to_json(self) -> dict:
+        """The table as plain JSON values (:meth:`from_json` reads it back).
+
+        Example:
+            >>> RoundCost.from_json(RoundCost.flat(0.5).to_json()) == RoundCost.flat(0.5)
+            True
+        """
+        return {"rows": list(self.rows), "tokens_per_row": list(self.tokens_per_row),
+                "verify": [list(r) for r in self.verify], "draft_fraction": self.draft_fraction,
+                "spec_overhead": list(self.spec_overhead), "plain_overhead": list(self.plain_overhead),
+                "read_overhead": list(self.read_overhead), "unit_ms": self.unit_ms}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RoundCost":
+        """The table :meth:`to_json` wrote (checked as any table is)."""
+        rows = tuple(data["rows"])
+        return cls(rows, tuple(data["tokens_per_row"]), tuple(tuple(r) for r in data["verify"]),
+                   float(data["draft_fraction"]), *(tuple(data[k]) for k in ("spec_overhead", "plain_overhead",
+                                                                             "read_overhead")), data.get("unit_ms"))
+
     def verify_time(self, rows: int, tokens):
         """Time of one verify forward of ``rows`` requests carrying ``tokens`` tokens in all (an int, or an array of
         candidate totals: an array back)."""
