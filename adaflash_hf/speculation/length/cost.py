@@ -10,14 +10,15 @@ verify time per (requests, tokens per request), interpolated piecewise linearly 
 largest measured point, flat below the smallest). The drafter's round is ``draft_fraction`` of the target's
 whole-block verify at the same batch: its body runs every block position of every request through its few
 layers, like a whole-block verify through as many target layers (5 of 36 for the z-lab shape), plus its LM head;
-0.2 matches the ~1.3 ms drafter against the ~6.5 ms round measured at batch 1 (BENCHMARKS, engine ``fixed``).
+0.2 matches a ~1.3 ms drafter against a ~6.5 ms round at batch 1 on that shape.
 
 A round also costs time outside its forwards: the host's scheduling, packing, device reads and launches, and device
-work the graph timings do not see (storing the drafter's context in a plain round). :class:`RoundCost` carries it as
+work the graph timings do not see (keeping the target's features for the drafter in a plain round, storing them when
+drafting resumes). :class:`RoundCost` carries it as
 a per-round **overhead** by row count, one for a round that drafts (``spec_overhead``) and one for a round that
 decodes plainly (``plain_overhead``), in the same unit. A cost per round that the model ignores makes the rule
-undervalue a longer verify against the whole round, and misjudge when plain decoding is faster (issue 35: on the
-tiny reference pair a drafting round costs ~12 plain steps of wall time, the graph times say ~1.4).
+undervalue a longer verify against the whole round, and misjudge when plain decoding is faster (a tiny pair's
+drafting round can cost many plain steps of wall time where its graph times say little more than one).
 
 Part of a drafting round's overhead is the read of the length head's ratios between the drafter's body and its LM
 head: the host waits for the device, chooses the lengths, packs the verify, and the device idles meanwhile. A round
