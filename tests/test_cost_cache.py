@@ -94,3 +94,36 @@ def test_the_planner_decodes_plainly_where_the_profiled_drafter_cannot_pay(cache
         planner.lengths(rows, torch.tensor([0.15]))  # a drafting round's ratio: the rounds after it, plain or not
         plain_next = planner.plan(rows).plain
         assert (rule == 1 and plain_next) is (table is cost), (rule, plain_next, table)
+
+
+def test_the_default_measures_under_cost_on_cuda_only(monkeypatch, measured, cache):
+    """``round_cost=None`` measures where the cost rule runs on CUDA's graph path (a stand-in engine here: no GPU),
+    keeps SPEC's table with a warning where that cannot be measured, and measures nothing on the CPU (control)."""
+    from types import SimpleNamespace
+
+    import adaflash_hf.engine.cost_cache as cc
+    from adaflash_hf.speculation.length import LengthPolicy
+
+    asked = []
+    monkeypatch.setattr(cc, "cached_round_cost", lambda engine: asked.append(engine) or RoundCost.flat())
+    gpu = SimpleNamespace(drafter=object(), graphs=object(), policy=LengthPolicy.COST, device=torch.device("cuda"),
+                          round_cost=None)
+    cc.measure_if_asked(gpu, None)
+    assert asked == [gpu] and gpu.round_cost == RoundCost.flat()
+    for other in (dict(policy=LengthPolicy.FIXED), dict(graphs=None), dict(device=torch.device("cpu"))):
+        cc.measure_if_asked(SimpleNamespace(**{**vars(gpu), **other}), None)
+    assert len(asked) == 1
+
+    def too_short(engine):
+        raise ValueError("max_len leaves no room")
+
+    monkeypatch.setattr(cc, "cached_round_cost", too_short)
+    gpu.round_cost = None
+    with pytest.warns(RuntimeWarning, match="not measured"):
+        cc.measure_if_asked(gpu, None)
+    assert gpu.round_cost is None
+    with pytest.raises(ValueError, match="no room"):
+        cc.measure_if_asked(gpu, "measured")  # asked for: the error stands
+    target = make_target("qwen3")
+    eng = Engine(target, make_drafter(target, block_size=8), **SHAPE)  # the CPU: SPEC's table, nothing measured
+    assert eng.round_cost == RoundCost() and measured == []

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 
 import torch
 
 from ..speculation.length.cost import RoundCost
 from .kernels.tuning_cache import entries, load_entry, save_entry, versions
 
-__all__ = ["KIND", "cached_costs", "cached_round_cost", "round_cost_key"]
+__all__ = ["KIND", "cached_costs", "cached_round_cost", "measure_if_asked", "round_cost_key"]
 
 KIND = "round_cost"
 FORMAT = 1  # the layout of a saved table (RoundCost.to_json) and of its key; a new layout takes a new number
@@ -68,6 +69,25 @@ def cached_round_cost(engine, refresh: bool = False, context: int | None = None,
     cost = measure_round_cost(engine, context=context, reps=reps)
     save_entry(key, cost.to_json(), KIND)
     return cost
+
+
+def measure_if_asked(engine, asked) -> None:
+    """An engine's ``round_cost`` argument ``asked`` carried out: ``"measured"``, and the default (``None``) under
+    ``cost`` on CUDA's graph path, set the engine's round cost to :func:`cached_round_cost`'s; a default that cannot
+    be measured (a slot too short for the timed rounds) keeps SPEC's table, with a warning."""
+    from ..speculation.length.names import LengthPolicy
+
+    default = asked is None and engine.policy is LengthPolicy.COST and engine.device.type == "cuda" \
+        and engine.graphs is not None
+    if engine.drafter is None or not (asked == "measured" or default):
+        return
+    try:
+        engine.round_cost = cached_round_cost(engine)
+    except ValueError as e:
+        if not default:
+            raise
+        warnings.warn(f"Engine: the round cost was not measured ({e}); the cost rule weighs SPEC's table",
+                      RuntimeWarning, stacklevel=3)
 
 
 def cached_costs() -> list[tuple[dict, RoundCost]]:

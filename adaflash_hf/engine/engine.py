@@ -84,10 +84,11 @@ class Engine(DecodeSteps, RequestLifecycle):
             without the drafter's body (a probe round runs it to refresh them: first once such rounds have cost four
             times what a probe adds, then doubling up to what keeps probing within 2% of the time, by ``round_cost``
             at the batch; :attr:`planner`, :mod:`adaflash_hf.speculation.length.planner`).
-        round_cost: the :class:`~adaflash_hf.speculation.length.cost.RoundCost` the ``cost`` policy weighs (default:
-            SPEC section 6's H200 table and overheads; :func:`~.warmup.measure_round_cost` measures this engine's own,
-            the host's time per round included; ``"measured"``: that, cached per models, device, dtype and versions
-            in the user's cache directory, :func:`~.cost_cache.cached_round_cost`).
+        round_cost: the :class:`~adaflash_hf.speculation.length.cost.RoundCost` the ``cost`` policy weighs, or
+            ``"measured"``: this engine's own (:func:`~.warmup.measure_round_cost`: its graphs and its real rounds, the
+            host's time included), profiled once per models, device, dtype, shape and versions and cached in the
+            user's cache directory (:func:`~.cost_cache.cached_round_cost`). Default: ``"measured"`` under ``cost`` on
+            CUDA's graph path, else SPEC section 6's H200 table and overheads.
         rectangular: with ``cost`` / ``adaptive``, pad every request to the round's largest ``k_hat`` (the cost of a
             padded ``[b, max k_hat]`` batch; for comparison only).
         max_slots: concurrent requests (KV slots for target and drafter).
@@ -202,10 +203,10 @@ class Engine(DecodeSteps, RequestLifecycle):
         self.phase_seconds: Counter = Counter()  # with profile=True: draft / target / accept / host
         self.profiled_steps = 0
         self._t_last = 0.0
-        if round_cost == "measured" and drafter is not None:
-            from .cost_cache import cached_round_cost
+        if round_cost is None or isinstance(round_cost, str):  # "measured", or the default: cost_cache says
+            from .cost_cache import measure_if_asked
 
-            self.round_cost = cached_round_cost(self)
+            measure_if_asked(self, round_cost)
 
     @property
     def policy(self) -> LengthPolicy | None:
