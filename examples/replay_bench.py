@@ -27,8 +27,9 @@ Modes (``--modes``, round layouts of ``adaflash_hf.speculation.policy.LAYOUTS``)
 runs when no policy is asked for (its config's default policy); where its settings equal a mode's, that mode's
 row stands for it (``same_as``). Arrivals (``--arrivals``): ``closed`` (one request per slot, all at once) and
 ``poisson:LOAD`` (open loop, ``max(c, --poisson-min-requests)`` requests at LOAD x ``off``'s closed-batch request
-rate at that concurrency, at most c in the engine: mean latency and tok/s). One engine per setting, its graphs
-captured once and reused by every trace and arrival pattern.
+rate at that concurrency, at most c in the engine: mean latency and tok/s). One engine alive at a time: the one of
+a setting is freed (its caches and graph pools) before the next setting's is built, so that c=128 fits an 80 GB card;
+at each concurrency every trace of a setting runs on one engine (rows grouped by setting within a concurrency).
 
 The target's greedy argmax is made decisive before anything runs: the embedding is scaled up so the
 residual stream carries the input token, and the LM head rows are a permutation of the embedding
@@ -122,12 +123,14 @@ def mode_args(drafter, mode: str, policy) -> dict:
 
 
 class Engines:
-    """One engine per distinct set of ``Engine`` arguments (graphs captured once, reused by every trace and arrival
-    pattern), each with its own :class:`DraftReplay` (request ids are per engine) unless ``refs`` is ``None``."""
+    """The engine of one set of ``Engine`` arguments at a time, with its own :class:`DraftReplay` (request ids are per
+    engine) unless ``refs`` is ``None``: asking for another frees this one (caches, graph pools) before building it.
+    ``builds`` counts the engines built (a new one has captured nothing yet)."""
 
     def __init__(self, target, drafter, refs, **kw):
         self.target, self.drafter, self.refs, self.kw, self.built = target, drafter, refs, kw, {}
         self.round_cost = None  # measured on the device (--measure-cost): every engine built after takes it
+        self.builds = 0
 
     def get(self, mode: str, policy):
         """``(engine, replay, key)`` for ``mode`` under ``policy``; ``key`` names the settings (two modes of equal
@@ -136,11 +139,18 @@ class Engines:
         key = round_layout(args["drafter"], args.get("length_policy"), args.get("rectangular", False)) + (
             f":{args['length_policy']}" if "length_policy" in args else "")
         if key not in self.built:
+            self.free()
             replay = DraftReplay(self.refs, None) if self.refs is not None and args["drafter"] is not None else None
             self.built[key] = (Engine(self.target, **args, draft_replay=replay, round_cost=self.round_cost, **self.kw), replay)
+            self.builds += 1
         eng, replay = self.built[key]
         policy.apply(eng)
         return eng, replay, key
+
+    def free(self) -> None:
+        """Drop the live engine and give its device memory back."""
+        self.built.clear()
+        common.free_memory()
 
 
 def measure_cost(target, drafter, kw: dict, context: int) -> tuple:
@@ -153,10 +163,8 @@ def measure_cost(target, drafter, kw: dict, context: int) -> tuple:
     probe = Engine(target, **layout_args(drafter, "packed"), **{**kw, "max_len": max(kw["max_len"], room)})
     cost = measure_round_cost(probe, context=context)
     del probe
-    rec = {"rows": cost.rows, "tokens_per_row": cost.tokens_per_row, "verify": cost.verify, "draft_fraction": cost.draft_fraction,
-           "spec_overhead": cost.spec_overhead, "plain_overhead": cost.plain_overhead, "read_overhead": cost.read_overhead,
-           "unit_ms": cost.unit_ms,
-           "seconds": time.perf_counter() - t}
+    common.free_memory()
+    rec = {**cost.to_json(), "seconds": time.perf_counter() - t}
     log(f"measured round cost in {rec['seconds']:.1f}s: unit {cost.unit_ms:.3f} ms, draft fraction {cost.draft_fraction:.3f}, "
         f"overhead per round at rows {cost.rows}: drafting {[round(v, 2) for v in cost.spec_overhead]}, plain "
         f"{[round(v, 2) for v in cost.plain_overhead]}, the read whole blocks spare {[round(v, 2) for v in cost.read_overhead]} units")
@@ -188,10 +196,13 @@ def reference_pair_phase(res, row, device, sets, args, smoke):
         for c in conc:
             off = engines.get("off", rec.policy)[0]
             refs = {tuple(p): o.token_ids for p, o in zip(prompts[:c], off.generate(prompts[:c], max_new, eos_token_id=eos))}
-            for mode in res["meta"]["modes"]:
+            del off  # the engines hold the live one: the next mode's build frees it
+            modes = res["meta"]["modes"]
+            for mode in [m for m in modes if m == "off"] + [m for m in modes if m != "off"]:  # off's engine first: alive
                 eng, _, key = engines.get(mode, rec.policy)
                 row(dict(kind="real", mode=mode, trace=name, concurrency=c, arrival="closed"),
                     lambda: run_row(eng, None, prompts[:c], refs, max_new, device, args.reps, True, eos=eos), key)
+        engines.free()
         del engines, target, drafter
         common.free_memory()
     return traces
@@ -496,17 +507,18 @@ def replay_rows(results: Results, args, engines, traces: dict, prompts, device, 
         closed = arrival == "closed"
         for c in args.conc:
             todo = [(None, "off")]  # closed-batch off rows always run: their request rate sets the Poisson rates
-            if not closed or "closed" in args.arrival_list:
-                todo += [(name, m) for name in traces for m in args.mode_list if m != "off"]
+            if not closed or "closed" in args.arrival_list:  # by setting: one engine alive, built once per concurrency
+                todo += [(name, m) for m in args.mode_list if m != "off" for name in traces]
             for name, mode in todo:
                 tr = traces.get(name) or paper_dflash_trace(BLOCK)
                 eng, replay, key = engines.get(mode, tr.policy)
                 if replay is not None:
                     replay.trace = tr
                 meta = dict(kind="replay", mode=mode, concurrency=c, arrival=arrival, **({"trace": name} if name else {}))
+                fresh = (key, c, engines.builds) not in warmed  # an engine built for this row has captured nothing
+                warmed.add((key, c, engines.builds))
                 if closed:
-                    warm = (key, c) not in warmed
-                    warmed.add((key, c))
+                    warm = fresh
                     first = name in (None, "paper")
                     fn = lambda eng=eng, replay=replay, warm=warm, first=first, c=c: run_row(
                         eng, replay, prompts[:c], refs, max_new, device, args.reps, warm, c in profile_at,
@@ -518,6 +530,8 @@ def replay_rows(results: Results, args, engines, traces: dict, prompts, device, 
                         continue
                     rate = _load(arrival) * off_row["end_to_end_tok_per_s"] / max_new
                     n = max(c, args.poisson_min_requests)
+                    if fresh:  # its captures and compiles out of the timed open loop
+                        eng.generate(prompts[:c], max_new_tokens=max_new)
                     fn = lambda eng=eng, replay=replay, rate=rate, n=n, c=c: poisson_row(
                         eng, replay, prompts[:n], refs, max_new, device, rate, c, seed=c)
                 results.row(meta, fn, key)

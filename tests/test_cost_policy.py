@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import adaflash_hf.engine.engine as engine_mod
-from adaflash_hf.engine.verify_lengths import PLAIN_PROBE_ROUNDS
+from adaflash_hf.speculation.length.planner import PLAIN_PROBE_ROUNDS
 from adaflash_hf.engine import Engine
 from adaflash_hf.engine.requests import Request
 from adaflash_hf.engine.sampling import SamplingParams
+from adaflash_hf.speculation.length import LengthPlanner
 from adaflash_hf.speculation.length_policy import choose_verify_length, cost_aware_verify_length, survival_curve
 from adaflash_hf.speculation.round_cost import SPEC_H200_MS, SPEC_H200_OVERHEAD_MS, SPEC_ROWS, SPEC_TOKENS_PER_ROW, RoundCost
 
@@ -122,45 +123,86 @@ def test_the_engines_round_spends_the_body_it_ran(name, ratios, cost, plain, dra
                  max_len=64, token_budget=64)
     running = [Request(i, [1, 2], 30, SamplingParams(), None) for i in range(len(ratios))]
     ratio = torch.tensor(ratios)
-    lengths = eng._verify_lengths(running, ratio).tolist()
+    lengths = eng.planner.lengths(running, ratio).tolist()
     assert lengths == cost_aware_verify_length(ratio, 8, cost, drafted=plain).tolist()
     assert (max(lengths) > 1) is drafts
     assert (cost_aware_verify_length(ratio, 8, cost).max() <= 1).item() is plain
-    assert eng._drafted_plain is plain and (eng._plain_limit > 0) is plain
+    assert eng.planner.drafted_plain is plain and (eng.planner.plain_limit > 0) is plain
     assert [r.head_ratio for r in running] == pytest.approx(ratios)
 
 
-def test_the_eager_loop_prices_the_drafter_as_spent(monkeypatch):
-    """The eager loop drafts every round before it chooses: it asks the rule with ``drafted``; the engine, which may
-    skip the drafter, first asks without it (whether the rounds after this one should spare the body), and with it
-    only right after an answer of every request plain (this round's body is spent)."""
+# (name, cost, rounds: each round's ratios and tokens left per row; the planner's state runs on from round to round)
+BOTH_PATHS = [
+    ("flat cost: whole blocks", FLAT, [([0.3, 0.9], [30, 30]), ([0.1, 0.2], [20, 5])]),
+    ("steep cost: fewer drafts", STEEP, [([0.45, 0.45], [30, 30]), ([0.9, 0.2], [30, 3])]),
+    ("a dear drafter: plain, then priced as spent", HEAVY_DRAFT, [([0.3, 0.5], [30, 30]), ([1.0, 1.0], [30, 30])]),
+    ("SPEC table: a low ratio, then a high one", SPEC_COST, [([0.16], [40]), ([0.9], [40]), ([0.05], [2])]),
+]
+
+
+@pytest.mark.parametrize("name,cost,rounds", BOTH_PATHS, ids=[c[0] for c in BOTH_PATHS])
+def test_generate_and_the_engine_plan_the_same_lengths(name, cost, rounds):
+    """One ``cost`` algorithm: the planner generate's eager loop builds (through its candidate generator) and the one
+    the engine builds, from the same keywords, give the same plan and lengths for the same round inputs, round after
+    round (their state, guesses and probe holds, moves alike)."""
+    from adaflash_hf.generation.drafting import AdaFlashCandidateGenerator
+    from adaflash_hf.speculation.length import RowState
+    from transformers import GenerationConfig
+
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=8)
+    kw = dict(length_policy="cost", length_min=1)
+    eng = Engine(target, drafter, round_cost=cost, max_slots=2, max_len=64, token_budget=64, cuda_graphs=False, **kw)
+    gen = AdaFlashCandidateGenerator.for_target(target, drafter, GenerationConfig(max_length=64), **kw)
+    gen.planner.round_cost = cost
+    assert type(gen.planner) is type(eng.planner) and gen.planner.settings == eng.planner.settings
+    engine_rows = [Request(i, [1, 2], 40, SamplingParams(), None) for i in range(len(rounds[0][0]))]
+    eager_rows = [RowState() for _ in engine_rows]
+    for ratios, left in rounds:
+        for r, e, n in zip(engine_rows, eager_rows, left):
+            r.tokens = [0] * (r.max_new - n)
+            e.remaining = n
+        assert [r.remaining for r in engine_rows] == left
+        assert gen.planner.plan(eager_rows) == eng.planner.plan(engine_rows)
+        a = eng.planner.lengths(engine_rows, torch.tensor(ratios)).tolist()
+        assert gen.planner.lengths(eager_rows, torch.tensor(ratios)).tolist() == a
+        assert all(k <= n for k, n in zip(a, left))
+        for r, e, k in zip(engine_rows, eager_rows, a):  # the round accepted half of what it verified
+            eng.planner.observe(r, (k - 1) // 2, k)
+            gen.planner.observe(e, (k - 1) // 2, k)
+        assert gen.planner.traffic_seen == eng.planner.traffic_seen
+        assert (gen.planner.drafted_plain, gen.planner.plain_limit) == (eng.planner.drafted_plain, eng.planner.plain_limit)
+
+
+@pytest.mark.parametrize("cost,plain", [(HEAVY_DRAFT, True), (FLAT, False)], ids=["drafting cannot pay", "control: flat"])
+def test_generate_plain_plans_skip_the_drafter(cost, plain, monkeypatch):
+    """The eager loop follows the planner: where drafting cannot pay it decodes plain rounds without the drafter
+    (probes aside), its output plain greedy decoding's; the control (a flat cost) drafts every round."""
     import adaflash_hf.generation.drafting as drafting_mod
     from adaflash_hf import speculative_generate
 
-    seen, real = [], drafting_mod.choose_verify_length
-    monkeypatch.setattr(drafting_mod, "choose_verify_length",
-                        lambda *a, **k: (seen.append(k.get("drafted")), real(*a, **k))[1])
+    calls = []
+    real = drafting_mod.AdaFlashCandidateGenerator.propose
+    monkeypatch.setattr(drafting_mod.AdaFlashCandidateGenerator, "propose",
+                        lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
+    real_init = drafting_mod.AdaFlashCandidateGenerator.__init__
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        self.planner.round_cost = cost
+
+    monkeypatch.setattr(drafting_mod.AdaFlashCandidateGenerator, "__init__", init)
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=8)
+    force_length_head(drafter, ratio_high=True)
     prompt = engine_prompts([5], seed=3)[0]
-    out = speculative_generate(target, drafter, torch.tensor([prompt]), length_policy="cost", max_new_tokens=12,
-                               fast_path=False)
-    assert out[0, len(prompt):].tolist() == plain_greedy_ids(target, prompt, 12)
-    assert seen and all(d is True for d in seen)
-    import adaflash_hf.engine.verify_lengths as vl_mod
-
-    calls, real_vl = [], vl_mod.choose_verify_length
-
-    def record(*a, **k):
-        k_hat = real_vl(*a, **k)
-        calls.append((k.get("drafted", False), bool((k_hat <= 1).all())))
-        return k_hat
-
-    monkeypatch.setattr(vl_mod, "choose_verify_length", record)
-    eng = Engine(target, drafter, length_policy="cost", max_slots=1, max_len=48, token_budget=48)
-    assert eng.generate([prompt], max_new_tokens=12)[0].token_ids == plain_greedy_ids(target, prompt, 12)
-    assert calls and not calls[0][0]
-    assert all(not before[0] and before[1] for before, now in zip(calls, calls[1:]) if now[0])
+    out, stats = speculative_generate(target, drafter, torch.tensor([prompt]), length_policy="cost", max_new_tokens=24,
+                                      fast_path=False, return_stats=True, prompt_ngrams=0)
+    assert out[0, len(prompt):].tolist() == plain_greedy_ids(target, prompt, 24)
+    if plain:
+        assert 0 < len(calls) < stats.rounds // 2 and stats.verify_lengths.count(1) >= stats.rounds - len(calls)
+    else:
+        assert len(calls) >= stats.rounds - 1 and max(stats.verify_lengths) == 8  # the last token: nothing to draft
 
 
 def test_round_time_and_overhead_by_rows():
@@ -369,7 +411,7 @@ def test_engine_whole_block_rounds_read_their_ratios_at_the_end(pair, graphs, bi
         for on in (True, False):
             eng = Engine(target, drafter, length_policy="cost", round_cost=cost, max_slots=2, max_len=64, token_budget=64,
                          cuda_graphs=graphs, prompt_ngrams=0)
-            eng.whole_block_stretches = on
+            eng.planner.whole_block_stretches = on
             outs = eng.generate(prompts, max_new_tokens=30)
             assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 30) for p in prompts]
             runs[on] = (eng, [o.verify_lengths for o in outs])
@@ -396,16 +438,16 @@ def test_engine_plain_stretches_queue_steps_behind_one_read(monkeypatch, cost, s
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=8, seed=5)  # its length head untouched: ratios follow the context
     prompts = engine_prompts([5, 7], seed=11)
-    runs, real = {}, engine_mod.Engine._verify_lengths
+    runs, real = {}, LengthPlanner.lengths
     for steps in (8, 1):
         probes = []
 
-        def record(self, running, ratio, guess=False, probes=probes, **kw):
-            if ratio is not None and not guess:
+        def record(self, running, ratio, draft_logits=None, probes=probes):
+            if ratio is not None:
                 probes.append(ratio.float().cpu().view(-1).clone())
-            return real(self, running, ratio, guess, **kw)
+            return real(self, running, ratio, draft_logits)
 
-        monkeypatch.setattr(engine_mod.Engine, "_verify_lengths", record)
+        monkeypatch.setattr(LengthPlanner, "lengths", record)
         eng = Engine(target, drafter, length_policy="cost", round_cost=cost, max_slots=2, max_len=80, token_budget=64,
                      cuda_graphs=True, decode_steps=steps, prompt_ngrams=0)
         outs = eng.generate(prompts, max_new_tokens=40)
@@ -447,8 +489,8 @@ def test_engine_measures_its_own_round_cost(pair):
 
     target, drafter = pair
     eng = Engine(target, drafter, length_policy="cost", max_slots=4, max_len=96, token_budget=64, cuda_graphs=True)
-    before = {k: getattr(eng, k) for k in ("policy", "round_cost", "length_min", "draft_replay", "on_round", "admission",
-                                           "_drafted_plain", "_plain_rounds", "_plain_limit")}
+    before = {k: getattr(eng, k) for k in ("policy", "round_cost", "planner", "draft_replay", "on_round", "admission")}
+    state = vars(eng.planner).copy()
     cost = measure_round_cost(eng, context=16, reps=1)
     assert cost.rows == (1, 2, 4) and cost.tokens_per_row == (1, 2, 4, 8)
     assert cost.verify_time(1, 1) == 1.0 and cost.draft_fraction > 0
@@ -457,6 +499,7 @@ def test_engine_measures_its_own_round_cost(pair):
     assert cost.unit_ms > 0
     assert eng.cache.num_free == 4 and eng.idle
     assert all(getattr(eng, k) is v for k, v in before.items())  # the rounds it ran borrowed the engine
+    assert vars(eng.planner) == state  # and taught its planner nothing
     assert (eng.num_steps, eng.skipped_drafts, eng.forward_tokens) == (0, 0, [])
     eng.round_cost = cost
     prompts = engine_prompts([5, 7], seed=13)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import adaflash_hf.engine.verify_lengths as verify_lengths
+import adaflash_hf.speculation.length.planner as verify_lengths
 from adaflash_hf.engine import Engine, SamplingParams, draft_blocks, layout_args, make_drafter_cache
 from adaflash_hf.engine.kernels.attention import BLOCK
 from adaflash_hf.engine.drafter import DraftGraphs, append_context
@@ -258,7 +258,7 @@ def test_static_round_work_does_not_grow_with_requests(mode, reads, sampled, str
     for n in (2, 6):
         engine = Engine(target, **layout_args(drafter, mode), max_slots=8, max_len=48,
                         token_budget=64, cuda_graphs=True)
-        engine.whole_block_stretches = stretches
+        engine.planner.whole_block_stretches = stretches
         handles = [engine.submit(p, 30, MIXED[i % 2] if sampled else None)
                    for i, p in enumerate(engine_prompts([4] * n, seed=n))]
         engine.step()  # prefill

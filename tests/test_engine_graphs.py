@@ -362,12 +362,12 @@ def test_engine_decode_steps_wait_for_admission_and_sampling(pair):
     a = engine.submit([1, 2, 3], 10)
     engine.step()
     b = engine.submit([4, 5], 6)
-    assert engine._greedy_steps(engine._running) == 1  # b is queued
+    assert engine._greedy_steps(engine._running) == 0  # b is queued: a normal round
     engine.run_until_idle()
     assert b.result().token_ids == plain_greedy_ids(target, [4, 5], 6) and a.result().token_ids == plain_greedy_ids(target, [1, 2, 3], 10)
     c = engine.submit([1, 2, 3], 10, temperature=1.0, seed=0)
     engine.step()
-    assert engine._greedy_steps(engine._running) == 1
+    assert engine._greedy_steps(engine._running) == 0
     engine.run_until_idle()
     assert len(c.result().token_ids) == 10
     with pytest.raises(ValueError, match="decode_steps"):

@@ -263,14 +263,14 @@ def test_a_bigger_engine_for_the_same_pair_keeps_what_the_traffic_accepted(eager
     ids, mask, _ = ragged_prompts(1, [6], seed=9)
     _gen(target, drafter, ids, mask, True, length_policy="cost")
     (first,) = fast_path._ENGINES.values()
-    seen = first.engine.traffic_seen
+    seen = first.engine.planner.traffic_seen
     assert seen[1] > 0  # the premise: rounds that verified drafts
     ids, mask, _ = ragged_prompts(1, [300], seed=9)  # past the first engine's max_len
     out = _gen(target, drafter, ids, mask, True, length_policy="cost", max_new_tokens=4)
     plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4, pad_token_id=PAD_ID)
     assert torch.equal(out, plain)
     (second,) = fast_path._ENGINES.values()
-    assert second.engine is not first.engine and second.engine.traffic_seen[1] >= seen[1] * 0.999 ** 8
+    assert second.engine is not first.engine and second.engine.planner.traffic_seen[1] >= seen[1] * 0.999 ** 8
     other = make_drafter(target, block_size=4)
     fast_path.warmup(target, other, batch_size=1, prompt_len=6, max_new_tokens=4, length_policy="cost")
-    assert fast_path._ENGINES[next(reversed(fast_path._ENGINES))].engine.traffic_seen == (0.0, 0.0)
+    assert fast_path._ENGINES[next(reversed(fast_path._ENGINES))].engine.planner.traffic_seen == (0.0, 0.0)

@@ -204,7 +204,9 @@ def test_nan_drafter_falls_back_to_plain_decoding(family, policy, batch):
     ref = plain(target, ids, mask)
     out, stats = spec(target, drafter, ids, mask, length_policy=policy)
     assert torch.equal(out, ref)
-    assert stats.fallback_rounds == stats.rounds == batch * (MAX_NEW - 1) > 0
+    assert stats.rounds == batch * (MAX_NEW - 1) > 0
+    # every round that drafted fell back; a row's last token is decoded without the drafter (nothing to verify)
+    assert stats.fallback_rounds == stats.rounds - batch
     assert stats.verify_lengths == [1] * stats.rounds
 
 

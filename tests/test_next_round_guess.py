@@ -4,7 +4,7 @@ round says of the request's acceptance, the guess shrunk toward the traffic's me
 import pytest
 import torch
 
-import adaflash_hf.engine.verify_lengths as vl
+import adaflash_hf.speculation.length.planner as vl
 from adaflash_hf.engine import Engine
 from adaflash_hf.engine.requests import Request
 from adaflash_hf.engine.sampling import SamplingParams
@@ -49,11 +49,11 @@ OBSERVED = [
 def test_what_a_round_says_of_acceptance(pair, name, accepted, verify, ratio, seen):
     eng = Engine(*pair, length_policy="cost", max_slots=1, max_len=32, token_budget=32)
     r = _request(ratio)
-    eng._observe_round(r, accepted, verify)
+    eng.planner.observe(r, accepted, verify)
     if seen is None:
-        assert r.seen == (0.0, 0) and eng.traffic_seen == (0.0, 0.0)
+        assert r.seen == (0.0, 0) and eng.planner.traffic_seen == (0.0, 0.0)
     else:
-        assert r.seen == (pytest.approx(seen), 1) and eng.traffic_seen == (pytest.approx(seen), 1.0)
+        assert r.seen == (pytest.approx(seen), 1) and eng.planner.traffic_seen == (pytest.approx(seen), 1.0)
 
 
 @pytest.mark.parametrize("prior", [8.0, 0.0])
@@ -64,14 +64,14 @@ def test_the_guess_is_the_requests_level_shrunk_toward_the_traffic(pair, monkeyp
     monkeypatch.setattr(vl, "GUESS_PRIOR_ROUNDS", prior)
     eng = Engine(*pair, length_policy="cost", max_slots=1, max_len=32, token_budget=32)
     mine, other = _request(0.9), _request(0.6)
-    assert eng._guess(mine) == 0.9
+    assert eng.planner.guess(mine) == 0.9
     for _ in range(24):
-        eng._observe_round(other, 4, 8)  # 5 of 8
+        eng.planner.observe(other, 4, 8)  # 5 of 8
     guesses, traffic = [], []
     for _ in range(8):
-        eng._observe_round(mine, 0, 8)  # 1 of 8, a rejection at the first draft
-        guesses.append(eng._guess(mine))
-        traffic.append(eng.traffic_seen[0] / eng.traffic_seen[1])  # its own rounds count in the traffic too
+        eng.planner.observe(mine, 0, 8)  # 1 of 8, a rejection at the first draft
+        guesses.append(eng.planner.guess(mine))
+        traffic.append(eng.planner.traffic_seen[0] / eng.planner.traffic_seen[1])  # its own rounds count in the traffic too
     if prior == 0.0:
         assert guesses == [0.9] * 8
         return
@@ -120,8 +120,8 @@ def test_a_request_yet_to_draft_is_guessed_at_the_traffics_mean(pair, monkeypatc
     monkeypatch.setattr(vl, "GUESS_PRIOR_ROUNDS", prior)
     eng = Engine(*pair, length_policy="cost", max_slots=1, max_len=32, token_budget=32)
     for _ in range(24 if traffic else 0):
-        eng._observe_round(_request(0.6), 4, 8)  # 5 of 8
-    assert eng._guess(_request()) == pytest.approx(want)
+        eng.planner.observe(_request(0.6), 4, 8)  # 5 of 8
+    assert eng.planner.guess(_request()) == pytest.approx(want)
 
 
 def test_new_requests_skip_the_body_the_traffic_says_cannot_pay(pair, monkeypatch):
@@ -148,7 +148,7 @@ def test_new_requests_skip_the_body_the_traffic_says_cannot_pay(pair, monkeypatc
         for prior, eng in _engines_by_prior(monkeypatch, pair, cost, max_slots=1, cuda_graphs=False):
             eng.generate(first, max_new_tokens=12)  # its first round drafts, its ratios say plain
             for _ in range(24):
-                eng._observe_round(_request(0.1), 0, 8)  # the traffic accepted 1 of 8
+                eng.planner.observe(_request(0.1), 0, 8)  # the traffic accepted 1 of 8
             bodies[0] = 0
             outs = eng.generate(later, max_new_tokens=12)
             assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 12) for p in later]

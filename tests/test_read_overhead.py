@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-import adaflash_hf.engine.verify_lengths as vl
+import adaflash_hf.speculation.length.planner as vl
 from adaflash_hf.engine import Engine
 from adaflash_hf.speculation.length_policy import choose_verify_length, cost_aware_verify_length, survival_curve
 from adaflash_hf.speculation.round_cost import SPEC_H200_MS, SPEC_H200_OVERHEAD_MS, RoundCost
@@ -152,14 +152,14 @@ def test_measured_read_overhead_is_what_the_mid_round_read_costs(pair, where):
     target, drafter = pair
     eng = Engine(target, drafter, length_policy="cost", max_slots=2, max_len=96, token_budget=64, cuda_graphs=True)
     if where == "read":
-        real = eng._verify_lengths
+        real = eng.planner.lengths
 
-        def slow(running, ratio, guess=False, **kw):
-            if ratio is not None and not guess:
+        def slow(running, ratio, draft_logits=None):
+            if ratio is not None:
                 time.sleep(DELAY_S)
-            return real(running, ratio, guess, **kw)
+            return real(running, ratio, draft_logits)
 
-        eng._verify_lengths = slow
+        eng.planner.lengths = slow
     else:
         delay_drafting_rounds(eng, DELAY_S)
     cost = measure_round_cost(eng, rows=[1], context=16, reps=2)
@@ -193,7 +193,7 @@ PROBE_CASES = [
 def test_the_probe_holds_keep_probing_within_their_shares(pair, name, cost, rows, first, cap):
     target, drafter = pair
     eng = Engine(target, drafter, length_policy="cost", round_cost=cost, max_slots=2, max_len=64, cuda_graphs=False)
-    assert eng._probe_holds(rows) == (first, cap)
+    assert eng.planner.probe_holds(rows) == (first, cap)
 
 
 def test_the_probe_cap_grows_with_the_batch_on_the_spec_table(pair):
@@ -201,8 +201,8 @@ def test_the_probe_cap_grows_with_the_batch_on_the_spec_table(pair):
     every block position of every request): the holds grow with the batch."""
     target, drafter = pair
     eng = Engine(target, drafter, length_policy="cost", round_cost=SPEC, max_slots=2, max_len=64, cuda_graphs=False)
-    eng.block_size = 16  # SPEC's block
-    holds = [eng._probe_holds(n) for n in (1, 8, 32, 64, 128)]
+    eng.planner.block_size = 16  # SPEC's block
+    holds = [eng.planner.probe_holds(n) for n in (1, 8, 32, 64, 128)]
     firsts, caps = [h[0] for h in holds], [h[1] for h in holds]
     assert caps[0] > vl.PLAIN_PROBE_ROUNDS and caps[-1] > 2 * caps[0] and caps[1:] == sorted(caps[1:])
     assert firsts[0] == 3 and firsts[-1] == 6 and firsts == sorted(firsts)  # 4 x 0.6 plain steps at 1, 4 x 1.3 at 128

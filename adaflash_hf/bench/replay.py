@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -113,7 +113,7 @@ class ReplayPolicy:
         if engine.block_size != self.block_size:
             raise ValueError(f"the trace was recorded at block size {self.block_size}, the engine drafts "
                              f"{engine.block_size}: its head ratios would mean other verify lengths")
-        engine.length_rate, engine.length_min = self.length_rate, self.length_min
+        engine.planner.settings = replace(engine.planner.settings, rate=self.length_rate, min_len=self.length_min)
 
     def to_json(self) -> dict:
         return asdict(self)

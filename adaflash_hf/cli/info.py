@@ -16,8 +16,10 @@ DESCRIPTION = (
     "weights are read): its layout (native / DFlash / AdaFlash), the target it fits (layers, hidden size,\n"
     "vocab), target_layer_ids, block size, mask token id, length head present / trained, parameter\n"
     "count, and whether the tensors match the config. --target also checks the fit against a target.\n\n"
+    "--round-costs prints the round costs measured on this machine (what the cost verify-length rule weighs, cached\n"
+    "per models, device, dtype and versions); --profile-cost loads the drafter and --target and measures them again.\n\n"
     "example:\n  adaflash info z-lab/Qwen3-8B-DFlash-b16\n  adaflash info runs/drafter --target Qwen/Qwen3-8B --json\n"
-    "  adaflash info --reference"
+    "  adaflash info --reference\n  adaflash info --round-costs\n  adaflash info --reference --profile-cost --device cuda"
 )
 
 
@@ -26,6 +28,13 @@ def add_arguments(p) -> None:
     p.add_argument("--reference", action="store_true", help="inspect the embedded reference drafter (checked against its target)")
     p.add_argument("--target", help="also check that the drafter fits this target (its config.json only)")
     p.add_argument("--json", action="store_true", help="print the facts as JSON")
+    p.add_argument("--round-costs", action="store_true",
+                   help="print the round costs measured on this machine (the cost rule's tables) and exit")
+    p.add_argument("--profile-cost", action="store_true",
+                   help="load the drafter and --target, measure their round cost on --device again and cache it")
+    p.add_argument("--device", default="auto", help="--profile-cost: where to measure (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", help="--profile-cost: the models' dtype (default: the device's)")
+    p.add_argument("--max-slots", type=int, default=16, help="--profile-cost: the engine's concurrent requests")
 
 
 # ============================================================================ facts
@@ -188,7 +197,49 @@ def _rows(info: dict, checkpoint: str, problems) -> list[tuple[str, str]]:
     return rows
 
 
+def _cost_lines(key: dict, cost) -> list[str]:
+    """One cached round cost, for people: what it was measured on, then its table."""
+    unit = f"{cost.unit_ms:.3f} ms" if cost.unit_ms else "?"
+    lines = [f"{key['target']['name']} + {key['drafter']['name']} on {key['device']} ({key['dtype']}), {key['layout']}, "
+             f"{key['max_slots']} slots, block {key['block_size']}; torch {key.get('torch')}, ours {key.get('adaflash_hf')}",
+             f"  unit (1 token at 1 row) {unit}, draft fraction {cost.draft_fraction:.3f}",
+             "  verify time by rows x tokens per row " + " ".join(str(q) for q in cost.tokens_per_row)]
+    for r, row, spec, plain, read in zip(cost.rows, cost.verify, cost.spec_overhead, cost.plain_overhead, cost.read_overhead):
+        lines.append(f"  rows {r:>4}: " + " ".join(f"{v:7.2f}" for v in row)
+                     + f"   overhead drafting {spec:.2f}, plain {plain:.2f}, read {read:.2f}")
+    return lines
+
+
+def _round_costs() -> int:
+    from ..engine.cost_cache import cached_costs
+    from ..engine.kernels.tuning_cache import cache_dir
+
+    costs = cached_costs()
+    print(f"round costs in {cache_dir('round_cost')}: {len(costs) or 'no round cost measured yet'}")
+    for key, cost in costs:
+        print("\n".join(_cost_lines(key, cost)))
+    return 0
+
+
+def _profile_cost(args) -> int:
+    from ..engine import Engine
+    from ..engine.cost_cache import cached_round_cost, round_cost_key
+    from ..loading import load_models, resolve_device_dtype
+
+    if not args.target:
+        raise UsageError("--profile-cost needs the target", "pass --target PATH_OR_HUB_ID, or --reference")
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    models = load_models(args.target, args.checkpoint, device=device, dtype=dtype, need_drafter=True)
+    engine = Engine(models.target, models.drafter, max_slots=args.max_slots, max_len=1024, token_budget=max(512, 16 * args.max_slots),
+                    cuda_graphs=True)
+    cost = cached_round_cost(engine, refresh=True)
+    print("\n".join(_cost_lines(round_cost_key(engine), cost)))
+    return 0
+
+
 def run(args) -> int:
+    if args.round_costs:
+        return _round_costs()
     if args.reference:
         if args.checkpoint:
             raise UsageError("pass either a checkpoint or --reference, not both", "drop one of them")
@@ -198,6 +249,8 @@ def run(args) -> int:
         args.target = args.target or os.path.join(REFERENCE_DIR, "target")
     if not args.checkpoint:
         raise UsageError("no checkpoint given", "pass a drafter folder or Hub id, or --reference")
+    if args.profile_cost:
+        return _profile_cost(args)
     info = inspect_checkpoint(args.checkpoint)
     problems = None
     if args.target:

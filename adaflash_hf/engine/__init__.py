@@ -6,7 +6,7 @@ from .admission import AdmissionController
 from .kernels.attention import SlotAttention, slot_block_mask, slot_mask_mod
 from .serve.async_engine import AsyncEngine, EngineClosed, EngineFailed, RequestFuture, TokenStream
 from .drafter import DraftGraphs, DraftOutput, SlotCacheView, append_context, draft_blocks, make_drafter_cache
-from ..speculation.policy import ENGINE_POLICIES, LAYOUTS, layout_args, round_layout
+from ..speculation.length.names import ENGINE_POLICIES, LAYOUTS, layout_args, round_layout
 from .engine import Engine, EngineOutput, RequestHandle, RequestRejected, StepInfo
 from .kernels.fused import FusedTarget
 from .graphs import DecodeGraphs, GraphRunner, pick_bucket, q_buckets, token_buckets

@@ -3,9 +3,11 @@
 One :meth:`Engine.step` is one round for every running request:
 
 1. draft: one drafter forward over all running requests (per-slot drafter context cache), the
-   verify lengths ``k_hat_i`` from the length head (:mod:`.verify_lengths`): under ``cost`` chosen together
-   against the round's cost (:class:`~adaflash_hf.speculation.round_cost.RoundCost`), under ``adaptive`` the paper's
-   floor rule at a fixed rate (:func:`load_scaled_rate` on request);
+   verify lengths ``k_hat_i`` from the length head, as the engine's
+   :class:`~adaflash_hf.speculation.length.planner.LengthPlanner` plans them: under ``cost`` chosen together
+   against the round's cost (:class:`~adaflash_hf.speculation.length.cost.RoundCost`), under ``adaptive`` the paper's
+   floor rule at a fixed rate (``load_scaled_rate`` on request); a round the planner makes plain decodes as ``off``
+   does (:mod:`.decode_steps`);
 2. admit: queued requests whose prompt fits what is left of the token budget, up to the EMA
    estimate of how many fit (:class:`AdmissionController`);
 3. one packed target forward over the new prompts (prefill) and every running request's bonus +
@@ -46,16 +48,15 @@ from typing import Callable
 import torch
 
 from ..speculation.hooks import hooks_for, round_callbacks
-from ..speculation.policy import LengthPolicy, resolve_policy, round_layout
+from ..speculation.length import LengthPlanner, LengthPolicy, LengthSettings, RoundCost, round_layout
 from ..speculation.prompt_ngrams import PromptNgrams
-from ..speculation.round_cost import RoundCost
 from ..speculation.rounds import RoundSink, VerifiedRound
 from ..speculation.verify import accept_block
 from .admission import AdmissionController, fit_token_budget
 from .decode_steps import DecodeSteps
 from .kernels.attention import BLOCK
 from .drafter import DraftGraphs, append_context, draft_blocks, head_index, make_drafter_cache
-from .round_drafts import RoundDrafts, unpack_drafts
+from .round_drafts import RoundDrafts, late_bits, take_late_ratios, unpack_drafts
 from .kernels.fused import FusedTarget
 from .graphs import DecodeGraphs, to_device
 from .lifecycle import NON_FINITE, RequestLifecycle
@@ -64,12 +65,11 @@ from .round_ngrams import apply_prompt_ngrams, round_candidates, wide_capacity
 from .sampled_rows import RoundRandom, sample_drafts, sample_round
 from .sampling import SamplingParams
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
-from .verify_lengths import VerifyLengths
 
 __all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo"]
 
 
-class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
+class Engine(DecodeSteps, RequestLifecycle):
     """Continuous-batching speculative decoding over a slotted KV cache.
 
     Args:
@@ -78,14 +78,17 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
         length_policy: ``cost`` (each request's ``k_hat`` from the length head, chosen together against
             ``round_cost``, packed into one forward), ``adaptive`` (the paper's floor rule on the length head) or
             ``fixed`` (the whole block, DFlash); the same setting as ``generate``'s; default: ``cost``
-            when the drafter's length head is trained, else ``fixed``. Under ``cost`` a round whose requests all
-            decode plainly by their last head ratios skips the drafter's body (a probe round runs it to refresh them:
-            first once such rounds have cost four times what a probe adds, then
-            doubling up to what keeps probing within 2% of the time, by ``round_cost`` at the batch;
-            :mod:`.verify_lengths`).
-        round_cost: the :class:`~adaflash_hf.speculation.round_cost.RoundCost` the ``cost`` policy weighs (default: SPEC
-            section 6's H200 table and overheads; :func:`~.warmup.measure_round_cost` measures this engine's own,
-            the host's time per round included).
+            when the drafter's length head is trained, else ``fixed``; or a
+            :class:`~adaflash_hf.speculation.length.names.LengthSettings` (the loose keywords below override it).
+            Under ``cost`` a round whose requests all decode plainly by their guesses is a plain step, as ``off``'s,
+            without the drafter's body (a probe round runs it to refresh them: first once such rounds have cost four
+            times what a probe adds, then doubling up to what keeps probing within 2% of the time, by ``round_cost``
+            at the batch; :attr:`planner`, :mod:`adaflash_hf.speculation.length.planner`).
+        round_cost: the :class:`~adaflash_hf.speculation.length.cost.RoundCost` the ``cost`` policy weighs, or
+            ``"measured"``: this engine's own (:func:`~.warmup.measure_round_cost`: its graphs and its real rounds, the
+            host's time included), profiled once per models, device, dtype, shape and versions and cached in the
+            user's cache directory (:func:`~.cost_cache.cached_round_cost`). Default: ``"measured"`` under ``cost`` on
+            CUDA's graph path, else SPEC section 6's H200 table and overheads.
         rectangular: with ``cost`` / ``adaptive``, pad every request to the round's largest ``k_hat`` (the cost of a
             padded ``[b, max k_hat]`` batch; for comparison only).
         max_slots: concurrent requests (KV slots for target and drafter).
@@ -140,11 +143,18 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
                  halving_batch: int | None = None, ema_beta: float = 0.2, round_sink: RoundSink | None = None,
                  step_hook: Callable[[StepInfo], None] | None = None, cuda_graphs: bool | None = None,
                  fused_kernels: bool = True, decode_steps: int = 8, profile: bool = False, draft_replay=None,
-                 round_cost: RoundCost | None = None, prompt_ngrams: int | PromptNgrams | None = None):
-        layout = round_layout(drafter, length_policy, rectangular)
-        self.policy = resolve_policy(length_policy, drafter) if drafter is not None else None
-        self.round_cost = round_cost if round_cost is not None else RoundCost()
-        self._reset_verify_state()
+                 round_cost: RoundCost | str | None = None, prompt_ngrams: int | PromptNgrams | None = None):
+        settings = LengthSettings.of(length_policy if isinstance(length_policy, LengthSettings) else None,
+                                     length_policy=None if isinstance(length_policy, LengthSettings) else length_policy,
+                                     length_rate=length_rate, length_min=length_min, halving_batch=halving_batch)
+        layout = round_layout(drafter, settings.policy, rectangular)
+        if drafter is None and settings.given:
+            raise ValueError(f"{', '.join(settings.given)} need a drafter (without one the engine decodes plainly)")
+        if round_cost is not None and not isinstance(round_cost, RoundCost) and round_cost != "measured":
+            raise ValueError(f"round_cost must be a RoundCost, 'measured' or None, got {round_cost!r}")
+        settings = settings.resolved(drafter) if drafter is not None else LengthSettings(LengthPolicy.FIXED, 1.0, 1)
+        block = drafter.config.block_size if drafter is not None else 1
+        self.planner = LengthPlanner(settings, block, round_cost if isinstance(round_cost, RoundCost) else None, layout)
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         check_target_supported(target)
@@ -164,8 +174,7 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
         # the graphs' buckets follow it), within one tile of the decode attention kernel.
         self.max_q = max(self.block_size, wide_capacity(self.prompt_ngrams, target) + 1) if drafter is not None else self.block_size
         self.wide_rounds = 0  # rounds that verified past the block (`PromptNgrams.max_width`)
-        self.whole_block_stretches = True  # see verify_lengths: `cost` rounds read no ratios mid-round when whole
-        self.whole_rounds = 0  # drafting rounds that did so
+        self.whole_rounds = 0  # drafting rounds that verified whole blocks chosen before their ratios (Plan.whole)
         cfg = self.drafter.config if self.drafter is not None else None
         self.hidden_layers = list(cfg.target_layer_ids) if cfg is not None else None
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
@@ -176,10 +185,7 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
             warnings.warn(f"Engine: fused kernels off, the target's layers run through its modules: {self.fusion_note}",
                           RuntimeWarning, stacklevel=2)
         self._build_caches(max_slots, max_len, token_budget)
-        self.length_rate = length_rate if length_rate is not None else (getattr(cfg, "length_rate", 1.0) if cfg else 1.0)
-        self.length_min = length_min if length_min is not None else (getattr(cfg, "length_min", 1) if cfg else 1)
-        self.halving_batch = halving_batch
-        per_req = {"off": 1.0, "fixed": float(self.block_size)}.get(layout, max(1.0, self.block_size * self.length_rate / 2))
+        per_req = {"off": 1.0, "fixed": float(self.block_size)}.get(layout, max(1.0, self.block_size * settings.rate / 2))
         self.admission = AdmissionController(max_slots, max_len, token_budget, per_req, beta=ema_beta)
         # Verified rounds and finished requests go to `round_sink`, else to the drafter's registered hooks.
         self.on_round, self.on_request = round_callbacks(round_sink, self.drafter) if self.drafter is not None else (None, None)
@@ -188,6 +194,7 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
         self._running: list[Request] = []
         self._ids = itertools.count()
         self._in_step = False
+        self._kept_stretch = None  # the requests and step count whose features plain steps keep (decode_steps)
         self.num_steps = 0
         self.forward_tokens: list[int] = []  # tokens per target forward (benchmarks, tests)
         self.skipped_drafts = 0  # rounds whose drafter forward was skipped (nothing could be verified)
@@ -196,6 +203,24 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
         self.phase_seconds: Counter = Counter()  # with profile=True: draft / target / accept / host
         self.profiled_steps = 0
         self._t_last = 0.0
+        if round_cost is None or isinstance(round_cost, str):  # "measured", or the default: cost_cache says
+            from .cost_cache import measure_if_asked
+
+            measure_if_asked(self, round_cost)
+
+    @property
+    def policy(self) -> LengthPolicy | None:
+        """The verify-length policy (``None``: no drafter, plain decoding)."""
+        return self.planner.policy if self.drafter is not None else None
+
+    @property
+    def round_cost(self) -> RoundCost:
+        """What the ``cost`` policy weighs (the planner's; settable, e.g. to :func:`~.warmup.measure_round_cost`'s)."""
+        return self.planner.round_cost
+
+    @round_cost.setter
+    def round_cost(self, value: RoundCost) -> None:
+        self.planner.round_cost = value
 
     def _build_caches(self, max_slots: int, max_len: int, token_budget: int) -> None:
         """The target's and the drafter's KV caches, and their CUDA graphs where ``cuda_graphs`` is on."""
@@ -204,7 +229,8 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
             self.graphs = DecodeGraphs(self.target, self.cache, self.hidden_layers,
                                        max_tokens=min(token_budget, max_slots * self.max_q), max_q=self.max_q,
                                        use_graphs=self.device.type == "cuda", fused=self.fused,
-                                       max_steps=self.decode_steps)
+                                       max_steps=self.decode_steps,
+                                       kept_steps=min(8 * self.decode_steps, token_budget // max_slots))
         else:
             self.cache, self.graphs = make_target_cache(self.target, max_slots, max_len), None
         self.dcache, self.draft_graphs = None, None
@@ -320,8 +346,9 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
         if not running and not self._queue:
             return False
         steps = self._greedy_steps(running)
-        if steps > 1:
+        if steps:
             return self._decode_steps(running, steps)
+        self._kept_stretch = None  # this round's body stores the features plain steps kept (decode_steps)
 
         # 1. Draft and choose verify lengths (the adaptive policy reads them back); the drafts stay on the device.
         drafts = self._draft(running)
@@ -346,9 +373,9 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
         # 4. Accept on the device (the shared verify step), then one read: first tokens, accepted, next tokens,
         # fault flags, verified draft lengths, drafts.
         first, accepted, next_tokens, bad, dl, vlogits = self._accept(logits, admitted, running, drafts, verify_inputs)
-        packed = torch.cat([first, accepted, next_tokens, bad.long(), dl, drafts.tokens.flatten(), *self._late_bits(drafts)])
-        packed = self._take_late_ratios(running, drafts, self._read_and_chain(packed, running, admitted, drafts, accepted,
-                                                                              next_tokens))
+        packed = torch.cat([first, accepted, next_tokens, bad.long(), dl, drafts.tokens.flatten(), *late_bits(drafts)])
+        packed = take_late_ratios(self.planner, running, drafts, self._read_and_chain(packed, running, admitted, drafts,
+                                                                                     accepted, next_tokens))
         self.host_syncs += 1
         if self.profile:
             self._tick("accept")
@@ -419,7 +446,7 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
         their drafts from their processed draft distributions, all at once (:func:`.sampled_rows.sample_drafts`)."""
         n = len(running)
         finite = draft_logits = offsets = ratio = None
-        self._late_ratio = False  # set by _propose
+        self._late = False  # set by _propose: this round's ratios come with its one read (a whole-block plan)
         if n and self.drafter is not None:
             draft, finite, draft_logits, offsets, ratio, draft_len = self._propose(running)
         else:
@@ -439,7 +466,7 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
         q_lens = [max(caps) + 1] * n if self.layout == "rectangular" and n else [c + 1 for c in caps]
         self.wide_rounds += int(n > 0 and max(q_lens) > self.block_size)
         drafts = RoundDrafts(draft, finite, draft_len, q_lens, draft_logits, offsets, ratio,
-                             late_ratio=self._late_ratio and ratio is not None)
+                             late_ratio=self._late and ratio is not None)
         drafts.sampled = sample_drafts(running, drafts, dl_host, self.random)
         if cands is not None:
             used = apply_prompt_ngrams(running, drafts, cands, self.wide_width, caps)
@@ -521,12 +548,13 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
         logits and offsets ``None`` when nothing is drafted), draft lengths ``[n]`` (host). The body runs first
         (the length head needs it), the verify lengths are read back, then the LM head runs on the positions each
         request verifies (the longest draft's width for all in the rectangular layout), and not at all when every
-        ``k_hat`` is 1. When the rate alone caps every ``k_hat`` at 1, the body is skipped too: context only
-        (:meth:`_skip_drafting`)."""
+        ``k_hat`` is 1. When the planner's plan is plain (:meth:`.LengthPlanner.plan`), the body is skipped too:
+        context only. Sets ``_late`` when the round verifies whole blocks chosen before its ratios (read at its end)."""
         d = self.drafter
         B = self.block_size
         n = len(running)
-        skip = self._skip_drafting(running)
+        plan = self.planner.plan(running, sink=self.on_round is not None)
+        skip, late = plan.plain, False
         slots, ctx = [r.slot for r in running], [r.pending_ctx for r in running]
         bonus = None if skip else [r.bonus for r in running]
         hidden = ratio = None
@@ -547,8 +575,8 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
                 if adaptive and self.draft_replay is not None:
                     ratio = self.draft_replay.ratios(running, ratio, B)
                 # whole blocks chosen on the last ratios: this round's come with its one read instead of in between
-                self._late_ratio = late = adaptive and self._whole_blocks(running)
-                k_hat = self._verify_lengths(running, ratio if adaptive and not late else None)  # read 1 when adaptive
+                self._late = late = adaptive and plan.whole
+                k_hat = self.planner.lengths(running, ratio if adaptive and not late else None)  # read 1 when adaptive
                 self.host_syncs += int(adaptive and not late)
                 self.whole_rounds += int(late)
                 draft_len = torch.minimum(k_hat - 1, remaining - 1).clamp(min=0)

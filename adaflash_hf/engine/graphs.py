@@ -232,6 +232,8 @@ class DecodeGraphs(GraphRunner):
         use_graphs: capture and replay CUDA graphs (default: on CUDA). Off, the same static forward
             runs eagerly.
         max_steps: most greedy decode steps one :meth:`run_greedy` call may run (1: none).
+        kept_steps: with hidden layers, the most steps whose features :meth:`run_greedy` keeps in
+            :attr:`step_hidden` across calls (its ``offset``; default ``max_steps``).
         fused: run the layers through this :class:`~.kernels.fused.FusedTarget` of ``model`` (default: the
             HF modules).
         attention: one of :data:`~.kernels.attention.BACKENDS` (default: :func:`~.kernels.attention.default_backend`). If
@@ -241,7 +243,7 @@ class DecodeGraphs(GraphRunner):
 
     def __init__(self, model, cache: SlotKVCache, hidden_layers: list[int] | None, max_tokens: int, max_q: int,
                  use_graphs: bool | None = None, attention: str | None = None, fused: FusedTarget | None = None,
-                 max_steps: int = 1):
+                 max_steps: int = 1, kept_steps: int | None = None):
         device = cache.k.device
         use_graphs = self._init_graphs(cache, use_graphs)
         self.model, self.cache, self.hidden_layers = model, cache, list(hidden_layers) if hidden_layers else None
@@ -261,13 +263,14 @@ class DecodeGraphs(GraphRunner):
         hsize = model.config.get_text_config(decoder=True).hidden_size
         self.hidden = torch.zeros(T, len(self.hidden_layers) * hsize, dtype=param.dtype, device=device) if self.hidden_layers else None
         self.max_steps = max_steps
+        self.kept_steps = max(max_steps, kept_steps or 0) if self.hidden is not None and max_steps > 1 else max_steps
         self._q_out: dict[tuple[int, int], torch.Tensor] = {}
         self._layer_ids = torch.arange(cache.num_layers, device=device)
-        self.step_tokens = torch.zeros(max_steps, T, dtype=torch.long, device=device)  # run_greedy's output
+        self.step_tokens = torch.zeros(self.kept_steps, T, dtype=torch.long, device=device)  # run_greedy's output
         # and, with hidden layers, each step's features (the drafting engine's plain stretches store them as the
         # drafter's context); rows: a step's tokens, one per request (the token bucket of the slot count)
         rows = pick_bucket(self.token_buckets, min(cache.num_slots, T))
-        self.step_hidden = (torch.zeros(max_steps, rows, self.hidden.shape[1], dtype=param.dtype, device=device)
+        self.step_hidden = (torch.zeros(self.kept_steps, rows, self.hidden.shape[1], dtype=param.dtype, device=device)
                             if self.hidden is not None and max_steps > 1 else None)
         self.step_index = torch.zeros(1, dtype=torch.long, device=device)  # its row for the next greedy step
         self.padded_tokens = 0
@@ -389,30 +392,33 @@ class DecodeGraphs(GraphRunner):
         return logits, (self.hidden[:T].clone() if self.hidden is not None else None)
 
     @torch.no_grad()
-    def run_greedy(self, tokens, layout: PackedLayout, steps: int) -> torch.Tensor:
+    def run_greedy(self, tokens, layout: PackedLayout, steps: int, offset: int = 0) -> torch.Tensor:
         """``steps`` greedy plain-decoding steps of every request in ``layout`` (one token each), queued
         without a host synchronisation: ``[steps, T]`` next tokens on the device (a view of a static buffer,
         valid until the next replay); ``-1`` where that step's logits were not finite. Step ``s`` feeds back step ``s - 1``'s argmax; each step writes its
-        input token's K/V. With hidden layers, step ``s``'s features are ``step_hidden[s, :T]`` (``steps > 1``; for
-        one step, ``hidden[:T]``).
+        input token's K/V. With :attr:`step_hidden` (hidden layers and ``max_steps > 1``), step ``s``'s features are
+        ``step_hidden[offset + s, :T]``, the rows before ``offset`` left as earlier calls wrote them (a caller that keeps
+        the features of several calls for the drafter gives each the next offset, up to ``kept_steps``); without it,
+        one step's are ``hidden[:T]``.
         Cache lengths are not changed (the caller advances them by what it keeps). Equal to ``steps``
         calls of :meth:`run` with the argmax fed back (``tests/test_engine_graphs.py``)."""
-        if not 1 <= steps <= self.max_steps:
-            raise ValueError(f"steps must be in [1, {self.max_steps}], got {steps}")
+        if not 1 <= steps <= self.max_steps or not 0 <= offset <= self.kept_steps - steps:
+            raise ValueError(f"steps must be in [1, {self.max_steps}] and offset + steps at most {self.kept_steps}, "
+                             f"got {steps} at {offset}")
         if max(layout.q_lens) != 1:
             raise ValueError("run_greedy decodes one token per request (plain decoding)")
-        if steps > 1 and self.hidden is not None and layout.num_tokens > self.step_hidden.shape[1]:
+        if self.step_hidden is not None and layout.num_tokens > self.step_hidden.shape[1]:
             raise ValueError(f"{layout.num_tokens} requests exceed the {self.step_hidden.shape[1]} rows of step_hidden")
         if max(p + steps for p in layout.prefix_lens) > self.cache.max_len:
             raise ValueError(f"write past max_len {self.cache.max_len}")
         bucket = self.prepare(tokens, layout)
-        if steps == 1:  # the plain decode bucket (hidden states kept as run keeps them): no graph of its own
+        if self.step_hidden is None and steps == 1:  # the plain decode bucket (hidden states as run keeps them): no graph of its own
             self.replay(bucket)
             logits = self.logits[: layout.num_tokens]
             return _flag_non_finite(logits, logits.argmax(dim=-1))[None]
         # One graph per step, replayed back to back: a replay is launched while the previous one runs, so
         # only the first launch is exposed (one graph of all the steps took ~1 ms to launch per replay).
-        self.step_index.zero_()
+        self.step_index.fill_(offset)
         for _ in range(steps):
             self.replay(bucket + ("greedy",))
-        return self.step_tokens[:steps, : layout.num_tokens]
+        return self.step_tokens[offset : offset + steps, : layout.num_tokens]

@@ -56,7 +56,7 @@ class RequestLifecycle:
         if verify_len is not None:
             r.accepted.append(emitted - 1)
             r.verify_lengths.append(verify_len)
-            self._observe_round(r, emitted - 1, verify_len)
+            self.planner.observe(r, emitted - 1, verify_len)
         if reason is not None:
             self._finish(r, reason)
 

@@ -21,7 +21,7 @@ from .target import segments
 if TYPE_CHECKING:
     from .sampled_rows import SampledDrafts
 
-__all__ = ["RoundDrafts", "unpack_drafts"]
+__all__ = ["RoundDrafts", "late_bits", "take_late_ratios", "unpack_drafts"]
 
 
 def unpack_drafts(tokens: torch.Tensor, finite: torch.Tensor, counts: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,3 +98,18 @@ class RoundDrafts:
             dl = torch.where(self.finite if all(greedy) else self.finite | (is_greedy == 0), dl, 0)
         full = rows.shape[0] == self.tokens.numel()  # every request drafted the whole width: the drafts in order
         return vidx.view(n, kmax + 1), self.tokens[:, :kmax], dl, (dst, self.tokens.view(-1) if full else self.tokens.view(-1)[src])
+
+
+def late_bits(drafts: RoundDrafts) -> list[torch.Tensor]:
+    """A whole-block round's ratios for its one read, as int64 of their float32 bits (exact, NaN included)."""
+    return [drafts.ratio.float().reshape(-1).view(torch.int32).long()] if drafts.late_ratio else []
+
+
+def take_late_ratios(planner, running, drafts: RoundDrafts, packed: list[int]) -> list[int]:
+    """The round's read less the ratios :func:`late_bits` put at its end, which become the requests' last ratios
+    (``planner``: the engine's :class:`~adaflash_hf.speculation.length.planner.LengthPlanner`)."""
+    if not drafts.late_ratio:
+        return packed
+    bits = np.array(packed[-len(running) :], dtype=np.int64).astype(np.int32).view(np.float32)
+    planner.note_ratios(running, torch.from_numpy(bits.copy()))
+    return packed[: -len(running)]

@@ -15,14 +15,14 @@ timed again as whole-block stretches (no mid-round read): what they save is :att
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from contextlib import contextmanager
 
 import torch
 
-from ..speculation.policy import LengthPolicy
-from ..speculation.round_cost import RoundCost
-from .verify_lengths import PLAIN_PROBE_ROUNDS
+from ..speculation.length import LengthPolicy, RoundCost
+from ..speculation.length.planner import PLAIN_PROBE_ROUNDS
 
 __all__ = ["measure_overheads", "measure_room", "quiet"]
 
@@ -34,16 +34,18 @@ PLAIN = RoundCost.flat(spec_overhead=1e9)  # a drafting round costs forever: the
 
 @contextmanager
 def quiet(engine, **overrides):
-    """``engine`` with no round sink, request sink or step hook, its counters and admission state restored after,
-    and ``overrides`` (attribute: value) in force meanwhile.
+    """``engine`` with no round sink, request sink or step hook, its counters, admission state and verify-length
+    planner restored after (the rounds run meanwhile teach its planner nothing), and ``overrides`` (engine attribute:
+    value) in force meanwhile.
 
     Example:
-        >>> with quiet(engine, round_cost=RoundCost.flat()):  # doctest: +SKIP
+        >>> with quiet(engine, draft_replay=None):  # doctest: +SKIP
         ...     engine.generate([[1, 2, 3]], max_new_tokens=4)
     """
-    saved = {k: getattr(engine, k) for k in _SAVED + tuple(overrides)}
+    saved = {k: getattr(engine, k) for k in _SAVED + ("planner",) + tuple(overrides)}
     engine.on_round = engine.on_request = engine.step_hook = None
     engine.forward_tokens, engine.admission = [], copy.deepcopy(engine.admission)
+    engine.planner = copy.copy(engine.planner)
     for k, v in overrides.items():
         setattr(engine, k, v)
     try:
@@ -86,10 +88,12 @@ def _plain_round(engine, cost: RoundCost, base_s: float, n: int, reps: int) -> f
     body until a probe (in steady plain text at least ``PLAIN_PROBE_ROUNDS`` rounds apart), ``decode_steps`` of them
     behind one read (:mod:`.decode_steps`); ``reps`` engine steps, each as after a steady-state probe, are timed (the
     probes' own time is the drafting rounds')."""
-    def after_a_probe():
-        engine._plain_rounds, engine._plain_limit = 0, PLAIN_PROBE_ROUNDS
+    planner = engine.planner
 
-    engine.round_cost, engine._drafted_plain = PLAIN, True
+    def after_a_probe():
+        planner.plain_rounds, planner.plain_limit = 0, PLAIN_PROBE_ROUNDS
+
+    planner.round_cost, planner.drafted_plain = PLAIN, True
     after_a_probe()
     engine.step()  # warm: the plain round's own buckets
     skipped = engine.skipped_drafts
@@ -103,7 +107,8 @@ def _drafting_round(engine, cost: RoundCost, base_s: float, n: int, reps: int, s
     """Overhead of a round of ``n`` requests verifying whole blocks, in the engine's own layout: reading its ratios
     mid-round, or as a whole-block stretch (``stretches``: every timed round must be one)."""
     B = engine.block_size
-    engine.round_cost, engine._drafted_plain, engine.whole_block_stretches = WHOLE, False, stretches
+    planner = engine.planner
+    planner.round_cost, planner.drafted_plain, planner.whole_block_stretches = WHOLE, False, stretches
     for _ in range(2):  # warm: the first round drafts afresh, the next takes the body chained behind its read
         engine.step()
     rounds = min(reps, (min(r.remaining for r in engine._running) - 1) // B)  # no request may finish inside
@@ -142,8 +147,12 @@ def measure_overheads(engine, cost: RoundCost, base_s: float, context: int, reps
     spec, plain, unread = [], [], []
     # Drafting rounds are timed as the cost rule must assume them when it weighs lengths (reading their ratios
     # mid-round), then as whole-block stretches (skipping that read).
-    with quiet(engine, policy=LengthPolicy.COST if plain_ok else engine.policy, length_min=1, draft_replay=None,
-               round_cost=PLAIN, _drafted_plain=False, _plain_rounds=0, _plain_limit=0, whole_block_stretches=False):
+    with quiet(engine, draft_replay=None):
+        planner = engine.planner  # the copy quiet lends
+        policy = LengthPolicy.COST if plain_ok else planner.policy
+        planner.settings = dataclasses.replace(planner.settings, policy=policy, min_len=1)
+        planner.round_cost, planner.whole_block_stretches = PLAIN, False
+        planner.reset()
         for n in cost.rows:
             handles = [engine.submit([(7 * i + j) % vocab for j in range(prompt_len)], engine.max_len - prompt_len)
                        for i in range(n)]

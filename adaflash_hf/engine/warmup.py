@@ -7,7 +7,7 @@ first tokens. :func:`workload_buckets` lists every bucket a workload of up to ``
 requests can reach (each request verifying 1 .. ``engine.max_q`` tokens: the block, wider under the prompt n-gram rule's ``max_width``; the drafted positions packed, slots ``0 .. concurrency - 1``,
 prompts of the given lengths, those admitted in one round of one length); :func:`warmup` runs one short request per prompt length (the eager
 prefill's compiles) and captures the rest. :func:`measure_round_cost` times the captured buckets and real rounds into the
-engine's own :class:`~adaflash_hf.speculation.round_cost.RoundCost` (what the ``cost`` verify-length policy weighs).
+engine's own :class:`~adaflash_hf.speculation.length.cost.RoundCost` (what the ``cost`` verify-length policy weighs).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from ..speculation.round_cost import RoundCost
+from ..speculation.length.cost import RoundCost
 from .graphs import pick_bucket
 from .round_overhead import measure_overheads, quiet
 from .target import PackedLayout

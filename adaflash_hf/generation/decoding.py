@@ -18,10 +18,11 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from ..modeling import AdaFlashDrafter
 from ..speculation.hooks import hooks_for, round_callbacks
+from ..speculation.length import LengthSettings, RowState
 from ..speculation.prompt_ngrams import NgramIndex, PromptNgrams, agree_wide, agree_with_drafts
 from ..speculation.rounds import RoundSink, VerifiedRound
 from ..speculation.verify import SampledRows, accept_block
-from .drafting import AdaFlashCandidateGenerator
+from .drafting import AdaFlashCandidateGenerator, DraftBlock
 from .fast_path import engine_decoding, takes_engine
 from .output import Output, emit_requests, finish
 from .processors import process_rows, row_processors, shared_processors
@@ -97,11 +98,13 @@ class _Batch:
     ctx_pos: torch.Tensor
     ngrams: list[NgramIndex] | None = None  # each row's tokens (host) for the prompt n-gram rule; None: rule off
     max_width: int | None = None  # `PromptNgrams.max_width` for greedy rows (sampled rows never widen: None)
+    rows: list[RowState] | None = None  # each row's part of the verify-length planner's state
 
     def drop_finished(self, done: torch.Tensor, cache, generator) -> None:
         keep = (~done).nonzero().squeeze(1)
         self.seqs = [s for s, d in zip(self.seqs, done.tolist()) if not d]
         self.processors = [p for p, d in zip(self.processors, done.tolist()) if not d]
+        self.rows = [r for r, d in zip(self.rows, done.tolist()) if not d]
         if self.ngrams is not None:
             self.ngrams = [g for g, d in zip(self.ngrams, done.tolist()) if not d]
         for name in ("index", "prompt_mask", "valid", "pos", "bonus", "ctx", "ctx_valid", "ctx_pos"):
@@ -109,14 +112,22 @@ class _Batch:
         cache.batch_select_indices(keep)
         generator.select_rows(keep)
 
-    def advance(self, features: torch.Tensor, accepted: torch.Tensor, next_tokens: torch.Tensor, verified: int, cache) -> None:
-        """Keep K/V and features of the bonus + accepted drafts; roll back the rest."""
+    def advance(self, features: torch.Tensor, accepted: torch.Tensor, next_tokens: torch.Tensor, verified: int, cache,
+                drafted: bool = True) -> None:
+        """Keep K/V and features of the bonus + accepted drafts; roll back the rest. The kept features are the
+        drafter's next context; after a round the drafter did not run in (``drafted`` False: a plain plan), they join
+        the context it has yet to read."""
         cols = torch.arange(verified, device=accepted.device)[None, :]
         new_valid = cols <= accepted[:, None]
         keep = int(accepted.max()) + 1
         cache.crop(-(verified - keep))
         self.valid = torch.cat([self.valid, new_valid[:, :keep]], dim=1)
-        self.ctx, self.ctx_valid, self.ctx_pos = features[:, :keep], new_valid[:, :keep], self.pos[:, None] + cols[:, :keep]
+        ctx, ctx_valid, ctx_pos = features[:, :keep], new_valid[:, :keep], self.pos[:, None] + cols[:, :keep]
+        if drafted:
+            self.ctx, self.ctx_valid, self.ctx_pos = ctx, ctx_valid, ctx_pos
+        else:
+            self.ctx = torch.cat([self.ctx, ctx], dim=1)
+            self.ctx_valid, self.ctx_pos = torch.cat([self.ctx_valid, ctx_valid], 1), torch.cat([self.ctx_pos, ctx_pos], 1)
         self.pos = self.pos + accepted + 1
         self.bonus = next_tokens
 
@@ -151,7 +162,7 @@ def adaflash_decoding(
     synced_gpus: bool = False,
     streamer=None,
     drafter: AdaFlashDrafter | None = None,
-    length_policy: str | None = None,
+    length_policy: str | LengthSettings | None = None,
     length_rate: float | None = None,
     length_min: int | None = None,
     return_stats: bool = False,
@@ -172,6 +183,10 @@ def adaflash_decoding(
     graphs when the call allows it, else here with a warning naming why (:mod:`.fast_path`); `True`
     takes the engine off CUDA too, `False` never.
 
+    `length_policy`, `length_rate`, `length_min`: the verify-length settings (or a
+    :class:`~adaflash_hf.speculation.length.names.LengthSettings` as `length_policy`); each round's plan and lengths
+    come from the same planner as the engine's (:mod:`adaflash_hf.speculation.length.planner`).
+
     `prompt_ngrams`: the prompt n-gram rule beside the drafter (:mod:`adaflash_hf.speculation.prompt_ngrams`: a row
     verifies prompt lookup's candidate instead of the drafts when its first token equals the first draft), as the
     longest n-gram matched (0 turns it off) or a :class:`~adaflash_hf.speculation.prompt_ngrams.PromptNgrams`; default: 4,
@@ -184,24 +199,26 @@ def adaflash_decoding(
     _check_call(model, drafter, generation_config, input_ids, model_kwargs, round_sink)
     rows = row_processors(logits_processor, input_ids.shape[0])  # refuses a processor we cannot run, before any work
     ngrams = PromptNgrams.of(prompt_ngrams)
-    if takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length_policy):
+    length = LengthSettings.of(length_policy if isinstance(length_policy, LengthSettings) else None,
+                               length_policy=None if isinstance(length_policy, LengthSettings) else length_policy,
+                               length_rate=length_rate, length_min=length_min).resolved(drafter)
+    if takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length):
         return engine_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                               length_policy=length_policy, length_rate=length_rate, length_min=length_min,
-                               return_stats=return_stats, round_sink=round_sink, prompt_ngrams=ngrams, **model_kwargs)
+                               length=length, return_stats=return_stats, round_sink=round_sink, prompt_ngrams=ngrams,
+                               **model_kwargs)
     return _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stopping_criteria, generation_config, streamer,
-                              length_policy, length_rate, length_min, return_stats, round_sink, ngrams, model_kwargs)
+                              length, return_stats, round_sink, ngrams, model_kwargs)
 
 
 def _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stopping_criteria, generation_config, streamer,
-                       length_policy, length_rate, length_min, return_stats, round_sink, ngrams, model_kwargs):
+                       length, return_stats, round_sink, ngrams, model_kwargs):
     """The eager rounds of :func:`adaflash_decoding` (transformers' modules, a `DynamicCache`)."""
     # An online adapter attached to the drafter (`OnlineAdapter.attach()`) receives every round.
     on_round, on_request = round_callbacks(round_sink, drafter)
     if on_round is not None:
         ngrams = PromptNgrams(0)  # the adapter learns from the drafter's own rounds
-    generator = AdaFlashCandidateGenerator.for_target(
-        model, drafter, generation_config, logits_processor, length_policy=length_policy, length_rate=length_rate, length_min=length_min
-    )
+    generator = AdaFlashCandidateGenerator.for_target(model, drafter, generation_config, logits_processor, length=length)
+    planner = generator.planner
     stats = GenerationStats(block_size=generator.block_size, policy=generator.policy)
     output = Output.for_config(generation_config, stopping_criteria, streamer)
     do_sample, max_length = generation_config.do_sample, generation_config.max_length
@@ -219,12 +236,17 @@ def _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stoppi
         if bool(done.any()):
             batch.drop_finished(done, cache, generator)
 
-        # 1. Draft one block per row in one drafter forward; the policy picks each row's verify length (a row
-        #    taking a prompt n-gram candidate verifies it up to `PromptNgrams.max_width`, past the block if need be).
+        # 1. The planner's plan: a plain round (no drafter), or one block per row in one drafter forward and each
+        #    row's verify length (a row taking a prompt n-gram candidate verifies it up to `PromptNgrams.max_width`,
+        #    past the block if need be).
         t0 = clock()
-        budget = torch.tensor([max_length - s.shape[0] - 1 for s in batch.seqs], device=batch.bonus.device)
+        left = [max_length - s.shape[0] for s in batch.seqs]
+        for r, n in zip(batch.rows, left):
+            r.remaining = n
+        budget = torch.tensor([n - 1 for n in left], device=batch.bonus.device)
+        plan = planner.plan(batch.rows, sink=on_round is not None)
         with weights_lock:
-            block, draft, q = _draft(generator, batch, budget, do_sample)
+            block, draft, q = _draft(generator, batch, budget, do_sample, plan)
         draft, q, used, draft_len = _with_ngrams(batch, block, draft, q, budget)
         stats.fallback_rounds += int((~block.finite).sum())
         stats.ngram_rounds += int(used.sum())
@@ -251,8 +273,9 @@ def _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stoppi
         done = _commit_round(output, batch, draft, res, logits, processed, out.hidden_states)
         for i in range(len(batch.seqs)):  # a row that stops inside the round counts the tokens it emitted, not acc + 1
             stats.record(int(batch.index[i]), int(draft_len[i]) + 1, output.committed[i] - 1)
+            planner.observe(batch.rows[i], output.committed[i] - 1, int(draft_len[i]) + 1)
         batch.extend_ngrams(draft, acc.tolist(), res.next_tokens)
-        batch.advance(drafter.select_context(out.hidden_states), acc, res.next_tokens, k + 1, cache)
+        batch.advance(drafter.select_context(out.hidden_states), acc, res.next_tokens, k + 1, cache, drafted=plan.draft)
 
     if streamer is not None:
         streamer.end()
@@ -333,6 +356,7 @@ def _prefill(model, drafter, input_ids, rows, shared, model_kwargs, layers, do_s
         ctx=drafter.select_context(out.hidden_states),
         ctx_valid=mask,
         ctx_pos=(attention_mask.long().cumsum(-1) - 1).clamp(min=0),
+        rows=[RowState() for _ in range(input_ids.shape[0])],
     )
     if ngrams.applies(greedy=not do_sample):  # each row's prompt ids (those given: none with inputs_embeds alone) and its first token
         given = mask[:, -input_ids.shape[1] :] if input_ids.shape[1] else mask[:, :0]
@@ -349,10 +373,15 @@ def _token_hidden(hidden_states, counts: list[int]) -> list[list[tuple]]:
     return [[tuple(h[i, j : j + 1] for h in hidden_states) for j in range(n)] for i, n in enumerate(counts)]
 
 
-def _draft(generator: AdaFlashCandidateGenerator, batch: _Batch, budget: torch.Tensor, do_sample: bool):
-    """One block per row (capped by ``budget``, the tokens left before ``max_length``), its drafts ``[b, k]`` for the
-    longest verify ``k``, and (sampling) the processed draft distributions they were drawn from."""
-    block = generator.propose(batch.bonus, batch.pos, batch.ctx, batch.ctx_valid, batch.ctx_pos, budget)
+def _draft(generator: AdaFlashCandidateGenerator, batch: _Batch, budget: torch.Tensor, do_sample: bool, plan):
+    """One block per row (capped by ``budget``, the tokens left before ``max_length``; none under a plain ``plan``), its
+    drafts ``[b, k]`` for the longest verify ``k``, and (sampling) the processed draft distributions they were drawn
+    from."""
+    if plan.plain:
+        block = DraftBlock.plain(len(batch.seqs), batch.bonus.device)
+        return block, block.tokens, None
+    block = generator.propose(batch.bonus, batch.pos, batch.ctx, batch.ctx_valid, batch.ctx_pos, budget, rows=batch.rows,
+                              whole=plan.whole)
     k = int(block.draft_len.max())
     draft, q = _sample_drafts(generator, batch, block, k) if do_sample and k > 0 else (block.tokens[:, :k], None)
     return block, draft, q

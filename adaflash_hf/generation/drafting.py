@@ -1,9 +1,11 @@
 """Drafting one block per row: the drafter side of a speculative round, batched.
 
 `AdaFlashCandidateGenerator` is transformers' `DFlashTokenCandidateGenerator` (same `DFlashCache`,
-noise ids, hidden-state overrides and logits processors) with a verify-length policy on top. It
-serves two loops: ours calls `propose` for a whole padded batch; transformers' batch-1
-`_assisted_decoding` calls `get_candidates` (through `speculation_type="adaflash"`).
+noise ids, hidden-state overrides and logits processors) with a verify-length planner on top (the engine's:
+`adaflash_hf.speculation.length.planner.LengthPlanner`). It serves two loops: ours asks the planner for each round's
+plan and calls `propose` for a whole padded batch when it drafts; transformers' batch-1 `_assisted_decoding` calls
+`get_candidates` (through `speculation_type="adaflash"`), which drafts every round (that loop hands the drafter only
+the last verify's features, so a round without the drafter would lose context) and asks the planner for the lengths.
 
 The drafter keeps K/V of verified context only; each round it appends the fused features of the
 newly verified tokens, drafts one block in one forward, asks the length policy how many slots to
@@ -16,7 +18,7 @@ import torch
 from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
 from ..modeling import AdaFlashDrafter
-from ..speculation.length_policy import choose_verify_length, resolve_policy
+from ..speculation.length import LengthPlanner, LengthPolicy, LengthSettings, RowState
 
 
 @dataclass
@@ -34,6 +36,12 @@ class DraftBlock:
     ratio: torch.Tensor | None
     finite: torch.Tensor
 
+    @classmethod
+    def plain(cls, rows: int, device) -> "DraftBlock":
+        """A round that drafts nothing (the planner's plain plan): no draft slot, every row verifies its bonus token."""
+        return cls(torch.zeros(rows, 0, dtype=torch.long, device=device), torch.zeros(rows, 0, 0, device=device),
+                   torch.zeros(rows, dtype=torch.long, device=device), None, torch.ones(rows, dtype=torch.bool, device=device))
+
 
 class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
     """Proposes up to `block_size - 1` draft tokens per row from one drafter forward.
@@ -42,15 +50,13 @@ class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         assistant_model, main_model_input_embeddings, main_model_output_embeddings,
             generation_config, logits_processor: as for `DFlashTokenCandidateGenerator`
             (`for_target` fills them in from a target).
-        length_policy: `cost` (length head, the batch's lengths weighed against the default
-            `RoundCost`; the default when the drafter has a trained head), `adaptive` (length head,
-            the paper's floor rule), `fixed` (full block, classic DFlash) or `expected_gain` (per-position: the draft's own
-            top-1 probability stands in for each slot's conditional acceptance, and the prefix with
-            most expected tokens per verify cost wins).
-        length_rate, length_min: the adaptive policy's `k_hat = clamp(floor(a*B*rate), min, B)`
-            (for `cost`, `rate` scales the head's expected length); default to the drafter config's.
-        verify_token_cost: cost of one more verified token relative to a whole round
-            (expected-gain policy); SPEC's H200 table gives ~0.01-0.05 at batch 1.
+        length: the verify-length settings (`LengthSettings`, or a policy name): `cost` (length head, the batch's
+            lengths weighed against the default `RoundCost`; the default when the drafter has a trained head),
+            `adaptive` (length head, the paper's floor rule), `fixed` (full block, classic DFlash) or `expected_gain`
+            (per-position: the draft's own top-1 probability stands in for each slot's conditional acceptance, and the
+            prefix with most expected tokens per verify cost wins, at `verify_token_cost` per token: SPEC's H200 table
+            gives ~0.01-0.05 at batch 1).
+        length_policy, length_rate, length_min: the same settings as generate's loose keywords (override `length`).
 
     Example:
         >>> gen = AdaFlashCandidateGenerator.for_target(target, drafter, GenerationConfig(max_length=64),
@@ -66,19 +72,18 @@ class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         main_model_output_embeddings,
         generation_config,
         logits_processor=None,
+        length: LengthSettings | str | None = None,
         length_policy: str | None = None,
         length_rate: float | None = None,
         length_min: int | None = None,
-        verify_token_cost: float = 0.05,
         **kwargs,
     ):
-        cfg = assistant_model.config
-        policy = resolve_policy(length_policy, assistant_model)
+        settings = LengthSettings.of(length, length_policy=length_policy, length_rate=length_rate,
+                                     length_min=length_min).resolved(assistant_model)
         super().__init__(assistant_model, main_model_input_embeddings, main_model_output_embeddings, generation_config, logits_processor)
-        self.policy = policy.value
-        self.length_rate = cfg.length_rate if length_rate is None else length_rate
-        self.length_min = cfg.length_min if length_min is None else length_min
-        self.verify_token_cost = verify_token_cost
+        self.planner = LengthPlanner(settings, assistant_model.config.block_size)
+        self.policy = settings.policy.value
+        self._rows = [RowState()]  # get_candidates' one row
         self.cache_valid: torch.Tensor | None = None
         if generation_config.return_dict_in_generate and generation_config.output_hidden_states:
             # The caller wants every layer back: capture them all; `select_context` picks ours from the full tuple.
@@ -97,12 +102,15 @@ class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
             self.cache_valid = self.cache_valid[keep]
 
     @torch.no_grad()
-    def propose(self, bonus: torch.Tensor, bonus_pos: torch.Tensor, ctx: torch.Tensor, ctx_valid: torch.Tensor, ctx_pos: torch.Tensor, budget: torch.Tensor) -> DraftBlock:
+    def propose(self, bonus: torch.Tensor, bonus_pos: torch.Tensor, ctx: torch.Tensor, ctx_valid: torch.Tensor,
+                ctx_pos: torch.Tensor, budget: torch.Tensor, rows=None, whole: bool = False) -> DraftBlock:
         """Draft a block after `bonus` (`[b]`, at positions `bonus_pos`) given new context features.
 
-        `ctx` (`[b, m, K*H]`) are the target features of the tokens verified since the last call,
+        `ctx` (`[b, m, K*H]`) are the target features of the tokens verified since the last drafting call,
         at positions `ctx_pos`; `ctx_valid` marks real columns (rows verified different counts).
-        `budget` caps each row's draft length (e.g. tokens left before `max_length`).
+        `budget` caps each row's draft length (e.g. tokens left before `max_length`). `rows`: the planner's rows
+        (`RowState`, `remaining` set; default: one row per bonus token, `budget + 1` left); `whole`: the round's
+        plan verifies whole blocks without reading the ratios first (they are kept for the next plan).
         """
         b, B = bonus.shape[0], self.block_size
         d = self.assistant_model
@@ -118,10 +126,15 @@ class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         logits = d.compute_logits(hidden[:, 1:]).float()
         finite = torch.isfinite(logits).all(dim=-1).all(dim=-1)
         ratio = d.predict_accept_ratio(hidden) if d.length_head is not None else None
-        # this loop drafts every round before it chooses: the drafter's time is spent whatever the lengths
-        k_hat = choose_verify_length(self.policy, b, self.block_size, ratio=ratio, draft_logits=logits,
-                                     rate=self.length_rate, min_len=self.length_min,
-                                     verify_token_cost=self.verify_token_cost, device=logits.device, drafted=True)
+        if rows is None:
+            rows = [RowState(remaining=int(left) + 1) for left in budget.tolist()]
+        if whole:
+            k_hat = self.planner.lengths(rows, None)
+            self.planner.note_ratios(rows, ratio)
+        else:
+            gain = self.planner.policy is LengthPolicy.EXPECTED_GAIN
+            k_hat = self.planner.lengths(rows, ratio, draft_logits=logits if gain else None)
+        k_hat = k_hat.to(logits.device)
         draft_len = torch.minimum(k_hat - 1, budget.clamp(min=0))
         draft_len = torch.where(finite, draft_len, torch.zeros_like(draft_len))
         tokens = torch.nan_to_num(logits).argmax(dim=-1)
@@ -168,7 +181,9 @@ class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         ctx_pos = positions[:, -n_ctx - 1 : -1]
         ctx_valid = mask[:, -n_ctx - 1 : -1].bool() if mask is not None else torch.ones_like(ctx_pos, dtype=torch.bool)
         ctx = self.assistant_model.select_context(model_outputs.hidden_states)[:, :n_ctx].to(self.device)
-        block = self.propose(input_ids[:, -1], positions[:, -1], ctx, ctx_valid, ctx_pos, torch.tensor([budget], device=input_ids.device))
+        self._rows[0].remaining = budget + 1
+        block = self.propose(input_ids[:, -1], positions[:, -1], ctx, ctx_valid, ctx_pos,
+                             torch.tensor([budget], device=input_ids.device), rows=self._rows)
         k = int(block.draft_len[0])
         if k == 0:
             return input_ids, None

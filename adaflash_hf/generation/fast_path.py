@@ -41,7 +41,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from ..speculation.hooks import round_callbacks
-from ..speculation.policy import resolve_policy
+from ..speculation.length import LengthPolicy, LengthSettings
 from ..speculation.prompt_ngrams import PromptNgrams
 
 __all__ = ["FAST_PATH_CHOICES", "MAX_ENGINES", "clear_engines", "engine_decoding", "fast_path_refusal", "takes_engine", "warmup"]
@@ -88,8 +88,9 @@ def _sampling(logits_processor) -> tuple[dict, str | None]:
 
 
 
-def fast_path_refusal(model, drafter, generation_config, logits_processor, model_kwargs, length_policy=None) -> str | None:
-    """Why this generate call cannot run through the engine (``None``: it can)."""
+def fast_path_refusal(model, drafter, generation_config, logits_processor, model_kwargs, length=None) -> str | None:
+    """Why this generate call cannot run through the engine (``None``: it can); ``length``: the call's
+    :class:`~adaflash_hf.speculation.length.names.LengthSettings` (or a policy name)."""
     from ..engine.kernels.stock_layers import unsupported_layers
     from ..engine.target import check_target_supported
 
@@ -100,7 +101,7 @@ def fast_path_refusal(model, drafter, generation_config, logits_processor, model
     _, why = _sampling(logits_processor)
     if why is not None:
         return why
-    if resolve_policy(length_policy, drafter).value == "expected_gain":
+    if LengthSettings.of(length).resolved(drafter).policy is LengthPolicy.EXPECTED_GAIN:
         return "length_policy='expected_gain'"
     cache = model_kwargs.get("past_key_values")
     if cache is not None and cache.get_seq_length():
@@ -114,14 +115,14 @@ def fast_path_refusal(model, drafter, generation_config, logits_processor, model
     return unsupported_layers(model)
 
 
-def takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length_policy=None) -> bool:
+def takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length=None) -> bool:
     """Whether :func:`~.decoding.adaflash_decoding` should run this call on the engine (see the
     module docstring); a call the engine cannot take warns once, naming the reason."""
     if not (isinstance(fast_path, bool) or fast_path == "auto"):
         raise ValueError(f"fast_path must be 'auto', True or False, got {fast_path!r}")
     if fast_path is False or (fast_path == "auto" and next(model.parameters()).device.type != "cuda"):
         return False
-    why = fast_path_refusal(model, drafter, generation_config, logits_processor, model_kwargs, length_policy)
+    why = fast_path_refusal(model, drafter, generation_config, logits_processor, model_kwargs, length)
     if why is not None:
         warnings.warn(f"generate(assistant_model=<AdaFlash drafter>) runs the eager loop, not the engine: {why}",
                       RuntimeWarning, stacklevel=4)
@@ -138,17 +139,17 @@ def _token_budget(prompt_lens: list[int], block: int, width: int | None = None) 
     return min(sum(prompt_lens) + len(prompt_lens) * q, max(MAX_BUDGET, max(prompt_lens) + q))
 
 
-def _engine_for(model, drafter, mode: str, rows: int, max_len: int, budget: int, length_rate, length_min,
+def _engine_for(model, drafter, length: LengthSettings, rows: int, max_len: int, budget: int,
                 width: int | None = None) -> _Cached:
-    """The cached engine for these models and mode if it fits the call, else a new one (replacing it); ``width``: the
-    prompt n-gram rule's ``max_width`` the engine must take (its graphs' widest verify)."""
+    """The cached engine for these models and verify-length settings (resolved) if it fits the call, else a new one
+    (replacing it); ``width``: the prompt n-gram rule's ``max_width`` the engine must take (its graphs' widest verify)."""
     from ..engine import Engine
 
     def pow2(n: int, floor: int) -> int:
         return max(floor, 1 << max(0, n - 1).bit_length())
 
     p = next(model.parameters())
-    key = (id(model), id(drafter), mode, length_rate, length_min, p.device, p.dtype, width)
+    key = (id(model), id(drafter), length, p.device, p.dtype, width)
     with _LOCK:
         hit = _ENGINES.get(key)
         if hit is not None and (hit.target() is not model or hit.drafter() is not drafter):
@@ -159,13 +160,12 @@ def _engine_for(model, drafter, mode: str, rows: int, max_len: int, budget: int,
                 _ENGINES.move_to_end(key)
                 return hit
         with torch.inference_mode(False):  # see engine_decoding: the engine is reused outside this call's mode
-            engine = Engine(model, drafter, length_policy=mode, max_slots=pow2(rows, 1), max_len=pow2(max_len, 256),
-                            token_budget=pow2(budget, 64), length_rate=length_rate, length_min=length_min,
-                            cuda_graphs=True, prompt_ngrams=PromptNgrams(max_width=width))  # off CUDA: the same static bucket forwards, eagerly
+            engine = Engine(model, drafter, length_policy=length, max_slots=pow2(rows, 1), max_len=pow2(max_len, 256),
+                            token_budget=pow2(budget, 64), cuda_graphs=True, prompt_ngrams=PromptNgrams(max_width=width))  # off CUDA: the same static bucket forwards, eagerly
         if hit is not None:  # a bigger engine for the same pair: it keeps what the traffic's rounds accepted (a fresh
             # one guesses each request's next round from its last head ratio, which says little: on Spec-Bench
             # summarization's test prompts at batch 1 the 3 calls that made one cost the set 0.32 of its tau)
-            engine.traffic_seen = hit.engine.traffic_seen
+            engine.planner.traffic_seen = hit.engine.planner.traffic_seen
         hit = _ENGINES[key] = _Cached(weakref.ref(model), weakref.ref(drafter), engine, threading.Lock())
         while len(_ENGINES) > MAX_ENGINES:
             _ENGINES.popitem(last=False)
@@ -183,14 +183,13 @@ def warmup(target, drafter, batch_size: int = 1, prompt_len: int = 512, max_new_
         >>> warmup(target, drafter, batch_size=1, prompt_len=512, max_new_tokens=128)  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    policy = resolve_policy(length_policy, drafter)
-    mode = policy.value  # the engine's length_policy
+    length = LengthSettings.of(length_policy, length_rate=length_rate, length_min=length_min).resolved(drafter)
     block = drafter.config.block_size
     if not drafter.is_bound_to(target):
         drafter.bind_target(target)
     width = _wide(PromptNgrams.of(prompt_ngrams), do_sample=False)
-    cached = _engine_for(target, drafter, mode, batch_size, prompt_len + max_new_tokens + block,
-                         _token_budget([prompt_len] * batch_size, block, width), length_rate, length_min, width)
+    cached = _engine_for(target, drafter, length, batch_size, prompt_len + max_new_tokens + block,
+                         _token_budget([prompt_len] * batch_size, block, width), width)
     with cached.lock, torch.inference_mode(False), torch.no_grad():
         cached.engine.warmup(concurrency=min(batch_size, cached.engine.max_slots), prompt_lens=[prompt_len])
     return time.perf_counter() - t0
@@ -215,10 +214,9 @@ def _split_criteria(stopping_criteria):
 
 
 def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer, *,
-                    length_policy=None, length_rate=None, length_min=None, return_stats=False, round_sink=None,
-                    prompt_ngrams=None, **model_kwargs):
+                    length=None, return_stats=False, round_sink=None, prompt_ngrams=None, **model_kwargs):
     """The body of :func:`~.decoding.adaflash_decoding` on the engine (after :func:`fast_path_refusal` said
-    it can): same arguments, same return value."""
+    it can): same arguments (``length``: the verify-length settings), same return value."""
     from ..engine import SamplingParams
     from .output import Output, emit_requests, finish
     from .stats import GenerationStats
@@ -232,15 +230,14 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
     fields, _ = _sampling(logits_processor)
     if generation_config.do_sample:
         fields.setdefault("temperature", 1.0)  # sampling with no temperature warper is temperature 1, not greedy
-    policy = resolve_policy(length_policy, drafter)
-    mode = policy.value  # the engine's length_policy
+    length = LengthSettings.of(length).resolved(drafter)
     block = drafter.config.block_size
     ngrams = PromptNgrams.of(prompt_ngrams)
     width = _wide(ngrams, generation_config.do_sample)
-    cached = _engine_for(model, drafter, mode, len(prompts), max(map(len, prompts)) + max_new + block,
-                         _token_budget(list(map(len, prompts)), block, width), length_rate, length_min, width)
+    cached = _engine_for(model, drafter, length, len(prompts), max(map(len, prompts)) + max_new + block,
+                         _token_budget(list(map(len, prompts)), block, width), width)
     engine = cached.engine
-    stats = GenerationStats(block_size=block, policy=policy.value)
+    stats = GenerationStats(block_size=block, policy=length.policy.value)
     output = Output.for_config(generation_config, stopping_criteria, streamer)
     on_round, on_request = round_callbacks(round_sink, drafter)
     # The cached engine outlives this call: its caches and lazily made buffers must be normal tensors even

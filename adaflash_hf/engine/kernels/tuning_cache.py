@@ -5,7 +5,9 @@ depends only on the GPU, the weight shapes and dtype, and the software that comp
 choices are stored as one small JSON file per such key, in the user's cache directory next to
 Triton's and Inductor's own caches: ``$ADAFLASH_HF_CACHE`` if set, else ``$XDG_CACHE_HOME/adaflash_hf/
 kernels`` (default ``~/.cache/adaflash_hf/kernels``). Files are written atomically (a temporary file
-renamed into place); a file that cannot be read back is ignored with a warning and tuned again.
+renamed into place); a file that cannot be read back is ignored with a warning and tuned again. Other measurements of
+this machine keep their own folder beside ``kernels`` the same way (:func:`load_entry`, :func:`save_entry`: the
+engine's round cost, :mod:`adaflash_hf.engine.cost_cache`).
 
 Example:
     >>> key = tuning_key(fused)  # doctest: +SKIP
@@ -17,27 +19,29 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
-__all__ = ["cache_dir", "load_tuning", "save_tuning", "tuning_key"]
+from ...atomic_io import write_text_atomic
+
+__all__ = ["cache_dir", "entries", "load_entry", "load_tuning", "save_entry", "save_tuning", "tuning_key", "versions"]
 
 FORMAT = 2  # the layout of the saved choices (FusedTarget.tuning_choices); a new layout takes a new number
 
 
-def cache_dir() -> Path:
-    """Where tuning files live (see the module docstring)."""
+def cache_dir(kind: str = "kernels") -> Path:
+    """Where files of ``kind`` live (tuning files: ``kernels``; see the module docstring)."""
     explicit = os.environ.get("ADAFLASH_HF_CACHE")
     if explicit:
-        return Path(explicit) / "kernels"
+        return Path(explicit) / kind
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "adaflash_hf" / "kernels"
+    return Path(base) / "adaflash_hf" / kind
 
 
-def _versions() -> dict[str, str]:
+def versions() -> dict[str, str]:
+    """The software a measurement of this machine depends on (torch, transformers, ours, CUDA, Triton)."""
     import transformers
 
     from ... import __version__ as ours
@@ -62,46 +66,63 @@ def tuning_key(shapes: dict[str, list], dtype: torch.dtype, device: torch.device
     else:
         name, capability = device.type, []
     return {"format": FORMAT, "device": name, "capability": capability, "dtype": str(dtype), "shapes": shapes,
-            **_versions()}
+            **versions()}
 
 
-def _path(key: dict) -> Path:
+def _path(key: dict, kind: str = "kernels") -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return cache_dir() / f"{digest}.json"
+    return cache_dir(kind) / f"{digest}.json"
 
 
-def load_tuning(key: dict) -> dict | None:
-    """The choices saved for ``key``, or ``None`` (never saved, or unreadable: then a warning)."""
-    path = _path(key)
+def load_entry(key: dict, kind: str, field: str = "value", what: str = "cache file"):
+    """The ``field`` saved for ``key`` in ``kind``'s folder, or ``None`` (never saved, or unreadable: then a warning
+    naming the file as ``what``)."""
+    path = _path(key, kind)
     if not path.exists():
         return None
     try:
         data = json.loads(path.read_text())
         if data["key"] != key:
             raise ValueError("the file holds another key")
-        return data["choices"]
-    except Exception as exc:  # noqa: BLE001 - a bad cache file must never stop a build: tune again
-        warnings.warn(f"ignoring the kernel tuning cache file {path} ({type(exc).__name__}: {exc}); tuning again",
-                      RuntimeWarning, stacklevel=2)
+        return data[field]
+    except Exception as exc:  # noqa: BLE001 - a bad cache file must never stop a build: measure again
+        warnings.warn(f"ignoring the {what} {path} ({type(exc).__name__}: {exc}); measuring again",
+                      RuntimeWarning, stacklevel=3)
         return None
+
+
+def save_entry(key: dict, value, kind: str, field: str = "value") -> Path | None:
+    """Write ``value`` (JSON-able) for ``key`` in ``kind``'s folder atomically; a cache directory that cannot be
+    written is skipped with a warning (``None``: the next process measures again)."""
+    path = _path(key, kind)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps({"key": key, field: value}, indent=1, sort_keys=True))
+    except OSError as exc:
+        warnings.warn(f"could not save to {path} ({exc}); the next process measures again", RuntimeWarning, stacklevel=3)
+        return None
+    return path
+
+
+def entries(kind: str, field: str = "value") -> list[tuple[Path, dict, object]]:
+    """Every readable ``(path, key, field)`` of ``kind``'s folder, oldest first (a file that cannot be read is left out)."""
+    folder = cache_dir(kind)
+    out = []
+    for path in sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []:
+        try:
+            data = json.loads(path.read_text())
+            out.append((path, data["key"], data[field]))
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
+
+
+def load_tuning(key: dict) -> dict | None:
+    """The choices saved for ``key``, or ``None`` (never saved, or unreadable: then a warning)."""
+    return load_entry(key, "kernels", "choices", what="kernel tuning cache file")
 
 
 def save_tuning(key: dict, choices: dict) -> Path | None:
     """Write ``choices`` (JSON-able) for ``key`` atomically; a cache directory that cannot be written
     is skipped with a warning (``None``)."""
-    path = _path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"key": key, "choices": choices}, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError as exc:
-        warnings.warn(f"could not save kernel choices to {path} ({exc}); the next process tunes again",
-                      RuntimeWarning, stacklevel=2)
-        return None
-    return path
+    return save_entry(key, choices, "kernels", "choices")

@@ -1,0 +1,80 @@
+"""The verify-length planner alone (no loop, no model): the whole block where verify cost is flat, fewer drafts where it
+is not, plain plans where drafting cannot pay, and a return to drafting once acceptance rises, found by its probes."""
+
+import pytest
+import torch
+
+from adaflash_hf.speculation.length import LengthPlanner, LengthSettings, RoundCost, RowState
+
+COST = LengthSettings("cost", 1.0, 1)
+FLAT = RoundCost.flat()
+STEEP = RoundCost(rows=(1,), tokens_per_row=(1, 16), verify=((1.0, 5.5),), draft_fraction=0.0)
+DEAR = RoundCost.flat(draft_fraction=0.5)  # a drafting round costs 1.5 steps: it pays from about 2 tokens a round
+
+
+def _run(planner, rows, ratio_of_round, rounds: int) -> list[str]:
+    """What each round does as a loop asks it: ``plain``, ``whole`` (whole blocks, ratios read at the end) or the
+    verify lengths chosen on the round's ratios; each drafting round accepts what its ratio says."""
+    out = []
+    for t in range(rounds):
+        for r in rows:
+            r.remaining = 1000
+        plan = planner.plan(rows)
+        if plan.plain:
+            out.append("plain")
+            continue
+        ratio = torch.full((len(rows),), ratio_of_round(t))
+        k = planner.lengths(rows, None if plan.whole else ratio)
+        if plan.whole:
+            planner.note_ratios(rows, ratio)
+        out.append("whole" if plan.whole else str(k.tolist()))
+        for r, n in zip(rows, k.tolist()):
+            planner.observe(r, min(n - 1, round(ratio_of_round(t) * 8) - 1), n)
+    return out
+
+
+@pytest.mark.parametrize("cost,ratio,want", [(FLAT, 0.25, [8, 8]), (STEEP, 0.45, None)], ids=["flat", "steep"])
+def test_the_whole_block_where_verify_is_flat_fewer_drafts_where_it_is_not(cost, ratio, want):
+    planner = LengthPlanner(COST, 8, cost)
+    k = planner.lengths([RowState(remaining=40), RowState(remaining=40)], torch.tensor([ratio, ratio])).tolist()
+    if want is not None:
+        assert k == want
+    else:
+        assert 1 < min(k) and max(k) < 8  # a verify token costs a third of a step: a few drafts, not the block
+
+
+def test_plain_plans_where_drafting_cannot_pay_and_back_to_drafting_when_acceptance_rises():
+    """Low acceptance on a dear drafter: after the first drafted round the planner's rounds are plain, with probes
+    growing apart; once the text turns draftable (ratio 1.0), the next probe says so and every round drafts again.
+    The control, acceptance that stays low, stays plain."""
+    rise_at = 40
+    rows = [RowState(), RowState()]
+    seen = _run(LengthPlanner(COST, 8, DEAR), rows, lambda t: 0.125 if t < rise_at else 1.0, 120)
+    before, after = seen[:rise_at], seen[rise_at:]
+    probes = [t for t, s in enumerate(before) if s != "plain"]
+    assert before[0] != "plain" and before.count("plain") > 0.8 * rise_at and len(probes) >= 3
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # the holds grow while the probes keep saying plain
+    back = next(t for t, s in enumerate(after) if s != "plain")
+    assert all(s != "plain" for s in after[back:])  # drafting again from the first probe that saw it pay
+    assert back <= LengthPlanner(COST, 8, DEAR).probe_holds(2)[1] + 1  # found by the next probe, at most a cap away
+    control = _run(LengthPlanner(COST, 8, DEAR), [RowState(), RowState()], lambda t: 0.125, 120)[rise_at:]
+    assert control.count("plain") > 0.9 * len(control)
+
+
+def test_plain_verdicts_are_kept_until_a_guess_may_change(monkeypatch):
+    """A run of plain rounds runs the cost rule once: the verdict is kept for the same rows until a ratio is read or a
+    round observed (then asked again)."""
+    planner = LengthPlanner(COST, 8, RoundCost.flat(draft_fraction=50.0))
+    rows = [RowState(remaining=100)]
+    planner.lengths(rows, torch.tensor([0.2]))  # a drafted round said plain
+    calls = []
+    real = planner.guessed_lengths
+    monkeypatch.setattr(planner, "guessed_lengths", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    assert all(planner.plan(rows).plain for _ in range(5)) and len(calls) == 1
+    planner.observe(rows[0], 7, 8)  # a guess may change: asked again
+    planner.plan(rows)
+    assert len(calls) == 2
+    other = [RowState(remaining=100, head_ratio=0.2)]  # other rows: asked again
+    planner.plan(other)
+    assert len(calls) == 3

@@ -1,0 +1,84 @@
+"""A round the verify-length planner makes plain runs the ``off`` engine's step: the same function, the same target
+forwards per token, no drafter body; the drafter's context is stored when drafting resumes, not per stretch."""
+
+import pytest
+import torch
+
+import adaflash_hf.engine.engine as engine_mod
+from adaflash_hf.engine import Engine
+from adaflash_hf.speculation.length import RoundCost
+
+from generation_helpers import engine_prompts, force_length_head, kept_length_head, make_drafter, make_target, plain_greedy_ids
+
+PROBED = RoundCost.flat(draft_fraction=0.5)  # a probe costs half a step: plain holds of 2, 4, 8, ... rounds
+NEW = 64
+
+
+def _spy(monkeypatch, cls, name, calls, key):
+    real = getattr(cls, name)
+
+    def spy(self, *a, **k):
+        calls.append(key(self, *a, **k))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(cls, name, spy)
+
+
+@pytest.mark.parametrize("ratio_high", [False, True], ids=["drafting cannot pay", "control: drafts pay"])
+def test_a_plain_plan_runs_the_off_engines_step(monkeypatch, ratio_high):
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=8, seed=3)
+    prompts = engine_prompts([5, 7], seed=17)
+    steps, rounds, bodies, greedy = [], [], [], []
+    _spy(monkeypatch, engine_mod.Engine, "_decode_steps", steps, lambda self, running, n: (self, n))
+    _spy(monkeypatch, engine_mod.Engine, "_draft", rounds, lambda self, running: self)
+    _spy(monkeypatch, engine_mod.DraftGraphs, "run_body", bodies, lambda self, slots, ctx, bonus: bonus is not None)
+    _spy(monkeypatch, engine_mod.DecodeGraphs, "run_greedy", greedy, lambda self, *a, **k: self)
+    off = Engine(target, None, max_slots=2, max_len=96, token_budget=64, cuda_graphs=True, decode_steps=4)
+    want = [o.token_ids for o in off.generate(prompts, max_new_tokens=NEW)]
+    assert want == [plain_greedy_ids(target, p, NEW) for p in prompts]
+    off_rounds = len([r for r in rounds if r is off])
+    assert off_rounds == 1 and all(e is off for e, _ in steps)  # the prefill, then off's step only
+    with kept_length_head(drafter):
+        force_length_head(drafter, ratio_high=ratio_high)
+        eng = Engine(target, drafter, length_policy="cost", round_cost=PROBED if not ratio_high else RoundCost.flat(),
+                     max_slots=2, max_len=96, token_budget=64, cuda_graphs=True, prompt_ngrams=0, decode_steps=4)
+        outs = eng.generate(prompts, max_new_tokens=NEW)
+    assert [o.token_ids for o in outs] == want
+    plain = [n for e, n in steps if e is eng]
+    drafting = len([r for r in rounds if r is eng]) - 1  # less the prefill round
+    probes, stores = bodies.count(True), bodies.count(False)
+    if ratio_high:  # control: every round drafts (but the last token's), no plain step
+        assert plain == [] and drafting - 1 <= probes <= drafting and probes >= NEW // 8 - 1
+        return
+    # every round but the drafting ones (the first, then the probes) is off's step, the same graphs' greedy replays
+    assert plain and len(greedy) == len(steps) and probes == drafting and 2 <= probes < 10
+    assert sum(plain) + drafting == NEW - 1 and sum(plain) > 3 * drafting
+    # the target's forwards per token are off's: one per plain step of both rows
+    assert eng.forward_tokens.count(2) >= sum(plain) and eng.skipped_drafts >= sum(plain)
+        # the plain steps' features are stored by the next drafting round's body, not per stretch: a context-only body runs
+    # only for the features of a drafting round's own tokens, before the plain steps after it
+    assert stores <= drafting and len(plain) >= 2 * drafting
+
+
+def test_kept_features_equal_stored_ones_step_by_step():
+    """The features kept across stretches are the drafter's exact context: a plain engine keeping them (decode steps
+    of 8, stored by the next body) and one storing them every step (decode steps of 1) draft the same ratios."""
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=8, seed=5)  # the random head reads the drafter's context
+    prompts = engine_prompts([6, 4], seed=19)
+    ratios = {}
+    for steps in (8, 1):
+        eng = Engine(target, drafter, length_policy="cost", round_cost=PROBED, max_slots=2, max_len=96, token_budget=64,
+                     cuda_graphs=True, decode_steps=steps, prompt_ngrams=0)
+        seen = []
+        real = eng.planner.lengths
+        eng.planner.lengths = lambda rows, ratio, draft_logits=None: (
+            seen.append(None if ratio is None else ratio.clone()), real(rows, ratio, draft_logits))[1]
+        outs = eng.generate(prompts, max_new_tokens=40)
+        assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 40) for p in prompts]
+        ratios[steps] = (seen, [o.verify_lengths for o in outs])
+    (kept, lens), (stored, stored_lens) = ratios[8], ratios[1]
+    assert lens == stored_lens and len(kept) == len(stored) > 2
+    for a, b in zip(kept, stored):
+        assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, atol=1e-5))
