@@ -8,9 +8,16 @@ from typing import Any
 BASELINES = ("plain", "plain_static")
 DEFAULT_METHODS = (
     "plain", "plain_static", "hf_assisted", "prompt_lookup", "prompt_lookup_exact", "dflash_native",
-    "fixed", "adaptive", "expected_gain", "osd", "adaflash",
-    "engine_off", "engine_fixed", "engine_adaptive",
+    "fixed", "cost", "adaptive", "expected_gain", "osd", "adaflash",
+    "engine_off", "engine_fixed", "engine_cost", "engine_adaptive",
 )  # fmt: skip
+# Accepted by --methods, run only when named: prompt lookup at its best, the drafter without the prompt n-gram
+# rule (`*_alone`), and candidates verified past the block (`*_wide`).
+OPT_IN_METHODS = (
+    "prompt_lookup_grid", "prompt_lookup_tuned", "fixed_alone", "fixed_wide", "cost_alone", "cost_wide",
+    "engine_fixed_alone",
+)  # fmt: skip
+METHOD_NAMES = DEFAULT_METHODS + OPT_IN_METHODS  # every name `bench.METHODS` knows (a test keeps them equal)
 
 
 @dataclass
