@@ -31,6 +31,7 @@ class BenchConfig:
     named set with training duplicates removed (`adaflash_hf.training.splits`).
     ``concurrency``: batch sizes; N prompts are decoded together in one left-padded batch.
     ``temperature`` 0 means greedy, and only greedy runs are compared token for token.
+    ``threads``: torch's CPU threads (None: `loading.set_cpu_threads` picks, one for small models on the CPU).
     ``warmup``: prompts decoded untimed before each (method, concurrency) is first timed on a set (its longest).
     ``prompt_lookup_num_tokens``: candidate tokens per round of the ``prompt_lookup`` baseline (and of
     ``prompt_lookup_exact``, its rounds computed from plain's outputs, untimed).
@@ -68,6 +69,7 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     device: str = "auto"
     dtype: str = "auto"
+    threads: int | None = None
     attn_implementation: str = "sdpa"
     warmup: int = 1
     prompt_lookup_num_tokens: int = 10

@@ -6,7 +6,7 @@ import os
 import shlex
 
 from ..loading import PROMPTS_HINT, UsageError, check_drafter_path, check_target_path, one_line
-from .common import PROG, check_either_reference, positive_int
+from .common import PROG, THREADS_HELP, check_either_reference, positive_int
 
 HELP = "benchmark decoding methods side by side (tok/s, speedup, tau), checked for correctness"
 
@@ -24,7 +24,7 @@ def add_arguments(p) -> None:
     from ..bench.cli_args import add_arguments as add_bench_arguments
 
     add_bench_arguments(p)
-    p.add_argument("--threads", type=positive_int, help="CPU threads for torch (small models are often fastest with 1)")
+    p.add_argument("--threads", type=positive_int, help=THREADS_HELP)
 
 
 def _check_models(args) -> None:
@@ -93,9 +93,5 @@ def run(args) -> int:
     _check_models(args)
     _check_workload(args, bench.METHODS)
     _check_datasets(args)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     args.command = shlex.join([PROG, "bench", *args._argv])
     return bench.run_from_args(args)
