@@ -1,7 +1,7 @@
 """README.md and the docs pages it sends readers to, as a new user meets them.
 
-* Every Python snippet of README.md, then of docs/usage.md (which reuses the README's `target`, `tok` and
-  `drafter`), runs as written, in order, with the Hub models swapped for the embedded reference pair, the GPU for
+* Every Python snippet of README.md, then of docs/usage.md and docs/export.md (which reuse the README's `target`,
+  `tok` and `drafter`), runs as written, in order, with the Hub models swapped for the embedded reference pair, the GPU for
   the CPU, and long runs shortened: `SWAPS` is the only change made to the text.
 * Every shell command of the README runs (the server's on a free port, the demo with fewer tokens), except the
   ones `NOT_RUN` names with the reason.
@@ -25,7 +25,7 @@ from adaflash_hf.reference import REFERENCE_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-SNIPPET_FILES = (README, ROOT / "docs" / "usage.md")
+SNIPPET_FILES = (README, ROOT / "docs" / "usage.md", ROOT / "docs" / "export.md")
 SWAPS = {
     '"Qwen/Qwen3-8B"': repr(os.path.join(REFERENCE_DIR, "target")),
     '"z-lab/Qwen3-8B-DFlash-b16"': repr(os.path.join(REFERENCE_DIR, "drafter")),
@@ -34,6 +34,7 @@ SWAPS = {
     "max_steps=100": "max_steps=1",
     "per_device_train_batch_size=8": "per_device_train_batch_size=2",
     "num_layers=5": "num_layers=1",
+    '"/models/my-drafter-dflash"': '"out/my-drafter-dflash"',  # into the test's working directory, not /models
 }
 # README shell commands a test cannot run, and why (CI runs the install line; the suite is this test's own run).
 NOT_RUN = {
@@ -72,7 +73,7 @@ def test_the_snippets_and_swaps_are_there():
 
 
 def test_snippets_run(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)  # snippets write runs/ and my-drafter/ into the working directory
+    monkeypatch.chdir(tmp_path)  # snippets write runs/, my-drafter/, out/ into the working directory
     namespace: dict = {"__name__": "readme"}
     for path in SNIPPET_FILES:
         for i, code in enumerate(snippets(path, "python")):
@@ -84,6 +85,7 @@ def test_snippets_run(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "[]" not in out.splitlines()  # the online snippet's history is not empty
     assert (tmp_path / "my-drafter" / "config.json").is_file()
+    assert (tmp_path / "out" / "my-drafter-dflash" / "config.json").is_file()
 
 
 def test_every_shell_command_runs(tmp_path, capsys):
