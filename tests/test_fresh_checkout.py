@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 from script_runner import BACKGROUND, Job, start_scripts
 
+from adaflash_hf.bench.cli_args import REFERENCE_DEFAULTS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -101,7 +103,7 @@ def test_demo(runs):
 def test_bench_reference(runs):
     out = _run(runs, "bench")
     assert "built-in math sample" in out
-    for method in ("plain", "prompt_lookup", "fixed", "adaptive", "engine_fixed"):
+    for method in REFERENCE_DEFAULTS["methods"]:  # what `bench --reference` runs when no --methods is given
         assert f"] {method}: " in out and "MISMATCH" not in out
 
 
