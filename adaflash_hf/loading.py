@@ -21,12 +21,14 @@ __all__ = [
     "check_drafter_path",
     "check_target_path",
     "drafter_layout",
+    "hub_offline_unless_reachable",
     "load_models",
     "locate",
     "read_config",
     "read_jsonl",
     "record_messages",
     "resolve_device_dtype",
+    "set_cpu_threads",
 ]
 
 PROG = "adaflash"
@@ -53,6 +55,66 @@ def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+# ============================================================================ the Hub, offline
+HUB_PROBE_TIMEOUT_S = 2.0
+_OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+_hub_offline: bool | None = None  # this process's answer, once probed
+
+
+def hub_offline_unless_reachable() -> bool:
+    """Whether the Hub is off limits for this process: set so by ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``
+    (respected as given, ``0`` included), or found unreachable by one TCP connection to its host (the host of
+    ``$HF_ENDPOINT``, else huggingface.co; `HUB_PROBE_TIMEOUT_S`). Unreachable switches the Hugging Face
+    libraries to their offline mode for the rest of the process (local files and the cache only), with a
+    one-line note on stderr: without it every Hub call (``datasets.load_dataset``, ``hf_hub_download``) retries
+    for about 20 s before the local data or the built-in sample is used.
+
+    Example:
+        >>> if hub_offline_unless_reachable(): print("local files and the cache only")  # doctest: +SKIP
+    """
+    global _hub_offline
+    if _hub_offline is not None:
+        return _hub_offline
+    given = [os.environ[v].strip().upper() for v in _OFFLINE_VARS if os.environ.get(v, "").strip()]
+    if given:
+        _hub_offline = given[0] in ("1", "ON", "YES", "TRUE")
+        return _hub_offline
+    _hub_offline = not _hub_reachable()
+    if _hub_offline:
+        _go_offline()
+        import sys
+
+        print(f"{PROG}: the Hugging Face Hub is unreachable: offline mode for this run (local files and the cache "
+              "only; set HF_HUB_OFFLINE=0 to insist, HF_HUB_OFFLINE=1 to skip this check)", file=sys.stderr)
+    return _hub_offline
+
+
+def _hub_reachable() -> bool:
+    import socket
+    from urllib.parse import urlparse
+
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except OSError:  # no DNS, no route, refused, timed out
+        return False
+    return True
+
+
+def _go_offline() -> None:
+    """Offline mode for this process and its children: the variables, and the flags the libraries already
+    imported read them into (huggingface_hub and datasets read the variables once, at import)."""
+    import sys
+
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].constants.HF_HUB_OFFLINE = True
+    if "datasets" in sys.modules:
+        config = sys.modules["datasets"].config
+        config.HF_HUB_OFFLINE = config.HF_DATASETS_OFFLINE = True
+
+
 # ============================================================================ checkpoints
 def locate(path: str, flag: str) -> bool:
     """True when `path` is a local directory, False for a Hub id; `UsageError` otherwise."""
@@ -73,6 +135,7 @@ def read_config(path: str, local: bool, flag: str) -> dict:
         if not os.path.isfile(file):
             raise UsageError(f"{flag} {path} has no config.json: not a model checkpoint", "pass the folder a model was saved to")
     else:
+        hub_offline_unless_reachable()  # offline: the cache only, at once, instead of ~20 s of retries
         try:
             from huggingface_hub import hf_hub_download
 
@@ -151,7 +214,7 @@ _DTYPES = {
 }  # fmt: skip
 
 
-def resolve_device_dtype(device: str | None = "auto", dtype: str | None = "auto", threads: int | None = None):
+def resolve_device_dtype(device: str | None = "auto", dtype: str | None = "auto"):
     """``(torch.device, torch.dtype)``: ``auto`` is CUDA when available, and bf16 on CUDA, fp32 on CPU."""
     import torch
 
@@ -171,9 +234,32 @@ def resolve_device_dtype(device: str | None = "auto", dtype: str | None = "auto"
         dt = getattr(torch, _DTYPES[dname])
     else:
         raise UsageError(f"unknown dtype {dname!r}", "use auto, fp32, bf16 or fp16")
-    if threads:
-        torch.set_num_threads(threads)
     return dev, dt
+
+
+SMALL_MODEL_PARAMS = 100_000_000  # below this, a CPU decode step is per-op overhead that extra threads only add to
+
+
+def set_cpu_threads(requested: int | None, device, *models) -> int:
+    """Set torch's CPU threads for a command that generates, and return the count: `requested` when given;
+    torch's own count when ``OMP_NUM_THREADS`` sets it; otherwise, on the CPU, one thread when the models together hold fewer than `SMALL_MODEL_PARAMS`
+    parameters (the reference pair: each op is too small to split, and extra threads spin and contend on a
+    loaded machine; measured 7-15 tok/s with torch's default against 120 with one, on a busy 2-core CPU), and
+    torch's default for larger models or another device.
+
+    Example:
+        >>> set_cpu_threads(None, torch.device("cpu"), target, drafter)  # doctest: +SKIP
+        1
+    """
+    import torch
+
+    if requested:
+        torch.set_num_threads(requested)
+    elif torch.device(device).type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+        params = sum(p.numel() for m in models if m is not None for p in m.parameters())
+        if params < SMALL_MODEL_PARAMS:
+            torch.set_num_threads(1)
+    return torch.get_num_threads()
 
 
 class LoadedModels(NamedTuple):
@@ -189,12 +275,14 @@ def _is_path(x) -> bool:
 
 def load_models(
     target=None, drafter=None, tokenizer=None, *, reference: bool = False, assistant=None, device=None, dtype=None,
-    attn_implementation: str | None = None, need_drafter: bool = False,
+    attn_implementation: str | None = None, need_drafter: bool = False, threads: int | None = None,
 ) -> LoadedModels:  # fmt: skip
     """Load what a command runs: the embedded reference pair (``reference=True``) or ``target`` /
     ``drafter`` / ``tokenizer`` / ``assistant``, each a local folder, a Hub id or an already loaded
     object. Paths are checked first (a drafter passed as target and the like are `UsageError`s);
-    models are moved to `device` / `dtype`, put in eval mode, and the drafter is bound to the target."""
+    models are moved to `device` / `dtype`, put in eval mode, and the drafter is bound to the target.
+    Torch's CPU threads are then set for generating with them (`set_cpu_threads`: `threads`, else one
+    thread for small models on the CPU)."""
     from transformers import AutoTokenizer
 
     from .modeling import AdaFlashDrafter
@@ -223,6 +311,7 @@ def load_models(
         with loading_errors("tokenizer", str(tokenizer), "pass --tokenizer PATH_OR_HUB_ID"):
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
     assistant = _load_causal_lm(assistant, "assistant", device, dtype, attn) if assistant is not None else None
+    set_cpu_threads(threads, next(target.parameters()).device, target, drafter, assistant)
     return LoadedModels(target, drafter, tokenizer, assistant)
 
 

@@ -19,11 +19,19 @@ __all__ = ["chmod_tree", "move_into_place", "save_atomically"]
 
 
 def chmod_tree(root: str) -> None:
-    """Folders 0755, files 0644: an engine running as another user must read the export."""
+    """Give every folder and file under `root` the mode a plain ``mkdir`` / ``open`` would (0755 / 0644
+    under the usual umask 022). Writers that go through a temporary file (safetensors' `save_file`,
+    `tempfile`) create files 0600, which another user (a teammate, an engine in its own account) cannot
+    read. `root` must be a folder made with a plain ``os.mkdir``: its mode is the umask's, read without
+    calling ``os.umask`` (which would race with other threads)."""
+    dir_mode = os.stat(root).st_mode & 0o777
+    file_mode = dir_mode & 0o666
     for dirpath, dirnames, filenames in os.walk(root):
-        os.chmod(dirpath, 0o755)
+        os.chmod(dirpath, dir_mode)
         for name in filenames:
-            os.chmod(os.path.join(dirpath, name), 0o644)
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                os.chmod(path, file_mode)
 
 
 def move_into_place(tmp, dest) -> None:
@@ -58,6 +66,7 @@ def save_atomically(save: Callable[[str], object], path) -> None:
     os.mkdir(tmp)  # not mkdtemp: the published folder gets the permissions a plain save gives it
     try:
         save(tmp)
+        chmod_tree(tmp)
         if os.path.isdir(path) and os.listdir(path):
             move_into_place(tmp, path)
         else:

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from transformers.utils import cached_file
 
-from .atomic_save import chmod_tree
+from .atomic_save import save_atomically
 from .configuration_adaflash import AdaFlashConfig, default_target_layer_ids
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
@@ -496,11 +496,11 @@ def write_dflash_checkpoint(model, path: str, dtype="bfloat16", remote_code_dir:
       under `thresh_head_two_model.*` with its `dflash_config` keys (AdaFlash's own code reads it;
       stock vLLM refuses it).
 
-    Written into a temporary sibling directory first and renamed into place, so a crash never
-    leaves a half-written checkpoint at `path`. Folders 0755, files 0644.
+    Written into a temporary sibling directory first and renamed into place (`save_atomically`), so a
+    crash never leaves a half-written checkpoint at `path`; folders and files get the modes the umask
+    gives a plain save (0755 / 0644 under the usual 022).
     """
     import shutil
-    import tempfile
 
     from safetensors.torch import save_file
 
@@ -509,8 +509,6 @@ def write_dflash_checkpoint(model, path: str, dtype="bfloat16", remote_code_dir:
     path = os.path.abspath(path)
     if os.path.exists(path) and os.listdir(path):
         raise FileExistsError(f"{path} exists and is not empty: choose a new directory")
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -524,8 +522,8 @@ def write_dflash_checkpoint(model, path: str, dtype="bfloat16", remote_code_dir:
     config = dflash_dict_from_config(model.config, dtype=out_dtype, with_head=bool(head) and head_layout == "released")
     if head_layout == "released":
         body, head = {**body, **head}, {}
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
-    try:
+
+    def fill(tmp: str) -> None:
         save_file(body, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         if head:
             os.mkdir(os.path.join(tmp, LENGTH_HEAD_SUBFOLDER))
@@ -552,13 +550,8 @@ def write_dflash_checkpoint(model, path: str, dtype="bfloat16", remote_code_dir:
             config["auto_map"] = {"AutoModel": "modeling_adaflash.AdaFlashDrafter"}
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
-        chmod_tree(tmp)
-        if os.path.exists(path):
-            os.rmdir(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    save_atomically(fill, path)
 
 
 __all__ = [

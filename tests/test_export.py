@@ -197,12 +197,12 @@ def test_launch_commands(tmp_path):
 
 
 
-DOCS_EXPORT_DIR = "/models/my-drafter-dflash"  # the export path README.md and docs/export.md show
+DOCS_EXPORT_DIR = "/models/my-drafter-dflash"  # the export path docs/export.md shows
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/export.md"])
+@pytest.mark.parametrize("doc", ["docs/export.md"])
 def test_docs_show_launch_commands_output(tmp_path, doc):
-    """The launch lines README.md and docs/export.md show are `launch_commands`' output, byte for byte.
+    """The launch lines docs/export.md shows are `launch_commands`' output, byte for byte.
 
     The docs call `launch_commands("/models/my-drafter-dflash", "Qwen/Qwen3-8B", {"tp": 2})` for a block-16
     drafter; here the export lives in tmp_path and its (absolute) path is put back to the docs' one.

@@ -189,3 +189,14 @@ def test_positional_drafter_and_streamer_reach_our_loop():
     out, stats = target.generate(IDS, None, None, None, None, None, drafter, stream, **COMMON, length_policy="fixed", return_stats=True)
     assert torch.equal(out, ref) and stats.tau > 2  # return_stats: our loop ran, accepting whole blocks
     assert stream.puts == ref_stream.puts and stream.ends == 1
+
+
+def test_drafter_as_second_positional_argument_names_the_fix():
+    """`generate(ids, drafter)` puts the drafter where generate takes `generation_config`: one error that says
+    so and how to pass it, before any work; the drafter by keyword (the fix it names) then works."""
+    target = target_model("qwen3", 87)
+    drafter = make_drafter(target, block_size=4)
+    with pytest.raises(TypeError, match=r"generation_config.*assistant_model=drafter"):
+        target.generate(IDS, drafter, **COMMON)
+    out, stats = target.generate(IDS, assistant_model=drafter, **COMMON, return_stats=True)
+    assert torch.equal(out, target.generate(IDS, **COMMON)) and stats.rounds > 0

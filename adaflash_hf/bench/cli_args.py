@@ -9,7 +9,7 @@ import argparse
 import shlex
 import sys
 
-from .config import DEFAULT_METHODS, BenchConfig
+from .config import DEFAULT_METHODS, METHOD_NAMES, BenchConfig
 
 DESCRIPTION = "`adaflash bench`: every decoding method on the same prompts, side by side, checked for correctness."
 
@@ -32,8 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--assistant", help="small autoregressive assistant for hf_assisted")
     g = parser.add_argument_group("workload")
     g.add_argument("--datasets", type=_csv, default=["gsm8k"],
-                   help="comma list of dataset names (blend included) or jsonl:PATH; spec_bench_all: MT-bench (both turns) "
-                   "and Spec-Bench's five other categories")
+                   help=f"comma list of: {', '.join(dataset_names())}; or jsonl:PATH (one {{\"prompt\": ...}} or "
+                   "{\"messages\": [...]} a line). spec_bench_all: MT-bench (both turns) and Spec-Bench's five other "
+                   "categories; blend: gsm8k, mathqa, codealpaca and sharegpt mixed; spec_bench:CATEGORY takes any "
+                   "category of Spec-Bench's file")
     g.add_argument("--data-dir", help="root of local eval datasets (default: $ADAFLASH_DATA, else the project's shared/data); a named set not found there loads from the Hub through datasets, else from the built-in sample")
     g.add_argument("--split", default="all", choices=("validation", "test", "all"),
                    help="all (default): every record of each named set, as listed; validation / test: that slice, "
@@ -47,10 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--concurrency", type=_ints, default=[1], help="comma list of batch sizes, e.g. 1,4,16")
     g.add_argument(
         "--methods", type=_csv, default=None,
-        help=f"comma list from: {', '.join(DEFAULT_METHODS)} ({_default_help('methods')}). prompt_lookup_exact is "
-        "computed, not timed: prompt lookup's tau from plain's greedy outputs (exact under greedy, any concurrency); also "
-        "prompt_lookup_grid (computed, best of tokens 10/15/20 x n-gram 2/3/4) and prompt_lookup_tuned (timed, the "
-        "setting chosen on validation)",
+        help=f"comma list from: {', '.join(METHOD_NAMES)} ({_default_help('methods')}). cost and engine_cost are what "
+        "generate(assistant_model=drafter) and `adaflash serve` do by default (verify lengths from the length head and a "
+        "cost model); fixed verifies whole blocks; *_alone: the drafter without the prompt n-gram rule; *_wide: n-gram "
+        "candidates verified up to 31 tokens. prompt_lookup_exact is computed, not timed: prompt lookup's tau from plain's "
+        "greedy outputs (exact under greedy, any concurrency); so is prompt_lookup_grid (best of tokens 10/15/20 x n-gram "
+        "2/3/4); prompt_lookup_tuned is timed, at the setting chosen on validation (--prompt-lookup-choice)",
     )
     g = parser.add_argument_group("runtime")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
@@ -94,15 +98,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 # fewer prompts and tokens, and the methods a newcomer compares (plain, prompt lookup, ours, the engine).
 DEFAULTS = {"num_prompts": 8, "max_new_tokens": 128, "methods": list(DEFAULT_METHODS)}
 REFERENCE_DEFAULTS = {"num_prompts": 3, "max_new_tokens": 48,
-                      "methods": ["plain", "prompt_lookup", "fixed", "adaptive", "engine_fixed"]}  # fmt: skip
+                      "methods": ["plain", "prompt_lookup", "fixed", "cost", "adaptive", "engine_cost"]}  # fmt: skip
+
+
+def dataset_names() -> list[str]:
+    """Every dataset name `--datasets` takes (besides jsonl:PATH): the named sets, the suites, each Spec-Bench
+    category of the suite and each EAGLE task."""
+    from ..training import data as D
+
+    return [*D.EVAL_DATASETS, *D.SUITES, *(f"spec_bench:{c}" for c in D.SPEC_BENCH_CATEGORIES),
+            *(f"eagle_bench:{t}" for t in D.EAGLE_TASKS)]  # fmt: skip
 
 
 def _default_help(name: str) -> str:
     def show(v):
-        return ",".join(v) if isinstance(v, list) else v
+        return ", ".join(v) if isinstance(v, list) else v
 
-    full = "all" if name == "methods" else show(DEFAULTS[name])
-    return f"default: {full}; with --reference {show(REFERENCE_DEFAULTS[name])}"
+    return f"default: {show(DEFAULTS[name])}; with --reference {show(REFERENCE_DEFAULTS[name])}"
 
 
 def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -120,7 +132,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         target=args.target, drafter=args.drafter, tokenizer=args.tokenizer, assistant=args.assistant, reference=args.reference,
         datasets=args.datasets, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, concurrency=args.concurrency,
-        methods=args.methods, device=args.device, dtype=args.dtype, attn_implementation=args.attn_implementation,
+        methods=args.methods, device=args.device, dtype=args.dtype, threads=getattr(args, "threads", None),
+        attn_implementation=args.attn_implementation,
         warmup=args.warmup, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
         prompt_lookup_choice=args.prompt_lookup_choice, length_rate=args.length_rate,
         halving_batch=args.halving_batch, fast_path=args.fast_path, reference_concurrency=args.reference_concurrency,

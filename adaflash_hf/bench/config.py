@@ -8,9 +8,16 @@ from typing import Any
 BASELINES = ("plain", "plain_static")
 DEFAULT_METHODS = (
     "plain", "plain_static", "hf_assisted", "prompt_lookup", "prompt_lookup_exact", "dflash_native",
-    "fixed", "adaptive", "expected_gain", "osd", "adaflash",
-    "engine_off", "engine_fixed", "engine_adaptive",
+    "fixed", "cost", "adaptive", "expected_gain", "osd", "adaflash",
+    "engine_off", "engine_fixed", "engine_cost", "engine_adaptive",
 )  # fmt: skip
+# Accepted by --methods, run only when named: prompt lookup at its best, the drafter without the prompt n-gram
+# rule (`*_alone`), and candidates verified past the block (`*_wide`).
+OPT_IN_METHODS = (
+    "prompt_lookup_grid", "prompt_lookup_tuned", "fixed_alone", "fixed_wide", "cost_alone", "cost_wide",
+    "engine_fixed_alone",
+)  # fmt: skip
+METHOD_NAMES = DEFAULT_METHODS + OPT_IN_METHODS  # every name `bench.METHODS` knows (a test keeps them equal)
 
 
 @dataclass
@@ -24,6 +31,7 @@ class BenchConfig:
     named set with training duplicates removed (`adaflash_hf.training.splits`).
     ``concurrency``: batch sizes; N prompts are decoded together in one left-padded batch.
     ``temperature`` 0 means greedy, and only greedy runs are compared token for token.
+    ``threads``: torch's CPU threads (None: `loading.set_cpu_threads` picks, one for small models on the CPU).
     ``warmup``: prompts decoded untimed before each (method, concurrency) is first timed on a set (its longest).
     ``prompt_lookup_num_tokens``: candidate tokens per round of the ``prompt_lookup`` baseline (and of
     ``prompt_lookup_exact``, its rounds computed from plain's outputs, untimed).
@@ -61,6 +69,7 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     device: str = "auto"
     dtype: str = "auto"
+    threads: int | None = None
     attn_implementation: str = "sdpa"
     warmup: int = 1
     prompt_lookup_num_tokens: int = 10

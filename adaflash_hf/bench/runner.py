@@ -211,7 +211,7 @@ def run_bench(config: BenchConfig) -> BenchResult:
     device, dtype = resolve_device_dtype(config.device, config.dtype)
     target, drafter, tokenizer, assistant = load_models(
         config.target, config.drafter, config.tokenizer, reference=config.reference, assistant=config.assistant,
-        device=device, dtype=dtype, attn_implementation=config.attn_implementation,
+        device=device, dtype=dtype, attn_implementation=config.attn_implementation, threads=config.threads,
     )  # fmt: skip
     gen, pad_id, eos_ids = _generate_kwargs(config, target, tokenizer)
     ctx = BenchContext(target, drafter, assistant, tokenizer, device, gen, prompt_lookup_num_tokens=config.prompt_lookup_num_tokens,

@@ -6,7 +6,7 @@ import os
 import shlex
 
 from ..loading import PROMPTS_HINT, UsageError, check_drafter_path, check_target_path, one_line
-from .common import PROG, check_either_reference, positive_int
+from .common import PROG, THREADS_HELP, check_either_reference, positive_int
 
 HELP = "benchmark decoding methods side by side (tok/s, speedup, tau), checked for correctness"
 
@@ -24,7 +24,7 @@ def add_arguments(p) -> None:
     from ..bench.cli_args import add_arguments as add_bench_arguments
 
     add_bench_arguments(p)
-    p.add_argument("--threads", type=positive_int, help="CPU threads for torch (small models are often fastest with 1)")
+    p.add_argument("--threads", type=positive_int, help=THREADS_HELP)
 
 
 def _check_models(args) -> None:
@@ -50,6 +50,21 @@ def _check_workload(args, methods) -> None:
         raise UsageError(f"--concurrency must list batch sizes >= 1, got {args.concurrency}", "e.g. --concurrency 1,4,16")
 
 
+def _check_dataset_name(spec: str) -> None:
+    """A named set (`--help` lists them), a suite, ``spec_bench:CATEGORY`` or ``eagle_bench:TASK``."""
+    from ..bench.cli_args import dataset_names
+    from ..training import data as D
+
+    name = spec.strip().lower()
+    family, _, part = name.partition(":")
+    if name in dataset_names() or (family == "spec_bench" and part):
+        return
+    hint = f"choose from {', '.join(dataset_names())}, spec_bench:CATEGORY or jsonl:PATH"
+    if family == "eagle_bench" and part:
+        raise UsageError(f"--datasets: unknown eagle_bench task {part!r}", f"choose from {', '.join(D.EAGLE_TASKS)}")
+    raise UsageError(f"--datasets: unknown dataset {spec!r}", hint)
+
+
 def _check_datasets(args) -> None:
     from ..training import data as D
 
@@ -60,10 +75,9 @@ def _check_datasets(args) -> None:
         if spec.startswith("jsonl:"):
             if not os.path.isfile(spec[len("jsonl:") :]):
                 raise UsageError(f"--datasets: prompts file not found: {spec[len('jsonl:'):]}", f"pass jsonl:{PROMPTS_HINT}")
-        elif spec.lower() in D.EVAL_DATASETS or spec.lower().startswith("eagle_bench:"):
-            named.append(spec)
         else:
-            raise UsageError(f"--datasets: unknown dataset {spec!r}", f"choose from {', '.join(D.EVAL_DATASETS)} or jsonl:PATH")
+            _check_dataset_name(spec)
+            named.append(spec)
     if named:
         try:
             D.local_data_dir(args.data_dir)  # None (Hub, then the built-in sample) unless a folder was asked for
@@ -79,9 +93,5 @@ def run(args) -> int:
     _check_models(args)
     _check_workload(args, bench.METHODS)
     _check_datasets(args)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     args.command = shlex.join([PROG, "bench", *args._argv])
     return bench.run_from_args(args)

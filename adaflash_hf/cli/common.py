@@ -11,10 +11,14 @@ import math
 import sys
 from collections import Counter
 
-from ..loading import PROMPTS_HINT, UsageError, load_models, read_jsonl, record_messages, resolve_device_dtype
+from ..loading import (
+    PROMPTS_HINT, SMALL_MODEL_PARAMS, UsageError, load_models, read_jsonl, record_messages, resolve_device_dtype,
+)  # fmt: skip
 
 PROG = "adaflash"
 from ..speculation.policy import HEAD_POLICIES, POLICY_NAMES
+
+THREADS_HELP = f"CPU threads for torch (default: 1 on the CPU for models under {SMALL_MODEL_PARAMS // 10**6}M parameters, else torch's)"
 
 
 # ============================================================================ parsing
@@ -76,7 +80,7 @@ def add_model_args(p, drafter: bool = True) -> None:
     g = p.add_argument_group("runtime")
     g.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
     g.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"), help="auto: bf16 on CUDA, fp32 on CPU")
-    g.add_argument("--threads", type=positive_int, help="CPU threads for torch (small models are often fastest with 1)")
+    g.add_argument("--threads", type=positive_int, help=THREADS_HELP)
 
 
 def add_sampling_args(p, max_new_tokens: int):
@@ -102,10 +106,11 @@ def check_either_reference(args) -> None:
 # ============================================================================ models & prompts
 def load_models_from_args(args, need_drafter: bool = True):
     """(target, drafter, tokenizer) from ``--reference`` or ``--target`` / ``--drafter`` / ``--tokenizer``."""
-    device, dtype = resolve_device_dtype(getattr(args, "device", "auto"), getattr(args, "dtype", "auto"), getattr(args, "threads", None))
+    device, dtype = resolve_device_dtype(getattr(args, "device", "auto"), getattr(args, "dtype", "auto"))
     check_either_reference(args)
     target, drafter, tok, _ = load_models(
-        args.target, args.drafter, args.tokenizer, reference=args.reference, device=device, dtype=dtype, need_drafter=need_drafter
+        args.target, args.drafter, args.tokenizer, reference=args.reference, device=device, dtype=dtype,
+        need_drafter=need_drafter, threads=getattr(args, "threads", None),
     )
     return target, drafter, tok
 

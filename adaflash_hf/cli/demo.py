@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..speculation.policy import POLICY_NAMES, default_policy
-from .common import PROG, check_policy, encode, positive_int, progress, verify_summary, write
+from .common import PROG, THREADS_HELP, check_policy, encode, positive_int, progress, verify_summary, write
 
 HELP = "generate with the embedded reference pair; print text, tau, verify lengths, speedup, lossless check"
 DESCRIPTION = (
@@ -29,7 +29,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens generated per prompt")
     p.add_argument("--prompt", action="append", help="a prompt of your own (repeatable; default: three built-in prompts)")
     p.add_argument("--length-policy", choices=POLICY_NAMES, default=None, help="default: cost (the drafter's trained length head)")
-    p.add_argument("--threads", type=positive_int, default=1, help="CPU threads (1 is fastest for this tiny pair)")
+    p.add_argument("--threads", type=positive_int, help=THREADS_HELP)
 
 
 @dataclass
@@ -46,12 +46,12 @@ class _Totals:
 def run(args) -> int:
     import torch
 
+    from ..loading import set_cpu_threads
     from ..reference import load_reference_pair
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     start = time.perf_counter()
     target, drafter, tok = load_reference_pair()
+    set_cpu_threads(args.threads, "cpu", target, drafter)
     check_policy(drafter, args.length_policy)
     policy = args.length_policy or default_policy(drafter.config).value
     prompts = args.prompt or list(DEMO_PROMPTS)

@@ -96,6 +96,13 @@ def _transformers_route(generate, self, call: dict):
 def _route(generate, self, call: dict):
     """Run one `generate` call given as keyword arguments only (`call`, bound as transformers binds it)."""
     assistant, config = call.get("assistant_model"), call.get("generation_config")
+    if isinstance(config, AdaFlashDrafter):
+        # `generate(ids, drafter)`: generate's second parameter is `generation_config`, and transformers
+        # would fail on it with an AttributeError naming neither the argument nor the fix.
+        raise TypeError(
+            "generate() got an AdaFlashDrafter as its second positional argument, generation_config; "
+            "pass the drafter by keyword: target.generate(input_ids, assistant_model=drafter, ...)"
+        )
     speculation = call.get("speculation_type", getattr(config, "speculation_type", None))
     if speculation == ADAFLASH_SPECULATION:
         return _transformers_route(generate, self, call)

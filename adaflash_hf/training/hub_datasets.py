@@ -13,6 +13,7 @@ downloads and caches them the same way.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 
@@ -100,6 +101,14 @@ def hub_load_args(spec: HubDataset) -> tuple[str, dict]:
     return spec.path, kwargs
 
 
+def _remote(path: str, kwargs: dict) -> bool:
+    """Whether a ``load_dataset(path, **kwargs)`` call would go to the network (a Hub id or URLs)."""
+    files = kwargs.get("data_files")
+    if files is not None:
+        return str(files).startswith(("http://", "https://", "hf://"))
+    return not os.path.exists(path)
+
+
 def load_hub_records(name: str) -> list[dict]:
     """The records of named dataset ``name`` read with ``datasets.load_dataset``, columns renamed to
     the local files' field names. Raises `HubUnavailable` (one line, what to do) when it cannot."""
@@ -111,6 +120,10 @@ def load_hub_records(name: str) -> list[dict]:
     except ImportError as e:
         raise HubUnavailable(f"{name}: the `datasets` library is not installed (pip install datasets)") from e
     path, kwargs = hub_load_args(spec)
+    if _remote(path, kwargs):
+        from ..loading import hub_offline_unless_reachable
+
+        hub_offline_unless_reachable()  # no network: the cache only, at once, not ~20 s of retries
     try:
         ds = datasets.load_dataset(path, **kwargs)
     except Exception as e:  # offline, not cached, no network, moved upstream: all one answer

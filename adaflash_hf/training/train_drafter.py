@@ -60,6 +60,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from ..atomic_io import write_text_atomic  # noqa: E402
+from ..loading import set_cpu_threads  # noqa: E402
 from . import RecipeError  # noqa: E402
 from .block_attention import flex_available  # noqa: E402
 from .drafter_recipe import DrafterRecipe, add_arguments, config_from_args  # noqa: E402,F401
@@ -482,6 +483,7 @@ def run(r: DrafterRecipe) -> int:
     timings: dict[str, float] = {}
     tok = AutoTokenizer.from_pretrained(r.tokenizer or r.target)
     target = _load_target(r.target, device)
+    set_cpu_threads(None, device, target)  # regenerating with a small target on the CPU: one thread
     print(f"[train_drafter] target {r.target}: {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params "
           f"on {device} ({time.time() - _T_START:.1f}s)", flush=True)
     drafter = _initial_drafter(r, target, tok)  # a bad --init-from fails here, before the regeneration

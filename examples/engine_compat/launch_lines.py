@@ -42,10 +42,10 @@ def offline_hub_cache(folder: str) -> None:
 
 
 def readme_blocks() -> dict[str, dict[str, str]]:
-    """The vLLM / SGLang lines README.md and docs/export.md show (None where the file is not there)."""
+    """The vLLM / SGLang lines docs/export.md shows (None where the file is not there)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = {}
-    for doc in ("README.md", os.path.join("docs", "export.md")):
+    for doc in (os.path.join("docs", "export.md"),):
         path = os.path.join(root, doc)
         if not os.path.isfile(path):
             continue
