@@ -121,7 +121,7 @@ class OnlineAdapter(UpdateLoop):
         self.publisher = (
             VersionPublisher(config.output_dir, config.keep_versions, config.hub_repo, config.version_layout,
                              config.hub_private, config.hub_max_retries, config.hub_backoff_s,
-                             keep=lambda: {self.served_version})
+                             keep=self._serving_on_disk)
             if config.output_dir else None
         )  # fmt: skip
         self.hub = self.publisher.hub if self.publisher is not None else None
@@ -212,6 +212,12 @@ class OnlineAdapter(UpdateLoop):
         """The version serving now (0: the given drafter's weights, or a swap not written)."""
         with self._stats_lock:
             return self._served_version()
+
+    def _serving_on_disk(self) -> set[int]:
+        """The version on disk whose weights serve now, which pruning keeps (none while a swap is being written)."""
+        with self._stats_lock:
+            record = self._serving_record()
+            return {self.start_version} if record is None else ({record.version} if record.version else set())
 
     @property
     def write_failures(self) -> int:

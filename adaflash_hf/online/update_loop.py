@@ -328,9 +328,11 @@ class UpdateLoop:
             self._swap_pending.clear()
 
     # ------------------------------------------------------------------ publishing
-    def _card_context(self) -> dict:
+    def _card_context(self, writing: UpdateRecord | None = None, number: int | None = None) -> dict:
+        """The model card's context; ``writing``: the record of the version being written, numbered ``number`` in
+        the card only (its record takes the number once the version is on disk)."""
         with self._stats_lock:
-            history = [asdict(h) for h in self.history]
+            history = [{**asdict(h), "version": number} if h is writing else asdict(h) for h in self.history]
             domains = dict(self.domains_seen)
         return card_context(self.config, history, domains, self.target_name, self.worker.block_size)
 
@@ -355,9 +357,7 @@ class UpdateLoop:
         }
 
         def card(number: int) -> dict:
-            with self._stats_lock:
-                record.version = number
-            return self._card_context()
+            return self._card_context(record, number)
 
         what = f"rollback of update {record.update}" if record.rollback_of is not None else f"update {record.update}"
         with self._side_stream():  # the weights are read off the legacy stream (speculation/capture.py)
