@@ -27,7 +27,7 @@ DESCRIPTION = (
     "headers not complete --header-timeout s after their first byte get a 408; past --max-connections open\n"
     "connections a new one gets a 503 at once.\n"
     "SIGTERM / Ctrl-C drains: new requests get a 503 with Retry-After, those in flight run for up to\n"
-    "--drain-timeout s, the rest are cancelled with a 503; a second signal stops at once.\n"
+    "--drain-timeout s, the rest are cancelled with a 503; a second signal cancels them at once.\n"
     "exit status: 0 stopped (Ctrl-C / SIGTERM), 2 usage error (nothing loaded), 3 the engine failed (/health\n"
     "answered 503 for --exit-after-failure seconds first): a supervisor should restart the server.\n"
     "GET /metrics: Prometheus counters (requests, tokens, rounds, tau, acceptance per draft position,\n"

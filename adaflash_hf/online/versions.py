@@ -53,6 +53,7 @@ __all__ = [
     "LATEST_MARKER",
     "METADATA_FILE",
     "VersionStore",
+    "file_checksums",
     "is_complete",
     "latest_version",
     "list_versions",
@@ -85,7 +86,7 @@ def is_complete(path: Path) -> bool:
     )
 
 
-def _checksums(folder: Path) -> dict[str, str]:
+def file_checksums(folder: Path) -> dict[str, str]:
     """SHA-256 (hex) of every file under ``folder`` but the metadata file, by path relative to it."""
     sums = {}
     for p in sorted(folder.rglob("*")):
@@ -114,7 +115,7 @@ def verify_version(path: str | os.PathLike) -> str | None:
     if recorded is None:
         return None
     try:
-        actual = _checksums(path)
+        actual = file_checksums(path)
     except OSError as e:
         return f"unreadable: {type(e).__name__}: {e.strerror or e}"
     for name in sorted(set(recorded) | set(actual)):
@@ -220,7 +221,7 @@ class VersionStore:
                     raise ValueError(f"version file names must be plain names, got {fname!r}")
                 (tmp / fname).write_text(text, encoding="utf-8")
             meta = {"version": n, "name": name, "created_unix": time.time(), **(metadata or {}),
-                    "sha256": _checksums(tmp)}
+                    "sha256": file_checksums(tmp)}
             (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str), encoding="utf-8")
             if not is_complete(tmp):
                 raise ValueError(f"save_fn wrote no config.json or no weights ({', '.join(_WEIGHTS)})")

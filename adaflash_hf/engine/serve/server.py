@@ -29,7 +29,7 @@ is :data:`EXIT_ENGINE_FAILED` (``adaflash serve`` exits with it, so a supervisor
 Stopping (SIGTERM / Ctrl-C, or :meth:`OpenAIServer.drain`) drains first: new completion requests get a 503 with
 ``Retry-After`` and ``/health`` a 503, the requests in flight finish for up to ``ServeSettings.drain_timeout_s``,
 then those left are cancelled (each client gets a 503 error, in band when streaming) and serving stops. A second
-signal stops at once.
+signal cancels what is left at once; a third stops as uvicorn does.
 """
 
 from __future__ import annotations
@@ -122,8 +122,11 @@ class OpenAIServer:
 
     def drain(self) -> None:
         """Start stopping (module docstring): refuse new completion requests, let those in flight finish for up to
-        ``drain_timeout_s``, cancel the rest, then stop serving. Safe to call from a signal handler."""
+        ``drain_timeout_s``, cancel the rest, then stop serving. Called again while draining, it cuts the drain
+        short: what is left is cancelled at the next tick. Safe to call from a signal handler."""
         if self._drain_deadline is not None:
+            self._drain_deadline = time.monotonic()
+            log.info("stopping now: cancelling what is still in flight")
             return
         self._drain_deadline = time.monotonic() + self.settings.drain_timeout_s
         if self.service is not None:

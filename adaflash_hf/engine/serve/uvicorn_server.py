@@ -33,9 +33,9 @@ log = logging.getLogger("adaflash_hf.server")
 
 class TickServer(uvicorn.Server):
     """A :class:`uvicorn.Server` that also stops (gracefully) once ``should_stop()`` returns True. With
-    ``on_signal``, the first SIGTERM / SIGINT calls it instead of stopping at once (the server then keeps
-    serving until ``should_stop()``); a second one stops as uvicorn does. Either way the signal is raised again
-    once the server has stopped, as uvicorn does.
+    ``on_signal``, the first two SIGTERM / SIGINT call it instead of stopping (the server keeps serving until
+    ``should_stop()``: a drain, then a drain cut short); a third stops as uvicorn does. Either way the signal is
+    raised again once the server has stopped, as uvicorn does.
 
     Example::
 
@@ -48,7 +48,7 @@ class TickServer(uvicorn.Server):
         self.should_stop, self.on_signal = should_stop, on_signal
 
     def handle_exit(self, sig, frame) -> None:
-        if self.on_signal is None or self._captured_signals:
+        if self.on_signal is None or len(self._captured_signals) >= 2:
             return super().handle_exit(sig, frame)
         self._captured_signals.append(sig)
         self.on_signal()
