@@ -62,7 +62,7 @@ from .guard import RollbackWatch, UpdateGuard
 from .hub import redact
 from .lock import RoundLock
 from .publish import VersionPublisher
-from .resume import Resumed, resume_drafter
+from .resume import Resumed, newest_number, resume_drafter
 from .trainer_process import ProcessTrainer
 from .update_loop import UpdateLoop, UpdateRecord
 from .versions import version_name
@@ -166,7 +166,7 @@ class OnlineAdapter(UpdateLoop):
         """With ``config.resume``, serve the newest good version in the output folder (:mod:`.resume`); one log
         line says which weights serve, a warning names each version skipped."""
         root, c = self.config.output_dir, self.config
-        resumed = resume_drafter(self.drafter, root) if c.resume else Resumed(newest=_newest_on_disk(root))
+        resumed = resume_drafter(self.drafter, root) if c.resume else Resumed(newest=newest_number(root))
         for name, reason in resumed.skipped:
             logger.warning("online: version %s in %s skipped: %s", name, root, reason)
         nxt = version_name(resumed.newest + 1)
@@ -206,12 +206,6 @@ class OnlineAdapter(UpdateLoop):
     def busy(self) -> bool:
         """Whether an update is training (or swapping / publishing) right now."""
         return self._busy
-
-    @property
-    def served_version(self) -> int:
-        """The version serving now (0: the given drafter's weights, or a swap not written)."""
-        with self._stats_lock:
-            return self._served_version()
 
     def _serving_on_disk(self) -> set[int]:
         """The version on disk whose weights serve now, which pruning keeps (none while a swap is being written)."""
@@ -490,12 +484,6 @@ class OnlineAdapter(UpdateLoop):
                                                                          logits_dtype=None) for r in samples]  # fmt: skip
         with self.round_lock:
             return self.worker.evaluate(self.drafter, samples)
-
-
-def _newest_on_disk(root: str) -> int:
-    from .versions import list_versions
-
-    return max((n for n, _ in list_versions(root)), default=0)
 
 
 def _model_name(model: nn.Module) -> str:

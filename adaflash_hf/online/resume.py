@@ -26,7 +26,7 @@ import torch
 from ..modeling import AdaFlashDrafter
 from .versions import LATEST_MARKER, _VERSION_RE, list_versions, verify_version
 
-__all__ = ["Resumed", "first_nonfinite", "resume_drafter"]
+__all__ = ["Resumed", "first_nonfinite", "newest_number", "resume_drafter"]
 
 
 @dataclass
@@ -46,6 +46,11 @@ def first_nonfinite(named_tensors) -> str | None:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             return name
     return None
+
+
+def newest_number(root: str | os.PathLike) -> int:
+    """The highest number of a complete version under ``root`` (0: none)."""
+    return max((n for n, _ in list_versions(root)), default=0)
 
 
 def _candidates(root: Path) -> list[tuple[int, Path]]:
@@ -84,7 +89,7 @@ def resume_drafter(drafter: AdaFlashDrafter, root: str | os.PathLike) -> Resumed
     """Copy the newest good version under ``root`` into ``drafter`` (module docstring); what was found."""
     root = Path(root)
     candidates = _candidates(root)
-    found = Resumed(newest=max((n for n, _ in list_versions(root)), default=0))
+    found = Resumed(newest=newest_number(root))
     for number, path in candidates:
         try:
             state = _load(path, drafter)
