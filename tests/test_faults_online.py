@@ -620,4 +620,3 @@ def test_guarded_updates_serve_exactly_the_targets_greedy_output(setup, margin):
         assert _serves_exactly(adapter, target)
     finally:
         adapter.close(timeout=10)
-
