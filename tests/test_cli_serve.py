@@ -60,6 +60,13 @@ def _cases(c, port):
         "drafter-as-target": (["--target", c["drafter"], "--drafter", c["drafter"]], ["is a drafter checkpoint"]),
         "port-in-use": (["--port", str(port)], ["cannot listen on", f"127.0.0.1:{port}"]),
         "online-flag-without-online": (["--lr", "1e-4", "--guard-samples", "4"], ["without --online: --lr, --guard-samples"]),
+        "empty-api-key": (["--api-key", ""], ["--api-key is empty"]),  # `--api-key "$KEY"` with KEY unset
+        "blank-api-key": (["--api-key", "  "], ["--api-key is empty"]),
+        "padded-api-key": (["--api-key", "sk-1 "], ["--api-key is padded with whitespace"]),
+        "output-dir-under-a-file": (["--online", "--output-dir", c["target"] + "/config.json/versions"],
+                                    ["--output-dir", "cannot be written"]),
+        "fresh-without-online": (["--fresh"], ["--fresh given without --online"]),
+        "negative-drain-timeout": (["--drain-timeout", "-1"], ["--drain-timeout", "seconds >= 0"]),
     }
 
 
@@ -82,7 +89,7 @@ def test_serve_user_errors_are_one_line(case, ckpts, busy_port, capsys):
     (["--host", "::", "--api-key", "sk-flag"], "sk-env", "sk-flag", False),  # the flag wins
     (["--host", "127.0.0.1"], None, None, False),
     (["--host", "::1"], None, None, False),
-    (["--host", "localhost"], "", None, False),  # an empty variable is no key
+    (["--host", "localhost"], "sk-env", "sk-env", False),
     (["--host", "myhost.example"], None, None, True),  # a name may resolve anywhere
 ])  # fmt: skip
 def test_serve_takes_the_key_from_flag_or_env_and_warns_without_one_beyond_loopback(monkeypatch, capsys, argv, env_key,
@@ -107,6 +114,17 @@ def test_serve_takes_the_key_from_flag_or_env_and_warns_without_one_beyond_loopb
     assert (settings.api_key, settings.header_timeout_s, settings.max_connections) == (key, 3.0, 77)
     assert ("warning: listening on" in err and "without an API key" in err) == warned, err
     assert "sk-" not in err  # the key is never printed
+
+
+@pytest.mark.parametrize("value", ["", " ", "\t"])
+def test_serve_refuses_an_empty_key_variable_before_binding(monkeypatch, capsys, value):
+    """An empty or blank $ADAFLASH_API_KEY is a usage error (it used to turn authentication off), raised before
+    the port is bound or a model loads."""
+    monkeypatch.setattr(server_mod, "OpenAIServer", None)  # binding would fail loudly
+    monkeypatch.setenv("ADAFLASH_API_KEY", value)
+    rc = main(["serve", "--port", "0"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and "$ADAFLASH_API_KEY is empty" in line, line
 
 
 def _serve_in_main_thread(monkeypatch, argv, client):

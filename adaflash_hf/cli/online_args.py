@@ -6,6 +6,7 @@ Unset flags keep :class:`~adaflash_hf.online.config.OnlineConfig`'s defaults (on
 from __future__ import annotations
 
 import os
+import tempfile
 
 from ..loading import HUB_ID, UsageError
 from .common import nonneg_float, nonneg_int, number, positive_float, positive_int
@@ -79,8 +80,8 @@ def online_flags_given(args) -> list[str]:
 
 def check_online_args(args) -> None:
     """Refuse bad adapter flags before anything loads."""
-    if args.output_dir and os.path.isfile(args.output_dir):
-        raise UsageError(f"--output-dir {args.output_dir} is a file", "pass a directory for the numbered versions")
+    if args.output_dir:
+        check_output_dir(args.output_dir)
     if args.hub_repo and not HUB_ID.match(args.hub_repo):
         raise UsageError(f"--hub-repo {args.hub_repo!r} is not a Hub repository id", "use the form org/name")
     if args.hub_repo and not args.output_dir:
@@ -89,6 +90,20 @@ def check_online_args(args) -> None:
         online_config(args)
     except ValueError as e:
         raise UsageError(f"online adaptation flags: {e}", "see the flags' --help") from None
+
+
+def check_output_dir(path: str) -> None:
+    """Create ``path`` if missing and write a file in it, so that a folder the versions cannot go to fails in one
+    line before any model loads (a file in its place, no permission, a read-only or full disk)."""
+    if os.path.isfile(path):
+        raise UsageError(f"--output-dir {path} is a file", "pass a directory for the numbered versions")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path) as f:
+            f.write(b"adaflash")
+    except OSError as e:
+        raise UsageError(f"--output-dir {path} cannot be written: {e.strerror or type(e).__name__}",
+                         "pass a folder this user can create and write") from None
 
 
 def online_adapter(args, drafter, target):
@@ -120,6 +135,7 @@ def online_config(args, drafter=None):
              "rollback_margin": args.rollback_margin}
     return OnlineConfig(
         method=args.method, output_dir=args.output_dir, hub_repo=args.hub_repo, version_layout=args.layout,
+        resume=not getattr(args, "fresh", True),  # serve resumes unless --fresh; adapt has no such flag
         hub_private=True if args.hub_private else None, seed=getattr(args, "seed", 0) or 0,
         target_name="reference target (adaflash_hf.reference)" if args.reference else args.target,
         **{k: v for k, v in flags.items() if v is not None},

@@ -26,12 +26,16 @@ DESCRIPTION = (
     "A client that disconnects cancels its request; past --max-concurrent-requests a request gets a 429;\n"
     "headers not complete --header-timeout s after their first byte get a 408; past --max-connections open\n"
     "connections a new one gets a 503 at once.\n"
-    "exit status: 0 stopped (Ctrl-C / SIGTERM), 2 usage error, 3 the engine failed (/health answered 503\n"
-    "for --exit-after-failure seconds first): a supervisor should restart the server.\n"
+    "SIGTERM / Ctrl-C drains: new requests get a 503 with Retry-After, those in flight run for up to\n"
+    "--drain-timeout s, the rest are cancelled with a 503; a second signal cancels them at once.\n"
+    "exit status: 0 stopped (Ctrl-C / SIGTERM), 2 usage error (nothing loaded), 3 the engine failed (/health\n"
+    "answered 503 for --exit-after-failure seconds first): a supervisor should restart the server.\n"
     "GET /metrics: Prometheus counters (requests, tokens, rounds, tau, acceptance per draft position,\n"
     "verify length; with --online the served version, updates, losses, buffer). --online distils the\n"
     "drafter from the served traffic and swaps each update in between rounds (answers unchanged); SIGTERM\n"
-    "abandons an update in progress and leaves the newest version in --output-dir loadable.\n\n"
+    "abandons an update in progress and leaves the newest version in --output-dir loadable. A restart with\n"
+    "the same --output-dir resumes from its newest version that checks out (--fresh: from --drafter).\n"
+    "Operations (supervisors, exit statuses, versions, metrics): docs/operations.md.\n\n"
     "example:\n  adaflash serve --port 8000\n"
     "  adaflash serve --online --output-dir runs/online --samples-per-update 128\n"
     "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
@@ -62,6 +66,9 @@ def add_arguments(p) -> None:
                         "the variable keeps the key out of the process list)")
     g.add_argument("--exit-after-failure", type=seconds, default=2.0,
                    help="after an engine failure, answer /health with 503 this long, then exit with status 3")
+    g.add_argument("--drain-timeout", type=seconds, default=20.0,
+                   help="on SIGTERM / Ctrl-C, seconds the requests in flight may still run before the rest are "
+                        "cancelled (new requests get a 503 meanwhile)")
     g = p.add_argument_group("engine")
     g.add_argument("--length-policy", choices=ENGINE_POLICIES, default=None,
                    help="cost: each request verifies the length head's k_hat, chosen against what a verify costs at "
@@ -83,6 +90,9 @@ def add_arguments(p) -> None:
                         "published as numbered versions (--output-dir); answers stay the target's own")
     add_online_args(g, method_flag="--online-method", output_required=False, train_share=SERVE_TRAIN_SHARE,
                     trainer=SERVE_TRAINER)
+    g.add_argument("--fresh", action="store_true",
+                   help="start from --drafter's weights even when --output-dir holds versions (default: resume from "
+                        "its newest version that checks out); new versions are numbered after those on disk")
 
 
 def _check_models(args) -> bool:
@@ -101,6 +111,9 @@ def _check_models(args) -> bool:
         check_target_path(args.target)
         if args.drafter:
             check_drafter_path(args.drafter)
+            _check_version(args.drafter)
+    if args.fresh and not args.online:
+        raise UsageError("--fresh given without --online", "add --online, or leave --fresh out")
     if args.online:
         if args.plain:
             raise UsageError("--online adapts the drafter; --plain serves none", "leave out --plain, or --online")
@@ -109,6 +122,29 @@ def _check_models(args) -> bool:
         raise UsageError(f"online adaptation flags given without --online: {', '.join(online_flags_given(args))}",
                          "add --online, or leave them out")
     return need_drafter
+
+
+def _check_version(path: str) -> None:
+    """A drafter folder written as an online version must still match its checksums (a damaged one fails here,
+    in one line, instead of in a loader's traceback)."""
+    from ..online.versions import METADATA_FILE, verify_version
+
+    if os.path.isfile(os.path.join(path, METADATA_FILE)):
+        reason = verify_version(path)
+        if reason is not None:
+            raise UsageError(f"--drafter {path} is a damaged online version: {reason}",
+                             "pass an older vNNNNN of its folder, or serve --online --output-dir FOLDER, which "
+                             "resumes from the newest version that checks out")
+
+
+def _api_key(args) -> str | None:
+    """The key from --api-key, else $ADAFLASH_API_KEY; an empty or whitespace one is a usage error (an unset
+    variable expanded into --api-key would otherwise leave the server open)."""
+    key, source = (args.api_key, "--api-key") if args.api_key is not None else (os.environ.get(API_KEY_ENV), f"${API_KEY_ENV}")
+    if key is not None and (not key.strip() or key != key.strip()):
+        raise UsageError(f"{source} is {'empty' if not key.strip() else 'padded with whitespace'}",
+                         f"give the key itself, or leave out --api-key and unset {API_KEY_ENV} to serve without one")
+    return key
 
 
 def _service(args, need_drafter: bool):
@@ -156,6 +192,7 @@ def run(args) -> int:
     import threading
 
     need_drafter = _check_models(args)
+    api_key = _api_key(args)
     try:
         from ..engine.serve.server import OpenAIServer, ServeSettings, require_serve_extra
 
@@ -166,8 +203,8 @@ def run(args) -> int:
     settings = ServeSettings(max_concurrent_requests=args.max_concurrent_requests,
                              timeout_keep_alive_s=args.timeout_keep_alive, body_timeout_s=args.body_timeout,
                              header_timeout_s=args.header_timeout, max_connections=args.max_connections,
-                             exit_after_failure_s=args.exit_after_failure,
-                             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
+                             exit_after_failure_s=args.exit_after_failure, drain_timeout_s=args.drain_timeout,
+                             api_key=api_key)
     if settings.api_key is None and not _is_loopback(args.host):
         print(f"{PROG} serve: warning: listening on {args.host} without an API key: anyone who reaches this port can "
               f"use the model (set ${API_KEY_ENV} or --api-key)", file=sys.stderr)
@@ -183,14 +220,16 @@ def run(args) -> int:
     old_sigterm = None
     if threading.current_thread() is threading.main_thread():
         old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
-    logger = logging.getLogger("adaflash_hf.server")
+    loggers = [logging.getLogger("adaflash_hf.server"), logging.getLogger("adaflash_hf.online")]
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    levels = [lg.level for lg in loggers]
     adapter = None
     try:
+        for lg in loggers:  # the online adapter's lines (resume, updates, failures) from its start on
+            lg.addHandler(handler)
+            lg.setLevel(logging.INFO)
         server.service, adapter, (model, settings_line) = _service(args, need_drafter)
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
         print(f"{PROG} serve: {model} at {server.url}/v1 {settings_line}; endpoints /v1/completions, /v1/chat/completions, "
               f"/v1/models, /health, /metrics; Ctrl-C stops", flush=True)
         server.serve_forever()  # uvicorn stops on SIGINT / SIGTERM, then re-raises it: KeyboardInterrupt
@@ -200,7 +239,9 @@ def run(args) -> int:
         server.close()
         if adapter is not None:  # an update in progress is abandoned; the versions on disk are whole (atomic writes)
             adapter.close(abandon=True, timeout=args.exit_after_failure + 30)
-        logger.removeHandler(handler)
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
         if old_sigterm is not None:
             signal.signal(signal.SIGTERM, old_sigterm)
     if server.exit_code:

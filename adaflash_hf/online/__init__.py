@@ -7,7 +7,8 @@
   acceptance on held-back requests, and rolls a swap back when served tau falls after it; ``lock.py``
   is the round lock.
 - :class:`ReplayBuffer` (``buffer.py``): bounded by samples and bytes; what a sample costs.
-- :class:`VersionStore` / :func:`latest_version` (``versions.py``): atomic numbered versions;
+- :class:`VersionStore` / :func:`latest_version` (``versions.py``): atomic, checksummed numbered versions;
+  ``resume.py``: a restarted adapter serves the newest version that checks out;
   :class:`VersionPublisher` (``publish.py``): a version + its card + its Hub push, for the adapter
   and the callback alike.
 - :class:`HubPublisher` (``hub.py``): background, retried, token-safe Hub uploads + model card.

@@ -62,8 +62,10 @@ from .guard import RollbackWatch, UpdateGuard
 from .hub import redact
 from .lock import RoundLock
 from .publish import VersionPublisher
+from .resume import Resumed, newest_number, resume_drafter
 from .trainer_process import ProcessTrainer
 from .update_loop import UpdateLoop, UpdateRecord
+from .versions import version_name
 from .worker import NonFiniteLossError, ShadowTrainer, copy_drafter
 
 _MAX_OPEN_ROWS = 4096  # requests in flight whose served rounds are kept
@@ -114,9 +116,12 @@ class OnlineAdapter(UpdateLoop):
         self.buffer = ReplayBuffer(
             max_samples=config.max_buffer_samples or 4 * config.samples_per_update, max_bytes=config.max_buffer_bytes
         )
+        self._init_stats()
+        self.resumed = self._resume() if config.output_dir else Resumed()
         self.publisher = (
             VersionPublisher(config.output_dir, config.keep_versions, config.hub_repo, config.version_layout,
-                             config.hub_private, config.hub_max_retries, config.hub_backoff_s)
+                             config.hub_private, config.hub_max_retries, config.hub_backoff_s,
+                             keep=self._serving_on_disk)
             if config.output_dir else None
         )  # fmt: skip
         self.hub = self.publisher.hub if self.publisher is not None else None
@@ -132,7 +137,6 @@ class OnlineAdapter(UpdateLoop):
         # served rounds of requests in flight, per (loop thread, row): (anchor, accepted, verify length)
         self._served: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         self._served_lock = threading.Lock()
-        self._init_stats()
         self._init_worker_thread()
 
     def _init_stats(self) -> None:
@@ -155,7 +159,28 @@ class OnlineAdapter(UpdateLoop):
         self.rollbacks = 0
         self.last_refusal: dict | None = None
         self.rollback = RollbackWatch(self.config.rollback_rounds, self.config.rollback_margin)
+        self.start_version = 0  # the version the server started with (0: the given drafter's weights)
         self._rollback_due: dict | None = None  # set by a round, taken by the worker thread
+
+    def _resume(self) -> Resumed:
+        """With ``config.resume``, serve the newest good version in the output folder (:mod:`.resume`); one log
+        line says which weights serve, a warning names each version skipped."""
+        root, c = self.config.output_dir, self.config
+        resumed = resume_drafter(self.drafter, root) if c.resume else Resumed(newest=newest_number(root))
+        for name, reason in resumed.skipped:
+            logger.warning("online: version %s in %s skipped: %s", name, root, reason)
+        nxt = version_name(resumed.newest + 1)
+        if resumed.version:
+            logger.info("online: resuming from %s: its drafter and length head serve and train on (new versions "
+                        "from %s)", resumed.path, nxt)
+        elif c.resume:
+            logger.info("online: no %sversion to resume in %s: starting from the given drafter (new versions from %s)",
+                        "good " if resumed.skipped else "", root, nxt)
+        elif resumed.newest:
+            logger.info("online: starting fresh from the given drafter, not from the versions in %s (new versions "
+                        "from %s)", root, nxt)
+        self.start_version = resumed.version
+        return resumed
 
     def _init_worker_thread(self) -> None:
         self._cv = threading.Condition()
@@ -181,6 +206,12 @@ class OnlineAdapter(UpdateLoop):
     def busy(self) -> bool:
         """Whether an update is training (or swapping / publishing) right now."""
         return self._busy
+
+    def _serving_on_disk(self) -> set[int]:
+        """The version on disk whose weights serve now, which pruning keeps (none while a swap is being written)."""
+        with self._stats_lock:
+            record = self._serving_record()
+            return {self.start_version} if record is None else ({record.version} if record.version else set())
 
     @property
     def write_failures(self) -> int:
@@ -394,7 +425,9 @@ class OnlineAdapter(UpdateLoop):
         """Counters, buffer state, per-update history (tau before / after, losses, the guard's
         measurements, rollbacks: :class:`UpdateRecord`), Hub state. ``swaps_refused`` / ``last_refusal``:
         updates the guard kept aside and the newest one's reason; ``rollbacks``: swaps undone;
-        ``served_version``: the version serving now (0: the starting weights)."""
+        ``served_version``: the version serving now (0: the starting weights); ``write_failures``: versions that
+        could not be written (their weights serve all the same); ``versions_rejected``: damaged versions skipped at
+        the start (``resumed_from``: the version the adapter resumed from, 0: none)."""
         with self._stats_lock:
             tau = self._tau_sum / self._tau_n if self._tau_n else None
             rounds_since = self._tau_n
@@ -427,6 +460,8 @@ class OnlineAdapter(UpdateLoop):
             "head_error": mae,
             "served_version": served_version,
             "write_failures": self.write_failures,
+            "versions_rejected": len(self.resumed.skipped),
+            "resumed_from": self.resumed.version,
             "versions": [r["version"] for r in history if r["version"] is not None],
             "domains": dict(self.domains_seen),
             "history": history,

@@ -80,7 +80,11 @@ class OnlineConfig:
             its batch (counted in ``samples_dropped``); the trained ones are gone already and those
             arriving during the update stay for the next one.
     Publishing:
-        output_dir: write every update as a numbered version here; keep_versions: rolling window.
+        output_dir: write every update as a numbered version here; keep_versions: rolling window (the
+            version serving is kept beyond it).
+        resume: start from the newest good version in ``output_dir`` (:mod:`~adaflash_hf.online.resume`): its
+            weights serve and train on, and a damaged newer one is skipped with a warning. Off (default), the
+            given drafter's weights serve; either way new versions are numbered after those on disk.
         version_layout: ``"native"`` or ``"dflash"`` (SGLang / vLLM).
         hub_repo: ``"org/name"`` to push each version to (credentials from ``HF_TOKEN`` or
             ``hf auth login`` only); hub_private, hub_max_retries, hub_backoff_s.
@@ -155,6 +159,7 @@ class OnlineConfig:
     clear_after_update: bool = True
     output_dir: str | None = None
     keep_versions: int = 3
+    resume: bool = False
     version_layout: str = "native"
     hub_repo: str | None = None
     hub_private: bool | None = None

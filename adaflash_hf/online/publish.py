@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from .hub import HubPublisher, redact, render_card
@@ -47,7 +47,8 @@ def save_version(drafter, path: str, layout: str = "native") -> None:
 
 class VersionPublisher:
     """Numbered versions in ``output_dir`` (rolling window ``keep_versions``), optionally pushed to
-    ``hub_repo`` (credentials from ``HF_TOKEN`` or ``hf auth login`` only), in ``layout``."""
+    ``hub_repo`` (credentials from ``HF_TOKEN`` or ``hf auth login`` only), in ``layout``; ``keep()`` names
+    versions pruning must keep beyond the window (the one serving)."""
 
     def __init__(
         self,
@@ -58,6 +59,7 @@ class VersionPublisher:
         hub_private: bool | None = None,
         hub_max_retries: int = 5,
         hub_backoff_s: float = 2.0,
+        keep: Callable[[], Collection[int]] | None = None,
     ):
         if layout not in LAYOUTS:
             raise ValueError(f"version_layout must be 'native' or 'dflash', got {layout!r}")
@@ -68,7 +70,11 @@ class VersionPublisher:
             else None
         )
         # Pruning keeps what a push still reads (the version uploading, pending, last pushed).
-        in_use = self.hub.in_use if self.hub is not None else None
+        hub = self.hub
+
+        def in_use() -> set[int]:
+            return set(hub.in_use() if hub is not None else ()) | set(keep() if keep is not None else ())
+
         self.store = VersionStore(output_dir, keep_versions=keep_versions, in_use=in_use)
         self.layout = layout
         self.failures = 0

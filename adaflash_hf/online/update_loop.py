@@ -21,7 +21,8 @@ from ..speculation.capture import CAPTURE_LOCK
 from .buffer import RequestSample, Sample
 from .hub import redact
 from .publish import card_context
-from .worker import UpdateAbandoned
+from .resume import first_nonfinite
+from .worker import NonFiniteLossError, UpdateAbandoned
 
 __all__ = ["UpdateLoop", "UpdateRecord"]
 
@@ -44,7 +45,8 @@ class UpdateRecord:
     ``version`` is None, ``path`` the folder it was kept aside in, ``tau_before`` the tau served so far with the
     weights it did not replace, ``update`` the number it would have had). A rollback is its own record:
     ``rollback_of`` names the update undone, ``version`` the restored weights' new version, ``tau_before`` the tau
-    served with the undone weights."""
+    served with the undone weights. ``base_version``: the version serving when the update was trained, which it
+    continues from (0: the weights the adapter started with)."""
 
     update: int
     samples: int
@@ -69,6 +71,7 @@ class UpdateRecord:
     guard_gain: float | None = None
     guard_gain_se: float | None = None
     rollback_of: int | None = None
+    base_version: int | None = None
 
 
 
@@ -106,6 +109,8 @@ class UpdateLoop:
         domains = Counter(s.domain for s in samples if s.domain is not None)
         worker, index = self.worker, self._started
         samples, held = self.guard.split(samples, index)
+        with self._stats_lock:
+            base = self._served_version()
         try:
             with self._side_stream(after_serving=True):
                 serving = self.guard.measure(worker, held, index)  # before training: the shadow holds the serving weights
@@ -129,7 +134,7 @@ class UpdateLoop:
             head_loss_last=result["head_loss_last"], grad_norm=result.get("grad_norm"), tau_before=None, rounds_before=0,
             seconds=time.perf_counter() - t0,
             domains=dict(domains), held_back=len(held), guard_serving=judged.serving, guard_candidate=judged.candidate,
-            guard_gain=judged.gain, guard_gain_se=judged.gain_se,
+            guard_gain=judged.gain, guard_gain_se=judged.gain_se, base_version=base,
         )  # fmt: skip
         if judged.refusal is not None:
             self._refuse(record, judged.refusal, index)
@@ -161,8 +166,9 @@ class UpdateLoop:
             yield
 
     def _served_version(self) -> int:
-        """The version serving now (0: the starting weights, or none written yet); under the stats lock."""
-        return next((r.version for r in reversed(self.history) if r.version is not None), 0)
+        """The version serving now (``start_version``: the starting weights, until one is written); under the stats
+        lock."""
+        return next((r.version for r in reversed(self.history) if r.version is not None), self.start_version)
 
     def _serving_record(self) -> UpdateRecord | None:
         """The newest record whose weights were swapped in (an update or a rollback); under the stats lock."""
@@ -292,6 +298,9 @@ class UpdateLoop:
         serving = self.drafter.state_dict()
         if new_state.keys() != serving.keys():
             raise RuntimeError("new and serving drafter weights disagree on their tensors; not swapping")
+        bad = first_nonfinite(new_state.items())
+        if bad is not None:  # never served: the update fails, the serving weights stay
+            raise NonFiniteLossError(f"non-finite values in {bad}; not swapping")
         self._swap_pending.set()
         try:
             with self.round_lock.exclusive(), CAPTURE_LOCK:  # device syncs and copies on the legacy stream
@@ -319,9 +328,11 @@ class UpdateLoop:
             self._swap_pending.clear()
 
     # ------------------------------------------------------------------ publishing
-    def _card_context(self) -> dict:
+    def _card_context(self, writing: UpdateRecord | None = None, number: int | None = None) -> dict:
+        """The model card's context; ``writing``: the record of the version being written, numbered ``number`` in
+        the card only (its record takes the number once the version is on disk)."""
         with self._stats_lock:
-            history = [asdict(h) for h in self.history]
+            history = [{**asdict(h), "version": number} if h is writing else asdict(h) for h in self.history]
             domains = dict(self.domains_seen)
         return card_context(self.config, history, domains, self.target_name, self.worker.block_size)
 
@@ -342,12 +353,11 @@ class UpdateLoop:
             "guard_candidate": record.guard_candidate,
             "guard_gain_se": record.guard_gain_se,
             "rollback_of": record.rollback_of,
+            "base_version": record.base_version,
         }
 
         def card(number: int) -> dict:
-            with self._stats_lock:
-                record.version = number
-            return self._card_context()
+            return self._card_context(record, number)
 
         what = f"rollback of update {record.update}" if record.rollback_of is not None else f"update {record.update}"
         with self._side_stream():  # the weights are read off the legacy stream (speculation/capture.py)

@@ -24,6 +24,11 @@ sharded index) and ``adaflash_version.json``: :meth:`VersionStore.write` publish
 and :func:`list_versions` / :func:`latest_version` report nothing else (a ``vNNNNN`` folder that
 an older release left half-deleted, or one copied in by hand, is skipped; the next prune removes it).
 
+``adaflash_version.json`` records the SHA-256 of every other file of the version (``sha256``), computed
+before the rename and so before ``LATEST`` moves; :func:`verify_version` checks them, so a version damaged
+after it was written (a truncated or overwritten weights file) is found before anything loads it
+(:mod:`.resume` then falls back to the newest version that checks out).
+
 Example:
     >>> store = VersionStore("out/drafter", keep_versions=3)  # doctest: +SKIP
     >>> path = store.write(drafter.save_pretrained, metadata={"tau_before": 3.1})  # doctest: +SKIP
@@ -32,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -47,9 +53,11 @@ __all__ = [
     "LATEST_MARKER",
     "METADATA_FILE",
     "VersionStore",
+    "file_checksums",
     "is_complete",
     "latest_version",
     "list_versions",
+    "verify_version",
     "version_name",
     "write_text_atomic",
 ]
@@ -76,6 +84,46 @@ def is_complete(path: Path) -> bool:
         and (path / "config.json").is_file()
         and any((path / name).is_file() for name in _WEIGHTS)
     )
+
+
+def file_checksums(folder: Path) -> dict[str, str]:
+    """SHA-256 (hex) of every file under ``folder`` but the metadata file, by path relative to it."""
+    sums = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not p.is_symlink() and p.name != METADATA_FILE:
+            with open(p, "rb") as f:
+                sums[p.relative_to(folder).as_posix()] = hashlib.file_digest(f, "sha256").hexdigest()
+    return sums
+
+
+def verify_version(path: str | os.PathLike) -> str | None:
+    """Why the version folder ``path`` cannot be trusted (incomplete, unreadable metadata, a file missing or
+    not matching the checksum written with it), or None when it checks out. A version written before
+    checksums were recorded checks out when complete (loading it is then the only check).
+
+    Example:
+        >>> verify_version("out/v00003")  # doctest: +SKIP
+        'model.safetensors does not match its checksum'
+    """
+    path = Path(path)
+    if not is_complete(path):
+        return "incomplete (config.json, weights or metadata missing)"
+    try:
+        recorded = json.loads((path / METADATA_FILE).read_text(encoding="utf-8")).get("sha256")
+    except (OSError, ValueError, AttributeError) as e:
+        return f"unreadable {METADATA_FILE}: {type(e).__name__}"
+    if recorded is None:
+        return None
+    try:
+        actual = file_checksums(path)
+    except OSError as e:
+        return f"unreadable: {type(e).__name__}: {e.strerror or e}"
+    for name in sorted(set(recorded) | set(actual)):
+        if name not in actual:
+            return f"{name} is missing"
+        if recorded.get(name) != actual[name]:
+            return f"{name} does not match its checksum" if name in recorded else f"{name} has no checksum"
+    return None
 
 
 def _numbered_dirs(root: Path) -> list[tuple[int, Path]]:
@@ -172,7 +220,8 @@ class VersionStore:
                 if os.path.basename(fname) != fname or fname in ("", ".", ".."):
                     raise ValueError(f"version file names must be plain names, got {fname!r}")
                 (tmp / fname).write_text(text, encoding="utf-8")
-            meta = {"version": n, "name": name, "created_unix": time.time(), **(metadata or {})}
+            meta = {"version": n, "name": name, "created_unix": time.time(), **(metadata or {}),
+                    "sha256": file_checksums(tmp)}
             (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str), encoding="utf-8")
             if not is_complete(tmp):
                 raise ValueError(f"save_fn wrote no config.json or no weights ({', '.join(_WEIGHTS)})")
@@ -200,7 +249,8 @@ class VersionStore:
                 pass
 
     def prune(self) -> list[Path]:
-        """Remove versions beyond the rolling window (never the one ``LATEST`` names nor those in use),
+        """Remove versions beyond the rolling window (never the one ``LATEST`` names nor those in use:
+        ``in_use`` names the one serving, which after a fallback (:mod:`.resume`) is not ``LATEST``'s),
         and incomplete ``vNNNNN`` folders (module docstring), which :meth:`versions` never counts."""
         latest = self.latest()
         keep = set(self.in_use()) if self.in_use is not None else set()

@@ -39,6 +39,7 @@ from ..training.objective import DrafterObjective
 from .buffer import RequestSample, Sample
 from .config import OnlineConfig
 from .pacing import Pacer
+from .resume import first_nonfinite
 
 __all__ = ["NonFiniteLossError", "ShadowTrainer", "UpdateAbandoned", "copy_drafter"]
 
@@ -320,9 +321,9 @@ class ShadowTrainer:
                     pacer.done()
                 epoch_losses.append(main_sum / max(count, 1))
                 head_last = head_sum / max(count, 1)
-        for name, p in shadow.named_parameters():
-            if not bool(torch.isfinite(p).all()):
-                raise NonFiniteLossError(f"non-finite weights in {name} after an online update")
+        bad = first_nonfinite(shadow.named_parameters())
+        if bad is not None:
+            raise NonFiniteLossError(f"non-finite weights in {bad} after an online update")
         return {
             "loss_first": epoch_losses[0] if epoch_losses else None,
             "loss_last": epoch_losses[-1] if epoch_losses else None,

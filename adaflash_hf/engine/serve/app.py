@@ -5,8 +5,9 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 Request bodies are pydantic models (types); the service checks values. Every error, a type error
 included, is OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status.
 A client that goes away cancels its request (streaming or not), so its engine slot is freed; past
-``max_concurrent_requests`` a request gets a 429 with ``Retry-After``; a stalled body a 408. With
-``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer KEY`` (else a 401); a completion
+``max_concurrent_requests`` a request gets a 429 with ``Retry-After``; a stalled body a 408; while the server
+stops (the service is draining) a completion request gets a 503 with ``Retry-After``. With ``api_key`` set, every
+route but ``/health`` needs ``Authorization: Bearer KEY`` (else a 401; two Authorization headers: a 400); a completion
 body sent as another Content-Type than JSON gets a 400 naming it. Parsing and tokenizing run on a worker
 thread, so one long prompt never stalls other connections; error messages name a field and the type it
 got, never its text (they are logged).
@@ -43,7 +44,7 @@ __all__ = ["ChatCompletionRequest", "CompletionRequest", "build_app"]
 log = logging.getLogger("adaflash_hf.server")
 
 _COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
-_ERROR_HEADERS = {429: {"Retry-After": "1"}, 401: {"WWW-Authenticate": "Bearer"}}
+_ERROR_HEADERS = {429: {"Retry-After": "1"}, 503: {"Retry-After": "1"}, 401: {"WWW-Authenticate": "Bearer"}}
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -117,7 +118,7 @@ def build_app(get_service: Callable[[], CompletionService | None], settings: Ser
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         request.scope["adaflash.stats"]["error"] = e.message
-        return _json(e)
+        return _json(e, _ERROR_HEADERS.get(e.status))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -163,7 +164,7 @@ def build_app(get_service: Callable[[], CompletionService | None], settings: Ser
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _complete(service(), request, body, "chat", settings)
 
-    return _FrontDoor(app, settings)
+    return _FrontDoor(app, settings, get_service)
 
 
 async def _until_answered(aw, request: Request, poll_s: float):
@@ -179,6 +180,9 @@ async def _until_answered(aw, request: Request, poll_s: float):
     finally:
         if not task.done():
             task.cancel()
+            # a cancelled gather() finishes with a CancelledError that nobody awaits: read it, so that asyncio does
+            # not log it with a traceback for every client that leaves
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 async def _complete(svc: CompletionService, request: Request, body: _Request, kind: str, settings: ServeSettings):
@@ -280,8 +284,8 @@ class _FrontDoor:
     read whole under a size limit (413) and a per-read timeout (408), the concurrency limit (429), and one
     log line per request."""
 
-    def __init__(self, app, settings: ServeSettings):
-        self.app, self.settings = app, settings
+    def __init__(self, app, settings: ServeSettings, get_service: Callable[[], CompletionService | None] = lambda: None):
+        self.app, self.settings, self.get_service = app, settings, get_service
         self.in_flight = 0  # completion requests inside the app (one event loop: no lock needed)
 
     async def __call__(self, scope, receive, send):
@@ -299,6 +303,10 @@ class _FrontDoor:
         try:
             self._check_headers(scope, limited)
             body = await self._read_body(scope, receive)
+            svc = self.get_service()
+            if limited and svc is not None and svc.draining:
+                raise APIError(503, "the server is shutting down; send the request to another instance or retry "
+                               "shortly", code="server_shutting_down")
             # counted once the body is in: a client slow to send it holds no place of a request that could run
             if limited and self.in_flight >= self.settings.max_concurrent_requests:
                 n = self.settings.max_concurrent_requests
@@ -324,12 +332,17 @@ class _FrontDoor:
             if not status[0]:
                 await _json(APIError(500, f"internal error: {type(e).__name__}: {e}"))(scope, receive, send_status)
         finally:
+            svc = self.get_service()
+            if svc is not None:
+                svc.metrics.reject(status[0])
             _log_line(scope, status[0], stats, t0)
 
     def _check_headers(self, scope, limited: bool) -> None:
         """The API key (every route but /health) and a completion body's Content-Type, before the body is read."""
         headers = dict(scope["headers"])
         key = self.settings.api_key
+        if sum(name == b"authorization" for name, _ in scope["headers"]) > 1:  # which one would count is a guess
+            raise APIError(400, "more than one Authorization header: send exactly one", code="invalid_api_key")
         if key is not None and scope["path"] != "/health":
             scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer":

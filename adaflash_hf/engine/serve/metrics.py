@@ -1,27 +1,41 @@
 """What the server exposes at ``GET /metrics``, in the Prometheus text format (``prometheus_client``).
 
 Counters grow from the server's start; rates and ratios are PromQL's job, as in vLLM (whose
-speculative-decoding names these follow). Every finished engine request is counted once, streamed
-or not, by the service that submitted it.
+speculative-decoding and latency names these follow). Every finished engine request (one per choice) is
+counted once, streamed or not, by the service that submitted it.
 
 ======================================================  =============================================
 name                                                    meaning
 ======================================================  =============================================
-``adaflash_requests_total{finish_reason}``              finished requests (length, eos, cancelled, error)
+``adaflash_requests_total{finish_reason}``              finished requests: ``stop`` (end of sequence or a
+                                                        stop string), ``length``, ``cancelled`` (the client
+                                                        left, or the server stopped), ``error``
+``adaflash_requests_rejected_total{status}``            requests answered with an error status (400, 401,
+                                                        404, 408, 413, 429, 503, ...; a client gone is not)
 ``adaflash_prompt_tokens_total``                        prompt tokens of finished requests
 ``adaflash_generation_tokens_total``                    tokens generated
+``adaflash_time_to_first_token_seconds``                histogram: submission to the first token
+``adaflash_inter_token_latency_seconds``                histogram: between a request's successive rounds
+                                                        (one observation per round that committed tokens)
+``adaflash_e2e_request_latency_seconds``                histogram: submission to the last token
 ``adaflash_spec_decode_num_drafts_total``               verify rounds (one per request per round)
 ``adaflash_spec_decode_num_draft_tokens_total``         drafted tokens verified
 ``adaflash_spec_decode_num_accepted_tokens_total``      drafted tokens accepted
+``adaflash_spec_decode_num_emitted_tokens_total``       tokens verify rounds committed (accepted + 1 each)
 ``adaflash_spec_decode_num_draft_tokens_per_pos_total`` verified, by draft position (1 = first draft)
 ``adaflash_spec_decode_num_accepted_tokens_per_pos_total`` accepted, by draft position
 ``adaflash_spec_decode_tau``                            tau since the start: (accepted + rounds) / rounds
 ``adaflash_spec_decode_mean_verify_length``             tokens verified per round, the target's own included
 ======================================================  =============================================
 
+Tau over a window is ``rate(adaflash_spec_decode_num_emitted_tokens_total[5m]) /
+rate(adaflash_spec_decode_num_drafts_total[5m])``; the gauge averages since the start.
+
 With an online adapter (``online_stats``: a callable returning the adapter's ``stats`` dict):
 ``adaflash_online_served_version`` (0: the weights the server started with), ``adaflash_online_updates_total``,
 ``adaflash_online_update_failures_total``, ``adaflash_online_swaps_refused_total``, ``adaflash_online_rollbacks_total``,
+``adaflash_online_write_failures_total`` (versions that could not be written: a full disk),
+``adaflash_online_versions_rejected_total`` (damaged versions skipped when the server resumed),
 ``adaflash_online_last_loss``, ``adaflash_online_last_head_error`` (the length head's mean absolute error on the
 rounds served since the last swap), ``adaflash_online_samples_seen_total``, ``adaflash_online_samples_buffered``,
 ``adaflash_online_samples_dropped_total``. Acceptance per position over a window is
@@ -40,12 +54,12 @@ import math
 import threading
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ...speculation.rounds import position_counts
 
-__all__ = ["CONTENT_TYPE", "ServerMetrics"]
+__all__ = ["CONTENT_TYPE", "ServerMetrics", "online_health"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -54,6 +68,8 @@ _ONLINE_COUNTERS = (  # (name, help, key of the adapter's stats)
     ("online_update_failures", "online updates that failed (serving weights unchanged)", "failures"),
     ("online_swaps_refused", "updates kept aside: they lowered acceptance on held-back traffic", "swaps_refused"),
     ("online_rollbacks", "swaps undone because served tau fell after them", "rollbacks"),
+    ("online_write_failures", "versions that could not be written (their weights serve all the same)", "write_failures"),
+    ("online_versions_rejected", "damaged versions skipped when the server resumed", "versions_rejected"),
     ("online_samples_seen", "samples offered to the adapter's buffer", "samples_seen"),
     ("online_samples_dropped", "samples dropped from the buffer (full, or superseded by an update)", "samples_dropped"),
 )
@@ -62,6 +78,28 @@ _ONLINE_GAUGES = (
     ("online_last_loss", "the last update's mean distillation loss (last epoch)", "last_loss"),
     ("online_last_head_error", "the length head's mean absolute error on rounds served since the last swap", "head_error"),
 )
+
+
+# Buckets as vLLM's (seconds): a CPU's slower tail fits in them too.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+                960.0, 1920.0, 7680.0)
+
+
+def round_ends(output, n_times: int) -> list[int]:
+    """Indices (into a request's token times) of the last token each engine step committed: the prefill's first
+    token, then each verify round's ``accepted + 1`` (fewer where the request stopped inside); one token per
+    step when the rounds do not account for every token (plain decoding)."""
+    sizes = [1] + [a + 1 for a in output.accepted]
+    ends, total = [], 0
+    for size in sizes:
+        total += size
+        ends.append(min(total, n_times) - 1)
+        if total >= n_times:
+            break
+    return ends if total >= n_times else list(range(n_times))
 
 
 class ServerMetrics:
@@ -82,13 +120,31 @@ class ServerMetrics:
         self.requests = Counter("adaflash_requests", "finished requests", ["finish_reason"], registry=self.registry)
         self.prompt_tokens = Counter("adaflash_prompt_tokens", "prompt tokens of finished requests", registry=self.registry)
         self.generation_tokens = Counter("adaflash_generation_tokens", "tokens generated", registry=self.registry)
+        self.rejected = Counter("adaflash_requests_rejected", "requests answered with an error status", ["status"],
+                                registry=self.registry)
+        self.ttft = Histogram("adaflash_time_to_first_token_seconds", "seconds from submission to the first token",
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("adaflash_inter_token_latency_seconds", "seconds between a request's successive rounds",
+                             buckets=_ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("adaflash_e2e_request_latency_seconds", "seconds from submission to the last token",
+                             buckets=_E2E_BUCKETS, registry=self.registry)
         self.registry.register(_Collector(self))
 
-    def observe(self, output) -> None:
-        """Count one finished request (an :class:`~adaflash_hf.engine.EngineOutput`)."""
-        self.requests.labels(output.finish_reason).inc()
+    def reject(self, status: int) -> None:
+        """Count a request answered with error ``status`` (a client that left before its answer is not counted)."""
+        if status >= 400 and status != 499:
+            self.rejected.labels(str(status)).inc()
+
+    def observe(self, output, finish_reason: str | None = None,
+                timing: tuple[float, list[float], float] | None = None) -> None:
+        """Count one finished request (an :class:`~adaflash_hf.engine.EngineOutput`); ``finish_reason``: as the
+        client sees it (default: the output's); ``timing``: (submitted, each token's time, finished) on
+        ``time.perf_counter``'s clock, for the latency histograms."""
+        self.requests.labels(finish_reason or output.finish_reason).inc()
         self.prompt_tokens.inc(len(output.prompt_ids))
         self.generation_tokens.inc(len(output.token_ids))
+        if timing is not None:
+            self._observe_latency(output, *timing)
         if not self._positions:
             return
         by_pos = position_counts(output.accepted, output.verify_lengths, self._positions)
@@ -99,6 +155,15 @@ class ServerMetrics:
                 total[0] += verified
                 total[1] += accepted
             self._verified += sum(v for v, _ in by_pos)
+
+    def _observe_latency(self, output, started: float, times: list[float], finished: float) -> None:
+        self.e2e.observe(max((times[-1] if times else finished) - started, 0.0))
+        if not times:
+            return
+        self.ttft.observe(max(times[0] - started, 0.0))
+        ends = [times[i] for i in round_ends(output, len(times))]
+        for before, after in zip(ends, ends[1:]):
+            self.itl.observe(max(after - before, 0.0))
 
     def spec_counts(self) -> dict:
         """``rounds``, ``accepted``, ``verified`` (drafted tokens) and ``by_position`` ([verified, accepted])."""
@@ -133,7 +198,9 @@ class _Collector:
         p = "adaflash_spec_decode_"
         for name, what, value in (("num_drafts", "verify rounds", c["rounds"]),
                                   ("num_draft_tokens", "drafted tokens verified", c["verified"]),
-                                  ("num_accepted_tokens", "drafted tokens accepted", c["accepted"])):
+                                  ("num_accepted_tokens", "drafted tokens accepted", c["accepted"]),
+                                  ("num_emitted_tokens", "tokens verify rounds committed (accepted + 1 each)",
+                                   c["accepted"] + c["rounds"])):
             yield CounterMetricFamily(p + name, what, value=value)
         verified = CounterMetricFamily(p + "num_draft_tokens_per_pos", "drafted tokens verified, by draft position",
                                        labels=["position"])
@@ -160,3 +227,21 @@ class _Collector:
         for name, what, key in _ONLINE_GAUGES:
             value = stats.get(key)
             yield GaugeMetricFamily("adaflash_" + name, what, value=math.nan if value is None else float(value))
+
+
+_HEALTH_KEYS = ("served_version", "resumed_from", "updates", "failures", "write_failures", "swaps_refused", "rollbacks",
+                "versions_rejected", "stopped", "last_error")
+
+
+def online_health(stats: dict) -> dict:
+    """What ``/health`` says of an online adapter (its ``stats``): the version serving, the counts of what went
+    wrong, the last error, and ``status``: ``ok``, or ``degraded`` once a version could not be written, an update
+    failed, a damaged version was skipped or adapting stopped (serving goes on either way).
+
+    Example:
+        >>> online_health({"served_version": 3, "write_failures": 1, "last_error": "OSError: disk full"})["status"]
+        'degraded'
+    """
+    out = {k: stats.get(k) for k in _HEALTH_KEYS}
+    bad = any(stats.get(k) for k in ("failures", "write_failures", "versions_rejected", "stopped"))
+    return {"status": "degraded" if bad else "ok", **out}

@@ -25,6 +25,11 @@ route but ``/health``, a header deadline and a connection cap (``uvicorn_server.
 concurrency limit (``app.py``), a prompt length cap checked before tokenizing (``service.py``). After an engine failure ``/health`` answers
 503; with ``ServeSettings.exit_after_failure_s`` set, serving then stops and :attr:`OpenAIServer.exit_code`
 is :data:`EXIT_ENGINE_FAILED` (``adaflash serve`` exits with it, so a supervisor restarts the server).
+
+Stopping (SIGTERM / Ctrl-C, or :meth:`OpenAIServer.drain`) drains first: new completion requests get a 503 with
+``Retry-After`` and ``/health`` a 503, the requests in flight finish for up to ``ServeSettings.drain_timeout_s``,
+then those left are cancelled (each client gets a 503 error, in band when streaming) and serving stops. A second
+signal cancels what is left at once; a third stops as uvicorn does.
 """
 
 from __future__ import annotations
@@ -89,6 +94,8 @@ class OpenAIServer:
         self._server = None
         self._thread: threading.Thread | None = None
         self._failed_at: float | None = None
+        self._drain_deadline: float | None = None  # set when draining starts
+        self._cancelled_at: float | None = None  # when the requests left at the deadline were cancelled
 
     @property
     def server_address(self) -> tuple[str, int]:
@@ -101,15 +108,48 @@ class OpenAIServer:
 
     def serve_forever(self) -> None:
         """Serve until :meth:`close`, a signal, or (``exit_after_failure_s``) an engine failure."""
-        config = self._uvicorn.Config(self.app, http=self._runner.guarded_h11(self.settings), lifespan="off",
+        config = self._uvicorn.Config(self.app, http=self._runner.guarded_h11(self.settings, self._count_refusal),
+                                      lifespan="off",
                                       log_config=None, access_log=False,
                                       timeout_keep_alive=self.settings.timeout_keep_alive_s,
                                       timeout_graceful_shutdown=5, backlog=self.settings.backlog)
-        self._server = self._runner.TickServer(config, self._tick)
+        self._server = self._runner.TickServer(config, self._tick, on_signal=self.drain)
         self._server.run(sockets=[self.socket])
 
+    def _count_refusal(self, status: int) -> None:
+        if self.service is not None:
+            self.service.metrics.reject(status)
+
+    def drain(self) -> None:
+        """Start stopping (module docstring): refuse new completion requests, let those in flight finish for up to
+        ``drain_timeout_s``, cancel the rest, then stop serving. Called again while draining, it cuts the drain
+        short: what is left is cancelled at the next tick. Safe to call from a signal handler."""
+        if self._drain_deadline is not None:
+            self._drain_deadline = time.monotonic()
+            log.info("stopping now: cancelling what is still in flight")
+            return
+        self._drain_deadline = time.monotonic() + self.settings.drain_timeout_s
+        if self.service is not None:
+            self.service.begin_drain()
+        log.info("stopping: no new requests; draining those in flight for up to %g s", self.settings.drain_timeout_s)
+
+    def _drained(self) -> bool:
+        """While draining, on each tick: whether serving may stop (nothing left in flight, or the deadline passed
+        and what it cancelled has been answered, or has had a second to be)."""
+        svc = self.service
+        if svc is None or (svc.in_flight() == 0 and self.app.in_flight == 0):
+            return True
+        now = time.monotonic()
+        if self._cancelled_at is None and now >= self._drain_deadline:
+            self._cancelled_at = now
+            log.info("stopping: drain deadline passed; cancelling %d request(s) still in flight", svc.cancel_all())
+        return self._cancelled_at is not None and now - self._cancelled_at > 1.0
+
     def _tick(self) -> bool:
-        """Every 0.1 s on the server loop: whether to stop (an engine failure, once its grace is over)."""
+        """Every 0.1 s on the server loop: whether to stop (a drain done, or an engine failure once its grace is
+        over)."""
+        if self._drain_deadline is not None and self._drained():
+            return True
         failure = None if self.service is None else self.service.failure()
         if failure is None or self.settings.exit_after_failure_s is None:
             return False

@@ -30,13 +30,14 @@ import time
 from functools import partial
 
 from .async_engine import AsyncEngine, EngineClosed, EngineFailed
-from .metrics import ServerMetrics
+from .metrics import ServerMetrics, online_health
 from ..sampling import SamplingParams
 
 __all__ = ["APIError", "CompletionService"]
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # the most choices (`n`) one request may ask for: each is an engine request of its own
+MAX_TEMPERATURE = 2.0  # OpenAI's bound; far beyond it the logits' scaling overflows to inf
 _END = object()
 _FINISH = {"eos": "stop", "length": "length", "cancelled": "cancelled"}
 # Fields we do not implement: the value a request may carry anyway (OpenAI clients send defaults).
@@ -105,23 +106,38 @@ class _Generation:
         self.service, self.req = service, req
         self.finish_reason: str | None = None
         self.completion_tokens = 0
+        self.shutdown = False  # cancelled because the server is stopping: answered with a 503
         self._q: asyncio.Queue = asyncio.Queue()
         self._head = None  # the first item, read by admitted()
+        self.started, self.token_times = time.perf_counter(), []  # the latency histograms' clock
         put = partial(_to_loop, asyncio.get_running_loop(), self._q.put_nowait)
+
+        def on_token(tok: int) -> None:  # on the engine thread
+            self.token_times.append(time.perf_counter())
+            put(tok)
+
         try:
-            self.future = service.engine.submit(req.prompt_ids, req.max_tokens, params, on_token=put)
+            self.future = service.engine.submit(req.prompt_ids, req.max_tokens, params, on_token=on_token)
         except (EngineClosed, EngineFailed) as e:
             raise APIError(503, f"the engine is not running: {e}") from None
+        service._track(self)
         self.future.add_done_callback(lambda f: _quietly(put, _END))
-        self.future.add_done_callback(service.observe)
+        self.future.add_done_callback(lambda f: service.observe(f, self))
 
-    def cancel(self) -> None:
+    def cancel(self, shutdown: bool = False) -> None:
+        self.shutdown = self.shutdown or shutdown
         self.service.engine.cancel(self.future)
+
+    def _shutdown_error(self) -> APIError:
+        return APIError(503, "the server is shutting down and cancelled this request before it finished; retry it",
+                        code="server_shutting_down")
 
     async def admitted(self) -> None:
         """Wait for the first token, or for a refusal: a request the engine can never fit is a 400, one
         submitted to a stopped engine a 503 (checked before a stream commits to its headers)."""
         self._head = await self._q.get()
+        if self._head is _END and self.shutdown:
+            raise self._shutdown_error()
         if self._head is not _END or self.future.cancelled():
             return
         exc = self.future.exception()
@@ -176,6 +192,8 @@ class _Generation:
         out = self.future.result()
         if out.finish_reason == "error" and self.finish_reason is None:  # it failed (alone or with its round)
             raise APIError(500, f"generation failed: {out.error}")
+        if out.finish_reason == "cancelled" and self.shutdown and self.finish_reason is None:
+            raise self._shutdown_error()
         if self.finish_reason is None:
             self.finish_reason = _FINISH.get(out.finish_reason, out.finish_reason)
             self.completion_tokens = len(out.token_ids)
@@ -243,11 +261,48 @@ class CompletionService:
         self.created = int(time.time())
         core = getattr(self.engine, "engine", None)
         self.metrics = ServerMetrics(block_size=getattr(core, "block_size", 1) if getattr(core, "drafter", None) else 1)
+        self.draining = False  # stopping: no new completion requests (a 503), /health answers 503
+        self._live: set[_Generation] = set()
+        self._live_lock = threading.Lock()
 
-    def observe(self, future) -> None:
-        """Count a finished request in :attr:`metrics` (a done-callback of its future; cancelled ones are not counted)."""
-        if not future.cancelled() and future.exception() is None:
-            self.metrics.observe(future.result())
+    def observe(self, future, gen: _Generation | None = None) -> None:
+        """Count a finished request in :attr:`metrics` (a done-callback of its future; cancelled futures are not
+        counted): its finish reason as the client sees it (a stop string's ``stop``, not the cancellation that
+        ended it) and, with ``gen``, its latencies."""
+        if gen is not None:
+            with self._live_lock:
+                self._live.discard(gen)
+        if future.cancelled() or future.exception() is not None:
+            return
+        out = future.result()
+        reason = _FINISH.get(out.finish_reason, out.finish_reason)
+        if gen is not None and gen.req.stops and (gen.finish_reason == "stop" or any(
+                s in self.decode(out.token_ids) for s in gen.req.stops)):  # its reader may not have seen it yet
+            reason = "stop"
+        timing = None if gen is None else (gen.started, gen.token_times, time.perf_counter())
+        self.metrics.observe(out, finish_reason=reason, timing=timing)
+
+    def _track(self, gen: _Generation) -> None:
+        with self._live_lock:
+            self._live.add(gen)
+
+    def begin_drain(self) -> None:
+        """Stop admitting completion requests (they get a 503); those in flight go on."""
+        self.draining = True
+
+    def in_flight(self) -> int:
+        """Engine requests submitted and not finished."""
+        with self._live_lock:
+            return len(self._live)
+
+    def cancel_all(self) -> int:
+        """Cancel every request in flight as the server stops: each client gets a 503 (a streaming one, in band).
+        Returns how many were cancelled."""
+        with self._live_lock:
+            live = list(self._live)
+        for gen in live:
+            gen.cancel(shutdown=True)
+        return len(live)
 
     # ------------------------------------------------------------------ tokenizer
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -281,7 +336,13 @@ class CompletionService:
             return 503, {"status": "error", "error": failure}
         if self.engine.closed:
             return 503, {"status": "closed"}
-        return 200, {"status": "ok", "model": self.model_name, "pending": self.engine.num_pending}
+        if self.draining:
+            return 503, {"status": "draining", "pending": self.engine.num_pending}
+        body = {"status": "ok", "model": self.model_name, "pending": self.engine.num_pending}
+        online = self.metrics.online_stats() if self.metrics.online_stats is not None else None
+        if online:
+            body["online"] = online_health(online)
+        return 200, body
 
     def parse(self, body, kind: str) -> _Parsed:
         """Validate an OpenAI request body (``kind``: ``"completion"`` or ``"chat"``); raises :class:`APIError`."""
@@ -403,8 +464,9 @@ class CompletionService:
     def _sampling(self, body: dict) -> SamplingParams:
         temperature = body.get("temperature")
         temperature = 1.0 if temperature is None else temperature
-        if not _is_number(temperature) or temperature < 0:
-            raise _bad(f"`temperature` must be a number >= 0, got {describe(temperature)}", "temperature")
+        if not _is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+            raise _bad(f"`temperature` must be a number >= 0 and <= {MAX_TEMPERATURE:g}, got {describe(temperature)}",
+                       "temperature")
         top_p = body.get("top_p")
         if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
             raise _bad(f"`top_p` must be a number in (0, 1], got {describe(top_p)}", "top_p")

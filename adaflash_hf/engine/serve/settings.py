@@ -31,8 +31,11 @@ class ServeSettings:
         disconnect_poll_s: how often a non-streaming request checks whether its client is still there.
         exit_after_failure_s: after an engine failure, answer ``/health`` with 503 for this long, then stop
             serving with :data:`EXIT_ENGINE_FAILED` (``None``: keep answering 503, never stop).
+        drain_timeout_s: on SIGTERM, how long the requests in flight may still run (new ones get a 503) before
+            those left are cancelled and the server stops.
         api_key: when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (a 401
-            otherwise); left out of ``repr`` so that it is never printed or logged.
+            otherwise); left out of ``repr`` so that it is never printed or logged. An empty key, or one with
+            whitespace at either end (no client could send it: the header's value is stripped), is refused.
 
     Example::
 
@@ -48,16 +51,19 @@ class ServeSettings:
     exit_after_failure_s: float | None = None
     header_timeout_s: float = 10.0
     max_connections: int = 1024
+    drain_timeout_s: float = 20.0
     api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
-            raise ValueError("api_key must be a non-empty string or None")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key
+                                         or self.api_key != self.api_key.strip()):
+            raise ValueError("api_key must be None or a non-empty string without whitespace at either end")
         for name in ("max_concurrent_requests", "max_body_bytes", "backlog", "max_connections"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("body_timeout_s", "timeout_keep_alive_s", "header_timeout_s", "disconnect_poll_s", "exit_after_failure_s"):
+        for name in ("body_timeout_s", "timeout_keep_alive_s", "header_timeout_s", "disconnect_poll_s", "exit_after_failure_s",
+                     "drain_timeout_s"):
             v = getattr(self, name)
             if v is None and name == "exit_after_failure_s":
                 continue

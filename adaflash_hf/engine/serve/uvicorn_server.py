@@ -1,4 +1,5 @@
-"""uvicorn's server, stopped also by a check of ours (an engine failure) on its own 0.1 s tick, and its
+"""uvicorn's server, stopped also by a check of ours (an engine failure, a drain finished) on its own 0.1 s tick,
+its first SIGTERM / SIGINT handed to us (to drain before stopping), and its
 h11 protocol with the connection guards uvicorn lacks: a connection that sends nothing is closed after
 the keep-alive timeout, one that has not finished a request's headers ``header_timeout_s`` after their
 first byte gets a 408 and is closed, and past ``max_connections`` a new connection gets a 503 and is
@@ -31,16 +32,26 @@ log = logging.getLogger("adaflash_hf.server")
 
 
 class TickServer(uvicorn.Server):
-    """A :class:`uvicorn.Server` that also stops (gracefully) once ``should_stop()`` returns True.
+    """A :class:`uvicorn.Server` that also stops (gracefully) once ``should_stop()`` returns True. With
+    ``on_signal``, the first two SIGTERM / SIGINT call it instead of stopping (the server keeps serving until
+    ``should_stop()``: a drain, then a drain cut short); a third stops as uvicorn does. Either way the signal is
+    raised again once the server has stopped, as uvicorn does.
 
     Example::
 
         TickServer(uvicorn.Config(app), should_stop=lambda: False).run(sockets=[sock])
     """
 
-    def __init__(self, config: uvicorn.Config, should_stop: Callable[[], bool]):
+    def __init__(self, config: uvicorn.Config, should_stop: Callable[[], bool],
+                 on_signal: Callable[[], None] | None = None):
         super().__init__(config)
-        self.should_stop = should_stop
+        self.should_stop, self.on_signal = should_stop, on_signal
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.on_signal is None or len(self._captured_signals) >= 2:
+            return super().handle_exit(sig, frame)
+        self._captured_signals.append(sig)
+        self.on_signal()
 
     async def on_tick(self, counter: int) -> bool:
         return await super().on_tick(counter) or self.should_stop()
@@ -58,6 +69,7 @@ class GuardedH11(H11Protocol):
 
     header_timeout_s: float = 10.0
     max_connections: int = 1024
+    on_refuse: Callable[[int], None] | None = None  # counts each refusal by status (the server's metrics)
     _header_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
@@ -108,10 +120,14 @@ class GuardedH11(H11Protocol):
         self.transport.close()
         client = (self.client or ("-",))[0]
         log.info("%s - - %d error=%s", client, status, json.dumps(message))
+        if self.on_refuse is not None:
+            self.on_refuse(status)
 
 
-def guarded_h11(settings: ServeSettings) -> type[GuardedH11]:
+def guarded_h11(settings: ServeSettings, on_refuse: Callable[[int], None] | None = None) -> type[GuardedH11]:
     """The protocol class for ``uvicorn.Config(http=...)`` with ``settings``' header deadline and connection cap
-    (uvicorn builds the protocol from the class alone, so the settings travel as class attributes)."""
+    and ``on_refuse(status)`` (uvicorn builds the protocol from the class alone, so they travel as class
+    attributes)."""
     return type("GuardedH11", (GuardedH11,), {"header_timeout_s": settings.header_timeout_s,
-                                              "max_connections": settings.max_connections})
+                                              "max_connections": settings.max_connections,
+                                              "on_refuse": staticmethod(on_refuse) if on_refuse else None})
