@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import dataclasses
 import json
@@ -30,21 +31,19 @@ import time
 from functools import partial
 
 from .async_engine import AsyncEngine, EngineClosed, EngineFailed
+from .logprobs import chat_logprobs, completion_logprobs, prompt_entries
 from .metrics import ServerMetrics
+from .options import RequestFieldError, describe, read_options
+from ..processed_rows import LoggedToken
 from ..sampling import SamplingParams
 
 __all__ = ["APIError", "CompletionService"]
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # the most choices (`n`) one request may ask for: each is an engine request of its own
+MAX_PROMPTS = 64  # the most prompts one completion request may list (prompts x n engine requests)
 _END = object()
 _FINISH = {"eos": "stop", "length": "length", "cancelled": "cancelled"}
-# Fields we do not implement: the value a request may carry anyway (OpenAI clients send defaults).
-_UNSUPPORTED = {
-    "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
-    "top_logprobs": (None, 0), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
-}  # fmt: skip
 
 
 class APIError(Exception):
@@ -67,14 +66,6 @@ def _bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
-def describe(value) -> str:
-    """What a wrongly typed value is, for an error message: numbers, booleans and null as themselves, text
-    and containers by their type alone (never their content: it may be prompt text, and errors are logged)."""
-    if value is None or isinstance(value, bool) or (isinstance(value, (int, float)) and math.isfinite(value)):
-        return json.dumps(value)
-    return {str: "a string", dict: "an object", list: "a list"}.get(type(value), f"a {type(value).__name__}")
-
-
 def _text(value: str, field: str, param: str) -> str:
     """``value`` if it can be encoded (JSON's ``\\ud800`` escapes decode to lone surrogates, which no tokenizer
     and no UTF-8 answer takes), else a 400 naming ``field``."""
@@ -94,22 +85,28 @@ def _is_number(v) -> bool:
 
 
 class _Parsed:
-    __slots__ = ("kind", "prompt_ids", "max_tokens", "params", "stops", "stream", "include_usage", "n")
+    __slots__ = ("kind", "prompts", "max_tokens", "params", "stops", "stream", "include_usage", "n", "options", "echoes")
 
 
 class _Generation:
     """One request in flight, read on an event loop: submits it, turns committed tokens into text deltas,
     applies stop strings. Create it inside a running loop (the engine thread hands tokens to that loop)."""
 
-    def __init__(self, service: "CompletionService", req: _Parsed, params: SamplingParams):
+    def __init__(self, service: "CompletionService", req: _Parsed, params: SamplingParams, prompt: int = 0):
         self.service, self.req = service, req
         self.finish_reason: str | None = None
         self.completion_tokens = 0
+        self.echo = req.echoes[prompt] if req.echoes else None  # (prompt text, its logprob entries): `echo`
         self._q: asyncio.Queue = asyncio.Queue()
         self._head = None  # the first item, read by admitted()
         put = partial(_to_loop, asyncio.get_running_loop(), self._q.put_nowait)
+        if req.max_tokens == 0:  # `echo` alone: nothing to generate, no engine request
+            self.future = concurrent.futures.Future()
+            self.future.set_result(None)
+            self._head, self.finish_reason = _END, "length"
+            return
         try:
-            self.future = service.engine.submit(req.prompt_ids, req.max_tokens, params, on_token=put)
+            self.future = service.engine.submit(req.prompts[prompt], req.max_tokens, params, on_token=put)
         except (EngineClosed, EngineFailed) as e:
             raise APIError(503, f"the engine is not running: {e}") from None
         self.future.add_done_callback(lambda f: _quietly(put, _END))
@@ -121,8 +118,9 @@ class _Generation:
     async def admitted(self) -> None:
         """Wait for the first token, or for a refusal: a request the engine can never fit is a 400, one
         submitted to a stopped engine a 503 (checked before a stream commits to its headers)."""
-        self._head = await self._q.get()
-        if self._head is not _END or self.future.cancelled():
+        if self._head is None:
+            self._head = await self._q.get()
+        if self._head is not _END or self.future.cancelled() or not self.req.max_tokens:
             return
         exc = self.future.exception()
         if isinstance(exc, ValueError):  # RequestRejected: a request the engine can never fit
@@ -131,8 +129,10 @@ class _Generation:
         if isinstance(exc, (EngineClosed, EngineFailed)) and self.future.request_id is None:
             raise APIError(503, f"the engine is not running: {exc}")
 
-    async def text(self) -> str:
-        return "".join([piece async for piece in self.deltas()])
+    async def text(self) -> tuple[str, list[tuple]]:
+        """The whole answer: its text and its logprob entries (``logprobs``; else empty)."""
+        pieces = [piece async for piece in self.deltas()]
+        return "".join(t for t, _ in pieces), [e for _, entries in pieces for e in entries]
 
     async def _items(self):
         item = self._head if self._head is not None else await self._q.get()
@@ -141,16 +141,28 @@ class _Generation:
             item = await self._q.get()
 
     async def deltas(self):
-        """Yield text pieces as they become final; sets ``finish_reason`` / ``completion_tokens``."""
+        """Yield ``(text piece, logprob entries of the tokens it completes)`` as pieces become final (the echoed
+        prompt first, with ``echo``); sets ``finish_reason`` / ``completion_tokens``."""
+        base = ""
+        if self.echo is not None:
+            base = self.echo[0]
+            yield self.echo
+        if not self.req.max_tokens:
+            return
         stops, decode = self.req.stops, self.service.decode
         longest = max((len(s) for s in stops), default=0)
         tokens: list[int] = []
-        emitted = ""
+        entries: list[tuple] = []  # (token, logprob, top, text offset) of each token read, for `logprobs`
+        sent = 0  # entries already yielded
+        emitted, prev = "", 0
         async for item in self._items():
             if self.finish_reason is not None:  # stopped: drain what the round still committed
                 continue
             tokens.append(item)
             text = decode(tokens)
+            if isinstance(item, LoggedToken):
+                entries.append((int(item), item.logprob, item.top_logprobs, len(base) + prev))
+            prev = len(text)
             if not text.startswith(emitted):  # the tokenizer revised earlier text: wait for it to settle
                 continue
             if stops:
@@ -160,14 +172,13 @@ class _Generation:
                     cut = min(hits)
                     self.finish_reason, self.completion_tokens = "stop", len(tokens)
                     self.cancel()
-                    if cut > len(emitted):
-                        yield text[len(emitted):cut]
-                    emitted = text[:cut]
+                    yield text[len(emitted):cut] if cut > len(emitted) else "", entries[sent:]
+                    sent, emitted = len(entries), text[:cut]
                     continue
             end = len(text) - _holdback(text, stops)
             if end > len(emitted):
-                yield text[len(emitted):end]
-                emitted = text[:end]
+                yield text[len(emitted):end], entries[sent:]
+                sent, emitted = len(entries), text[:end]
         if self.future.cancelled():
             raise APIError(503, "the request was cancelled")
         exc = self.future.exception()
@@ -180,8 +191,9 @@ class _Generation:
             self.finish_reason = _FINISH.get(out.finish_reason, out.finish_reason)
             self.completion_tokens = len(out.token_ids)
             text = decode(out.token_ids)
-            if text.startswith(emitted) and len(text) > len(emitted):
-                yield text[len(emitted):]
+            rest = text[len(emitted):] if text.startswith(emitted) else ""
+            if rest or sent < len(entries):
+                yield rest, entries[sent:]
 
 
 def _to_loop(loop: asyncio.AbstractEventLoop, fn, item) -> None:
@@ -295,13 +307,14 @@ class CompletionService:
                 named = f"`{model}`" if len(model) <= 100 else f"named in `model` ({len(model)} characters)"
                 raise APIError(404, f"the model {named} does not exist; this server serves `{self.model_name}`",
                                "model", code="model_not_found")
-        for key, allowed in _UNSUPPORTED.items():
-            if key in body and body[key] not in allowed:
-                raise _bad(f"`{key}` is not supported by this server (allowed: {', '.join(map(json.dumps, allowed))})", key)
-        r = _Parsed()  # the cheap checks first: a bad field is refused before the prompt is tokenized
+        try:
+            r = _Parsed()  # the cheap checks first: a bad field is refused before the prompt is tokenized
+            r.options = read_options(body, kind)
+        except RequestFieldError as e:
+            raise _bad(str(e), e.param) from None
         r.kind = kind
-        max_tokens = self._max_tokens(body, kind)
-        r.params = self._sampling(body)
+        max_tokens = self._max_tokens(body, kind, r.options.echo)
+        r.params = self._sampling(body, r.options)
         r.n = 1 if body.get("n") is None else body["n"]
         if not _is_int(r.n) or not 1 <= r.n <= MAX_CHOICES:
             raise _bad(f"`n` must be an integer from 1 to {MAX_CHOICES}, got {describe(r.n)}", "n")
@@ -314,18 +327,53 @@ class CompletionService:
         if opts is not None and not isinstance(opts, dict):
             raise _bad(f"`stream_options` must be an object, got {describe(opts)}", "stream_options")
         r.include_usage = bool((opts or {}).get("include_usage", False))
-        r.prompt_ids = self._prompt_ids(body, kind)
-        # no max_tokens: the default, capped at what fits after the prompt (at least 1: _prompt_ids checked)
-        r.max_tokens = max_tokens or min(self.default_max_tokens, self.engine.max_len - len(r.prompt_ids))
+        r.prompts = self._prompts(body, kind)
+        # no max_tokens: the default, capped at what fits after the longest prompt (at least 1: _prompts checked)
+        longest = max(map(len, r.prompts))
+        r.max_tokens = max_tokens if max_tokens is not None else min(self.default_max_tokens, self.engine.max_len - longest)
+        r.echoes = None
         return r
 
-    def _prompt_ids(self, body: dict, kind: str) -> list[int]:
-        """The prompt's token ids, after every check that costs less than tokenizing (types, Unicode, length)."""
+    def score_prompts(self, req: _Parsed) -> None:
+        """With ``echo``: each prompt's text and, with ``logprobs``, its logprob entries (one plain forward of the
+        target per prompt); call it off the event loop, after :meth:`parse`."""
+        if not req.options.echo:
+            return
+        echoes = []
+        for ids in req.prompts:
+            text = self.decode(ids)
+            if req.options.logprobs is None:
+                echoes.append((text, []))
+                continue
+            offsets = [len(self.decode(ids[:i])) for i in range(len(ids))]
+            target = self.engine.engine.target
+            echoes.append((text, prompt_entries(target, ids, req.options.logprobs, offsets)))
+        req.echoes = echoes
+
+    def token_text(self, token: int) -> str:
+        """One token's text, as logprobs name it (special tokens included)."""
+        with self._tok_lock:
+            return self.tokenizer.decode([int(token)])
+
+    def _prompts(self, body: dict, kind: str) -> list[list[int]]:
+        """The prompts' token ids (completions take a list of prompts: each its own choices), after every check that
+        costs less than tokenizing (types, Unicode, length)."""
         field = "messages" if kind == "chat" else "prompt"
         if field not in body:
             raise _bad(f"missing required field `{field}`", field)
+        prompt = body[field]
+        if kind != "chat" and isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            if len(prompt) > MAX_PROMPTS:
+                raise _bad(f"`prompt` holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed", field)
+            self._check_chars(sum(len(p) for p in prompt if isinstance(p, str)), field)
+            return [self._prompt_ids(p, kind) for p in prompt]
+        return [self._prompt_ids(prompt, kind)]
+
+    def _prompt_ids(self, prompt, kind: str) -> list[int]:
+        """One prompt's token ids (``prompt``: ``messages``, a text or token ids)."""
+        field = "messages" if kind == "chat" else "prompt"
         if kind == "chat":
-            messages = self._chat_messages(body["messages"])
+            messages = self._chat_messages(prompt)
             self._check_chars(sum(len(m["content"]) for m in messages), field)
             if not getattr(self.prompt_tokenizer, "chat_template", None):
                 raise _bad("this model's tokenizer has no chat template; use /v1/completions with a text prompt", field)
@@ -336,17 +384,14 @@ class CompletionService:
                 raise _bad(f"the chat template rejected `messages`: {type(e).__name__}: {e}", field) from None
             ids = self.encode(text, add_special_tokens=False)
         else:
-            prompt = body["prompt"]
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # a batch of one
             if isinstance(prompt, str):
                 self._check_chars(len(_text(prompt, "prompt", field)), field)
                 ids = self.encode(prompt) if prompt else []
             elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
                 ids = list(prompt)
             else:
-                raise _bad(f"`prompt` must be a string or a list of token ids (one prompt per request), got {describe(prompt)}",
-                           field)
+                raise _bad("`prompt` must be a string, a list of token ids, or a list of either (one prompt each), "
+                           f"got {describe(prompt)}", field)
         if not ids:
             raise _bad("the prompt is empty (zero tokens)", field)
         if len(ids) > self.max_prompt_tokens:
@@ -391,16 +436,16 @@ class CompletionService:
         return clean
 
     @staticmethod
-    def _max_tokens(body: dict, kind: str) -> int | None:
+    def _max_tokens(body: dict, kind: str, echo: bool) -> int | None:
         key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
         value = body.get(key)
         if value is None:
             return None
-        if not _is_int(value) or value < 1:
-            raise _bad(f"`{key}` must be a positive integer, got {describe(value)}", key)
+        if not _is_int(value) or value < (0 if echo else 1):  # 0 with `echo`: the prompt (and its logprobs) alone
+            raise _bad(f"`{key}` must be a positive integer (0 only with `echo`), got {describe(value)}", key)
         return value  # prompt + max_tokens > max_len: the engine rejects it with the numbers (a 400)
 
-    def _sampling(self, body: dict) -> SamplingParams:
+    def _sampling(self, body: dict, options) -> SamplingParams:
         temperature = body.get("temperature")
         temperature = 1.0 if temperature is None else temperature
         if not _is_number(temperature) or temperature < 0:
@@ -416,7 +461,8 @@ class CompletionService:
             raise _bad(f"`seed` must be an integer, got {describe(seed)}", "seed")
         return SamplingParams(temperature=float(temperature), top_k=top_k if top_k and top_k > 0 else None,
                               top_p=None if top_p is None or top_p == 1 else float(top_p), seed=seed,
-                              eos_token_id=self.eos_token_id)
+                              eos_token_id=self.eos_token_id, presence_penalty=options.presence_penalty,
+                              frequency_penalty=options.frequency_penalty, logprobs=options.logprobs)
 
     @staticmethod
     def _stops(stop) -> list[str]:
@@ -431,16 +477,17 @@ class CompletionService:
 
     # ------------------------------------------------------------------ responses
     def start(self, req: _Parsed) -> list[_Generation]:
-        """Submit a parsed request's ``n`` choices inside a running event loop, one engine request each; for each,
-        ``await gen.admitted()`` (a 400 if the engine can never fit it), then ``await gen.text()`` or
-        ``async for piece in gen.deltas()``. A seeded request's choice ``i`` samples with ``seed + i`` (the same
-        seed would give the same tokens)."""
+        """Submit a parsed request's choices inside a running event loop, one engine request each: ``n`` per prompt,
+        prompt ``p``'s choice ``j`` at index ``p * n + j`` (as OpenAI numbers them); for each, ``await gen.admitted()``
+        (a 400 if the engine can never fit it), then ``await gen.text()`` or ``async for piece in gen.deltas()``. A
+        seeded request's choice ``j`` samples with ``seed + j`` (the same seed would give the same tokens)."""
         gens: list[_Generation] = []
         seed = req.params.seed
         try:
-            for i in range(req.n):
-                params = req.params if seed is None else dataclasses.replace(req.params, seed=seed + i)
-                gens.append(_Generation(self, req, params))
+            for p in range(len(req.prompts)):
+                for j in range(req.n):
+                    params = req.params if seed is None else dataclasses.replace(req.params, seed=seed + j)
+                    gens.append(_Generation(self, req, params, p))
         except APIError:
             for gen in gens:  # the engine stopped part way: free what was submitted
                 gen.cancel()
@@ -448,28 +495,38 @@ class CompletionService:
         return gens
 
     def usage(self, req: _Parsed, gens: list[_Generation]) -> dict:
-        n, done = len(req.prompt_ids), sum(gen.completion_tokens for gen in gens)
+        n, done = sum(map(len, req.prompts)), sum(gen.completion_tokens for gen in gens)
         return {"prompt_tokens": n, "completion_tokens": done, "total_tokens": n + done}
 
-    def response(self, req: _Parsed, gens: list[_Generation], texts: list[str], rid: str) -> dict:
+    def logprobs(self, req: _Parsed, entries: list[tuple] | None) -> dict | None:
+        """A choice's (or a chunk's) ``logprobs`` object, in the endpoint's shape; ``None`` when not asked for."""
+        if req.options.logprobs is None or entries is None:
+            return None
+        shape = chat_logprobs if req.kind == "chat" else completion_logprobs
+        return shape(entries, self.token_text)
+
+    def response(self, req: _Parsed, gens: list[_Generation], answers: list[tuple[str, list]], rid: str) -> dict:
+        """The whole answer; ``answers``: each choice's ``await gen.text()``."""
         base = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if req.kind == "chat":
-            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                        "finish_reason": gen.finish_reason} for i, (gen, text) in enumerate(zip(gens, texts))]
+            choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                        "logprobs": self.logprobs(req, entries), "finish_reason": gen.finish_reason}
+                       for i, (gen, (text, entries)) in enumerate(zip(gens, answers))]
             return {**base, "object": "chat.completion", "choices": choices, "usage": self.usage(req, gens)}
-        choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": gen.finish_reason}
-                   for i, (gen, text) in enumerate(zip(gens, texts))]
+        choices = [{"index": i, "text": text, "logprobs": self.logprobs(req, entries), "finish_reason": gen.finish_reason}
+                   for i, (gen, (text, entries)) in enumerate(zip(gens, answers))]
         return {**base, "object": "text_completion", "choices": choices, "usage": self.usage(req, gens)}
 
     def chunk(self, req: _Parsed, rid: str, text: str | None = None, finish: str | None = None,
-              role: bool = False, usage: dict | None = None, index: int = 0) -> dict:
+              role: bool = False, usage: dict | None = None, index: int = 0, entries: list | None = None) -> dict:
         obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
         out = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
         if usage is not None:
             return {**out, "choices": [], "usage": usage}
+        logprobs = self.logprobs(req, entries)
         if req.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return {**out, "choices": [choice]}
