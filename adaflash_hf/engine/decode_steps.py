@@ -24,8 +24,8 @@ class DecodeSteps:
 
     def _greedy_steps(self, running) -> int:
         """How many plain greedy decode steps to queue before the next device read (1: a normal round)."""
-        plain = all(r.params.greedy and not r.params.penalized and r.params.logprobs is None for r in running)
-        if self.decode_steps == 1 or not running or self._queue or not plain:  # the steps read no processed rows
+        plain = all(r.params.greedy and r.params.raw_rows for r in running)
+        if self.decode_steps == 1 or not running or self._queue or not plain:
             return 1
         if self.drafter is not None:
             return self._plain_stretch(running)

@@ -59,6 +59,7 @@ from .round_drafts import RoundDrafts, unpack_drafts
 from .kernels.fused import FusedTarget
 from .graphs import DecodeGraphs, to_device
 from .lifecycle import NON_FINITE, RequestLifecycle
+from .grammar import constrain_round
 from .processed_rows import penalize_round, round_logprobs
 from .requests import EngineOutput, Request, RequestHandle, RequestRejected, StepInfo, check_request
 from .round_ngrams import apply_prompt_ngrams, round_candidates, wide_capacity
@@ -341,6 +342,7 @@ class Engine(VerifyLengths, DecodeSteps, RequestLifecycle):
         logits, hidden = self._target_forward(segs, layout, len(admitted), verify_inputs)
         drafted = verify_inputs[1] if verify_inputs is not None else None
         penalize_round(logits, len(admitted), running, drafts.q_lens, drafted)  # before anything reads the rows
+        constrain_round(logits, admitted, running, drafts.q_lens, drafted)
         self.forward_tokens.append(layout.num_tokens)
         self.num_steps += 1
         if self.profile:

@@ -47,6 +47,9 @@ class RequestLifecycle:
             if logprobs is not None:
                 tok = logprobs[k]
                 r.logprobs.append(tok)
+            if r.grammar is not None and not r.grammar.accept_token(int(tok)):  # masked rows never commit one
+                self._fail(r, f"token {int(tok)} is outside the request's grammar")
+                return
             emitted += 1
             if r.on_token is not None:
                 try:
@@ -54,7 +57,8 @@ class RequestLifecycle:
                 except Exception as e:  # noqa: BLE001 - the caller's bug ends its own request only
                     self._fail(r, f"on_token callback raised {type(e).__name__}: {e}")
                     return
-            reason = ("eos" if tok in eos else "length" if len(r.tokens) >= r.max_new
+            ended = tok in eos or (r.grammar is not None and r.grammar.is_terminated())  # a grammar's stop token too
+            reason = ("eos" if ended else "length" if len(r.tokens) >= r.max_new
                       else "cancelled" if r.cancel_requested else None)
             if reason is not None:
                 break

@@ -64,6 +64,7 @@ class Request:
         self.accepted: list[int] = []
         self.verify_lengths: list[int] = []
         self.logprobs: list = []  # LoggedToken per committed token, when params.logprobs is set
+        self.grammar = params.grammar.matcher() if params.grammar is not None else None  # its state (engine.grammar)
 
     @property
     def bonus(self) -> int:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Integral, Real
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ class SamplingParams:
     (vLLM's reading: over the tokens generated so far, not the prompt), subtracted from the target's logits at every
     verified position before anything reads them (:mod:`.processed_rows`); ``logprobs`` (``None``: off) asks for each
     committed token's log-probability under those processed logits and that many most likely alternatives (0: the
-    token's own only). Invalid values (NaN, inf, negative, wrong type) raise ``ValueError`` naming the field, before
+    token's own only); ``grammar`` (a :class:`~.grammar.Grammar`) masks the rows to what it allows. Invalid values (NaN, inf, negative, wrong type) raise ``ValueError`` naming the field, before
     any work."""
 
     temperature: float = 0.0
@@ -42,6 +43,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    grammar: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         t = self.temperature
@@ -69,6 +71,12 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether the target's logits are changed for this request before acceptance (a penalty is set)."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def raw_rows(self) -> bool:
+        """Whether the request reads the target's rows as they come (no penalty, grammar or logprobs): the greedy
+        steps that commit without building any row (``decode_steps``) may take it."""
+        return not self.penalized and self.logprobs is None and self.grammar is None
 
     @property
     def greedy(self) -> bool:

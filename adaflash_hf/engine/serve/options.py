@@ -34,7 +34,7 @@ FIELDS = {
         "messages": "used", "max_completion_tokens": "used", "top_logprobs": "used", "top_k": "used",
         "user": "inert", "metadata": "inert", "safety_identifier": "inert", "prompt_cache_key": "inert",
         "service_tier": (None, "auto", "default"), "store": (None, False), "logit_bias": (None, {}),
-        "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+        "response_format": "used", "tools": (None, []), "tool_choice": (None, "none", "auto"),
         "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none", "auto"),
         "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
         "web_search_options": (None,), "verbosity": (None,),
@@ -53,12 +53,14 @@ class RequestFieldError(ValueError):
 @dataclass(frozen=True)
 class Options:
     """The generation options beyond sampling: ``logprobs`` (alternatives per token; ``None``: no logprobs), ``echo``
-    (completions: the prompt and, with ``logprobs``, its logprobs come first), OpenAI's penalties."""
+    (completions: the prompt and, with ``logprobs``, its logprobs come first), OpenAI's penalties, and the JSON schema
+    ``response_format`` asks for (``None``: free text)."""
 
     logprobs: int | None = None
     echo: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    json_schema: dict | None = None  # `response_format`: the schema the answer must satisfy ({"type": "object"}: json_object)
 
 
 def _number(v) -> bool:
@@ -118,4 +120,24 @@ def read_options(body: dict, kind: str) -> Options:
         if v is not None and (not _number(v) or not -2 <= v <= 2):
             raise RequestFieldError(f"`{field}` must be a number from -2 to 2, got {describe(v)}", field)
         penalties[field] = float(v or 0)
-    return Options(logprobs, bool(echo), **penalties)
+    return Options(logprobs, bool(echo), **penalties, json_schema=_json_schema(body.get("response_format")))
+
+
+def _json_schema(fmt) -> dict | None:
+    """``response_format`` as the JSON schema the answer must satisfy (``None``: text)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise RequestFieldError('`response_format.json_schema` must be an object with a `schema` object', "response_format")
+        return schema
+    raise RequestFieldError('`response_format` must be {"type": "text"}, {"type": "json_object"} or '
+                            f'{{"type": "json_schema", "json_schema": {{...}}}}, got {describe(kind if kind else fmt)}',
+                            "response_format")

@@ -34,6 +34,7 @@ from .async_engine import AsyncEngine, EngineClosed, EngineFailed
 from .logprobs import chat_logprobs, completion_logprobs, prompt_entries
 from .metrics import ServerMetrics
 from .options import RequestFieldError, describe, read_options
+from ..grammar import Grammars
 from ..processed_rows import LoggedToken
 from ..sampling import SamplingParams
 
@@ -253,6 +254,7 @@ class CompletionService:
         longest = max(map(len, tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = self.max_prompt_tokens * (longest + 1)
         self.created = int(time.time())
+        self._grammars = None  # compiles `response_format` schemas, made on the first (engine.grammar)
         core = getattr(self.engine, "engine", None)
         self.metrics = ServerMetrics(block_size=getattr(core, "block_size", 1) if getattr(core, "drafter", None) else 1)
 
@@ -315,6 +317,8 @@ class CompletionService:
         r.kind = kind
         max_tokens = self._max_tokens(body, kind, r.options.echo)
         r.params = self._sampling(body, r.options)
+        if r.options.json_schema is not None:
+            r.params = dataclasses.replace(r.params, grammar=self._grammar(r.options.json_schema))
         r.n = 1 if body.get("n") is None else body["n"]
         if not _is_int(r.n) or not 1 <= r.n <= MAX_CHOICES:
             raise _bad(f"`n` must be an integer from 1 to {MAX_CHOICES}, got {describe(r.n)}", "n")
@@ -333,6 +337,22 @@ class CompletionService:
         r.max_tokens = max_tokens if max_tokens is not None else min(self.default_max_tokens, self.engine.max_len - longest)
         r.echoes = None
         return r
+
+    def _grammar(self, schema: dict):
+        """``response_format``'s schema compiled for this tokenizer (xgrammar: the ``grammar`` extra), else a 400."""
+        with self._prompt_lock:
+            if self._grammars is None:
+                vocab = self.engine.engine.target.get_output_embeddings().weight.shape[0]
+                try:
+                    self._grammars = Grammars(self.prompt_tokenizer, vocab, self.eos_token_id or ())
+                except ImportError:  # no xgrammar: the 400 below
+                    pass
+        if self._grammars is None:
+            raise _bad("`response_format` needs xgrammar on the server: pip install 'adaflash-hf[grammar]'", "response_format")
+        try:
+            return self._grammars.json_schema(schema)
+        except ValueError as e:
+            raise _bad(f"`response_format`: the JSON schema cannot be compiled: {e}", "response_format") from None
 
     def score_prompts(self, req: _Parsed) -> None:
         """With ``echo``: each prompt's text and, with ``logprobs``, its logprob entries (one plain forward of the
