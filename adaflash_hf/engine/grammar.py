@@ -55,13 +55,21 @@ class Grammars:
         """Any JSON object (OpenAI's ``response_format={"type": "json_object"}``: an object, not any JSON value)."""
         return self.json_schema({"type": "object"})
 
-    def json_schema(self, schema: dict) -> Grammar:
-        """JSON that satisfies ``schema``; raises ``ValueError`` (xgrammar's reason) when it cannot be compiled."""
+    def json_schema(self, schema: dict, before: str = "", after: str = "", any_whitespace: bool = True) -> Grammar:
+        """JSON that satisfies ``schema``, between the texts ``before`` and ``after`` (a tool call's tags; there, JSON
+        without free whitespace: ``any_whitespace=False``); raises ``ValueError`` (xgrammar's reason) when it cannot
+        be compiled."""
         import json
+
+        import xgrammar as xgr
 
         with self._lock:
             try:
-                return Grammar(self._compiler.compile_json_schema(json.dumps(schema)), self.vocab_size)
+                parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(before)}")] if before else []
+                parts.append(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=any_whitespace))
+                parts += [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(after)}")] if after else []
+                grammar = xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0]
+                return Grammar(self._compiler.compile_grammar(grammar), self.vocab_size)
             except RuntimeError as e:
                 raise ValueError(str(e)) from None
 

@@ -255,12 +255,12 @@ async def _events(svc: CompletionService, req, gens, rid: str, stats: dict):
         if req.kind == "chat":
             for i in range(len(gens)):
                 yield _sse(svc.chunk(req, rid, role=True, index=i))
+        tools = svc.tool_streams(req, gens)
         async for i, piece in _merged(gens):
-            if piece is not None:
-                yield _sse(svc.chunk(req, rid, text=piece[0], index=i, entries=piece[1]))
-            else:
-                yield _sse(svc.chunk(req, rid, finish=gens[i].finish_reason, text="" if req.kind != "chat" else None,
-                                     index=i))
+            chunks = (svc.piece_chunks(req, rid, i, piece, tools[i]) if piece is not None
+                      else svc.finish_chunks(req, rid, i, gens[i], tools[i]))
+            for chunk in chunks:
+                yield _sse(chunk)
         _finished(stats, gens)
         if req.include_usage:
             yield _sse(svc.chunk(req, rid, usage=svc.usage(req, gens)))

@@ -34,7 +34,7 @@ FIELDS = {
         "messages": "used", "max_completion_tokens": "used", "top_logprobs": "used", "top_k": "used",
         "user": "inert", "metadata": "inert", "safety_identifier": "inert", "prompt_cache_key": "inert",
         "service_tier": (None, "auto", "default"), "store": (None, False), "logit_bias": (None, {}),
-        "response_format": "used", "tools": (None, []), "tool_choice": (None, "none", "auto"),
+        "response_format": "used", "tools": "used", "tool_choice": "used",
         "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none", "auto"),
         "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
         "web_search_options": (None,), "verbosity": (None,),

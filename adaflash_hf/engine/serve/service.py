@@ -31,9 +31,11 @@ import time
 from functools import partial
 
 from .async_engine import AsyncEngine, EngineClosed, EngineFailed
-from .logprobs import chat_logprobs, completion_logprobs, prompt_entries
+from .logprobs import prompt_entries
 from .metrics import ServerMetrics
 from .options import RequestFieldError, describe, read_options
+from .responses import ResponseShapes
+from .tools import END, START, forced_call, read_tools, tool_fields
 from ..grammar import Grammars
 from ..processed_rows import LoggedToken
 from ..sampling import SamplingParams
@@ -86,7 +88,8 @@ def _is_number(v) -> bool:
 
 
 class _Parsed:
-    __slots__ = ("kind", "prompts", "max_tokens", "params", "stops", "stream", "include_usage", "n", "options", "echoes")
+    __slots__ = ("kind", "prompts", "max_tokens", "params", "stops", "stream", "include_usage", "n", "options", "echoes",
+                 "tools", "tool_choice")
 
 
 class _Generation:
@@ -221,7 +224,7 @@ def _holdback(text: str, stops: list[str]) -> int:
     return n
 
 
-class CompletionService:
+class CompletionService(ResponseShapes):
     """The server's logic without HTTP: parses OpenAI requests, runs them on an :class:`AsyncEngine`.
 
     Args:
@@ -312,12 +315,18 @@ class CompletionService:
         try:
             r = _Parsed()  # the cheap checks first: a bad field is refused before the prompt is tokenized
             r.options = read_options(body, kind)
+            r.tools, r.tool_choice = read_tools(body) if kind == "chat" else (None, None)
         except RequestFieldError as e:
             raise _bad(str(e), e.param) from None
         r.kind = kind
         max_tokens = self._max_tokens(body, kind, r.options.echo)
         r.params = self._sampling(body, r.options)
-        if r.options.json_schema is not None:
+        forced = forced_call(r.tools, r.tool_choice) if r.tools is not None else None
+        if forced is not None and r.options.json_schema is not None:
+            raise _bad("`response_format` cannot be combined with a forced tool call (`tool_choice`)", "tool_choice")
+        if forced is not None:  # `tool_choice` "required" or a named function: one call, enforced by its grammar
+            r.params = dataclasses.replace(r.params, grammar=self._grammar(forced, START + "\n", "\n" + END, "tool_choice"))
+        elif r.options.json_schema is not None:
             r.params = dataclasses.replace(r.params, grammar=self._grammar(r.options.json_schema))
         r.n = 1 if body.get("n") is None else body["n"]
         if not _is_int(r.n) or not 1 <= r.n <= MAX_CHOICES:
@@ -331,15 +340,16 @@ class CompletionService:
         if opts is not None and not isinstance(opts, dict):
             raise _bad(f"`stream_options` must be an object, got {describe(opts)}", "stream_options")
         r.include_usage = bool((opts or {}).get("include_usage", False))
-        r.prompts = self._prompts(body, kind)
+        r.prompts = self._prompts(body, kind, r.tools)
         # no max_tokens: the default, capped at what fits after the longest prompt (at least 1: _prompts checked)
         longest = max(map(len, r.prompts))
         r.max_tokens = max_tokens if max_tokens is not None else min(self.default_max_tokens, self.engine.max_len - longest)
         r.echoes = None
         return r
 
-    def _grammar(self, schema: dict):
-        """``response_format``'s schema compiled for this tokenizer (xgrammar: the ``grammar`` extra), else a 400."""
+    def _grammar(self, schema: dict, before: str = "", after: str = "", field: str = "response_format"):
+        """``schema`` (between ``before`` and ``after``) compiled for this tokenizer (xgrammar: the ``grammar`` extra),
+        else a 400 naming ``field``."""
         with self._prompt_lock:
             if self._grammars is None:
                 vocab = self.engine.engine.target.get_output_embeddings().weight.shape[0]
@@ -348,11 +358,11 @@ class CompletionService:
                 except ImportError:  # no xgrammar: the 400 below
                     pass
         if self._grammars is None:
-            raise _bad("`response_format` needs xgrammar on the server: pip install 'adaflash-hf[grammar]'", "response_format")
+            raise _bad(f"`{field}` needs xgrammar on the server: pip install 'adaflash-hf[grammar]'", field)
         try:
-            return self._grammars.json_schema(schema)
+            return self._grammars.json_schema(schema, before, after, any_whitespace=not before)
         except ValueError as e:
-            raise _bad(f"`response_format`: the JSON schema cannot be compiled: {e}", "response_format") from None
+            raise _bad(f"`{field}`: the JSON schema cannot be compiled: {e}", field) from None
 
     def score_prompts(self, req: _Parsed) -> None:
         """With ``echo``: each prompt's text and, with ``logprobs``, its logprob entries (one plain forward of the
@@ -375,7 +385,7 @@ class CompletionService:
         with self._tok_lock:
             return self.tokenizer.decode([int(token)])
 
-    def _prompts(self, body: dict, kind: str) -> list[list[int]]:
+    def _prompts(self, body: dict, kind: str, tools: list | None = None) -> list[list[int]]:
         """The prompts' token ids (completions take a list of prompts: each its own choices), after every check that
         costs less than tokenizing (types, Unicode, length)."""
         field = "messages" if kind == "chat" else "prompt"
@@ -387,10 +397,10 @@ class CompletionService:
                 raise _bad(f"`prompt` holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed", field)
             self._check_chars(sum(len(p) for p in prompt if isinstance(p, str)), field)
             return [self._prompt_ids(p, kind) for p in prompt]
-        return [self._prompt_ids(prompt, kind)]
+        return [self._prompt_ids(prompt, kind, tools)]
 
-    def _prompt_ids(self, prompt, kind: str) -> list[int]:
-        """One prompt's token ids (``prompt``: ``messages``, a text or token ids)."""
+    def _prompt_ids(self, prompt, kind: str, tools: list | None = None) -> list[int]:
+        """One prompt's token ids (``prompt``: ``messages``, with ``tools`` for the chat template; a text or token ids)."""
         field = "messages" if kind == "chat" else "prompt"
         if kind == "chat":
             messages = self._chat_messages(prompt)
@@ -399,7 +409,8 @@ class CompletionService:
                 raise _bad("this model's tokenizer has no chat template; use /v1/completions with a text prompt", field)
             try:
                 with self._prompt_lock:
-                    text = self.prompt_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                    text = self.prompt_tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                                     tokenize=False)
             except Exception as e:  # noqa: BLE001 - a template refusing the conversation (roles, order, ...)
                 raise _bad(f"the chat template rejected `messages`: {type(e).__name__}: {e}", field) from None
             ids = self.encode(text, add_special_tokens=False)
@@ -427,7 +438,8 @@ class CompletionService:
 
     @staticmethod
     def _chat_messages(messages) -> list[dict]:
-        """``messages`` checked and reduced to ``{"role", "content"}`` with text content (parts joined)."""
+        """``messages`` checked and reduced to ``{"role", "content"}`` with text content (parts joined), and an assistant
+        turn's ``tool_calls`` / a tool turn's ``tool_call_id`` kept for the chat template."""
         if not isinstance(messages, list) or not messages:
             raise _bad(f"`messages` must be a non-empty list of {{\"role\", \"content\"}} objects, got {describe(messages)}",
                        "messages")
@@ -452,7 +464,11 @@ class CompletionService:
             if not isinstance(content, str):
                 raise _bad(f"`messages[{i}].content` must be a string or a list of text parts, got {describe(content)}",
                            "messages")
-            clean.append({"role": m["role"], "content": _text(content, f"messages[{i}].content", "messages")})
+            try:
+                extra = tool_fields(m, i)
+            except RequestFieldError as e:
+                raise _bad(str(e), e.param) from None
+            clean.append({"role": m["role"], "content": _text(content, f"messages[{i}].content", "messages"), **extra})
         return clean
 
     @staticmethod
@@ -513,40 +529,3 @@ class CompletionService:
                 gen.cancel()
             raise
         return gens
-
-    def usage(self, req: _Parsed, gens: list[_Generation]) -> dict:
-        n, done = sum(map(len, req.prompts)), sum(gen.completion_tokens for gen in gens)
-        return {"prompt_tokens": n, "completion_tokens": done, "total_tokens": n + done}
-
-    def logprobs(self, req: _Parsed, entries: list[tuple] | None) -> dict | None:
-        """A choice's (or a chunk's) ``logprobs`` object, in the endpoint's shape; ``None`` when not asked for."""
-        if req.options.logprobs is None or entries is None:
-            return None
-        shape = chat_logprobs if req.kind == "chat" else completion_logprobs
-        return shape(entries, self.token_text)
-
-    def response(self, req: _Parsed, gens: list[_Generation], answers: list[tuple[str, list]], rid: str) -> dict:
-        """The whole answer; ``answers``: each choice's ``await gen.text()``."""
-        base = {"id": rid, "created": int(time.time()), "model": self.model_name}
-        if req.kind == "chat":
-            choices = [{"index": i, "message": {"role": "assistant", "content": text},
-                        "logprobs": self.logprobs(req, entries), "finish_reason": gen.finish_reason}
-                       for i, (gen, (text, entries)) in enumerate(zip(gens, answers))]
-            return {**base, "object": "chat.completion", "choices": choices, "usage": self.usage(req, gens)}
-        choices = [{"index": i, "text": text, "logprobs": self.logprobs(req, entries), "finish_reason": gen.finish_reason}
-                   for i, (gen, (text, entries)) in enumerate(zip(gens, answers))]
-        return {**base, "object": "text_completion", "choices": choices, "usage": self.usage(req, gens)}
-
-    def chunk(self, req: _Parsed, rid: str, text: str | None = None, finish: str | None = None,
-              role: bool = False, usage: dict | None = None, index: int = 0, entries: list | None = None) -> dict:
-        obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
-        out = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
-        if usage is not None:
-            return {**out, "choices": [], "usage": usage}
-        logprobs = self.logprobs(req, entries)
-        if req.kind == "chat":
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-        return {**out, "choices": [choice]}
