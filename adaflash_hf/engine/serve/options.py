@@ -6,7 +6,7 @@ refused too, as OpenAI's API answers "Unrecognized request argument".
 
 Example:
     >>> read_options({"logprobs": 2, "echo": True, "presence_penalty": 0.5}, "completion")
-    Options(logprobs=2, echo=True, presence_penalty=0.5, frequency_penalty=0.0)
+    Options(logprobs=2, echo=True, presence_penalty=0.5, frequency_penalty=0.0, json_schema=None)
 """
 
 from __future__ import annotations

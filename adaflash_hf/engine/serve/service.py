@@ -2,20 +2,23 @@
 
 :class:`CompletionService` turns an OpenAI request body into an engine request on one
 :class:`AsyncEngine` (so concurrent requests are decoded together) and shapes the answers; the HTTP
-transport (``app.py``, ``server.py``) only moves bytes. Supported fields: ``prompt`` (a string or a
-list of token ids) / ``messages``, ``max_tokens`` (``max_completion_tokens``), ``temperature``,
-``top_p``, ``top_k``, ``seed``, ``n`` (choices, one engine request each), ``stop`` (a string or a list: the
-text is cut before the first stop string and the request is cancelled right there, ``finish_reason="stop"``),
-``stream`` (chunks in OpenAI's format; ``stream_options.include_usage`` adds a usage chunk) and ``usage`` counts. A
-bad request raises :class:`APIError` (a 400 with an OpenAI-style ``{"error": {...}}`` body).
+transport (``app.py``, ``server.py``) only moves bytes. Supported fields: ``prompt`` (a string, a list of token
+ids, or a list of either: each prompt its own choices) / ``messages``, ``max_tokens`` (``max_completion_tokens``;
+0 with ``echo``), ``temperature``, ``top_p``, ``top_k``, ``seed``, ``n`` (choices, one engine request each), ``stop``
+(a string or a list: the text is cut before the first stop string and the request is cancelled right there,
+``finish_reason="stop"``), ``stream`` (chunks in OpenAI's format; ``stream_options.include_usage`` adds a usage
+chunk), ``logprobs`` / ``top_logprobs`` and ``echo`` (:mod:`.logprobs`), the penalties, ``response_format`` and
+``tools`` / ``tool_choice`` (:mod:`.tools`); every other field of OpenAI's request bodies is accepted or refused
+as :mod:`.options` says. A bad request raises :class:`APIError` (a 400 with an OpenAI-style ``{"error": {...}}``
+body); answers are shaped by :class:`~.responses.ResponseShapes`.
 
 Example::
 
     svc = CompletionService(Engine(target, drafter, max_slots=8, max_len=1024), tok)
     req = svc.parse({"prompt": "Hi", "max_tokens": 8, "temperature": 0}, "completion")
     gens = svc.start(req)                    # inside a running event loop: one per choice
-    texts = [await gen.text() for gen in gens]
-    print(svc.response(req, gens, texts, "cmpl-1"))
+    answers = [await gen.text() for gen in gens]   # (text, logprob entries) each
+    print(svc.response(req, gens, answers, "cmpl-1"))
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import asyncio
 import concurrent.futures
 import copy
 import dataclasses
-import json
 import math
 import threading
 import time
