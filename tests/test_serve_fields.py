@@ -18,7 +18,8 @@ from adaflash_hf.engine import Engine
 from adaflash_hf.engine.grammar import Grammars
 from adaflash_hf.engine.sampling import SamplingParams
 from adaflash_hf.engine.serve.options import FIELDS
-from adaflash_hf.engine.serve.server import make_server
+
+from reference_server import start_reference_server
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
@@ -27,12 +28,9 @@ ASK = [{"role": "user", "content": "Give me a person as JSON"}]
 
 @pytest.fixture(scope="module")
 def srv():
-    target, drafter, tok = load_reference_pair()
-    engine = Engine(target, drafter, max_slots=8, max_len=160, token_budget=320)
-    server = make_server(engine, tok, port=0, model_name="ref", default_max_tokens=8).start()
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    yield dict(server=server, target=target, tok=tok, engine=engine, client=client)
-    server.close()
+    s = start_reference_server()
+    yield s
+    s["server"].close()
 
 
 def plain_under(s, ids: list[int], schema: dict, n: int) -> list[int]:

@@ -6,7 +6,6 @@ plain transformers decoding of the reference target under the same penalties (an
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 import torch
 from transformers import LogitsProcessor
@@ -14,7 +13,8 @@ from transformers import LogitsProcessor
 from adaflash_hf import load_reference_pair
 from adaflash_hf.engine import Engine
 from adaflash_hf.engine.sampling import SamplingParams
-from adaflash_hf.engine.serve.server import make_server
+
+from reference_server import start_reference_server
 
 TOL = 1e-4
 PROMPTS = ["Once upon a time there was", "The little dog ran to the", "She opened the door and"]
@@ -22,12 +22,9 @@ PROMPTS = ["Once upon a time there was", "The little dog ran to the", "She opene
 
 @pytest.fixture(scope="module")
 def srv():
-    target, drafter, tok = load_reference_pair()
-    engine = Engine(target, drafter, max_slots=8, max_len=160, token_budget=320)
-    server = make_server(engine, tok, port=0, model_name="ref", default_max_tokens=16).start()
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    yield dict(server=server, target=target, tok=tok, engine=engine, client=client)
-    server.close()
+    s = start_reference_server()
+    yield s
+    s["server"].close()
 
 
 class OpenAIPenalties(LogitsProcessor):
@@ -81,7 +78,7 @@ def check_entries(s, tokens, values, tops, ref_lp, k: int) -> None:
         assert torch.allclose(torch.tensor(got), want.values, atol=TOL), (i, got, want.values)
 
 
-@pytest.mark.parametrize("presence,frequency", [(0.0, 0.0), (1.2, 0.0), (0.0, 1.5), (-0.5, 0.7)])
+@pytest.mark.parametrize("presence,frequency", [(0.0, 0.0), (1.2, 0.0), (-0.5, 0.7)])
 def test_greedy_completions_with_logprobs_and_penalties_equal_plain_decoding(srv, presence, frequency):
     """Non-streamed, streamed and echoed answers: tokens, logprobs and top-3 alternatives equal `generate`'s; drafts
     were accepted (speculation stayed on)."""
@@ -89,7 +86,7 @@ def test_greedy_completions_with_logprobs_and_penalties_equal_plain_decoding(srv
     for prompt in PROMPTS[:2]:
         ids = ids_of(srv, prompt)
         ref, ref_lp = plain(srv, ids, 24, presence, frequency)
-        changed.append(ref != plain(srv, ids, 24)[0])
+        changed.append(bool(presence or frequency) and ref != plain(srv, ids, 24)[0])
         kw = dict(model="ref", prompt=prompt, max_tokens=24, temperature=0, logprobs=3, presence_penalty=presence,
                   frequency_penalty=frequency)
         res = srv["client"].completions.create(**kw).choices[0]

@@ -12,11 +12,10 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from adaflash_hf import load_reference_pair
-from adaflash_hf.engine import Engine
 from adaflash_hf.engine.grammar import Grammars
-from adaflash_hf.engine.serve.server import make_server
 from adaflash_hf.engine.serve.tools import END, START, ToolStream, forced_call, parse_tool_calls
+
+from reference_server import start_reference_server
 
 HERMES = """{%- if tools %}<|im_start|>system
 You may call functions. <tools>
@@ -51,13 +50,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def srv():
-    target, drafter, tok = load_reference_pair()
-    tok.chat_template = HERMES
-    engine = Engine(target, drafter, max_slots=8, max_len=256, token_budget=512)
-    server = make_server(engine, tok, port=0, model_name="ref", default_max_tokens=8).start()
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    yield dict(server=server, target=target, tok=tok, engine=engine, client=client)
-    server.close()
+    s = start_reference_server(max_len=256, chat_template=HERMES)
+    yield s
+    s["server"].close()
 
 
 def prompt_ids(s, messages, tools=None) -> list[int]:
