@@ -176,13 +176,14 @@ def test_prompt_lists_number_choices_prompt_by_prompt(srv):
 
 
 def test_engine_penalties_and_logprobs_under_sampling_are_the_processed_rows():
-    """Engine level, every verify layout's rows: a seeded sampled request's tokens carry the logprobs of plain
-    decoding's processed rows at their positions; penalised greedy equals the penalised plain loop."""
+    """Engine level, every verify layout's rows and plain decoding's: a seeded sampled request's tokens carry the
+    logprobs of plain decoding's processed rows at their positions; penalised greedy equals the penalised plain loop."""
     target, drafter, tok = load_reference_pair()
     s = {"target": target}
     ids = tok(PROMPTS[0])["input_ids"]
-    for policy in ("fixed", "adaptive"):
-        engine = Engine(target, drafter, length_policy=policy, max_slots=4, max_len=96, token_budget=192)
+    for policy in ("fixed", "adaptive", "off"):  # off: no drafter, plain decoding's rows
+        pair = (drafter, policy) if policy != "off" else (None, None)
+        engine = Engine(target, pair[0], length_policy=pair[1], max_slots=4, max_len=96, token_budget=192)
         greedy = engine.submit(ids, 16, SamplingParams(presence_penalty=1.0, frequency_penalty=0.3, logprobs=0))
         sampled = engine.submit(ids, 16, SamplingParams(temperature=1.0, seed=3, presence_penalty=1.0, logprobs=0))
         g, r = greedy.result(), sampled.result()
@@ -190,4 +191,4 @@ def test_engine_penalties_and_logprobs_under_sampling_are_the_processed_rows():
         ref = teacher_forced(s, ids, r.token_ids, 1.0, 0.0)
         assert [int(t) for t in r.logprobs] == r.token_ids
         assert max(abs(t.logprob - float(ref[i, t])) for i, t in enumerate(r.logprobs)) < TOL
-        assert sum(g.accepted) + sum(r.accepted) > 0
+        assert (sum(g.accepted) + sum(r.accepted) > 0) == (policy != "off")
