@@ -10,7 +10,8 @@ One :meth:`Engine.step` is one round for every running request:
    estimate of how many fit (:class:`AdmissionController`);
 3. one packed target forward over the new prompts (prefill) and every running request's bonus +
    drafts (verify), through the slotted KV cache (:func:`target_forward`);
-4. accept (greedy or speculative sampling on processed distributions), commit token by token
+4. accept (greedy or speculative sampling on processed distributions; a request's penalties and grammar change
+   its rows first, every verified position alike: :mod:`.processed_rows`, :mod:`.grammar`), commit token by token
    (EOS / ``max_new_tokens``), advance the caches by what was accepted, free finished slots.
 
 What a round verifies (:func:`round_layout`, from ``length_policy`` as in ``generate``): ``packed``
