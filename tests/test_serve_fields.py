@@ -1,6 +1,6 @@
 """Every field of both OpenAI request bodies through the official `openai` client against one real server on the
 reference pair: `response_format` (json_object, json_schema) enforced by xgrammar on the verify path, equal to plain
-transformers decoding under the same grammar (xgrammar's own `generate` processor), with drafts accepted; and a table
+transformers decoding under the same grammar (xgrammar's own `generate` processor), with drafts accepted (/metrics); and a table
 over every field: each one the server reads refuses a wrongly typed value by name, each inert one changes nothing,
 each one it cannot honour is accepted only at the value that asks for nothing, an unknown one is refused by name."""
 
@@ -19,7 +19,7 @@ from adaflash_hf.engine.grammar import Grammars
 from adaflash_hf.engine.sampling import SamplingParams
 from adaflash_hf.engine.serve.options import FIELDS
 
-from reference_server import start_reference_server
+from reference_server import accepted_drafts, start_reference_server
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
@@ -49,8 +49,9 @@ def test_response_format_equals_plain_decoding_under_the_grammar(srv, fmt, schem
     ids = srv["server"].service.parse({"messages": ASK}, "chat").prompts[0]
     want = srv["tok"].decode(plain_under(srv, ids, schema, 48), skip_special_tokens=True)
     kw = dict(model="ref", messages=ASK, max_tokens=48, temperature=0, response_format=fmt)
+    before = accepted_drafts(srv)
     res = srv["client"].chat.completions.create(**kw).choices[0]
-    assert res.message.content == want
+    assert res.message.content == want and accepted_drafts(srv) > before  # speculation stayed on
     streamed = "".join(c.choices[0].delta.content or "" for c in srv["client"].chat.completions.create(**kw, stream=True)
                        if c.choices)
     assert streamed == want

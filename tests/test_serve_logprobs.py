@@ -5,7 +5,6 @@ plain transformers decoding of the reference target under the same penalties (an
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 from transformers import LogitsProcessor
@@ -14,7 +13,7 @@ from adaflash_hf import load_reference_pair
 from adaflash_hf.engine import Engine
 from adaflash_hf.engine.sampling import SamplingParams
 
-from reference_server import start_reference_server
+from reference_server import accepted_drafts, start_reference_server
 
 TOL = 1e-4
 PROMPTS = ["Once upon a time there was", "The little dog ran to the", "She opened the door and"]
@@ -56,12 +55,6 @@ def teacher_forced(s, ids: list[int], gen: list[int], presence: float = 0.0, fre
     proc = OpenAIPenalties(len(ids), presence, frequency)
     rows = [proc(torch.tensor([ids + gen[:i]]), logits[i : i + 1])[0] for i in range(len(gen))]
     return torch.stack(rows).log_softmax(-1)
-
-
-def accepted_drafts(s) -> float:
-    text = httpx.get(s["server"].url + "/metrics").text
-    line = [x for x in text.splitlines() if x.startswith("adaflash_spec_decode_num_accepted_tokens_total ")]
-    return float(line[0].split()[1]) if line else 0.0
 
 
 def ids_of(s, text: str) -> list[int]:
