@@ -3,10 +3,14 @@ reference target (float32, CPU): the same per-sample answers and accuracy, logli
 
 Two tasks from local files (tasks/): gsm8k's test problems (generate-until, through `local-completions` and, with
 the chat template, `local-chat-completions`) and MathQA (multiple choice by loglikelihood: `echo` + `logprobs` with
-one new token, through `local-completions`). Needs lm-eval (`pip install lm-eval`).
+one new token, through `local-completions`). Needs lm-eval (`pip install -e ".[lmeval]"`); about 20 minutes on two
+loaded CPU cores with the defaults, most of it lm-eval's `hf` model generating.
 
     python examples/lm_eval/compare.py                       # 20 gsm8k problems, 40 MathQA problems
     python examples/lm_eval/compare.py --gsm8k 100 --mathqa 200
+
+Seen with the defaults: gsm8k answers equal 20/20 through both endpoints, MathQA loglikelihoods within 1.2e-05 and
+acc 11/40 on both sides, `all equal: True`.
 
 Prints one line per comparison and `all equal: True|False` (exit status 1 when not).
 """
