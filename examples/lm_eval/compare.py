@@ -9,9 +9,6 @@ loaded CPU cores with the defaults, most of it lm-eval's `hf` model generating.
     python examples/lm_eval/compare.py                       # 20 gsm8k problems, 40 MathQA problems
     python examples/lm_eval/compare.py --gsm8k 100 --mathqa 200
 
-Seen with the defaults: gsm8k answers equal 20/20 through both endpoints, MathQA loglikelihoods within 1.2e-05 and
-acc 11/40 on both sides, `all equal: True`.
-
 Prints one line per comparison and `all equal: True|False` (exit status 1 when not).
 """
 
