@@ -225,8 +225,9 @@ C, CHAT = "/v1/completions", "/v1/chat/completions"
 BAD = {
     "missing-prompt": (C, {"max_tokens": 4}, 400, "prompt", "missing required field `prompt`"),
     "empty-prompt": (C, {"prompt": ""}, 400, "prompt", "empty"),
-    "batched-prompts": (C, {"prompt": ["w1", "w2"]}, 400, "prompt", "one prompt per request"),
-    "max-tokens-zero": (C, {"prompt": "w1", "max_tokens": 0}, 400, "max_tokens", "positive integer"),
+    "prompts-with-an-empty-one": (C, {"prompt": ["w1", ""]}, 400, "prompt", "empty"),
+    "too-many-prompts": (C, {"prompt": ["w1"] * 65}, 400, "prompt", "at most 64"),
+    "max-tokens-zero": (C, {"prompt": "w1", "max_tokens": 0}, 400, "max_tokens", "positive integer (0 only with `echo`)"),
     "max-tokens-string": (C, {"prompt": "w1", "max_tokens": "8"}, 400, "max_tokens", "positive integer"),
     "too-long-for-a-slot": (C, {"prompt": " ".join(["w2"] * 40), "max_tokens": MAX_LEN}, 400, "max_tokens", "can never fit"),
     "prompt-fills-the-slot": (C, {"prompt": list(range(1, MAX_LEN + 1))}, 400, "prompt", f"at most {MAX_LEN - 1} prompt tokens"),
@@ -278,7 +279,7 @@ SECRET = "w99 hunter2 w98"
 TYPED = {
     "messages-object": (CHAT, {"messages": {"role": "user", "content": SECRET}}, 400,
                         '`messages` must be a non-empty list of {"role", "content"} objects, got an object'),
-    "prompt-object": (C, {"prompt": {"text": SECRET}}, 400, "`prompt` must be a string or a list of token ids (one prompt per request), got an object"),
+    "prompt-object": (C, {"prompt": {"text": SECRET}}, 400, "`prompt` must be a string, a list of token ids, or a list of either (one prompt each), got an object"),
     "stop-list-of-objects": (C, {"prompt": "w1", "stop": [{"s": SECRET}]}, 400, "`stop` must be a non-empty string or a list of non-empty strings, got a list"),
     "model-list": (C, {"prompt": "w1", "model": [SECRET]}, 400, "`model` must be a string, got a list"),
     "max-tokens-text": (C, {"prompt": "w1", "max_tokens": SECRET}, 400, "`max_tokens` must be a positive integer, got a string"),

@@ -30,7 +30,7 @@ class DecodeSteps:
     def _greedy_steps(self, running) -> int:
         """How many plain greedy decode steps to queue before the next device read (0: a normal round). Needs the
         graphs' static path, an empty queue (admission needs a normal round) and greedy requests only."""
-        if self.graphs is None or not running or self._queue or not all(r.params.greedy for r in running):
+        if self.graphs is None or not running or self._queue or not all(r.params.greedy and r.params.raw_rows for r in running):
             return 0
         if self.drafter is not None:
             return self.planner.plain_stretch(running, self.decode_steps, sink=self.on_round is not None)

@@ -12,7 +12,8 @@ One :meth:`Engine.step` is one round for every running request:
    estimate of how many fit (:class:`AdmissionController`);
 3. one packed target forward over the new prompts (prefill) and every running request's bonus +
    drafts (verify), through the slotted KV cache (:func:`target_forward`);
-4. accept (greedy or speculative sampling on processed distributions), commit token by token
+4. accept (greedy or speculative sampling on processed distributions; a request's penalties and grammar change
+   its rows first, every verified position alike: :mod:`.processed_rows`, :mod:`.grammar`), commit token by token
    (EOS / ``max_new_tokens``), advance the caches by what was accepted, free finished slots.
 
 What a round verifies (:func:`round_layout`, from ``length_policy`` as in ``generate``): ``packed``
@@ -60,6 +61,8 @@ from .round_drafts import RoundDrafts, late_bits, take_late_ratios, unpack_draft
 from .kernels.fused import FusedTarget
 from .graphs import DecodeGraphs, to_device
 from .lifecycle import NON_FINITE, RequestLifecycle
+from .grammar import constrain_round
+from .processed_rows import penalize_round, round_logprobs
 from .requests import EngineOutput, Request, RequestHandle, RequestRejected, StepInfo, check_request
 from .round_ngrams import apply_prompt_ngrams, round_candidates, wide_capacity
 from .sampled_rows import RoundRandom, sample_drafts, sample_round
@@ -365,6 +368,9 @@ class Engine(DecodeSteps, RequestLifecycle):
         if self.profile:
             self._tick("host")
         logits, hidden = self._target_forward(segs, layout, len(admitted), verify_inputs)
+        drafted = verify_inputs[1] if verify_inputs is not None else None
+        penalize_round(logits, len(admitted), running, drafts.q_lens, drafted)  # before anything reads the rows
+        constrain_round(logits, admitted, running, drafts.q_lens, drafted)
         self.forward_tokens.append(layout.num_tokens)
         self.num_steps += 1
         if self.profile:
@@ -373,6 +379,7 @@ class Engine(DecodeSteps, RequestLifecycle):
         # 4. Accept on the device (the shared verify step), then one read: first tokens, accepted, next tokens,
         # fault flags, verified draft lengths, drafts.
         first, accepted, next_tokens, bad, dl, vlogits = self._accept(logits, admitted, running, drafts, verify_inputs)
+        scored = round_logprobs(logits, admitted, running, drafts.q_lens, drafted, first, accepted, next_tokens)
         packed = torch.cat([first, accepted, next_tokens, bad.long(), dl, drafts.tokens.flatten(), *late_bits(drafts)])
         packed = take_late_ratios(self.planner, running, drafts, self._read_and_chain(packed, running, admitted, drafts,
                                                                                      accepted, next_tokens))
@@ -381,7 +388,8 @@ class Engine(DecodeSteps, RequestLifecycle):
             self._tick("accept")
 
         # 5. Commit: prefills' first tokens, then each verify's accepted drafts + the target's next token.
-        self._commit_round(admitted, running, drafts, packed, vlogits, hidden, layout.offsets)
+        self._commit_round(admitted, running, drafts, packed, vlogits, hidden, layout.offsets,
+                           scored.read() if scored is not None else {})
         return True
 
     def _read_and_chain(self, packed: torch.Tensor, running, admitted, drafts: RoundDrafts, accepted, next_tokens) -> list[int]:
@@ -413,11 +421,12 @@ class Engine(DecodeSteps, RequestLifecycle):
                                     self.max_slots - self.cache.num_free, self.max_slots, self.admission.n_hat))
         assert num_tokens <= self.token_budget
 
-    def _commit_round(self, admitted, running, drafts: RoundDrafts, packed: list[int], vlogits, hidden, offs) -> None:
+    def _commit_round(self, admitted, running, drafts: RoundDrafts, packed: list[int], vlogits, hidden, offs,
+                      scored: dict) -> None:
         """Advance the target cache over what was accepted, hand the new features to the drafter, emit
         each verified round, commit tokens; fail (alone) each request whose fault flag is set. ``packed``:
         prefill first tokens, accepted counts, next tokens, fault flags (prefills, then verifies), verified draft
-        lengths, drafts ``[n, B-1]``."""
+        lengths, drafts ``[n, B-1]``; ``scored``: request id -> its rows' logprobs (the requests that asked)."""
         base, n, w = len(admitted), len(running), drafts.tokens.shape[1]
         first, accepted, next_tokens = packed[:base], packed[base : base + n], packed[base + n : base + 2 * n]
         bad, dl = packed[base + 2 * n : 2 * base + 3 * n], packed[2 * base + 3 * n : 2 * base + 4 * n]
@@ -429,7 +438,7 @@ class Engine(DecodeSteps, RequestLifecycle):
             self.cache.advance(r.slot, len(r.prompt))
             if hidden is not None:
                 r.pending_ctx = hidden[offs[j] : offs[j + 1]]
-            self._commit(r, [first[j]])
+            self._commit(r, [first[j]], logprobs=scored.get(r.id))
         for i, (r, a) in enumerate(zip(running, accepted)):
             if bad[base + i]:
                 self._fail(r, NON_FINITE)
@@ -439,7 +448,7 @@ class Engine(DecodeSteps, RequestLifecycle):
             self.cache.advance(r.slot, a + 1)
             if hidden is not None:
                 r.pending_ctx = hidden[offs[base + i] : offs[base + i] + a + 1]
-            self._commit(r, rows[i][:a] + [next_tokens[i]], verify_len=dl[i] + 1)
+            self._commit(r, rows[i][:a] + [next_tokens[i]], verify_len=dl[i] + 1, logprobs=scored.get(r.id))
 
     def _draft(self, running) -> RoundDrafts:
         """Drafts and verify lengths for ``running`` (trimmed to the token budget); sampled requests draw

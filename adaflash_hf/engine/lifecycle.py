@@ -34,14 +34,22 @@ class RequestLifecycle:
     last_error: str | None = None  # that failure, "ExceptionType: message"
     failure: Exception | None = None  # that failure's exception (an AsyncEngine re-raises it: its thread stops)
 
-    def _commit(self, r: Request, new: list[int], verify_len: int | None = None) -> None:
+    def _commit(self, r: Request, new: list[int], verify_len: int | None = None, logprobs=None) -> None:
         """Append tokens one by one; stop at EOS, ``max_new_tokens`` or a cancellation exactly where plain
         decoding would. ``verify_len``: ``new`` ends a verify round of that length, recorded (before the
         request can finish) with the tokens it emitted: fewer than accepted + 1 when it stopped inside.
+        ``logprobs``: a :class:`~.processed_rows.LoggedToken` per token of ``new`` (a request that asked for them),
+        kept in ``r.logprobs`` and handed to ``on_token`` in the token's place.
         A raising ``on_token`` callback fails this request only."""
         eos, emitted, reason = r.params.eos_ids, 0, None
-        for tok in new:
+        for k, tok in enumerate(new):
             r.tokens.append(tok)
+            if logprobs is not None:
+                tok = logprobs[k]
+                r.logprobs.append(tok)
+            if r.grammar is not None and not r.grammar.accept_token(int(tok)):  # masked rows never commit one
+                self._fail(r, f"token {int(tok)} is outside the request's grammar")
+                return
             emitted += 1
             if r.on_token is not None:
                 try:
@@ -49,7 +57,8 @@ class RequestLifecycle:
                 except Exception as e:  # noqa: BLE001 - the caller's bug ends its own request only
                     self._fail(r, f"on_token callback raised {type(e).__name__}: {e}")
                     return
-            reason = ("eos" if tok in eos else "length" if len(r.tokens) >= r.max_new
+            ended = tok in eos or (r.grammar is not None and r.grammar.is_terminated())  # a grammar's stop token too
+            reason = ("eos" if ended else "length" if len(r.tokens) >= r.max_new
                       else "cancelled" if r.cancel_requested else None)
             if reason is not None:
                 break
@@ -72,7 +81,8 @@ class RequestLifecycle:
             self._queue.remove(r)
         r.state, r.pending_ctx = "done", None
         r.output = EngineOutput(r.id, list(r.prompt), list(r.tokens), reason, list(r.accepted),
-                                list(r.verify_lengths), error=error)
+                                list(r.verify_lengths), error=error,
+                                logprobs=list(r.logprobs) if r.params.logprobs is not None else None)
         if self.on_request is not None and reason not in ("cancelled", "error"):
             self.on_request(FinishedRequest(r.id, torch.tensor(r.prompt), torch.tensor(r.tokens)))
 

@@ -31,6 +31,7 @@ class EngineOutput(RoundTally):
     accepted: list[int] = field(default_factory=list)  # accepted drafts per round after prefill (0s when "off")
     verify_lengths: list[int] = field(default_factory=list)  # tokens verified per round (bonus included)
     error: str | None = None  # finish_reason "error": what failed (this request only, or the engine's round)
+    logprobs: list | None = None  # SamplingParams(logprobs=...): a `processed_rows.LoggedToken` per token of token_ids
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class Request:
         self.output: EngineOutput | None = None
         self.accepted: list[int] = []
         self.verify_lengths: list[int] = []
+        self.logprobs: list = []  # LoggedToken per committed token, when params.logprobs is set
+        self.grammar = params.grammar.matcher() if params.grammar is not None else None  # its state (engine.grammar)
 
     @property
     def bonus(self) -> int:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Integral, Real
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,14 +28,22 @@ class SamplingParams:
     ``top_k`` / ``top_p`` as transformers' warpers (applied after the temperature, top-k before top-p).
     ``seed`` makes the request reproducible: the token at each output position is a function of the seed,
     the position and the text before it only (see :func:`position_keyed_samples`), so the same request
-    gives the same text alone or batched with any others. Invalid values (NaN, inf, negative, wrong type) raise
-    ``ValueError`` naming the field, before any work."""
+    gives the same text alone or batched with any others. ``presence_penalty`` / ``frequency_penalty`` are OpenAI's
+    (vLLM's reading: over the tokens generated so far, not the prompt), subtracted from the target's logits at every
+    verified position before anything reads them (:mod:`.processed_rows`); ``logprobs`` (``None``: off) asks for each
+    committed token's log-probability under those processed logits and that many most likely alternatives (0: the
+    token's own only); ``grammar`` (a :class:`~.grammar.Grammar`) masks the rows to what it allows. Invalid values (NaN, inf, negative, wrong type) raise ``ValueError`` naming the field, before
+    any work."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    grammar: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         t = self.temperature
@@ -49,6 +58,25 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, Integral)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        n = self.logprobs
+        if n is not None and (isinstance(n, bool) or not isinstance(n, Integral) or n < 0):
+            raise ValueError(f"logprobs must be an integer >= 0 or None, got {n!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the target's logits are changed for this request before acceptance (a penalty is set)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def raw_rows(self) -> bool:
+        """Whether the request reads the target's rows as they come (no penalty, grammar or logprobs): the greedy
+        steps that commit without building any row (``decode_steps``) may take it."""
+        return not self.penalized and self.logprobs is None and self.grammar is None
 
     @property
     def greedy(self) -> bool:

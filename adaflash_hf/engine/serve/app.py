@@ -65,10 +65,10 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    """``POST /v1/completions``: one prompt, as text or token ids."""
+    """``POST /v1/completions``: a prompt, as text or token ids, or a list of prompts (each its own choices)."""
 
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="must be a string or a list of token ids (one prompt per request)")
+        description="must be a string, a list of token ids, or a list of either (one prompt each)")
 
 
 class ChatCompletionRequest(_Request):
@@ -189,7 +189,8 @@ async def _complete(svc: CompletionService, request: Request, body: _Request, ki
     stats = request.scope["adaflash.stats"]
     # off the event loop: tokenizing (and the chat template) of a long prompt would stall every connection
     req = await asyncio.to_thread(svc.parse, body.model_dump(exclude_unset=True), kind)
-    stats.update(prompt_tokens=len(req.prompt_ids), stream=req.stream)
+    await asyncio.to_thread(svc.score_prompts, req)  # `echo`: the prompts' text and logprobs
+    stats.update(prompt_tokens=sum(map(len, req.prompts)), stream=req.stream)
     gens = svc.start(req)  # one engine request per choice (`n`)
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
     streaming = False
@@ -200,9 +201,9 @@ async def _complete(svc: CompletionService, request: Request, body: _Request, ki
             streaming = True  # from here the stream owns the requests (and cancels them when the client goes)
             return StreamingResponse(_events(svc, req, gens, rid, stats),  # no "; charset": as OpenAI sends it
                                      headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        texts = await _until_answered(asyncio.gather(*(g.text() for g in gens)), request, settings.disconnect_poll_s)
+        answers = await _until_answered(asyncio.gather(*(g.text() for g in gens)), request, settings.disconnect_poll_s)
         _finished(stats, gens)
-        return JSONResponse(svc.response(req, gens, texts, rid))
+        return JSONResponse(svc.response(req, gens, answers, rid))
     finally:
         if not streaming:  # an error or a client that left: free the engine slots
             _cancel(gens)
@@ -221,8 +222,8 @@ def _finished(stats: dict, gens) -> None:
 
 
 async def _merged(gens):
-    """``(choice index, text piece)`` from every choice's deltas as they come, ``(index, None)`` when that choice has
-    finished; a choice's error is raised here. The pumps are cancelled when the consumer stops early."""
+    """``(choice index, (text piece, logprob entries))`` from every choice's deltas as they come, ``(index, None)`` when
+    that choice has finished; a choice's error is raised here. The pumps are cancelled when the consumer stops early."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, gen):
@@ -258,12 +259,12 @@ async def _events(svc: CompletionService, req, gens, rid: str, stats: dict):
         if req.kind == "chat":
             for i in range(len(gens)):
                 yield _sse(svc.chunk(req, rid, role=True, index=i))
+        tools = svc.tool_streams(req, gens)
         async for i, piece in _merged(gens):
-            if piece is not None:
-                yield _sse(svc.chunk(req, rid, text=piece, index=i))
-            else:
-                yield _sse(svc.chunk(req, rid, finish=gens[i].finish_reason, text="" if req.kind != "chat" else None,
-                                     index=i))
+            chunks = (svc.piece_chunks(req, rid, i, piece, tools[i]) if piece is not None
+                      else svc.finish_chunks(req, rid, i, gens[i], tools[i]))
+            for chunk in chunks:
+                yield _sse(chunk)
         _finished(stats, gens)
         if req.include_usage:
             yield _sse(svc.chunk(req, rid, usage=svc.usage(req, gens)))

@@ -2,35 +2,44 @@
 
 :class:`CompletionService` turns an OpenAI request body into an engine request on one
 :class:`AsyncEngine` (so concurrent requests are decoded together) and shapes the answers; the HTTP
-transport (``app.py``, ``server.py``) only moves bytes. Supported fields: ``prompt`` (a string or a
-list of token ids) / ``messages``, ``max_tokens`` (``max_completion_tokens``), ``temperature``,
-``top_p``, ``top_k``, ``seed``, ``n`` (choices, one engine request each), ``stop`` (a string or a list: the
-text is cut before the first stop string and the request is cancelled right there, ``finish_reason="stop"``),
-``stream`` (chunks in OpenAI's format; ``stream_options.include_usage`` adds a usage chunk) and ``usage`` counts. A
-bad request raises :class:`APIError` (a 400 with an OpenAI-style ``{"error": {...}}`` body).
+transport (``app.py``, ``server.py``) only moves bytes. Supported fields: ``prompt`` (a string, a list of token
+ids, or a list of either: each prompt its own choices) / ``messages``, ``max_tokens`` (``max_completion_tokens``;
+0 with ``echo``), ``temperature``, ``top_p``, ``top_k``, ``seed``, ``n`` (choices, one engine request each), ``stop``
+(a string or a list: the text is cut before the first stop string and the request is cancelled right there,
+``finish_reason="stop"``), ``stream`` (chunks in OpenAI's format; ``stream_options.include_usage`` adds a usage
+chunk), ``logprobs`` / ``top_logprobs`` and ``echo`` (:mod:`.logprobs`), the penalties, ``response_format`` and
+``tools`` / ``tool_choice`` (:mod:`.tools`); every other field of OpenAI's request bodies is accepted or refused
+as :mod:`.options` says. A bad request raises :class:`APIError` (a 400 with an OpenAI-style ``{"error": {...}}``
+body); answers are shaped by :class:`~.responses.ResponseShapes`.
 
 Example::
 
     svc = CompletionService(Engine(target, drafter, max_slots=8, max_len=1024), tok)
     req = svc.parse({"prompt": "Hi", "max_tokens": 8, "temperature": 0}, "completion")
     gens = svc.start(req)                    # inside a running event loop: one per choice
-    texts = [await gen.text() for gen in gens]
-    print(svc.response(req, gens, texts, "cmpl-1"))
+    answers = [await gen.text() for gen in gens]   # (text, logprob entries) each
+    print(svc.response(req, gens, answers, "cmpl-1"))
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import dataclasses
-import json
 import math
 import threading
 import time
 from functools import partial
 
 from .async_engine import AsyncEngine, EngineClosed, EngineFailed
+from .logprobs import prompt_entries
 from .metrics import ServerMetrics, online_health
+from .options import RequestFieldError, describe, read_options
+from .responses import ResponseShapes
+from .tools import END, START, forced_call, read_tools, tool_fields
+from ..grammar import Grammars
+from ..processed_rows import LoggedToken
 from ..sampling import SamplingParams
 
 __all__ = ["APIError", "CompletionService"]
@@ -38,14 +47,9 @@ __all__ = ["APIError", "CompletionService"]
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # the most choices (`n`) one request may ask for: each is an engine request of its own
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; far beyond it the logits' scaling overflows to inf
+MAX_PROMPTS = 64  # the most prompts one completion request may list (prompts x n engine requests)
 _END = object()
 _FINISH = {"eos": "stop", "length": "length", "cancelled": "cancelled"}
-# Fields we do not implement: the value a request may carry anyway (OpenAI clients send defaults).
-_UNSUPPORTED = {
-    "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
-    "top_logprobs": (None, 0), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
-}  # fmt: skip
 
 
 class APIError(Exception):
@@ -68,14 +72,6 @@ def _bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
-def describe(value) -> str:
-    """What a wrongly typed value is, for an error message: numbers, booleans and null as themselves, text
-    and containers by their type alone (never their content: it may be prompt text, and errors are logged)."""
-    if value is None or isinstance(value, bool) or (isinstance(value, (int, float)) and math.isfinite(value)):
-        return json.dumps(value)
-    return {str: "a string", dict: "an object", list: "a list"}.get(type(value), f"a {type(value).__name__}")
-
-
 def _text(value: str, field: str, param: str) -> str:
     """``value`` if it can be encoded (JSON's ``\\ud800`` escapes decode to lone surrogates, which no tokenizer
     and no UTF-8 answer takes), else a 400 naming ``field``."""
@@ -95,29 +91,36 @@ def _is_number(v) -> bool:
 
 
 class _Parsed:
-    __slots__ = ("kind", "prompt_ids", "max_tokens", "params", "stops", "stream", "include_usage", "n")
+    __slots__ = ("kind", "prompts", "max_tokens", "params", "stops", "stream", "include_usage", "n", "options", "echoes",
+                 "tools", "tool_choice")
 
 
 class _Generation:
     """One request in flight, read on an event loop: submits it, turns committed tokens into text deltas,
     applies stop strings. Create it inside a running loop (the engine thread hands tokens to that loop)."""
 
-    def __init__(self, service: "CompletionService", req: _Parsed, params: SamplingParams):
+    def __init__(self, service: "CompletionService", req: _Parsed, params: SamplingParams, prompt: int = 0):
         self.service, self.req = service, req
         self.finish_reason: str | None = None
         self.completion_tokens = 0
         self.shutdown = False  # cancelled because the server is stopping: answered with a 503
+        self.echo = req.echoes[prompt] if req.echoes else None  # (prompt text, its logprob entries): `echo`
         self._q: asyncio.Queue = asyncio.Queue()
         self._head = None  # the first item, read by admitted()
         self.started, self.token_times = time.perf_counter(), []  # the latency histograms' clock
         put = partial(_to_loop, asyncio.get_running_loop(), self._q.put_nowait)
+        if req.max_tokens == 0:  # `echo` alone: nothing to generate, no engine request
+            self.future = concurrent.futures.Future()
+            self.future.set_result(None)
+            self._head, self.finish_reason = _END, "length"
+            return
 
-        def on_token(tok: int) -> None:  # on the engine thread
+        def on_token(tok) -> None:  # on the engine thread
             self.token_times.append(time.perf_counter())
             put(tok)
 
         try:
-            self.future = service.engine.submit(req.prompt_ids, req.max_tokens, params, on_token=on_token)
+            self.future = service.engine.submit(req.prompts[prompt], req.max_tokens, params, on_token=on_token)
         except (EngineClosed, EngineFailed) as e:
             raise APIError(503, f"the engine is not running: {e}") from None
         service._track(self)
@@ -135,10 +138,11 @@ class _Generation:
     async def admitted(self) -> None:
         """Wait for the first token, or for a refusal: a request the engine can never fit is a 400, one
         submitted to a stopped engine a 503 (checked before a stream commits to its headers)."""
-        self._head = await self._q.get()
+        if self._head is None:
+            self._head = await self._q.get()
         if self._head is _END and self.shutdown:
             raise self._shutdown_error()
-        if self._head is not _END or self.future.cancelled():
+        if self._head is not _END or self.future.cancelled() or not self.req.max_tokens:
             return
         exc = self.future.exception()
         if isinstance(exc, ValueError):  # RequestRejected: a request the engine can never fit
@@ -147,8 +151,10 @@ class _Generation:
         if isinstance(exc, (EngineClosed, EngineFailed)) and self.future.request_id is None:
             raise APIError(503, f"the engine is not running: {exc}")
 
-    async def text(self) -> str:
-        return "".join([piece async for piece in self.deltas()])
+    async def text(self) -> tuple[str, list[tuple]]:
+        """The whole answer: its text and its logprob entries (``logprobs``; else empty)."""
+        pieces = [piece async for piece in self.deltas()]
+        return "".join(t for t, _ in pieces), [e for _, entries in pieces for e in entries]
 
     async def _items(self):
         item = self._head if self._head is not None else await self._q.get()
@@ -157,16 +163,28 @@ class _Generation:
             item = await self._q.get()
 
     async def deltas(self):
-        """Yield text pieces as they become final; sets ``finish_reason`` / ``completion_tokens``."""
+        """Yield ``(text piece, logprob entries of the tokens it completes)`` as pieces become final (the echoed
+        prompt first, with ``echo``); sets ``finish_reason`` / ``completion_tokens``."""
+        base = ""
+        if self.echo is not None:
+            base = self.echo[0]
+            yield self.echo
+        if not self.req.max_tokens:
+            return
         stops, decode = self.req.stops, self.service.decode
         longest = max((len(s) for s in stops), default=0)
         tokens: list[int] = []
-        emitted = ""
+        entries: list[tuple] = []  # (token, logprob, top, text offset) of each token read, for `logprobs`
+        sent = 0  # entries already yielded
+        emitted, prev = "", 0
         async for item in self._items():
             if self.finish_reason is not None:  # stopped: drain what the round still committed
                 continue
             tokens.append(item)
             text = decode(tokens)
+            if isinstance(item, LoggedToken):
+                entries.append((int(item), item.logprob, item.top_logprobs, len(base) + prev))
+            prev = len(text)
             if not text.startswith(emitted):  # the tokenizer revised earlier text: wait for it to settle
                 continue
             if stops:
@@ -176,14 +194,13 @@ class _Generation:
                     cut = min(hits)
                     self.finish_reason, self.completion_tokens = "stop", len(tokens)
                     self.cancel()
-                    if cut > len(emitted):
-                        yield text[len(emitted):cut]
-                    emitted = text[:cut]
+                    yield text[len(emitted):cut] if cut > len(emitted) else "", entries[sent:]
+                    sent, emitted = len(entries), text[:cut]
                     continue
             end = len(text) - _holdback(text, stops)
             if end > len(emitted):
-                yield text[len(emitted):end]
-                emitted = text[:end]
+                yield text[len(emitted):end], entries[sent:]
+                sent, emitted = len(entries), text[:end]
         if self.future.cancelled():
             raise APIError(503, "the request was cancelled")
         exc = self.future.exception()
@@ -198,8 +215,9 @@ class _Generation:
             self.finish_reason = _FINISH.get(out.finish_reason, out.finish_reason)
             self.completion_tokens = len(out.token_ids)
             text = decode(out.token_ids)
-            if text.startswith(emitted) and len(text) > len(emitted):
-                yield text[len(emitted):]
+            rest = text[len(emitted):] if text.startswith(emitted) else ""
+            if rest or sent < len(entries):
+                yield rest, entries[sent:]
 
 
 def _to_loop(loop: asyncio.AbstractEventLoop, fn, item) -> None:
@@ -226,7 +244,7 @@ def _holdback(text: str, stops: list[str]) -> int:
     return n
 
 
-class CompletionService:
+class CompletionService(ResponseShapes):
     """The server's logic without HTTP: parses OpenAI requests, runs them on an :class:`AsyncEngine`.
 
     Args:
@@ -259,6 +277,7 @@ class CompletionService:
         longest = max(map(len, tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = self.max_prompt_tokens * (longest + 1)
         self.created = int(time.time())
+        self._grammars = None  # compiles `response_format` schemas, made on the first (engine.grammar)
         core = getattr(self.engine, "engine", None)
         self.metrics = ServerMetrics(block_size=getattr(core, "block_size", 1) if getattr(core, "drafter", None) else 1)
         self.draining = False  # stopping: no new completion requests (a 503), /health answers 503
@@ -356,13 +375,22 @@ class CompletionService:
                 named = f"`{model}`" if len(model) <= 100 else f"named in `model` ({len(model)} characters)"
                 raise APIError(404, f"the model {named} does not exist; this server serves `{self.model_name}`",
                                "model", code="model_not_found")
-        for key, allowed in _UNSUPPORTED.items():
-            if key in body and body[key] not in allowed:
-                raise _bad(f"`{key}` is not supported by this server (allowed: {', '.join(map(json.dumps, allowed))})", key)
-        r = _Parsed()  # the cheap checks first: a bad field is refused before the prompt is tokenized
+        try:
+            r = _Parsed()  # the cheap checks first: a bad field is refused before the prompt is tokenized
+            r.options = read_options(body, kind)
+            r.tools, r.tool_choice = read_tools(body) if kind == "chat" else (None, None)
+        except RequestFieldError as e:
+            raise _bad(str(e), e.param) from None
         r.kind = kind
-        max_tokens = self._max_tokens(body, kind)
-        r.params = self._sampling(body)
+        max_tokens = self._max_tokens(body, kind, r.options.echo)
+        r.params = self._sampling(body, r.options)
+        forced = forced_call(r.tools, r.tool_choice) if r.tools is not None else None
+        if forced is not None and r.options.json_schema is not None:
+            raise _bad("`response_format` cannot be combined with a forced tool call (`tool_choice`)", "tool_choice")
+        if forced is not None:  # `tool_choice` "required" or a named function: one call, enforced by its grammar
+            r.params = dataclasses.replace(r.params, grammar=self._grammar(forced, START + "\n", "\n" + END, "tool_choice"))
+        elif r.options.json_schema is not None:
+            r.params = dataclasses.replace(r.params, grammar=self._grammar(r.options.json_schema))
         r.n = 1 if body.get("n") is None else body["n"]
         if not _is_int(r.n) or not 1 <= r.n <= MAX_CHOICES:
             raise _bad(f"`n` must be an integer from 1 to {MAX_CHOICES}, got {describe(r.n)}", "n")
@@ -375,39 +403,89 @@ class CompletionService:
         if opts is not None and not isinstance(opts, dict):
             raise _bad(f"`stream_options` must be an object, got {describe(opts)}", "stream_options")
         r.include_usage = bool((opts or {}).get("include_usage", False))
-        r.prompt_ids = self._prompt_ids(body, kind)
-        # no max_tokens: the default, capped at what fits after the prompt (at least 1: _prompt_ids checked)
-        r.max_tokens = max_tokens or min(self.default_max_tokens, self.engine.max_len - len(r.prompt_ids))
+        r.prompts = self._prompts(body, kind, r.tools)
+        # no max_tokens: the default, capped at what fits after the longest prompt (at least 1: _prompts checked)
+        longest = max(map(len, r.prompts))
+        r.max_tokens = max_tokens if max_tokens is not None else min(self.default_max_tokens, self.engine.max_len - longest)
+        r.echoes = None
         return r
 
-    def _prompt_ids(self, body: dict, kind: str) -> list[int]:
-        """The prompt's token ids, after every check that costs less than tokenizing (types, Unicode, length)."""
+    def _grammar(self, schema: dict, before: str = "", after: str = "", field: str = "response_format"):
+        """``schema`` (between ``before`` and ``after``) compiled for this tokenizer (xgrammar: the ``grammar`` extra),
+        else a 400 naming ``field``."""
+        with self._prompt_lock:
+            if self._grammars is None:
+                vocab = self.engine.engine.target.get_output_embeddings().weight.shape[0]
+                try:
+                    self._grammars = Grammars(self.prompt_tokenizer, vocab, self.eos_token_id or ())
+                except ImportError:  # no xgrammar: the 400 below
+                    pass
+        if self._grammars is None:
+            raise _bad(f"`{field}` needs xgrammar on the server: pip install 'adaflash-hf[grammar]'", field)
+        try:
+            return self._grammars.json_schema(schema, before, after, any_whitespace=not before)
+        except ValueError as e:
+            raise _bad(f"`{field}`: the JSON schema cannot be compiled: {e}", field) from None
+
+    def score_prompts(self, req: _Parsed) -> None:
+        """With ``echo``: each prompt's text and, with ``logprobs``, its logprob entries (one plain forward of the
+        target per prompt); call it off the event loop, after :meth:`parse`."""
+        if not req.options.echo:
+            return
+        echoes = []
+        for ids in req.prompts:
+            text = self.decode(ids)
+            if req.options.logprobs is None:
+                echoes.append((text, []))
+                continue
+            offsets = [len(self.decode(ids[:i])) for i in range(len(ids))]
+            target = self.engine.engine.target
+            echoes.append((text, prompt_entries(target, ids, req.options.logprobs, offsets)))
+        req.echoes = echoes
+
+    def token_text(self, token: int) -> str:
+        """One token's text, as logprobs name it (special tokens included)."""
+        with self._tok_lock:
+            return self.tokenizer.decode([int(token)])
+
+    def _prompts(self, body: dict, kind: str, tools: list | None = None) -> list[list[int]]:
+        """The prompts' token ids (completions take a list of prompts: each its own choices), after every check that
+        costs less than tokenizing (types, Unicode, length)."""
         field = "messages" if kind == "chat" else "prompt"
         if field not in body:
             raise _bad(f"missing required field `{field}`", field)
+        prompt = body[field]
+        if kind != "chat" and isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            if len(prompt) > MAX_PROMPTS:
+                raise _bad(f"`prompt` holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed", field)
+            self._check_chars(sum(len(p) for p in prompt if isinstance(p, str)), field)
+            return [self._prompt_ids(p, kind) for p in prompt]
+        return [self._prompt_ids(prompt, kind, tools)]
+
+    def _prompt_ids(self, prompt, kind: str, tools: list | None = None) -> list[int]:
+        """One prompt's token ids (``prompt``: ``messages``, with ``tools`` for the chat template; a text or token ids)."""
+        field = "messages" if kind == "chat" else "prompt"
         if kind == "chat":
-            messages = self._chat_messages(body["messages"])
+            messages = self._chat_messages(prompt)
             self._check_chars(sum(len(m["content"]) for m in messages), field)
             if not getattr(self.prompt_tokenizer, "chat_template", None):
                 raise _bad("this model's tokenizer has no chat template; use /v1/completions with a text prompt", field)
             try:
                 with self._prompt_lock:
-                    text = self.prompt_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                    text = self.prompt_tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                                     tokenize=False)
             except Exception as e:  # noqa: BLE001 - a template refusing the conversation (roles, order, ...)
                 raise _bad(f"the chat template rejected `messages`: {type(e).__name__}: {e}", field) from None
             ids = self.encode(text, add_special_tokens=False)
         else:
-            prompt = body["prompt"]
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # a batch of one
             if isinstance(prompt, str):
                 self._check_chars(len(_text(prompt, "prompt", field)), field)
                 ids = self.encode(prompt) if prompt else []
             elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
                 ids = list(prompt)
             else:
-                raise _bad(f"`prompt` must be a string or a list of token ids (one prompt per request), got {describe(prompt)}",
-                           field)
+                raise _bad("`prompt` must be a string, a list of token ids, or a list of either (one prompt each), "
+                           f"got {describe(prompt)}", field)
         if not ids:
             raise _bad("the prompt is empty (zero tokens)", field)
         if len(ids) > self.max_prompt_tokens:
@@ -423,7 +501,8 @@ class CompletionService:
 
     @staticmethod
     def _chat_messages(messages) -> list[dict]:
-        """``messages`` checked and reduced to ``{"role", "content"}`` with text content (parts joined)."""
+        """``messages`` checked and reduced to ``{"role", "content"}`` with text content (parts joined), and an assistant
+        turn's ``tool_calls`` / a tool turn's ``tool_call_id`` kept for the chat template."""
         if not isinstance(messages, list) or not messages:
             raise _bad(f"`messages` must be a non-empty list of {{\"role\", \"content\"}} objects, got {describe(messages)}",
                        "messages")
@@ -448,20 +527,24 @@ class CompletionService:
             if not isinstance(content, str):
                 raise _bad(f"`messages[{i}].content` must be a string or a list of text parts, got {describe(content)}",
                            "messages")
-            clean.append({"role": m["role"], "content": _text(content, f"messages[{i}].content", "messages")})
+            try:
+                extra = tool_fields(m, i)
+            except RequestFieldError as e:
+                raise _bad(str(e), e.param) from None
+            clean.append({"role": m["role"], "content": _text(content, f"messages[{i}].content", "messages"), **extra})
         return clean
 
     @staticmethod
-    def _max_tokens(body: dict, kind: str) -> int | None:
+    def _max_tokens(body: dict, kind: str, echo: bool) -> int | None:
         key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
         value = body.get(key)
         if value is None:
             return None
-        if not _is_int(value) or value < 1:
-            raise _bad(f"`{key}` must be a positive integer, got {describe(value)}", key)
+        if not _is_int(value) or value < (0 if echo else 1):  # 0 with `echo`: the prompt (and its logprobs) alone
+            raise _bad(f"`{key}` must be a positive integer (0 only with `echo`), got {describe(value)}", key)
         return value  # prompt + max_tokens > max_len: the engine rejects it with the numbers (a 400)
 
-    def _sampling(self, body: dict) -> SamplingParams:
+    def _sampling(self, body: dict, options) -> SamplingParams:
         temperature = body.get("temperature")
         temperature = 1.0 if temperature is None else temperature
         if not _is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
@@ -478,7 +561,8 @@ class CompletionService:
             raise _bad(f"`seed` must be an integer, got {describe(seed)}", "seed")
         return SamplingParams(temperature=float(temperature), top_k=top_k if top_k and top_k > 0 else None,
                               top_p=None if top_p is None or top_p == 1 else float(top_p), seed=seed,
-                              eos_token_id=self.eos_token_id)
+                              eos_token_id=self.eos_token_id, presence_penalty=options.presence_penalty,
+                              frequency_penalty=options.frequency_penalty, logprobs=options.logprobs)
 
     @staticmethod
     def _stops(stop) -> list[str]:
@@ -493,45 +577,19 @@ class CompletionService:
 
     # ------------------------------------------------------------------ responses
     def start(self, req: _Parsed) -> list[_Generation]:
-        """Submit a parsed request's ``n`` choices inside a running event loop, one engine request each; for each,
-        ``await gen.admitted()`` (a 400 if the engine can never fit it), then ``await gen.text()`` or
-        ``async for piece in gen.deltas()``. A seeded request's choice ``i`` samples with ``seed + i`` (the same
-        seed would give the same tokens)."""
+        """Submit a parsed request's choices inside a running event loop, one engine request each: ``n`` per prompt,
+        prompt ``p``'s choice ``j`` at index ``p * n + j`` (as OpenAI numbers them); for each, ``await gen.admitted()``
+        (a 400 if the engine can never fit it), then ``await gen.text()`` or ``async for piece in gen.deltas()``. A
+        seeded request's choice ``j`` samples with ``seed + j`` (the same seed would give the same tokens)."""
         gens: list[_Generation] = []
         seed = req.params.seed
         try:
-            for i in range(req.n):
-                params = req.params if seed is None else dataclasses.replace(req.params, seed=seed + i)
-                gens.append(_Generation(self, req, params))
+            for p in range(len(req.prompts)):
+                for j in range(req.n):
+                    params = req.params if seed is None else dataclasses.replace(req.params, seed=seed + j)
+                    gens.append(_Generation(self, req, params, p))
         except APIError:
             for gen in gens:  # the engine stopped part way: free what was submitted
                 gen.cancel()
             raise
         return gens
-
-    def usage(self, req: _Parsed, gens: list[_Generation]) -> dict:
-        n, done = len(req.prompt_ids), sum(gen.completion_tokens for gen in gens)
-        return {"prompt_tokens": n, "completion_tokens": done, "total_tokens": n + done}
-
-    def response(self, req: _Parsed, gens: list[_Generation], texts: list[str], rid: str) -> dict:
-        base = {"id": rid, "created": int(time.time()), "model": self.model_name}
-        if req.kind == "chat":
-            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                        "finish_reason": gen.finish_reason} for i, (gen, text) in enumerate(zip(gens, texts))]
-            return {**base, "object": "chat.completion", "choices": choices, "usage": self.usage(req, gens)}
-        choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": gen.finish_reason}
-                   for i, (gen, text) in enumerate(zip(gens, texts))]
-        return {**base, "object": "text_completion", "choices": choices, "usage": self.usage(req, gens)}
-
-    def chunk(self, req: _Parsed, rid: str, text: str | None = None, finish: str | None = None,
-              role: bool = False, usage: dict | None = None, index: int = 0) -> dict:
-        obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
-        out = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
-        if usage is not None:
-            return {**out, "choices": [], "usage": usage}
-        if req.kind == "chat":
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
-        return {**out, "choices": [choice]}
