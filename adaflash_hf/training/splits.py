@@ -1,4 +1,4 @@
-"""Validation and test slices of the eval sets, deduplicated against the training data (issue 36).
+"""Validation and test slices of the eval sets, deduplicated against the training data.
 
 Every eval set (`data.eval_prompts`) has two slices: ``validation`` (for choosing recipes,
 checkpoints and length rates) and ``test`` (reported once per shipped model). Both hold only the
