@@ -11,7 +11,7 @@ OpenAI server) lives beside the engine in :mod:`adaflash_hf.serve`; importing th
 
 Example::
 
-    from adaflash_hf.engine import Engine, SamplingParams
+    from adaflash_hf.engine import Engine
 
     engine = Engine(target, drafter, max_slots=8, max_len=1024)
     out = engine.generate([[1, 2, 3]], max_new_tokens=32)[0]
