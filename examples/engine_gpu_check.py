@@ -72,7 +72,10 @@ def equivalence(target, drafter, prompts, *, slots: int, max_len: int, budget: i
     """Per bucket: graph replay (fused layers, compiled kernels) logits / features vs the eager packed
     forward through the HF modules on the same cache. End to end: every verify mode, graphs on vs off
     vs HF greedy ``generate``."""
-    from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, layout_args, make_target_cache, target_forward
+    from adaflash_hf.engine import Engine, layout_args
+    from adaflash_hf.engine.graphs import DecodeGraphs
+    from adaflash_hf.engine.kernels.fused import FusedTarget
+    from adaflash_hf.engine.target import PackedLayout, make_target_cache, target_forward
     from adaflash_hf.engine.kernels.attention import BLOCK
 
     device = next(target.parameters()).device
@@ -139,7 +142,10 @@ def equivalence(target, drafter, prompts, *, slots: int, max_len: int, budget: i
 
 # ----------------------------------------------------------------------------- b: 8B-shape cost
 def cost_8b(device, smoke: bool, quick: bool):
-    from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, make_target_cache
+    from adaflash_hf.engine import Engine
+    from adaflash_hf.engine.graphs import DecodeGraphs
+    from adaflash_hf.engine.kernels.fused import FusedTarget
+    from adaflash_hf.engine.target import PackedLayout, make_target_cache
     from adaflash_hf.engine.kernels.attention import BLOCK
 
     rep = {}

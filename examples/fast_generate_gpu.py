@@ -277,7 +277,8 @@ def profile(res, target, drafter, device, args):
     ms per step graph-replayed, and the device kernels of the same step run eagerly."""
     from gpu_common import kernel_profile, phase_breakdown
 
-    from adaflash_hf.engine import Engine, FusedTarget, layout_args
+    from adaflash_hf.engine import Engine, layout_args
+    from adaflash_hf.engine.kernels.fused import FusedTarget
     from adaflash_hf.engine.drafter import DraftGraphs, make_drafter_cache
     from adaflash_hf.generation import fast_path
 

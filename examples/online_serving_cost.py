@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,8 +27,10 @@ from adaflash_hf.engine.warmup import warmup
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.online import OnlineAdapter, OnlineConfig
 from adaflash_hf.online.adapter import copy_drafter
-from adaflash_hf.online.protocol import ProtocolSettings, RoundRouter, eos_ids, prompt_ids, serving_engine
 from adaflash_hf.speculation.rounds import mean_tokens_per_round
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "research"))  # the online protocol's engine and router
+from online_protocol import ProtocolSettings, RoundRouter, eos_ids, prompt_ids, serving_engine  # noqa: E402
 
 
 def serve(target, drafter, stream, run: str, args, eos, record) -> dict:

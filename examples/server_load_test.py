@@ -192,7 +192,7 @@ def main(argv=None) -> int:
 
     from adaflash_hf import load_reference_pair
     from adaflash_hf.engine import Engine
-    from adaflash_hf.engine.serve.server import ServeSettings, make_server
+    from adaflash_hf.serve.server import ServeSettings, make_server
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, drafter, tok = load_reference_pair(device=device, dtype=getattr(torch, args.dtype))

@@ -1,4 +1,4 @@
-"""Readers and writers of the drafter checkpoint layouts (SPEC section 1).
+"""Readers and writers of the drafter checkpoint layouts.
 
 - native: `config.json` with `model_type: "adaflash"`, weights named as our modules.
 - DFlash (z-lab): a Qwen3 `config.json` plus `block_size`, `num_target_layers`, `dflash_config`;

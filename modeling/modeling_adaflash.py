@@ -138,7 +138,7 @@ class AdaFlashDecoderLayer(nn.Module):
 
 
 class AdaFlashLengthHead(nn.Module):
-    """Predicts the fraction of the block the target will accept (SPEC section 2, released form).
+    """Predicts the fraction of the block the target will accept (the released AdaFlash head's form).
 
     Feature `concat(mean over block, last slot)`, `Linear(2H, d)` + SiLU, one residual
     `h + SiLU(Linear(d, d)(h))`, `Linear(d, 1)`, sigmoid. Key names `down`, `res.0`, `out` match the
@@ -482,7 +482,7 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
     def predict_accept_ratio(self, block_hidden: torch.Tensor) -> torch.Tensor:
         """Length-head estimate of the accepted fraction of each block, `[..., B, H] -> [...]` in (0, 1).
 
-        The input is detached: the head's loss never reaches the drafter (SPEC section 2).
+        The input is detached: the head's loss never reaches the drafter.
         """
         if self.length_head is None:
             raise ValueError("this drafter has no length head (config.use_length_head is False)")

@@ -12,6 +12,8 @@ also exposed as fixtures of the same name, so other test files can use whichever
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,10 @@ import torch
 # The engine's Triton kernels run in Triton's interpreter on this CPU-only suite (read when a kernel
 # module is first imported, so before any test imports one).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The research drivers (examples/research: the online protocol and experiment, the reference target's corpus and
+# training) live outside the package; their tests import them by module name, as the scripts import each other.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "research"))
 
 # Tiny models: one intra-op thread is faster than two (no OpenMP hand-off per op), and far faster
 # when the two cores are shared with other processes (spinning OpenMP workers oversubscribe them).

@@ -216,7 +216,7 @@ def plain_greedy_ids(target, prompt: list[int], n: int) -> list[int]:
 def prefilled_cache(target, prompts: list[list[int]], num_slots: int, max_len: int):
     """A target cache (one spare padding row) with each prompt prefilled into its own slot by the eager
     forward: ``(cache, slots)``."""
-    from adaflash_hf.engine import PackedLayout, make_target_cache, target_forward
+    from adaflash_hf.engine.target import PackedLayout, make_target_cache, target_forward
 
     cache = make_target_cache(target, num_slots, max_len, spare_slots=1)
     slots = [cache.alloc() for _ in prompts]

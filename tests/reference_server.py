@@ -8,7 +8,7 @@ import openai
 
 from adaflash_hf import load_reference_pair
 from adaflash_hf.engine import Engine
-from adaflash_hf.engine.serve.server import make_server
+from adaflash_hf.serve.server import make_server
 
 
 def start_reference_server(max_len: int = 160, chat_template: str | None = None) -> dict:

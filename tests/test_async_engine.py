@@ -11,14 +11,8 @@ import time
 import pytest
 import torch
 
-from adaflash_hf.engine import (
-    AsyncEngine,
-    Engine,
-    EngineClosed,
-    EngineFailed,
-    RequestRejected,
-    SamplingParams,
-)
+from adaflash_hf.engine import Engine, RequestRejected, SamplingParams
+from adaflash_hf.serve import AsyncEngine, EngineClosed, EngineFailed
 
 from generation_helpers import make_drafter, make_target
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 from conftest import build_drafter, build_tiny_target
 
-import adaflash_hf.engine.serve.server as server_mod
+import adaflash_hf.serve.server as server_mod
 from adaflash_hf.cli import main
 from adaflash_hf.engine import Engine
-from adaflash_hf.engine.serve.settings import EXIT_ENGINE_FAILED
+from adaflash_hf.serve.settings import EXIT_ENGINE_FAILED
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,7 @@ def test_without_the_serve_extra_serve_names_it(missing, monkeypatch, capsys):
     one line naming `pip install 'adaflash-hf[serve]'` (that `--help` imports none is checked in test_cli)."""
     for name in missing:
         monkeypatch.setitem(sys.modules, name, None)  # `import uvicorn` now raises ImportError
-    for name in [m for m in sys.modules if m.startswith("adaflash_hf.engine.serve.")]:
+    for name in [m for m in sys.modules if m.startswith("adaflash_hf.serve.")]:
         monkeypatch.delitem(sys.modules, name)  # imported afresh, as in a process without the extra
     rc = main(["serve", "--port", "0"])
     err = capsys.readouterr().err

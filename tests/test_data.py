@@ -265,7 +265,7 @@ def test_tokenizer_chat_template_roundtrip(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_corpus(data_root, tmp_path_factory):
-    from adaflash_hf.training.pretokenize import loss_mask, pretokenize
+    from pretokenize import loss_mask, pretokenize
 
     out = tmp_path_factory.mktemp("pretok")
     meta = pretokenize(out, vocab_size=512, limit_per_domain=12, eval_tokens_per_domain=2000, progress=False)
@@ -288,7 +288,7 @@ def tiny_corpus(data_root, tmp_path_factory):
 def test_train_target_smoke(tiny_corpus, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from adaflash_hf.training.train_target import TargetRecipe, train
+    from train_target import TargetRecipe, train
 
     s = train(TargetRecipe(tiny_corpus, tmp_path / "run", steps=3, device="cpu", tiny=True, batch_size=4, seq_len=64,
                            eval_windows=2, sample_tokens=4, quiet=True, minutes=5))
@@ -307,7 +307,7 @@ def test_train_target_smoke(tiny_corpus, tmp_path):
 
 
 def test_train_target_loss_decreases_on_fixed_batch(tiny_corpus, tmp_path):
-    from adaflash_hf.training.train_target import TargetRecipe, train
+    from train_target import TargetRecipe, train
 
     s = train(TargetRecipe(tiny_corpus, tmp_path / "fit", steps=20, device="cpu", tiny=True, batch_size=4, seq_len=64,
                            fixed_batch=True, log_every=1, sample_tokens=0, save=False, quiet=True, lr=3e-3, minutes=5))

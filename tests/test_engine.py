@@ -9,17 +9,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from adaflash_hf.engine import (
-    Engine,
-    PackedLayout,
-    RequestRejected,
-    SlotKVCache,
-    draft_blocks,
-    layout_args,
-    make_drafter_cache,
-    make_target_cache,
-    target_forward,
-)
+from adaflash_hf.engine import Engine, RequestRejected, layout_args
+from adaflash_hf.engine.drafter import draft_blocks, make_drafter_cache
+from adaflash_hf.engine.kv_cache import SlotKVCache
+from adaflash_hf.engine.target import PackedLayout, make_target_cache, target_forward
 from adaflash_hf.speculation import verify as verify_mod
 from adaflash_hf.speculation.acceptance import greedy_accept
 
@@ -224,7 +217,7 @@ def test_eos_stops_like_plain_generate(pair):
 
 # ---------------------------------------------------------------- admission, rejection, cancellation
 def test_admission_ema_tracks_fit():
-    from adaflash_hf.engine import AdmissionController
+    from adaflash_hf.engine.admission import AdmissionController
 
     a = AdmissionController(num_slots=16, max_len=64, token_budget=64, tokens_per_request=1.0, beta=0.5)
     assert a.limit == 16  # one token each: the slots bind
@@ -345,7 +338,8 @@ def test_round_sink_receives_verified_rounds(pair):
 # ---------------------------------------------------------------- sampling
 def _token2_marginal(target, prompt, top_k):
     """Exact P(second generated token) under temperature 1 + top-k."""
-    from adaflash_hf.engine import SamplingParams, processed_probs
+    from adaflash_hf.engine import SamplingParams
+    from adaflash_hf.engine.sampling import processed_probs
 
     params = SamplingParams(temperature=1.0, top_k=top_k)
     p1 = processed_probs(target(torch.tensor([prompt])).logits[0, -1], params)

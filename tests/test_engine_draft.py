@@ -12,7 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import adaflash_hf.speculation.length.planner as verify_lengths
-from adaflash_hf.engine import Engine, SamplingParams, draft_blocks, layout_args, make_drafter_cache
+from adaflash_hf.engine import Engine, SamplingParams, layout_args
+from adaflash_hf.engine.drafter import draft_blocks, make_drafter_cache
 from adaflash_hf.engine.kernels.attention import BLOCK
 from adaflash_hf.engine.drafter import DraftGraphs, append_context
 from adaflash_hf.engine.graphs import pick_bucket
@@ -292,7 +293,7 @@ def test_bidirectional_slot_mask(q_len):
     create_block_mask's, and flex_attention with it equals SDPA with the boolean mask."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from adaflash_hf.engine import SlotAttention, slot_block_mask, slot_mask_mod
+    from adaflash_hf.engine.kernels.attention import SlotAttention, slot_block_mask, slot_mask_mod
     from adaflash_hf.engine.kernels.attention import INACTIVE
 
     starts = [12, 130, 127, 0, INACTIVE, 383]

@@ -14,7 +14,10 @@ import importlib
 import pytest
 import torch
 
-from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, layout_args, make_target_cache, target_forward
+from adaflash_hf.engine import Engine, layout_args
+from adaflash_hf.engine.graphs import DecodeGraphs
+from adaflash_hf.engine.kernels.fused import FusedTarget
+from adaflash_hf.engine.target import PackedLayout, make_target_cache, target_forward
 from adaflash_hf.engine.kernels import elementwise as E
 from adaflash_hf.engine.kernels import fused as F
 from adaflash_hf.engine.kernels import stock_layers

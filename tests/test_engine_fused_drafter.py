@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adaflash_hf.engine import Engine, FusedTarget, layout_args, make_drafter_cache
+from adaflash_hf.engine import Engine, layout_args
+from adaflash_hf.engine.drafter import make_drafter_cache
+from adaflash_hf.engine.kernels.fused import FusedTarget
 from adaflash_hf.engine.drafter import DraftGraphs
 from adaflash_hf.engine.kernels.attention import BLOCK
 

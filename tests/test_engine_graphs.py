@@ -11,20 +11,10 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from adaflash_hf.engine import (
-    DecodeGraphs,
-    Engine,
-    PackedLayout,
-    layout_args,
-    SlotAttention,
-    make_target_cache,
-    pick_bucket,
-    q_buckets,
-    slot_block_mask,
-    slot_mask_mod,
-    target_forward,
-    token_buckets,
-)
+from adaflash_hf.engine import Engine, layout_args
+from adaflash_hf.engine.graphs import DecodeGraphs, pick_bucket, q_buckets, token_buckets
+from adaflash_hf.engine.kernels.attention import SlotAttention, slot_block_mask, slot_mask_mod
+from adaflash_hf.engine.target import PackedLayout, make_target_cache, target_forward
 from adaflash_hf.engine.kernels.attention import INACTIVE as INACTIVE_START
 
 from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids, prefilled_cache

@@ -13,7 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adaflash_hf.engine import DecodeGraphs, Engine, FusedTarget, PackedLayout, layout_args, target_forward
+from adaflash_hf.engine import Engine, layout_args
+from adaflash_hf.engine.graphs import DecodeGraphs
+from adaflash_hf.engine.kernels.fused import FusedTarget
+from adaflash_hf.engine.target import PackedLayout, target_forward
 from adaflash_hf.engine import drafter as drafter_module
 from adaflash_hf.engine import graphs as graphs_module
 from adaflash_hf.engine.kernels import skinny_linear as SL

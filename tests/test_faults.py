@@ -16,7 +16,7 @@ from conftest import build_word_tokenizer
 from adaflash_hf.engine import Engine, layout_args
 from adaflash_hf.engine.lifecycle import NON_FINITE
 from adaflash_hf.engine.sampling import GREEDY_TEMPERATURE, RowSampling, SamplingParams, seed_key
-from adaflash_hf.engine.serve.server import make_server
+from adaflash_hf.serve.server import make_server
 
 from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids
 

@@ -115,7 +115,7 @@ def test_zlab_config_without_target_layer_ids_takes_the_zlab_default(pair, tmp_p
     ({"role": "user", "content": None}, "only an assistant message"),
 ])  # fmt: skip
 def test_chat_messages_without_content_or_with_an_unknown_role_are_refused(message, words):
-    from adaflash_hf.engine.serve.server import APIError, CompletionService
+    from adaflash_hf.serve.server import APIError, CompletionService
 
     with pytest.raises(APIError) as e:
         CompletionService._chat_messages([message])
@@ -123,7 +123,7 @@ def test_chat_messages_without_content_or_with_an_unknown_role_are_refused(messa
 
 
 def test_valid_chat_messages_still_pass():
-    from adaflash_hf.engine.serve.server import CompletionService
+    from adaflash_hf.serve.server import CompletionService
 
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": None},
             {"role": "user", "content": [{"type": "text", "text": "x"}]}]

@@ -398,7 +398,7 @@ def _online_metric(stats: dict, name: str) -> float:
     """What the server's GET /metrics says for ``adaflash_online_<name>`` given the adapter's stats."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from adaflash_hf.engine.serve.metrics import ServerMetrics
+    from adaflash_hf.serve.metrics import ServerMetrics
 
     text = ServerMetrics(block_size=8, online_stats=lambda: stats).render().decode()
     return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == f"adaflash_online_{name}")

@@ -1,4 +1,4 @@
-"""The online protocol through the engine (`adaflash_hf.online.protocol`) on a tiny pair: every held-out output is
+"""The online protocol through the engine (`examples/research/online_protocol.py`) on a tiny pair: every held-out output is
 checked against plain greedy decoding, an update happens between the measurements, and each measurement carries
 acceptance per draft position and the accepted-draft density."""
 
@@ -11,7 +11,7 @@ import torch
 from generation_helpers import make_drafter, make_target, ragged_prompts
 
 from adaflash_hf.online import OnlineConfig
-from adaflash_hf.online.protocol import ProtocolSettings, run_protocol
+from online_protocol import ProtocolSettings, run_protocol
 
 
 def test_protocol_measures_checks_and_updates():

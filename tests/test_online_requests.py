@@ -102,7 +102,7 @@ def test_online_experiment_curve_on_the_reference_pair(tmp_path):
     batches gives the same tau as one prompt at a time (rows verify their own blocks)."""
     import os
 
-    from adaflash_hf.online import experiment
+    import online_experiment as experiment
     from adaflash_hf.reference import REFERENCE_DIR
 
     def run(out, *extra):
@@ -203,7 +203,7 @@ def test_head_error_counts_only_rounds_with_known_acceptance(verify_len, accepte
 
 @pytest.mark.parametrize("seed", [0, 1, 7])
 def test_stream_order_is_file_order_at_seed_0_and_a_seeded_permutation_otherwise(seed):
-    from adaflash_hf.online.experiment import stream_order
+    from online_experiment import stream_order
 
     prompts = list(range(50))
     order = stream_order(prompts, seed)

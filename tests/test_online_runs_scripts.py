@@ -86,7 +86,7 @@ def _run_lines(path: Path) -> list[tuple[str, list[str]]]:
 def test_every_run_of_the_run_files_parses_before_it_reaches_a_gpu(run_file):
     """Each line of a gpu_protocol.sh run file is a unique name and arguments the protocol accepts, its adapter
     settings valid for each of its methods; a misspelt setting (the control) is refused."""
-    from adaflash_hf.online.protocol import parse_args
+    from online_protocol import parse_args
 
     runs = _run_lines(run_file)
     assert runs and len({name for name, _ in runs}) == len(runs)

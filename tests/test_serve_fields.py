@@ -17,7 +17,7 @@ from adaflash_hf import load_reference_pair
 from adaflash_hf.engine import Engine
 from adaflash_hf.engine.grammar import Grammars
 from adaflash_hf.engine.sampling import SamplingParams
-from adaflash_hf.engine.serve.options import FIELDS
+from adaflash_hf.serve.options import FIELDS
 
 from reference_server import accepted_drafts, start_reference_server
 

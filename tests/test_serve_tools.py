@@ -13,7 +13,7 @@ import torch
 import xgrammar as xgr
 
 from adaflash_hf.engine.grammar import Grammars
-from adaflash_hf.engine.serve.tools import END, START, ToolStream, forced_call, parse_tool_calls
+from adaflash_hf.serve.tools import END, START, ToolStream, forced_call, parse_tool_calls
 
 from reference_server import start_reference_server
 

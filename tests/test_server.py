@@ -16,7 +16,7 @@ import torch
 from conftest import build_word_tokenizer
 
 from adaflash_hf.engine import Engine
-from adaflash_hf.engine.serve.server import make_server
+from adaflash_hf.serve.server import make_server
 
 from generation_helpers import make_drafter, make_target
 

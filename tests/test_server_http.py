@@ -21,7 +21,7 @@ import pytest
 from conftest import build_word_tokenizer
 
 from adaflash_hf.engine import Engine
-from adaflash_hf.engine.serve.server import ServeSettings, make_server
+from adaflash_hf.serve.server import ServeSettings, make_server
 
 from generation_helpers import make_drafter, make_target, plain_greedy_ids
 

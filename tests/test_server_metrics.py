@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from adaflash_hf.engine.serve.metrics import ServerMetrics
+from adaflash_hf.serve.metrics import ServerMetrics
 
 
 def _samples(metrics: ServerMetrics) -> dict[str, float]:
@@ -108,7 +108,7 @@ def test_rejections_are_counted_by_status_but_a_client_gone_is_not():
 
 
 def test_online_write_failures_and_rejected_versions_reach_metrics_and_health():
-    from adaflash_hf.engine.serve.metrics import online_health
+    from adaflash_hf.serve.metrics import online_health
 
     stats = {"updates": 2, "failures": 0, "write_failures": 3, "versions_rejected": 1, "served_version": 4,
              "resumed_from": 4, "last_error": "could not write online version: OSError: No space left on device"}

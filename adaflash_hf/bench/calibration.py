@@ -1,4 +1,4 @@
-"""The length head's calibration: its predicted verify length against the realised acceptance (issue 35 item 3).
+"""The length head's calibration: its predicted verify length against the realised acceptance.
 
 Input: whole-block rounds (``fixed`` policy, so an accepted count ``L`` is never cut by a verify length), each with
 the head's predicted ratio ``a`` (:class:`adaflash_hf.bench.replay.RecordedTrace` records them). The head is

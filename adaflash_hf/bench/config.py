@@ -43,7 +43,7 @@ class BenchConfig:
     the batch (half at this many requests; ``None``, the default: fixed rate, load left to admission).
     ``reference_concurrency``: when ``plain`` is not among the methods, the untimed plain rows that greedy cells are
     compared with are decoded this many prompts at a time (``None``: at each cell's concurrency). Plain greedy float32
-    decoding gives the same rows at any batch (BENCHMARKS section 7), and at concurrency 1 the drafter methods run
+    decoding gives the same rows at any batch, and at concurrency 1 the drafter methods run
     several times faster than plain does, so a long concurrency-1 run spends most of its time on its reference.
     ``fast_path``: our loop's methods take the engine's fast path off CUDA too (on CUDA they do by default), so a
     CPU run makes the GPU path's decisions.

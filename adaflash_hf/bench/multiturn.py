@@ -1,5 +1,5 @@
 """Multi-turn sets (MT-bench) as Spec-Bench runs them: every turn benchmarked, each later turn's prompt the
-conversation so far with the target's own greedy answers (issue 36 item 4).
+conversation so far with the target's own greedy answers.
 
 Turn 1 is an ordinary set (label ``mt_bench``). For turn ``t > 1`` the prompt of each conversation that has a
 ``t``-th user turn is ``[user 1, assistant answer 1, ..., user t]`` through the chat template, where every

@@ -1,4 +1,4 @@
-"""Prompt lookup at its best (issue 36 item 2): a small grid of transformers' two knobs, the setting chosen
+"""Prompt lookup at its best: a small grid of transformers' two knobs, the setting chosen
 on the validation split and reported on the test split.
 
 The grid is ``prompt_lookup_num_tokens`` 10 / 15 / 20 x ``max_matching_ngram_size`` 2 / 3 / 4

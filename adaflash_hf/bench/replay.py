@@ -1,4 +1,4 @@
-"""Acceptance replay: the engine's real cost under a known acceptance trace (SPEC section 9).
+"""Acceptance replay: the engine's real cost under a known acceptance trace.
 
 Random weights accept nothing, so speculative throughput of a large target is measured by replay:
 the target and the drafter run every forward and kernel of every round, but each request's drafted

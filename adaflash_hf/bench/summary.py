@@ -1,4 +1,4 @@
-"""``bench.md``'s per-set summary (issue 36 item 4): each set's turns pooled, tau and mean verify length beside
+"""``bench.md``'s per-set summary: each set's turns pooled, tau and mean verify length beside
 wall-clock against plain and prompt lookup, tau against prompt lookup at its default and at its best.
 
 A multi-turn set's turns (`.multiturn`) are pooled: tokens, rounds and wall time summed over the turns, tau

@@ -12,8 +12,8 @@ from ..loading import HUB_ID, UsageError
 from .common import nonneg_float, nonneg_int, number, positive_float, positive_int
 
 
-# A server keeps its throughput while it learns: on an H200, serving beside an update kept 0.98x of its tok/s with
-# these two, 0.85x training in a thread at the same share (BENCHMARKS section 3, "What learning costs a server").
+# A server keeps most of its throughput while it learns with these two: a child process takes the update's Python off
+# the serving interpreter, and the share bounds its GPU time.
 # "auto": a child process on CUDA (shared through CUDA IPC); on the CPU a thread, since sharing CPU tensors goes
 # through /dev/shm, which containers often keep small, and the measurement was a GPU's.
 SERVE_TRAIN_SHARE = 0.25

@@ -150,7 +150,7 @@ def _api_key(args) -> str | None:
 def _service(args, need_drafter: bool):
     """Load the models and build the engine and the completion service; (service, description line)."""
     from ..engine import Engine
-    from ..engine.serve.server import CompletionService
+    from ..serve.server import CompletionService
 
     target, drafter, tok = load_models_from_args(args, need_drafter=need_drafter)
     adapter = online_adapter(args, drafter, target) if args.online else None
@@ -194,7 +194,7 @@ def run(args) -> int:
     need_drafter = _check_models(args)
     api_key = _api_key(args)
     try:
-        from ..engine.serve.server import OpenAIServer, ServeSettings, require_serve_extra
+        from ..serve.server import OpenAIServer, ServeSettings, require_serve_extra
 
         require_serve_extra()
     except ImportError as e:

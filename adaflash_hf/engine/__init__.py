@@ -1,35 +1,29 @@
-"""Continuous-batching speculative decoding engine: slotted KV caches, packed verification,
-EMA admission; on CUDA the decode forwards are CUDA graphs per bucket with flex_attention
-(``graphs.py``, ``attention.py``) over the target's fused layers (``fused.py``; checked and measured by examples/engine_gpu_check.py)."""
+"""Continuous-batching speculative decoding engine: slotted KV caches, packed verification, admission by the
+token budget; on CUDA the decode forwards are CUDA graphs per bucket over the target's fused layers.
 
-from .admission import AdmissionController
-from .kernels.attention import SlotAttention, slot_block_mask, slot_mask_mod
-from .serve.async_engine import AsyncEngine, EngineClosed, EngineFailed, RequestFuture, TokenStream
-from .drafter import DraftGraphs, DraftOutput, SlotCacheView, append_context, draft_blocks, make_drafter_cache
+The public names are what a caller needs to run requests: :class:`Engine` (submit, step, generate), what a
+request returns and reports (:class:`EngineOutput`, :class:`RequestHandle`, :class:`StepInfo`,
+:class:`RequestRejected`), how it samples (:class:`SamplingParams`) and the round layouts an engine is built for
+(:data:`LAYOUTS`, :data:`ENGINE_POLICIES`, :func:`layout_args`, :func:`round_layout`). The caches, graphs and
+kernels are internals, imported from their modules (``engine.graphs``, ``engine.target``, ``engine.kernels``...)
+by the code and tests that need them. Serving (the asyncio :class:`~adaflash_hf.serve.AsyncEngine` and the
+OpenAI server) lives beside the engine in :mod:`adaflash_hf.serve`; importing the engine imports no HTTP.
+
+Example::
+
+    from adaflash_hf.engine import Engine
+
+    engine = Engine(target, drafter, max_slots=8, max_len=1024)
+    out = engine.generate([[1, 2, 3]], max_new_tokens=32)[0]
+    print(out.token_ids, out.tau)
+"""
+
 from ..speculation.length.names import ENGINE_POLICIES, LAYOUTS, layout_args, round_layout
-from .engine import Engine, EngineOutput, RequestHandle, RequestRejected, StepInfo
-from .kernels.fused import FusedTarget
-from .graphs import DecodeGraphs, GraphRunner, pick_bucket, q_buckets, token_buckets
-from .kv_cache import SlotKVCache
-from .sampling import SamplingParams, processed_probs
-from .serve.server import OpenAIServer, make_server
-from .target import (
-    PackedLayout,
-    check_target_supported,
-    decoder_forward,
-    make_target_cache,
-    packed_attention,
-    target_forward,
-)
+from .engine import Engine
+from .requests import EngineOutput, RequestHandle, RequestRejected, StepInfo
+from .sampling import SamplingParams
 
 __all__ = [
-    "AdmissionController", "AsyncEngine", "Engine", "EngineClosed", "EngineFailed", "OpenAIServer", "RequestFuture",
-    "TokenStream", "make_server", "EngineOutput", "PackedLayout", "RequestHandle", "RequestRejected",
-    "SamplingParams", "SlotCacheView", "SlotKVCache", "StepInfo", "ENGINE_POLICIES", "LAYOUTS", "check_target_supported", "layout_args", "round_layout",
-    "draft_blocks", "make_drafter_cache", "make_target_cache", "packed_attention", "processed_probs", "target_forward",
-    # the CUDA-graph decode path
-    "DecodeGraphs", "SlotAttention", "decoder_forward", "pick_bucket", "q_buckets", "slot_block_mask", "slot_mask_mod",
-    "token_buckets", "GraphRunner", "FusedTarget",
-    # the batched drafter step
-    "DraftGraphs", "DraftOutput", "append_context",
+    "ENGINE_POLICIES", "Engine", "EngineOutput", "LAYOUTS", "RequestHandle", "RequestRejected", "SamplingParams",
+    "StepInfo", "layout_args", "round_layout",
 ]

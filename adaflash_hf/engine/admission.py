@@ -1,4 +1,4 @@
-"""Admission control: an EMA estimate of how many requests fit, plus hard limits (SPEC section 6)."""
+"""Admission control: an EMA estimate of how many requests fit, plus hard limits."""
 
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ class Engine(DecodeSteps, RequestLifecycle):
             ``"measured"``: this engine's own (:func:`~.warmup.measure_round_cost`: its graphs and its real rounds, the
             host's time included), profiled once per models, device, dtype, shape and versions and cached in the
             user's cache directory (:func:`~.cost_cache.cached_round_cost`). Default: ``"measured"`` under ``cost`` on
-            CUDA's graph path, else SPEC section 6's H200 table and overheads.
+            CUDA's graph path, else :class:`~adaflash_hf.speculation.length.cost.RoundCost`'s default table.
         rectangular: with ``cost`` / ``adaptive``, pad every request to the round's largest ``k_hat`` (the cost of a
             padded ``[b, max k_hat]`` batch; for comparison only).
         max_slots: concurrent requests (KV slots for target and drafter).

@@ -171,7 +171,7 @@ class GraphRunner:
                     self._forward(*bucket)
             except BaseException:
                 # A capture that fails can leave its pool marked as recording, and every later capture into it then
-                # fails with "beginAllocateToPool: already recording" (seen on the H200 in a bench run, 2026-12-03):
+                # fails with "beginAllocateToPool: already recording":
                 # later captures, the fallback's included, take a fresh pool.
                 self.pool = torch.cuda.graph_pool_handle()
                 raise

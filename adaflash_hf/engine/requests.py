@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..speculation.rounds import RoundTally
 from .sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 __all__ = ["EngineOutput", "Request", "RequestHandle", "RequestRejected", "StepInfo", "check_request"]
 
@@ -75,10 +72,19 @@ class Request:
         return self.max_new - len(self.tokens)
 
 
+class StepsRequests(Protocol):
+    """What a :class:`RequestHandle` needs of its engine: one round for every running request (``step()``: whether
+    anything is left to do) and cancelling one request (the engine's class imports this module, not the reverse)."""
+
+    def step(self) -> bool: ...
+
+    def _cancel(self, req: Request) -> None: ...
+
+
 class RequestHandle:
     """A submitted request: ``cancel()``, ``result()`` (steps the engine until it is done), ``done``."""
 
-    def __init__(self, engine: "Engine", req: Request):
+    def __init__(self, engine: StepsRequests, req: Request):
         self._engine, self._req = engine, req
 
     @property

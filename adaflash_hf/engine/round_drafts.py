@@ -10,7 +10,6 @@ forward, so the host never waits for the drafter's head before queuing the targe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,10 +17,7 @@ import torch
 from .graphs import to_device
 from .target import segments
 
-if TYPE_CHECKING:
-    from .sampled_rows import SampledDrafts
-
-__all__ = ["RoundDrafts", "late_bits", "take_late_ratios", "unpack_drafts"]
+__all__ = ["RoundDrafts", "SampledDrafts", "late_bits", "take_late_ratios", "unpack_drafts"]
 
 
 def unpack_drafts(tokens: torch.Tensor, finite: torch.Tensor, counts: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,12 +42,32 @@ def unpack_drafts(tokens: torch.Tensor, finite: torch.Tensor, counts: list[int],
 
 
 @dataclass
+class SampledDrafts:
+    """A round's sampled draft distributions: the requests at ``index`` (positions in the round's running list) own
+    rows ``offsets[s] .. offsets[s + 1]`` of ``probs [R, V]`` (processed, safe to sample: uniform where the drafter's
+    logits were not finite, see :func:`sample_drafts`); ``bad [n]`` (device) flags the running requests whose draft
+    distribution was not finite."""
+
+    index: list[int]
+    offsets: np.ndarray
+    probs: torch.Tensor
+    bad: torch.Tensor
+
+    def padded_rows(self, which: list[int], width: int, lengths) -> np.ndarray:
+        """Rows of :attr:`probs` laying out requests ``which`` (indices into :attr:`index`) as ``[len(which), width]``:
+        row ``j`` of request ``s`` is its own ``min(j, lengths[s] - 1)`` (row 0 of ``probs`` when it has none)."""
+        j = np.arange(width)[None, :]
+        lengths = np.asarray(lengths, dtype=np.int64)[:, None]
+        return np.where(lengths > 0, self.offsets[which][:, None] + np.minimum(j, lengths - 1), 0).ravel()
+
+
+@dataclass
 class RoundDrafts:
     """One round's drafts: ``tokens [n, B-1]`` and ``finite [n]`` (the request's draft logits were finite; ``None``
     when nothing was drafted) stay on the device until the round's one read; ``draft_len [n]``, verify lengths
     ``q_lens`` (host); the drafted positions' raw ``logits``, packed (:meth:`row_logits`), and length-head ``ratio``
     (device, ``None`` when nothing was drafted); the sampled requests' processed draft distributions and fault flags,
-    all requests packed together (:class:`~.sampled_rows.SampledDrafts`; ``None``: no sampled request drafted).
+    all requests packed together (:class:`SampledDrafts`, made by :func:`~.sampled_rows.sample_drafts`; ``None``: no sampled request drafted).
     Under the prompt n-gram rule's ``max_width`` ``tokens`` may be wider than the block and ``wide_len`` replaces
     ``draft_len`` on the device (``q_lens`` are then the widest verifies planned)."""
 

@@ -18,19 +18,17 @@ function of seed, position and prefix); unseeded requests share one stream (:cla
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from ..speculation.prompt_ngrams import agree_with_drafts
 from ..speculation.verify import SampledRows
 from .graphs import arrays_to_device
-from .round_drafts import RoundDrafts
+from .round_drafts import RoundDrafts, SampledDrafts
 from .sampling import RowSampling, checked_probs
 from .target import segments
 
-__all__ = ["RoundRandom", "SampledDrafts", "agree_sampled", "sample_drafts", "sample_round"]
+__all__ = ["RoundRandom", "agree_sampled", "sample_drafts", "sample_round"]
 
 
 class RoundRandom:
@@ -49,26 +47,6 @@ class RoundRandom:
         if any(r.params.seed is None and not r.params.greedy for r in requests):
             self.generator.manual_seed(int(torch.randint(2**62, ())))
         return self.generator
-
-
-@dataclass
-class SampledDrafts:
-    """A round's sampled draft distributions: the requests at ``index`` (positions in the round's running list) own
-    rows ``offsets[s] .. offsets[s + 1]`` of ``probs [R, V]`` (processed, safe to sample: uniform where the drafter's
-    logits were not finite, see :func:`sample_drafts`); ``bad [n]`` (device) flags the running requests whose draft
-    distribution was not finite."""
-
-    index: list[int]
-    offsets: np.ndarray
-    probs: torch.Tensor
-    bad: torch.Tensor
-
-    def padded_rows(self, which: list[int], width: int, lengths) -> np.ndarray:
-        """Rows of :attr:`probs` laying out requests ``which`` (indices into :attr:`index`) as ``[len(which), width]``:
-        row ``j`` of request ``s`` is its own ``min(j, lengths[s] - 1)`` (row 0 of ``probs`` when it has none)."""
-        j = np.arange(width)[None, :]
-        lengths = np.asarray(lengths, dtype=np.int64)[:, None]
-        return np.where(lengths > 0, self.offsets[which][:, None] + np.minimum(j, lengths - 1), 0).ravel()
 
 
 def _any_per(flags: torch.Tensor, owner: torch.Tensor, n: int) -> torch.Tensor:

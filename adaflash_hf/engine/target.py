@@ -36,8 +36,8 @@ SUPPORTED = ("qwen3", "llama")
 
 def repeat(values, counts) -> np.ndarray:
     """``values[i]`` repeated ``counts[i]`` times, a host ``int64`` array (numpy: torch's CPU
-    ``repeat_interleave`` enters its thread pool on every call, and stalled the engine's host for ~6 ms per
-    call at 128 requests on the H200: docs/logs/replay_h200_one_read; the engine's per-round index arrays are
+    ``repeat_interleave`` enters its thread pool on every call, and stalled the engine's host for milliseconds per
+    call at large batches; the engine's per-round index arrays are
     built in numpy, where an op costs a few microseconds instead of tens).
 
     Example:

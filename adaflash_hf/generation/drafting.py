@@ -54,8 +54,8 @@ class AdaFlashCandidateGenerator(DFlashTokenCandidateGenerator):
             lengths weighed against the default `RoundCost`; the default when the drafter has a trained head),
             `adaptive` (length head, the paper's floor rule), `fixed` (full block, classic DFlash) or `expected_gain`
             (per-position: the draft's own top-1 probability stands in for each slot's conditional acceptance, and the
-            prefix with most expected tokens per verify cost wins, at `verify_token_cost` per token: SPEC's H200 table
-            gives ~0.01-0.05 at batch 1).
+            prefix with most expected tokens per verify cost wins, at `verify_token_cost` per token (a verify token's cost
+            relative to the round's fixed cost).
         length_policy, length_rate, length_min: the same settings as generate's loose keywords (override `length`).
 
     Example:

@@ -17,8 +17,7 @@ default); ``fast_path=True`` takes the engine there too (eager kernels: the CPU 
 ``False`` never does.
 
 Sampled calls take the engine too, at any number of rows: it samples every request of a round at once
-(:mod:`adaflash_hf.engine.sampled_rows`), and on the H200 (reference pair, 12 tokens, T 0.7, top-p 0.95) it is
-faster than the eager loop at 1, 8, 64 and 500 rows (BENCHMARKS section 10).
+(:mod:`adaflash_hf.engine.sampled_rows`).
 
 Engines are kept in a small module-level cache (the last :data:`MAX_ENGINES`), never on the target.
 

@@ -44,8 +44,8 @@ class OnlineConfig:
         samples_per_update: buffered samples that trigger an update (paper: 128 requests).
         epochs / batch_size: passes over the update's samples / samples per optimizer step.
         lr / head_lr: AdamW learning rates of the drafter and of the length head. ``lr`` is a tenth of the
-            paper's 3e-4: from the shipped, already trained drafter, 3e-4 lowered held-out tau by a fifth within
-            one update (OPD and OSD alike), 3e-5 raised it (BENCHMARKS.md section 3).
+            paper's 3e-4: it starts from an already trained drafter, which the paper's rate can make worse
+            within one update.
         grad_clip: max gradient norm, applied to the drafter and to the head separately (so the
             head's loss cannot even rescale a drafter step).
         warmup_steps: the learning rates ramp up linearly over the shadow's first steps (0: off).
@@ -55,7 +55,7 @@ class OnlineConfig:
             ``adaflash serve --online`` defaults to 0.25.
         alpha / clip / temperature / clip_mode: OPD settings (``adaflash_hf.training.losses.opd_loss``);
             ``clip_mode="token"`` (default) is the released code's per-token clip, ``"entry"`` the
-            paper's per-vocabulary-entry clip (BENCHMARKS.md compares them).
+            paper's per-vocabulary-entry clip.
         position_gamma: slot-weight decay; ``"auto"``: ``default_gamma(B)`` as offline; ``None``:
             equal weights; or a number.
         head_weight / weight_decay: the length head's loss weight; AdamW weight decay.
@@ -109,9 +109,8 @@ class OnlineConfig:
             (negative: how much it must gain).
         guard_confidence: standard errors of the candidate's paired gain (across the held-back requests,
             each measured alone with both weights) it must clear: swapped in only when ``gain - guard_confidence
-            x standard error >= -guard_margin``. 0 (default): the gain itself decides. On 16 held-back
-            requests a gain does not tell the sign of a 1-4% change (BENCHMARKS section 3, "Item 3 through the
-            guard"): 1 or 2 swap in only gains the sample can tell, at the price of refusing small real ones.
+            x standard error >= -guard_margin``. 0 (default): the gain itself decides. A few held-back
+            requests rarely tell the sign of a change of a few percent: 1 or 2 swap in only gains the sample can tell, at the price of refusing small real ones.
         rollback_rounds: served rounds that judge a swap (0: never roll back). Once this many rounds
             have been served with new weights, if their tau is below the tau of the last
             ``rollback_rounds`` rounds before the swap by more than ``rollback_margin`` (relative),
@@ -122,8 +121,8 @@ class OnlineConfig:
         rollback_margin: the relative fall of served tau that triggers a rollback. The defaults (2048
             rounds, 10%) are an estimate, not a measurement: a request of ~256 tokens at tau ~3.8 is ~70
             rounds, so each side spans ~30 requests, over which the spread of tau between prompts makes
-            a 10% fall unlikely by chance (about two standard errors), while the harm seen on an H200
-            (held-out tau 3.84 -> 2.92, -24%) is well beyond it; the rounds cost little next to the
+            a 10% fall unlikely by chance (about two standard errors), while a harmful update's
+            fall (a quarter of tau, say) is well beyond it; the rounds cost little next to the
             thousands served between updates of 128 requests.
     """
 

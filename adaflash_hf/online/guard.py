@@ -1,4 +1,4 @@
-"""The online adapter's safety net (issue 33, item 6): an update replaces the serving weights only when it
+"""The online adapter's safety net: an update replaces the serving weights only when it
 does not lower acceptance on recent traffic held back from its training, and a swap is undone when the
 tau served after it falls.
 

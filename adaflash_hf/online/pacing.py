@@ -1,9 +1,8 @@
 """How much of the wall clock an online update may take from the engine beside it.
 
 An update trains in a thread of the serving process: its Python (autograd, optimizer, kernel launches) takes
-the GIL from the engine's host loop, and its kernels share the GPU. On an H200 with the reference pair, an
-update training flat out beside the engine cost serving a third of its tok/s (BENCHMARKS section 3, "What it
-costs"). :class:`Pacer` bounds that: after each optimizer step it sleeps (holding neither the GIL nor the GPU)
+the GIL from the engine's host loop, and its kernels share the GPU, so an update training flat out beside the
+engine slows serving. :class:`Pacer` bounds that: after each optimizer step it sleeps (holding neither the GIL nor the GPU)
 so that steps take at most ``share`` of the wall time; the update then lasts ``1 / share`` times longer.
 """
 

@@ -9,8 +9,8 @@ it, so a second target costs no memory (on CPU the trainer moves both models int
 before anything serves: moved later, their old memory would be freed under a forward reading it); it rebuilds its
 shadow from the serving weights whenever the adapter's own is reset (a refusal, a rollback, a failure).
 
-Why: on an H200 an update trained in a thread beside the engine cost serving 40% of its tok/s while the GPU was
-20-40% busy (BENCHMARKS section 3): the loss is the one interpreter both Python loops share, not the GPU.
+Why: an update trained in a thread beside the engine slows serving even while the GPU has room: the loss is the
+one interpreter both Python loops share, not the GPU.
 
 The spawned child imports the program's main module, as every ``multiprocessing`` spawn does: a script that makes
 an adapter with ``trainer="process"`` keeps its entry point under ``if __name__ == "__main__":``.

@@ -275,8 +275,8 @@ class UpdateLoop:
         return True
 
     def _paired_check(self, due: dict, recent: list | None) -> dict | None:
-        """Served tau before and after a swap compares different requests: a change in the mix of prompts reads as a
-        fall (seen on an H200, BENCHMARKS section 3). With the guard on, both weights are scored on the same requests
+        """Served tau before and after a swap compares different requests: a change in the mix of prompts can read as a
+        fall. With the guard on, both weights are scored on the same requests
         that neither trained on (``recent``, else the newest buffered; at most the guard's count): ``{"serving",
         "previous", "requests"}``, or None without the guard or such requests (served tau then decides alone).
         Costs two temporary copies of the drafter on the worker's device."""

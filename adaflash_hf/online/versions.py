@@ -1,4 +1,4 @@
-"""Numbered, atomically written drafter versions with a rolling window (SPEC section 4, hot reload).
+"""Numbered, atomically written drafter versions with a rolling window, for hot reload.
 
 Layout of an output directory::
 

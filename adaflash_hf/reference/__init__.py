@@ -3,7 +3,7 @@
 Both were trained on this project's own data (no hub is reachable where they were made): the target
 with `examples/reference_pair/gpu_run.sh`, the drafter (v9: 5 layers, all four domains) with
 `bash examples/reference_pair/gpu_drafters.sh four` and nine chained continuations of it (the last five on
-prompts of up to 1,536 tokens); commands, data and figures in BENCHMARKS.md section 1.
+prompts of up to 1,536 tokens).
 """
 
 import os

@@ -1,4 +1,4 @@
-"""Acceptance math for speculative verification (SPEC section 3).
+"""Acceptance math for speculative verification.
 
 Pure torch functions, no model code: given the drafter's proposal and the target's verify
 forward, decide how many draft tokens survive and which token the target appends. Everything is
@@ -228,7 +228,7 @@ def speculative_accept(
 
 
 def expected_accepted_tokens(acc: float, k: int) -> float:
-    """Expected tokens per round, ``E[tau] = (1 - acc^(k+1)) / (1 - acc)`` (SPEC section 3).
+    """Expected tokens per round, ``E[tau] = (1 - acc^(k+1)) / (1 - acc)``.
 
     ``acc`` is the per-token acceptance rate (i.i.d. model), ``k`` the number of draft tokens
     verified; the count includes the target's own token, so it lies in ``[1, k+1]`` and equals
@@ -250,7 +250,7 @@ def expected_accepted_tokens(acc: float, k: int) -> float:
 
 
 def expected_speedup(acc: float, k: int, rho: float, draft_forwards: int | None = None) -> float:
-    """Expected speedup over plain decoding, ``E[tau] / (rho * k + 1)`` (SPEC section 3).
+    """Expected speedup over plain decoding, ``E[tau] / (rho * k + 1)``.
 
     ``rho`` is the cost of one drafter forward relative to one target forward. The SPEC formula
     charges one drafter forward per draft token (autoregressive drafter, the default); a one-pass

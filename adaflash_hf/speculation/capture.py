@@ -4,16 +4,16 @@ The engine captures CUDA graphs when a round first needs a shape, so a capture c
 of the process runs CUDA work (an online adapter training on its side stream). Captures use the
 ``thread_local`` error mode, so that thread's work on its own streams is allowed meanwhile. Work on the legacy
 default stream, or a device-wide synchronize, is not: it would make the legacy stream wait on the capturing
-stream, which invalidates the capture (and, in the default global mode, every later one: on an H200 the engine
-then failed each round with "beginAllocateToPool: already recording"). The engine holds :data:`CAPTURE_LOCK`
+stream, which invalidates the capture (and, in the default global mode, every later one: the engine
+then fails each round with "beginAllocateToPool: already recording"). The engine holds :data:`CAPTURE_LOCK`
 while it captures; a thread that may touch the legacy stream while the engine serves (the adapter swapping
 weights in) holds it too.
 
 Python's garbage collector must not run inside a capture either: a collection that frees an unreachable CUDA graph
 (an evicted engine's, held in a reference cycle) calls ``cudaGraphExecDestroy`` on the capturing thread, which
 invalidates the capture ("operation not permitted when stream is capturing (function reset)", then "operation failed
-due to a previous error during capture": seen on the H200 in the batch-1 bench, where each method builds its own
-engine and evicts an older one). ``torch.cuda.graph`` no longer collects before capturing (only under
+due to a previous error during capture": as in a bench where each method builds its own engine and evicts an
+older one). ``torch.cuda.graph`` no longer collects before capturing (only under
 ``torch.compiler.config.force_cudagraph_gc``, as a full collection per capture is slow). :func:`capturing` keeps the
 collector off until the capture ends: garbage waits for the next collection after it.
 

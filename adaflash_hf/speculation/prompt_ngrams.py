@@ -11,7 +11,7 @@ token it is usually a false match, and among several matches the drafter's later
 the right occurrence. With ``matches=1`` the candidate is exactly transformers' prompt lookup's. Picked among
 several rules by a CPU projection on validation prompts (`examples/reference_pair/hybrid_lookup_projection.py`;
 "the candidate whenever there is one" loses on summarization and RAG), then checked against the drafter alone on
-the H200 validation slices (BENCHMARKS section 1).
+the validation slices on a GPU.
 
 Lossless: greedy acceptance keeps only what the target itself would choose, whatever is verified. Under
 sampling, position 1 keeps the drafter's token and distribution, and the candidate is chosen by that sampled token
@@ -46,8 +46,8 @@ class PromptNgrams:
     allows (at most the drafter's block - 1), unless ``max_width`` is set.
 
     ``max_width`` (``None``: the row's verify length, as above): a greedy row that takes a candidate verifies it in
-    full, up to that many tokens, wider than the block if need be (:func:`agree_wide`; a CPU projection on validation
-    prompts, ``docs/logs/ngram_rules_cpu_1204/candidate_width.md``: up to 31 tokens adds 4-11% tau). The engine plans
+    full, up to that many tokens, wider than the block if need be (:func:`agree_wide`: a wider candidate can
+    only add accepted tokens, at the cost of a wider verify). The engine plans
     the widths on the host before the drafts exist: a greedy request with a candidate longer than its verify sends
     that many slots, padding when the drafter disagrees with every candidate (cheap where a verify's cost is flat in
     its width, at small batches). Sampled rows never widen.

@@ -1,4 +1,4 @@
-"""One verify-and-accept step, shared by ``generate`` and the engine (SPEC section 3).
+"""One verify-and-accept step, shared by ``generate`` and the engine.
 
 After the target's verify forward, :func:`accept_block` decides for every row how many of its drafts
 survive and which token the target appends: greedy rows by :func:`~.acceptance.greedy_accept_ids` on

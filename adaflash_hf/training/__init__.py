@@ -1,6 +1,6 @@
 """Offline training: the training wrapper, objective, collator, features and checkpoints
 (``model``, ``objective``, ``collator``, ``features``, ``checkpoint``, ``losses``, ``blocks``), the
-``transformers.Trainer`` glue (``trainer``) and the recipes (``train_drafter``, ``train_target``)."""
+``transformers.Trainer`` glue (``trainer``) and the drafter's recipe (``train_drafter``)."""
 
 
 class RecipeError(RuntimeError):

@@ -45,7 +45,7 @@ def block_sparsity(context_len: int, anchors: torch.Tensor, valid: torch.Tensor,
     a few tensor ops: the context keys before the largest anchor of the tile's blocks, and the tiles of the
     tile's own blocks. A superset of the tiles with a visible key (padding is left to the ``mask_mod``, which
     runs on every listed tile), so no tile is marked full. ``create_block_mask`` would find the exact set by
-    evaluating the mask everywhere, compiled per batch shape: minutes per training run (BENCHMARKS section 1).
+    evaluating the mask everywhere, compiled per batch shape, which costs minutes per training run.
 
     Example:
         >>> anchors = torch.tensor([[40] * 8 + [900] * 8])  # 16 blocks of 16: two query tiles

@@ -1,4 +1,4 @@
-"""Anchors, block inputs and block attention masks for offline DFlash training (SPEC section 5).
+"""Anchors, block inputs and block attention masks for offline DFlash training.
 
 Pure tensor functions (no model), so every rule here is unit-tested on CPU.
 

@@ -1,4 +1,4 @@
-"""Training losses as pure functions (SPEC sections 2, 4 and 5).
+"""Training losses as pure functions: block cross-entropy, OPD / forward-KL distillation, the length head's MSE.
 
 Shapes: logits ``[b, k, V]`` (one row per verified / training block, one column per draft
 position), ``mask [b, k]`` bool with ``True`` = a real position (padding and positions beyond a
@@ -9,7 +9,7 @@ logits' dtype (fp64 stays fp64), so bf16 logits are safe.
 
 Position weighting convention: with per-position weights ``w`` (e.g. :func:`position_weights`),
 a loss is ``sum_i w_i * l_i / sum_i w_i`` over valid positions, i.e. a weighted mean; with
-``w = 1`` it is the plain mean of SPEC section 4.
+``w = 1`` it is the plain mean.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def position_weights(
 
 
 def default_gamma(block_size: int) -> float:
-    """The DFlash decay ``gamma`` for a block size: 7 for 16, 5 for 10, 4 for 8 (SPEC section 5).
+    """The DFlash decay ``gamma`` for a block size: 7 for 16, 5 for 10, 4 for 8 (DFlash's settings).
 
     Other sizes: ``B / 2`` up to 10 (which also passes through 8 -> 4 and 10 -> 5), then linear
     through 16 -> 7 (slope 1/3), extended with that slope past 16. Continuous and increasing, so
@@ -190,7 +190,7 @@ def opd_loss(
     The target is a frozen teacher: ``target_logits`` is detached here. Means over positions are
     weighted means over ``mask``ed-in positions (module docstring).
 
-    Example (SPEC section 4 worked example; log-probs are valid logits):
+    Example (log-probs are valid logits):
         >>> q = torch.tensor([[[0.55, 0.30, 0.10, 0.05]]]).log()
         >>> p = torch.tensor([[[0.80, 0.15, 0.04, 0.01]]]).log()
         >>> round(opd_loss(q, p).item(), 3), round(opd_loss(q, p, clip=None).item(), 3)
@@ -260,7 +260,7 @@ def length_head_loss(
     mask: torch.Tensor | None = None,
     verify_len: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """MSE of the length head against the label ``(accepted + 1) / B`` (SPEC section 2).
+    """MSE of the length head against the label ``(accepted + 1) / B``.
 
     ``pred_ratio`` is the head's sigmoid output per verified block (``[b]`` or ``[b, 1]``),
     ``num_accepted`` the draft tokens accepted in that block, ``mask [b]`` drops blocks (e.g.

@@ -3,7 +3,7 @@
 One objective serves offline training and the online adapter:
 
 * ``kind="ce"`` (DFlash): cross-entropy of slot ``k`` against token ``anchor + k``;
-* ``kind="opd"`` (AdaFlash on-policy distillation, SPEC section 4) and ``kind="forward_kl"`` (OSD's
+* ``kind="opd"`` (AdaFlash on-policy distillation) and ``kind="forward_kl"`` (OSD's
   baseline): distillation against the target's own distribution at each label position.
 
 Slot ``k`` is weighted ``exp(-(k - 1) / gamma)``. The length head is trained by MSE on *detached*

@@ -1,4 +1,4 @@
-"""Validation and test slices of the eval sets, deduplicated against the training data (issue 36).
+"""Validation and test slices of the eval sets, deduplicated against the training data.
 
 Every eval set (`data.eval_prompts`) has two slices: ``validation`` (for choosing recipes,
 checkpoints and length rates) and ``test`` (reported once per shipped model). Both hold only the
@@ -6,7 +6,7 @@ records that are neither an exact nor a near duplicate of a training prompt:
 
 * the training prompts are every user turn of every training sample of the math, code and chat
   domains (`data.chat_samples(d, "train")`, i.e. `data.TRAIN_SOURCES`). The reference target was
-  pretrained on exactly these sources (`pretokenize` renders `chat_samples(d, "train")` of every
+  pretrained on exactly these sources (`examples/research/pretokenize.py` renders `chat_samples(d, "train")` of every
   domain) and the drafter regenerates its answers from prompts of the same samples, so one set
   covers both. Prose chunks are left out: they are continuation text, not prompts, and no eval set
   dedup'd here is a prose set;

@@ -1,4 +1,4 @@
-"""Train an AdaFlash drafter offline for a target, on the target's own answers (SPEC section 5).
+"""Train an AdaFlash drafter offline for a target, on the target's own answers.
 
     python -m adaflash_hf.training.train_drafter --target DIR --out DIR --domains chat,prose --minutes 6
     python -m adaflash_hf.training.train_drafter --target DIR --out DIR --device cpu --steps 3 \\

@@ -1,4 +1,4 @@
-"""Offline DFlash / AdaFlash drafter training that plugs into ``transformers.Trainer`` (SPEC section 5).
+"""Offline DFlash / AdaFlash drafter training that plugs into ``transformers.Trainer``.
 
 The library pieces live in their own modules and are re-exported here:
 

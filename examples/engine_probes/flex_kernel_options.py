@@ -7,7 +7,9 @@ import sys, traceback
 sys.path.insert(0, "examples")  # gpu_common: the 8B-shaped model and timers
 import torch
 import gpu_common as E
-from adaflash_hf.engine import DecodeGraphs, FusedTarget, PackedLayout, make_target_cache
+from adaflash_hf.engine.graphs import DecodeGraphs
+from adaflash_hf.engine.kernels.fused import FusedTarget
+from adaflash_hf.engine.target import PackedLayout, make_target_cache
 from adaflash_hf.engine.kernels import attention as A
 from adaflash_hf.engine.kernels.attention import BLOCK
 

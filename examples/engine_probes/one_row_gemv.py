@@ -5,7 +5,7 @@ activation fused into the down projection; qkv + q/k norm + RoPE + K/V store + q
 Each projection runs over 36 distinct weights inside one CUDA graph (no L2 reuse, no launch gaps).
 Writes ``$OUT/probe.json`` (default /tmp). Run on the H200 with ``python3 examples/engine_probes/one_row_gemv.py``;
 the run of 2026-11-29 is ``docs/logs/engine_probes/one_row_gemv.json``.
-This informed :class:`adaflash_hf.engine.FusedTarget`'s one-row kernels; the engine now measures
+This informed :class:`adaflash_hf.engine.kernels.fused.FusedTarget`'s one-row kernels; the engine now measures
 the choice itself at build time (``FusedTarget.tune_row_kernels``)."""
 import json
 import os

@@ -1,7 +1,7 @@
 """Turn the drafter's regeneration cache into a corpus for the small autoregressive assistant.
 
     python examples/reference_pair/assistant_corpus.py --regen-cache regen.jsonl --target DIR --out CORPUS
-    python -m adaflash_hf.training.train_target --data CORPUS --out OUT --hidden-size 128 --layers 2 ...
+    python examples/research/train_target.py --data CORPUS --out OUT --hidden-size 128 --layers 2 ...
 
 The ``hf_assisted`` baseline needs a small autoregressive model with the target's tokenizer. The
 fair one is trained the way a user would distil a draft model: on the target's own answers (the

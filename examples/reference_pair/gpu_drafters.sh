@@ -74,7 +74,7 @@ else
   MODELS="$W/drafter"
   if [[ ${ASSISTANT:-1} == 1 ]]; then
     python3 examples/reference_pair/assistant_corpus.py --regen-cache $W/regen.jsonl --target $T --out $W/acorpus
-    timeout 200 python3 -m adaflash_hf.training.train_target --data $W/acorpus --out $W/assistant --minutes 2.5 \
+    timeout 200 python3 examples/research/train_target.py --data $W/acorpus --out $W/assistant --minutes 2.5 \
       --hidden-size 128 --layers 2 --sample-tokens 0 > $W/assistant.log 2>&1
     MODELS="$MODELS $W/assistant/target"
   fi

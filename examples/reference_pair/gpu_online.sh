@@ -3,7 +3,7 @@
 #   1. trains the chat + prose drafter (the v5 recipe: 5 layers, target layers 1-5, batch 128, lr 8e-4,
 #      6 loader workers; DRAFT_MINUTES, default 2.5, of training) and sets its length rate (LENGTH_RATE, v5's 2);
 #      beside it, a short run of the shipped pair fills the Triton cache for the processes of step 2;
-#   2. runs `adaflash_hf.online.experiment` on gsm8k and codealpaca (domains that drafter never saw) for
+#   2. runs `examples/research/online_experiment.py` on gsm8k and codealpaca (domains that drafter never saw) for
 #      OPD with the per-token clip, OPD with the per-entry clip and OSD under the adaptive policy (POLICY; the
 #      held-out tau also with the fixed policy), one process per (domain, method, seed; seed 0 serves the
 #      stream in file order), all side by side on the one GPU (WAVE at once), each stopped before the call's end
@@ -48,7 +48,7 @@ if [[ -z ${DRAFTER:-} ]]; then
     --num-workers ${WORKERS:-6} --lr ${LR:-8e-4} --minutes $MIN --eval-per-domain 8 --eval-domains math,code,prose \
     --device $DEVICE --no-progress > $W/chatprose.log 2>&1 &
   TRAIN=$!
-  timeout 240 $PY -m adaflash_hf.online.experiment --target $T --drafter adaflash_hf/reference/drafter --dataset gsm8k \
+  timeout 240 $PY examples/research/online_experiment.py --target $T --drafter adaflash_hf/reference/drafter --dataset gsm8k \
     --methods osd --updates 0 --held-out $BATCH --measure-batch $BATCH --stream 0 --max-new-tokens $TOKENS --policy $POLICY --measure-fixed \
     --device $DEVICE --out $W/warmup > $W/warmup.log 2>&1
   stamp "warm-up done (rc $?)"
@@ -74,7 +74,7 @@ for ds in ${DATASETS:-gsm8k codealpaca}; do
       while (( $(for p in "${PIDS[@]}"; do kill -0 $p 2> /dev/null && echo; done | wc -l) >= ${WAVE:-18} )); do sleep 1; done
       log="$OUT/online/$name.log"; limit=$((DEADLINE - SECONDS)); (( limit < 10 )) && limit=10  # timeout 0 would mean none
       ( OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 timeout -k 5 $limit \
-          $PY -m adaflash_hf.online.experiment --target $T --drafter $DRAFTER --dataset $ds --methods $method \
+          $PY examples/research/online_experiment.py --target $T --drafter $DRAFTER --dataset $ds --methods $method \
           --clip-mode $clip --policy $POLICY --measure-fixed --seed $seed --updates ${ONLINE_UPDATES:-4} --held-out ${ONLINE_HELD_OUT:-64} \
           --measure-batch $BATCH --stream ${ONLINE_STREAM:-700} --samples-per-update ${ONLINE_SPU:-128} --stream-batch $BATCH \
           --max-new-tokens $TOKENS --device $DEVICE --out "$OUT/online/$name" > "$log" 2>&1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs `python -m adaflash_hf.online.protocol` once per line of RUNS (a name, then that run's arguments), WAVE runs at
+# Runs `python examples/research/online_protocol.py` once per line of RUNS (a name, then that run's arguments), WAVE runs at
 # a time side by side on one GPU, every one stopped by BUDGET_S (each keeps what it measured: protocol.json is written
 # after every measurement). One short warm-up run first fills the Triton and kernel-tuning caches the others read.
 # Inputs carried beside the checkout: WHEELS (default .slimwhl/, slim_wheel.py) and DATA (default .gpudata/data: the
@@ -27,7 +27,7 @@ fi
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 T=adaflash_hf/reference/target; D=${DRAFTER:-adaflash_hf/reference/drafter}
 stamp "installed"
-[[ ${WARMUP:-1} == 1 ]] && timeout 200 $PY -m adaflash_hf.online.protocol --target $T --drafter $D --dataset ${WARM_DATASET:-alpaca_eval} --methods off \
+[[ ${WARMUP:-1} == 1 ]] && timeout 200 $PY examples/research/online_protocol.py --target $T --drafter $D --dataset ${WARM_DATASET:-alpaca_eval} --methods off \
   --held-out 32 --updates 0 --device $DEVICE --out /tmp/warmup > "$OUT/runs/warmup.log" 2>&1
 stamp "warm-up done (rc $?)"
 DEADLINE=$((BUDGET_S - 20)); PIDS=()
@@ -35,7 +35,7 @@ while read -r name args; do
   [[ -z $name || $name == \#* ]] && continue
   while (( $(for p in "${PIDS[@]}"; do kill -0 "$p" 2> /dev/null && echo; done | wc -l) >= ${WAVE:-12} )); do sleep 1; done
   limit=$((DEADLINE - SECONDS)); (( limit < 10 )) && limit=10
-  ( OMP_NUM_THREADS=1 timeout -k 5 $limit $PY -m adaflash_hf.online.protocol --target $T --drafter $D $args \
+  ( OMP_NUM_THREADS=1 timeout -k 5 $limit $PY examples/research/online_protocol.py --target $T --drafter $D $args \
       --device $DEVICE --out "$OUT/runs/$name" > "$OUT/runs/$name.log" 2>&1; echo "exit $? after $SECONDS s" >> "$OUT/runs/$name.log" ) &
   PIDS+=($!)
 done < "$RUNS"

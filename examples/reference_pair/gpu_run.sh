@@ -19,7 +19,7 @@ STEPS=${STEPS:-"target drafter bench online"}
 TARGET=$W/t/target
 # 1. target: ~12.6M-parameter Qwen3 on all four domains (10 passes over ~9M tokens)
 if [[ $STEPS == *target* ]]; then
-timeout 150 python3 -m adaflash_hf.training.train_target --data .devdata --out $W/t --minutes 3 2>&1 | tail -n 25
+timeout 150 python3 examples/research/train_target.py --data .devdata --out $W/t --minutes 3 2>&1 | tail -n 25
 tar cf - -C $W/t target | split -b 15M - "$OUT/target.tar.part-"
 else TARGET=adaflash_hf/reference/target; fi
 
@@ -48,7 +48,7 @@ fi
 # a sample is a finished request (128 per update); stream and held-out prompts are served in batches of 32.
 if [[ $STEPS == *online* ]]; then
 for ds in ${ONLINE_DATASETS:-gsm8k codealpaca}; do
-timeout ${ONLINE_TIMEOUT:-250} python3 -m adaflash_hf.online.experiment --target $TARGET --drafter $DRAFTER --dataset $ds \
+timeout ${ONLINE_TIMEOUT:-250} python3 examples/research/online_experiment.py --target $TARGET --drafter $DRAFTER --dataset $ds \
   --methods opd,osd --updates ${ONLINE_UPDATES:-4} --held-out ${ONLINE_HELD_OUT:-64} --measure-batch 32 --stream 700 \
   --samples-per-update 128 --stream-batch 32 --max-new-tokens 96 --out $W/online_$ds 2>&1 | grep -v Warning | tail -n 12
 done

@@ -5,7 +5,7 @@
 * `.devdata/data.tar.gz`: the data files the drafter recipes (training sources of all four domains, held-out prompts
   of every domain) and the benchmarks read, compressed (24 MB of text -> ~7 MB) because the device
   tool sends at most 64 MiB with the checkout; `gpu_run.sh` unpacks it into `.devdata/data`.
-* the pre-tokenised target corpus (`python -m adaflash_hf.training.pretokenize`), only with
+* the pre-tokenised target corpus (`python examples/research/pretokenize.py`), only with
   `--target-corpus` (step 1 of `gpu_run.sh`, training the target, needs it).
 * with `--online` instead, `.devdata/data.tar.xz` (~3 MB), what `gpu_online.sh` reads: the chat + prose
   drafter's training prompts and the held-out sets of the online runs (see `online_pack`).
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
 
         print("eval prompts: " + ", ".join(f"{d} {len(eval_prompts(d, data_dir=src))}" for d in BENCH_SETS))
     if a.target_corpus:
-        return subprocess.call([sys.executable, "-m", "adaflash_hf.training.pretokenize", "--out", a.out])
+        return subprocess.call([sys.executable, str(Path(__file__).resolve().parents[1] / "research" / "pretokenize.py"), "--out", a.out])
     return 0
 
 

@@ -2,7 +2,7 @@
 
     python examples/reference_pair/plot_online_methods.py OUT.png LABEL=RUN_DIR[:METHOD] ...
 
-Each ``RUN_DIR`` holds the ``online.json`` of ``python -m adaflash_hf.online.experiment``; ``METHOD``
+Each ``RUN_DIR`` holds the ``online.json`` of ``python examples/research/online_experiment.py``; ``METHOD``
 picks one of its methods (default: every method in it, labelled ``LABEL method``).
 """
 

@@ -1,4 +1,4 @@
-"""The table of a set of online runs (`adaflash_hf.online.experiment`), rebuilt from their JSONs.
+"""The table of a set of online runs (`examples/research/online_experiment.py`), rebuilt from their JSONs.
 
     python examples/reference_pair/summarise_online.py RUNS_DIR [--out RUNS_DIR]
 

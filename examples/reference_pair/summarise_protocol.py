@@ -1,4 +1,4 @@
-"""The tables of a set of online protocol runs (`adaflash_hf.online.protocol`, `gpu_protocol.sh`), from their JSONs.
+"""The tables of a set of online protocol runs (`examples/research/online_protocol.py`, `gpu_protocol.sh`), from their JSONs.
 
     python examples/reference_pair/summarise_protocol.py RUNS_DIR [--out DIR]
 

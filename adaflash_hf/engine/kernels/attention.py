@@ -2,7 +2,7 @@
 
 The eager path (:func:`.target.packed_attention`) concatenates every request's keys and masks a
 ``[T, K]`` boolean matrix; its shapes change every round, so it cannot be a CUDA graph, and
-boolean-mask SDPA falls off at large batch (SPEC section 6). Here each request's new queries are
+boolean-mask SDPA falls off at large batch. Here each request's new queries are
 scattered into a ``[slot_rows, heads, q_len, d]`` tensor (row ``b`` = cache slot ``b``, ``q_len``
 the round's per-request token bucket) that attends to the cache's own ``[slot_rows, kv_heads,
 max_len, d]`` storage for that layer: no key gather, and every shape is fixed by the bucket.

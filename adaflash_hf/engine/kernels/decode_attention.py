@@ -10,7 +10,7 @@ the device from ``start``, so one CUDA graph serves any context length.
 
 Why not flex_attention: its decoding path is three kernels per layer and was the largest
 non-projection cost of a decode step, and the main reason a 16-token verify cost more than a 1-token
-forward (measured in ``docs/engine.md`` and BENCHMARKS.md section 4).
+forward (measured in ``docs/engine.md``).
 
 This module needs Triton (``torch`` ships it on CUDA; the ``[dev]`` extra installs it on CPU, where
 the tests run the kernels in Triton's interpreter); :mod:`.attention` imports it only when the
@@ -139,7 +139,7 @@ def unsupported(q: torch.Tensor, k: torch.Tensor) -> str | None:
 def splits_for(slots: int, kv_heads: int, kv_len: int, rows: int, sms: int = 132) -> int:
     """Chunks per slot: about one ``(slot, kv head, chunk)`` program per multiprocessor (a power of two,
     at most 16, at most one per ``BLOCK_N`` keys), half that for tiles of 64 query rows or more. The
-    rule follows the kernel probe (``docs/logs/engine_probes/decode_kernels.json``): at one slot it
+    rule follows the kernel probe (``examples/engine_probes``): at one slot it
     matches the fastest measured chunk count, and it does not split from 32 slots up."""
     want = max(1, sms // (slots * kv_heads))
     if rows >= 64:

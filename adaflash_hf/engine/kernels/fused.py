@@ -2,8 +2,7 @@
 
 At batch 1 a decoder layer reads seven weight matrices and, through the HF modules, launches ~45
 tiny elementwise kernels (RMSNorm alone is six). In a CUDA graph each still costs a few
-microseconds, which is why the engine's 8B-shape decode ran at 34% of the bandwidth floor
-(BENCHMARKS.md section 4). :class:`FusedTarget` changes two things and nothing else:
+microseconds, which kept the engine's 8B-shape decode far from its bandwidth floor. :class:`FusedTarget` changes two things and nothing else:
 
 * **projections**: each layer's ``q/k/v_proj`` and ``gate/up_proj`` weights (and biases) are
   re-stored as row blocks of one tensor, and the HF modules' parameters become views into it: no
@@ -19,7 +18,7 @@ microseconds, which is why the engine's 8B-shape decode ran at 34% of the bandwi
   CPU, ``tests/test_engine_triton.py`` the kernels against them in Triton's interpreter), and
   :meth:`FusedTarget.check_elementwise` compares the kernels with the functions once per GPU before they serve.
 * **few-row projections** (one token: batch-1 decoding; 2-16 tokens: a verify block): cuBLAS picks
-  GEMM kernels that read the weights below the H200's bandwidth at these shapes. Two other kinds of
+  GEMM kernels that read the weights below the GPU's bandwidth at these shapes. Two other kinds of
   kernel compete: Inductor's matrix-vector reduction tuned by ``coordinate_descent_tuning`` (one row,
   as gpt-fast does) and :mod:`.skinny_linear`'s Triton kernels (one row, and 16-row ``tl.dot`` tiles).
   Which serves each projection is measured, not assumed: :meth:`FusedTarget.build` times them on the

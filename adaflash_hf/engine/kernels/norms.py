@@ -3,7 +3,7 @@ q/k norm + RoPE, and SiLU(gate) * up.
 
 :class:`~.fused.FusedTarget` ran these as ``torch.compile``d torch functions (:func:`.elementwise.rms_norm` and
 the rest). The kernels are alike, but every new process paid Dynamo and Inductor for them, each shape class again:
-most of a second process's time to its first token (BENCHMARKS.md section 8); a Triton kernel is read from
+most of a second process's time to its first token; a Triton kernel is read from
 Triton's own disk cache in milliseconds. The rounding follows the HF modules' (and the
 torch functions'): statistics in float32, each product and sum rounded to the model dtype as the eager ops do
 (``tests/test_engine_triton.py`` compares each kernel with its torch function, in Triton's interpreter).

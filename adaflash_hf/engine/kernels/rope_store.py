@@ -1,8 +1,7 @@
 """Qwen3's q/k RMSNorm, RoPE and the static decode path's stores in one Triton kernel.
 
 :func:`.elementwise.qk_norm_rope_store` compiled by Inductor is four kernels per layer (the norm and RoPE,
-then one scatter each for the K cache, the V cache and the queries' slot layout; timed in
-``docs/logs/engine_gpu_check_triton/``).
+then one scatter each for the K cache, the V cache and the queries' slot layout).
 Here one program per (token, head) does all of it: a q or k head is normalised (when the model has
 q/k norms), rotated and written to the query layout or the K cache, a v head is copied to the V cache.
 The norm and RoPE of a head are :func:`.norms.norm_rope_head`, the same code as the other fused kernels'.

@@ -2,7 +2,7 @@
 
 At one to sixteen rows a projection is a pass over its weight: what matters is reading it at full
 bandwidth. cuBLAS and Inductor's tuned reduction leave some of it on the table at Qwen3-8B shapes
-(the kernel probe, ``docs/logs/engine_probes/decode_kernels.json``, and BENCHMARKS.md section 4).
+(the kernel probe, ``examples/engine_probes``).
 No kernel wins everywhere, so :class:`~.fused.FusedTarget`
 times the candidates on the model's own weights and keeps the fastest per projection.
 
@@ -38,7 +38,7 @@ class SkinnyConfig(NamedTuple):
     stages: int = 2
 
 
-# The fastest tile shapes of the H200 probe (one row: per projection of Qwen3-8B; 16 rows: the same).
+# The tile shapes the kernel probe found fastest (one row: per projection of Qwen3-8B; 16 rows: the same).
 ROW_CONFIGS = (SkinnyConfig(8, 512, 4), SkinnyConfig(16, 512, 4), SkinnyConfig(16, 1024, 8))
 BLOCK_CONFIGS = (SkinnyConfig(32, 256, 4, 4), SkinnyConfig(64, 256, 4, 4), SkinnyConfig(64, 128, 4, 3),
                  SkinnyConfig(64, 256, 4, 3))

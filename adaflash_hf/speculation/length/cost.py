@@ -5,7 +5,7 @@ verifies) and, when anything is drafted, runs the drafter once for all of them. 
 times in units of **one plain decode step of one request** (the target forward of 1 token at batch 1), so the
 model is free of the GPU's and the model's absolute speed: only the shape of the curve matters to the rule.
 
-The default follows SPEC section 6's measured H200 table (Qwen3-8B-shaped target, CUDA graphs, flex attention):
+The default is a measured table (Qwen3-8B-shaped target on one GPU, CUDA graphs, flex attention):
 verify time per (requests, tokens per request), interpolated piecewise linearly in both (linear past the
 largest measured point, flat below the smallest). The drafter's round is ``draft_fraction`` of the target's
 whole-block verify at the same batch: its body runs every block position of every request through its few
@@ -26,8 +26,8 @@ that verifies every request's whole block need not wait (the engine's whole-bloc
 round's one read at its end, as ``fixed`` rounds do), so it saves that part, :attr:`RoundCost.read_overhead`: the
 cost rule weighs it when it decides a round before drafting (``unread_whole`` of
 :func:`.rules.cost_aware_verify_length`), not once the ratios are read (then it is spent).
-The default table's overheads are the H200 replay's (``SPEC_H200_OVERHEAD_MS``); the engine measures its own
-(:func:`~adaflash_hf.engine.warmup.measure_round_cost`).
+The default table's overheads were measured by replay on the same GPU (``SPEC_H200_OVERHEAD_MS``); the engine
+measures its own (:func:`~adaflash_hf.engine.warmup.measure_round_cost`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ __all__ = ["RoundCost", "SPEC_H200_MS", "SPEC_H200_OVERHEAD_MS", "SPEC_ROWS", "S
 
 SPEC_ROWS = (1, 16, 32, 64, 128)
 SPEC_TOKENS_PER_ROW = (1, 2, 4, 8, 16)
-SPEC_H200_MS = (  # SPEC section 6, flex attention column: ms of one verify forward, rows x tokens per row
+SPEC_H200_MS = (  # flex attention: ms of one verify forward, rows x tokens per row
     (6.0, 6.1, 6.6, 6.8, 7.1),
     (7.4, 7.6, 7.8, 8.5, 11.3),
     (8.4, 8.6, 9.2, 11.5, 18.8),
@@ -49,8 +49,8 @@ SPEC_H200_MS = (  # SPEC section 6, flex attention column: ms of one verify forw
     (12.3, 14.3, 20.4, 34.3, 66.7),
 )
 SPEC_UNITS = tuple(tuple(v / SPEC_H200_MS[0][0] for v in r) for r in SPEC_H200_MS)
-# ms per round beyond the forwards at SPEC_ROWS, from the H200 replay of 2026-12-04 (8B shape, CUDA graphs;
-# docs/logs/replay_h200_1204/round_overhead.md, examples/reference_pair/round_overhead_from_replay.py): wall time of a
+# ms per round beyond the forwards at SPEC_ROWS, from an acceptance replay (8B shape, CUDA graphs;
+# examples/reference_pair/round_overhead_from_replay.py): wall time of a
 # full-batch round less the measured graph times. "spec": packed rounds that draft (median of the three traces; 16
 # rows interpolated between the measured 8 and 32); "plain": the `off` engine's rounds; "read": the packed drafting
 # round's gap less the `fixed` round's at the same rows (0.88, 0.77, 2.26, 4.49, 4.78 ms at c = 1, 8, 32, 64, 128;
@@ -94,8 +94,8 @@ class RoundCost:
     """Time of one round, in plain decode steps at batch 1 (the target's 1-token forward): :meth:`verify_time` of the
     target's packed verify of ``tokens`` tokens over ``rows`` requests, :meth:`draft_time` of the drafter,
     :meth:`overhead` of everything else a round costs, :meth:`round_time` of the whole round (less
-    :meth:`read_time` when it verifies whole blocks without reading its ratios first). Default: SPEC section
-    6's H200 table with the H200 engine's overheads; :meth:`flat` (a verify costs the same whatever it carries) and
+    :meth:`read_time` when it verifies whole blocks without reading its ratios first). Default: the measured
+    table with the overheads measured beside it (module doc); :meth:`flat` (a verify costs the same whatever it carries) and
     :meth:`from_ms` (a measured table, e.g. the engine's own) build others.
 
     Args:
@@ -104,11 +104,11 @@ class RoundCost:
         verify: ``verify[i][j]``: time of ``rows[i]`` requests x ``tokens_per_row[j]`` tokens (finite, > 0).
         draft_fraction: the drafter's round as a fraction of the whole-block verify at the same batch (>= 0).
         spec_overhead: time a round that drafts costs beyond its verify and drafter forwards, one number or one per
-            ``rows`` entry (finite, >= 0); ``None``: SPEC's H200 overheads with SPEC's table, else 0.
+            ``rows`` entry (finite, >= 0); ``None``: the default table's overheads with that table, else 0.
         plain_overhead: the same for a round that decodes plainly (its verify carries the bonus tokens only).
         read_overhead: the part of ``spec_overhead`` a drafting round saves when it verifies whole blocks without
             reading its length-head ratios mid-round (module doc); per ``rows`` entry like the others, capped at that
-            row count's ``spec_overhead``; ``None``: SPEC's H200 estimate with SPEC's table, else 0.
+            row count's ``spec_overhead``; ``None``: the default table's estimate with that table, else 0.
         unit_ms: what one unit measured, in ms, where known (reports only: the rule reads ratios of times).
 
     Example:

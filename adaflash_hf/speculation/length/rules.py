@@ -1,4 +1,4 @@
-"""The verify-length rules: how many block slots each row sends to the target (SPEC section 2), one class per rule
+"""The verify-length rules: how many block slots each row sends to the target, one class per rule
 with its own knobs (:class:`FixedRule`, :class:`FloorRule`, :class:`CostRule`, :class:`ExpectedGainRule`), each
 reading one round's :class:`RoundInputs`, and the functions they compute with.
 
@@ -345,7 +345,7 @@ def expected_gain_verify_length(
     ``gain(k) = 1 + sum_{m=1..k} prod_{j<=m} c_j`` tokens (the 1 is the target's own token), and
     costs ``cost(k) = base_cost + cost_per_token * (k + 1)``: a fixed per-round cost (weights
     read, launch) plus a per-verified-token cost for the ``k + 1`` slots sent (bonus included),
-    matching the shape of SPEC section 6's latency table. ``cost_per_token`` may be a float or a
+    matching the shape of a measured verify latency table. ``cost_per_token`` may be a float or a
     ``[b]`` tensor (e.g. larger under load). The ``k`` maximising ``gain / cost`` wins, ties to
     the shortest (same speed, less compute); returns ``clamp(k + 1, min_len, B)``.
 
@@ -388,7 +388,7 @@ def load_scaled_rate(
 
     ``rate = max(floor, base_rate / (1 + log2(batch) / log2(halving_batch)))`` with
     ``floor = min(min_rate, base_rate)``: ``base_rate`` at batch ``<= 1``, half of it at
-    ``halving_batch``. Why log-shaped: per SPEC section 6 a verify of ``q`` tokens per request
+    ``halving_batch``. Why log-shaped: a verify of ``q`` tokens per request
     stays near the cost of a plain step at small batch and grows steeply once the target is
     compute-bound (~5x for 16 tokens at 128 requests), so long verifies should get rarer
     gradually, not at a cliff. The floor keeps the head able to verify a few tokens even at huge

@@ -1,9 +1,9 @@
 """Pretrain the small reference *target* LM (Qwen3 architecture) on the pretokenized corpus.
 
-    python -m adaflash_hf.training.train_target --data DIR --out OUTDIR [--minutes 6] [--device cuda]
-    python -m adaflash_hf.training.train_target --data DIR --out OUTDIR --device cpu --steps 20 --tiny
+    python examples/research/train_target.py --data DIR --out OUTDIR [--minutes 6] [--device cuda]
+    python examples/research/train_target.py --data DIR --out OUTDIR --device cpu --steps 20 --tiny
 
-``DIR`` is the output of ``python -m adaflash_hf.training.pretokenize --out DIR``. The run is a plain
+``DIR`` is the output of ``python examples/research/pretokenize.py --out DIR``. The run is a plain
 PyTorch loop: random contiguous ``--seq-len`` windows of ``train_tokens.npy``, bf16 autocast on CUDA,
 fused AdamW (betas 0.9/0.95, weight decay on matrices only), cosine LR with linear warmup, grad clip,
 optional ``torch.compile`` (default on for CUDA).
@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from .corpus import WindowSampler, eval_batches, load_corpus, sample_prompts  # noqa: E402, F401
+from target_corpus import WindowSampler, eval_batches, load_corpus, sample_prompts  # noqa: E402, F401
 
 # Passes over the training corpus the CLI caps a run at: on the reference corpus the held-out loss
 # is lowest near here and more passes overfit.
@@ -167,7 +167,7 @@ def evaluate(model, batches: dict, device, bf16: bool, batch_size: int) -> dict:
 
 
 def generate_samples(model, tok, prompts, device, max_new_tokens: int = 64) -> list[dict]:
-    from .tokenizer import stop_token_ids
+    from adaflash_hf.training.tokenizer import stop_token_ids
 
     stops = stop_token_ids(tok)
     res = []
@@ -187,7 +187,7 @@ def generate_samples(model, tok, prompts, device, max_new_tokens: int = 64) -> l
 def save_target(model, tok, out_dir: Path, max_shard_size: str = "15MB") -> Path:
     from transformers import GenerationConfig
 
-    from .tokenizer import stop_token_ids
+    from adaflash_hf.training.tokenizer import stop_token_ids
 
     target = out_dir / "target"
     target.mkdir(parents=True, exist_ok=True)
@@ -210,7 +210,7 @@ def save_target(model, tok, out_dir: Path, max_shard_size: str = "15MB") -> Path
 
 @dataclass
 class TargetRecipe:
-    """How to train the target (the flags of ``python -m adaflash_hf.training.train_target``).
+    """How to train the target (the flags of ``python examples/research/train_target.py``).
 
     ``data``: a folder written by ``pretokenize --out``; ``out``: the output folder. ``minutes`` is
     the wall-clock budget counted from ``t_start`` (default: when :func:`train` starts; the CLI

@@ -1,6 +1,6 @@
 """Train the reference tokenizer and pretokenize the training corpus.
 
-    python -m adaflash_hf.training.pretokenize --out DIR [--data PATH] [--vocab-size 8192]
+    python examples/research/pretokenize.py --out DIR [--data PATH] [--vocab-size 8192]
 
 Writes into DIR:
 
@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import data as D
-from .tokenizer import EOS, IM_END, render_sample, train_tokenizer
+from adaflash_hf.training import data as D
+from adaflash_hf.training.tokenizer import EOS, IM_END, render_sample, train_tokenizer
 
 DOMAIN_IDS = {d: i for i, d in enumerate(D.TRAIN_DOMAINS)}
 _ASSISTANT_SPAN = re.compile(re.escape("<|im_start|>assistant\n") + r"(.*?" + re.escape(IM_END) + ")", re.S)

@@ -57,7 +57,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ...speculation.rounds import position_counts
+from ..speculation.rounds import position_counts
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics", "online_health"]
 

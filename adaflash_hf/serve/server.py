@@ -10,7 +10,7 @@ Example::
 
     from adaflash_hf import load_reference_pair
     from adaflash_hf.engine import Engine
-    from adaflash_hf.engine.serve.server import make_server
+    from adaflash_hf.serve import make_server
 
     target, drafter, tok = load_reference_pair()
     server = make_server(Engine(target, drafter, max_slots=8, max_len=1024), tok, port=8000)

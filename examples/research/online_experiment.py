@@ -7,7 +7,7 @@ are also compared with plain greedy decoding (lossless check). Result: tau per u
 the length head's mean absolute error on the held-out rounds at each measurement, and the adapter's
 per-update records (head error on served rounds before / after each swap).
 
-    python -m adaflash_hf.online.experiment --target T --drafter D --dataset gsm8k --updates 6 --out runs/online
+    python examples/research/online_experiment.py --target T --drafter D --dataset gsm8k --updates 6 --out runs/online
 """
 
 import argparse
@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from ..generation.prompts import encode_prompt, left_pad
-from ..modeling import AdaFlashDrafter
-from .adapter import OnlineAdapter, copy_drafter
-from .versions import write_text_atomic
+from adaflash_hf.generation.prompts import encode_prompt, left_pad
+from adaflash_hf.modeling import AdaFlashDrafter
+from adaflash_hf.online.adapter import OnlineAdapter, copy_drafter
+from adaflash_hf.online.versions import write_text_atomic
 
 
 class HeadError:
@@ -149,7 +149,7 @@ def plot_curves(result: dict, path: str) -> None:
 def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..training.data import eval_prompts
+    from adaflash_hf.training.data import eval_prompts
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     drafter = AdaFlashDrafter.from_pretrained(a.drafter, dtype=torch.float32).to(a.device).eval()
     prompts = eval_prompts(a.dataset, limit=a.held_out + a.stream)
     os.makedirs(a.out, exist_ok=True)
-    command = "python -m adaflash_hf.online.experiment " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    command = "python examples/research/online_experiment.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
 
     def save(result):
         result.update(dataset=a.dataset, command=command)

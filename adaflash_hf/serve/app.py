@@ -149,7 +149,7 @@ def build_app(get_service: Callable[[], CompletionService | None], settings: Ser
         return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
-    async def metrics():  # Prometheus text format (names: engine/serve/metrics.py)
+    async def metrics():  # Prometheus text format (names: serve/metrics.py)
         return Response(service().metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")

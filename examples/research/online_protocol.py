@@ -8,7 +8,7 @@ the stream) through the same engine with the adapter detached, and every held-ou
 plain greedy decoding. Each measurement also records acceptance per draft position (the paper's Fig. 5c)
 and how often a round accepted 0, 1, ..., B-1 drafts (the acceptance density, Fig. 5b).
 
-    python -m adaflash_hf.online.protocol --target T --drafter D --dataset alpaca_eval --updates 4 --out runs/p
+    python examples/research/online_protocol.py --target T --drafter D --dataset alpaca_eval --updates 4 --out runs/p
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..speculation.rounds import mean_tokens_per_round, position_counts
-from .adapter import OnlineAdapter, copy_drafter
-from .config import OnlineConfig
-from .experiment import HeadError, stream_order
-from .versions import write_text_atomic
+from adaflash_hf.speculation.rounds import mean_tokens_per_round, position_counts
+from adaflash_hf.online.adapter import OnlineAdapter, copy_drafter
+from adaflash_hf.online.config import OnlineConfig
+from online_experiment import HeadError, stream_order
+from adaflash_hf.online.versions import write_text_atomic
 
 __all__ = ["ProtocolSettings", "RoundRouter", "eos_ids", "parse_args", "prompt_ids", "run_protocol", "serving_engine"]
 
@@ -81,7 +81,7 @@ def _measure(engine, router, prompts, references, settings: ProtocolSettings, eo
 
 
 def serving_engine(target, drafter, settings: ProtocolSettings, router):
-    from ..engine import Engine
+    from adaflash_hf.engine import Engine
 
     return Engine(target, drafter, length_policy=settings.policy if drafter is not None else None,
                   max_slots=settings.concurrency, max_len=settings.max_len, token_budget=settings.max_len,
@@ -179,7 +179,7 @@ def eos_ids(tokenizer, target) -> tuple[int, ...]:
 
 
 def prompt_ids(tokenizer, records, limit_tokens: int) -> list[list[int]]:
-    from ..generation.prompts import encode_prompt
+    from adaflash_hf.generation.prompts import encode_prompt
 
     ids = [list(encode_prompt(tokenizer, r.get("messages", r.get("text")))) for r in records]
     return [x for x in ids if len(x) <= limit_tokens]
@@ -219,8 +219,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, OnlineConfig, ProtocolSet
 def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..modeling import AdaFlashDrafter
-    from ..training.data import eval_prompts
+    from adaflash_hf.modeling import AdaFlashDrafter
+    from adaflash_hf.training.data import eval_prompts
 
     a, config, settings = parse_args(argv)
     tok = AutoTokenizer.from_pretrained(a.target)
@@ -233,7 +233,7 @@ def main(argv=None) -> int:
 
     def save(result):
         args = sys.argv[1:] if argv is None else argv
-        result.update(dataset=a.dataset, seed=a.seed, command="python -m adaflash_hf.online.protocol " + " ".join(args))
+        result.update(dataset=a.dataset, seed=a.seed, command="python examples/research/online_protocol.py " + " ".join(args))
         write_text_atomic(os.path.join(a.out, "protocol.json"), json.dumps(result, indent=2, default=str))
 
     result = run_protocol(target, drafter, tok, stream, held, tuple(a.methods.split(",")), settings, config, save)

@@ -38,9 +38,9 @@ from .metrics import ServerMetrics, online_health
 from .options import RequestFieldError, describe, read_options
 from .responses import ResponseShapes
 from .tools import END, START, forced_call, read_tools, tool_fields
-from ..grammar import Grammars
-from ..processed_rows import LoggedToken
-from ..sampling import SamplingParams
+from ..engine.grammar import Grammars
+from ..engine.processed_rows import LoggedToken
+from ..engine import SamplingParams
 
 __all__ = ["APIError", "CompletionService"]
 

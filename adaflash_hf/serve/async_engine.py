@@ -31,8 +31,7 @@ from typing import Callable
 
 import torch
 
-from ..engine import Engine, EngineOutput, RequestRejected
-from ..sampling import SamplingParams
+from ..engine import Engine, EngineOutput, RequestRejected, SamplingParams
 
 __all__ = ["AsyncEngine", "EngineClosed", "EngineFailed", "RequestFuture", "TokenStream"]
 

@@ -1,6 +1,6 @@
 """The pretokenized corpus a target trains on: random training windows and held-out windows / prompts.
 
-``DIR`` is the output of ``python -m adaflash_hf.training.pretokenize --out DIR``: ``train_tokens.npy``,
+``DIR`` is the output of ``python examples/research/pretokenize.py --out DIR``: ``train_tokens.npy``,
 ``eval_tokens.npy`` with ``eval_docs.npy`` (start, length, domain index per document) and
 ``eval_loss_spans.npy``, ``meta.json`` and ``tokenizer/``.
 """
@@ -21,7 +21,7 @@ def load_corpus(data: str | Path):
     for name in ("train_tokens.npy", "tokenizer"):
         if not (data / name).exists():
             raise FileNotFoundError(
-                f"{data / name} not found: run `python -m adaflash_hf.training.pretokenize --out {data}` first"
+                f"{data / name} not found: run `python examples/research/pretokenize.py --out {data}` first"
             )
     tokens = np.load(data / "train_tokens.npy")
     meta = json.loads((data / "meta.json").read_text()) if (data / "meta.json").exists() else {}

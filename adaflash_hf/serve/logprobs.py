@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ...speculation.capture import CAPTURE_LOCK
+from ..speculation.capture import CAPTURE_LOCK
 
 __all__ = ["MAX_TOP_LOGPROBS", "chat_logprobs", "completion_logprobs", "prompt_entries"]
 

@@ -1,1 +1,0 @@
-"""Serving on top of :class:`~adaflash_hf.engine.Engine`: the asyncio wrapper and the OpenAI-compatible server."""
