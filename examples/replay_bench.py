@@ -23,7 +23,7 @@ Traces (``--traces``):
                  gets the pair's real engine runs at
                  ``--real-concurrency`` (closed batch, EOS honoured, every mode; identity against ``off``).
 
-Modes (``--modes``, round layouts of ``adaflash_hf.speculation.policy.LAYOUTS``) and ``default``: what the trace's drafter
+Modes (``--modes``, round layouts of ``adaflash_hf.speculation.length.names.LAYOUTS``) and ``default``: what the trace's drafter
 runs when no policy is asked for (its config's default policy); where its settings equal a mode's, that mode's
 row stands for it (``same_as``). Arrivals (``--arrivals``): ``closed`` (one request per slot, all at once) and
 ``poisson:LOAD`` (open loop, ``max(c, --poisson-min-requests)`` requests at LOAD x ``off``'s closed-batch request

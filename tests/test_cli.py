@@ -97,7 +97,7 @@ def test_serve_length_policies_are_the_engines():
 
     from adaflash_hf.cli.serve import add_arguments
     from adaflash_hf.engine import Engine, round_layout  # noqa: F401 - the engine resolves the same names
-    from adaflash_hf.speculation.policy import ENGINE_POLICIES, POLICY_NAMES
+    from adaflash_hf.speculation.length.names import ENGINE_POLICIES, POLICY_NAMES
 
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -12,7 +12,7 @@ from adaflash_hf import bench
 from adaflash_hf.bench.cli_args import DEFAULTS, REFERENCE_DEFAULTS
 from adaflash_hf.bench.prompts import load_prompt_set
 from adaflash_hf.cli import main
-from adaflash_hf.speculation.policy import default_policy
+from adaflash_hf.speculation.length.names import default_policy
 from adaflash_hf.training import data as D
 
 

@@ -14,8 +14,9 @@ from adaflash_hf.engine import Engine
 from adaflash_hf.engine.requests import Request
 from adaflash_hf.engine.sampling import SamplingParams
 from adaflash_hf.speculation.length import LengthPlanner
-from adaflash_hf.speculation.length_policy import choose_verify_length, cost_aware_verify_length, survival_curve
-from adaflash_hf.speculation.round_cost import SPEC_H200_MS, SPEC_H200_OVERHEAD_MS, SPEC_ROWS, SPEC_TOKENS_PER_ROW, RoundCost
+from adaflash_hf.speculation.length import LengthSettings
+from adaflash_hf.speculation.length.rules import CostRule, RoundInputs, cost_aware_verify_length, make_rule, survival_curve
+from adaflash_hf.speculation.length.cost import SPEC_H200_MS, SPEC_H200_OVERHEAD_MS, SPEC_ROWS, SPEC_TOKENS_PER_ROW, RoundCost
 
 from generation_helpers import delay_drafting_rounds, engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids
 
@@ -101,7 +102,7 @@ def test_a_drafter_that_has_run_is_spent(name, ratios, block, cost, before, afte
     ratio = torch.tensor(ratios)
     assert cost_aware_verify_length(ratio, block, cost).tolist() == before
     assert cost_aware_verify_length(ratio, block, cost, drafted=True).tolist() == after
-    chosen = choose_verify_length("cost", len(ratios), block, ratio=ratio, round_cost=cost, drafted=True)
+    chosen = CostRule(cost).lengths(RoundInputs(len(ratios), block, ratio, drafted=True))
     assert chosen.tolist() == after
 
 
@@ -345,11 +346,13 @@ def test_cost_rule_validation(args, kwargs, match):
         cost_aware_verify_length(*args, **kwargs)
 
 
-def test_dispatch_and_device():
-    k = choose_verify_length("cost", 2, 8, ratio=torch.tensor([1.0, 0.0]), round_cost=RoundCost.flat(0.1))
+def test_make_rule_builds_the_named_rule_with_the_given_cost():
+    rule = make_rule(LengthSettings("cost", 1.0, 1), RoundCost.flat(0.1))
+    assert rule == CostRule(RoundCost.flat(0.1), 1)
+    k = rule.lengths(RoundInputs(2, 8, ratio=torch.tensor([1.0, 0.0])))
     assert k.tolist() == [8, 8] and k.dtype == torch.long
     with pytest.raises(ValueError, match="not a valid LengthPolicy"):
-        choose_verify_length("costly", 2, 8, ratio=torch.ones(2))
+        make_rule(LengthSettings("costly", 1.0, 1))
 
 
 # --------------------------------------------------------------------------- the engine under the rule
@@ -541,11 +544,11 @@ def test_measured_overhead_is_what_a_round_costs_beyond_its_graphs(pair, length_
 
 
 def test_the_dispatch_reads_the_head_ratio_as_its_label_not_scaled_by_the_floor_rules_rate():
-    """choose_verify_length's cost rule ignores ``rate`` (the floor rule's scale): at c=128 on the SPEC cost the
+    """The cost rule ``make_rule`` builds ignores ``rate`` (the floor rule's scale): at c=128 on the SPEC cost the
     lengths are the same whatever the rate; a ratio doubled by hand (what rate 2.0 used to do) gives others
     (the control)."""
     ratio = torch.full((128,), 0.25)
     for rate in (1.0, 2.0, 3.0):
-        k = choose_verify_length("cost", 128, 16, ratio=ratio, rate=rate, round_cost=SPEC_COST)
+        k = make_rule(LengthSettings("cost", rate, 1), SPEC_COST).lengths(RoundInputs(128, 16, ratio))
         assert torch.equal(k, cost_aware_verify_length(ratio, 16, SPEC_COST)), rate
     assert not torch.equal(cost_aware_verify_length(ratio * 2, 16, SPEC_COST), cost_aware_verify_length(ratio, 16, SPEC_COST))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from adaflash_hf.speculation.length_policy import (
+from adaflash_hf.speculation.length.rules import (
     adaptive_verify_length,
     expected_gain_verify_length,
     fixed_verify_length,

@@ -86,7 +86,7 @@ def test_the_engine_trusts_what_rounds_accepted_over_the_heads_last_ratio(pair, 
     the last ratio (the control, ``GUESS_PRIOR_ROUNDS`` 0) every round after the first verifies whole blocks without
     reading its ratios; decided on what the rounds accepted, the engine reads them instead (a flat cost with a read
     to spare makes whole blocks pay only when drafts are likely accepted). Plain greedy output either way."""
-    from adaflash_hf.speculation.round_cost import RoundCost
+    from adaflash_hf.speculation.length.cost import RoundCost
 
     target, drafter = pair
     cost = RoundCost(rows=(1,), tokens_per_row=(1, 8), verify=((1.0, 2.0),), draft_fraction=0.0, spec_overhead=1.0,
@@ -129,7 +129,7 @@ def test_new_requests_skip_the_body_the_traffic_says_cannot_pay(pair, monkeypatc
     arriving after a plain decision skip their first round's body on the traffic's mean; guessed as accepting
     everything (the control, ``GUESS_PRIOR_ROUNDS`` 0) each runs it. Plain greedy output either way."""
     import adaflash_hf.engine.engine as engine_module
-    from adaflash_hf.speculation.round_cost import RoundCost
+    from adaflash_hf.speculation.length.cost import RoundCost
 
     target, drafter = pair
     cost = RoundCost(rows=(1,), tokens_per_row=(1, 8), verify=((1.0, 2.0),), draft_fraction=2.0, spec_overhead=1.0)

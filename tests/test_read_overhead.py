@@ -12,8 +12,8 @@ import torch
 
 import adaflash_hf.speculation.length.planner as vl
 from adaflash_hf.engine import Engine
-from adaflash_hf.speculation.length_policy import choose_verify_length, cost_aware_verify_length, survival_curve
-from adaflash_hf.speculation.round_cost import SPEC_H200_MS, SPEC_H200_OVERHEAD_MS, RoundCost
+from adaflash_hf.speculation.length.rules import CostRule, RoundInputs, cost_aware_verify_length, survival_curve
+from adaflash_hf.speculation.length.cost import SPEC_H200_MS, SPEC_H200_OVERHEAD_MS, RoundCost
 
 from generation_helpers import (delay_drafting_rounds, engine_prompts, kept_length_head, make_drafter, make_target,
                                 plain_greedy_ids)
@@ -41,9 +41,8 @@ def test_the_rule_counts_the_read_whole_blocks_spare(name, ratios, block, cost, 
     ratio, cap = torch.tensor(ratios), None if max_len is None else torch.tensor(max_len)
     assert cost_aware_verify_length(ratio, block, cost, max_len=cap, unread_whole=True).tolist() == unread
     assert cost_aware_verify_length(ratio, block, cost, max_len=cap).tolist() == read
-    # choose_verify_length passes the flag through (the engine's one call)
-    assert choose_verify_length("cost", len(ratios), block, ratio=ratio, round_cost=cost, max_len=cap,
-                                unread_whole=True).tolist() == unread
+    # the cost rule object passes the flag through (what the planner asks)
+    assert CostRule(cost).lengths(RoundInputs(len(ratios), block, ratio, max_len=cap, unread_whole=True)).tolist() == unread
 
 
 def _rate(surv, ks, cost: RoundCost, block: int, caps, unread: bool) -> float:

@@ -14,7 +14,7 @@ from conftest import build_word_tokenizer
 from adaflash_hf.engine import Engine, SamplingParams
 from adaflash_hf.engine.sampling import position_keyed_samples
 from adaflash_hf.serve.server import make_server
-from adaflash_hf.speculation.policy import layout_args
+from adaflash_hf.speculation.length.names import layout_args
 
 from generation_helpers import engine_prompts, make_drafter, make_target
 

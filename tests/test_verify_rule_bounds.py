@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from adaflash_hf.speculation.round_cost import RoundCost
+from adaflash_hf.speculation.length.cost import RoundCost
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "reference_pair" / "project_verify_rules.py"
 spec = importlib.util.spec_from_file_location("project_verify_rules", SCRIPT)

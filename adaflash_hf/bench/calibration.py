@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from ..speculation.length_policy import adaptive_verify_length
+from ..speculation.length.rules import adaptive_verify_length
 from ..speculation.rounds import mean_tokens_per_round, position_counts
 
 __all__ = ["BUCKET_EDGES", "by_bucket", "by_position", "fitted_scale", "k_hats", "rule_outcome"]
@@ -45,7 +45,7 @@ def _check(rounds, block_size: int) -> None:
 
 
 def k_hats(rounds, block_size: int, rate: float, min_len: int = 1) -> list[int]:
-    """Each round's ``k_hat`` under the paper's floor rule at ``rate`` (``speculation.length_policy``'s own)."""
+    """Each round's ``k_hat`` under the paper's floor rule at ``rate`` (``speculation.length.rules.adaptive_verify_length``)."""
     ratios = torch.tensor([r.ratio for r in rounds], dtype=torch.float32)
     return adaptive_verify_length(ratios, block_size, rate=rate, min_len=min_len).tolist()
 

@@ -66,7 +66,7 @@ class TraceRound:
 @dataclass(frozen=True)
 class ReplayPolicy:
     """The verify-length settings a trace's head ratios are meant for: the policy the recording drafter runs
-    by default (``length_policy``, a :data:`adaflash_hf.speculation.policy.POLICY_NAMES` name), its length rate and
+    by default (``length_policy``, a :data:`adaflash_hf.speculation.length.names.POLICY_NAMES` name), its length rate and
     minimum, and its block size (a ratio is a fraction of it).
 
     Example:
@@ -80,7 +80,7 @@ class ReplayPolicy:
     block_size: int
 
     def __post_init__(self):
-        from ..speculation.policy import POLICY_NAMES
+        from ..speculation.length.names import POLICY_NAMES
 
         if self.length_policy not in POLICY_NAMES:
             raise ValueError(f"unknown length_policy {self.length_policy!r}: choose one of {', '.join(POLICY_NAMES)}")
@@ -93,7 +93,7 @@ class ReplayPolicy:
     @classmethod
     def from_drafter(cls, drafter) -> "ReplayPolicy":
         """What ``drafter`` runs when no policy is asked for (its config's default policy, rate and minimum)."""
-        from ..speculation.policy import default_policy
+        from ..speculation.length.names import default_policy
 
         cfg = drafter.config
         return cls(default_policy(cfg).value, float(getattr(cfg, "length_rate", 1.0)), int(getattr(cfg, "length_min", 1)),

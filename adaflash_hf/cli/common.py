@@ -16,7 +16,7 @@ from ..loading import (
 )  # fmt: skip
 
 PROG = "adaflash"
-from ..speculation.policy import HEAD_POLICIES, POLICY_NAMES
+from ..speculation.length.names import HEAD_POLICIES, POLICY_NAMES
 
 THREADS_HELP = f"CPU threads for torch (default: 1 on the CPU for models under {SMALL_MODEL_PARAMS // 10**6}M parameters, else torch's)"
 

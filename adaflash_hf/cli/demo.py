@@ -6,7 +6,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..speculation.policy import POLICY_NAMES, default_policy
+from ..speculation.length.names import POLICY_NAMES, default_policy
 from .common import PROG, THREADS_HELP, check_policy, encode, positive_int, progress, verify_summary, write
 
 HELP = "generate with the embedded reference pair; print text, tau, verify lengths, speedup, lossless check"

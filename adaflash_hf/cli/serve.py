@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..loading import UsageError, check_drafter_path, check_target_path, one_line
-from ..speculation.policy import ENGINE_POLICIES
+from ..speculation.length.names import ENGINE_POLICIES
 from .common import PROG, add_model_args, check_either_reference, load_models_from_args, number, positive_int
 from .online_args import SERVE_TRAIN_SHARE, SERVE_TRAINER, add_online_args, check_online_args, online_adapter, online_flags_given
 

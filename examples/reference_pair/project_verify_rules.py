@@ -36,8 +36,8 @@ import random
 import numpy as np
 import torch
 
-from adaflash_hf.speculation.length_policy import adaptive_verify_length, cost_aware_verify_length
-from adaflash_hf.speculation.round_cost import RoundCost
+from adaflash_hf.speculation.length.rules import adaptive_verify_length, cost_aware_verify_length
+from adaflash_hf.speculation.length.cost import RoundCost
 
 ORACLE = "oracle (knows acceptance)"
 HEAD_BOUND = "this head's bound"

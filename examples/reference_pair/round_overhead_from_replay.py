@@ -24,7 +24,7 @@ import statistics
 
 import numpy as np
 
-from adaflash_hf.speculation.round_cost import SPEC_ROWS, RoundCost
+from adaflash_hf.speculation.length.cost import SPEC_ROWS, RoundCost
 
 
 def model_of(meta: dict) -> RoundCost:

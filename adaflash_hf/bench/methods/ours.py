@@ -7,7 +7,7 @@ from .base import MethodOutput
 
 def adaflash_policy(drafter) -> str:
     """``adaflash``'s verify-length policy: the drafter's default (adaptive with a trained length head)."""
-    from ...speculation.policy import default_policy
+    from ...speculation.length.names import default_policy
 
     return default_policy(drafter.config).value
 

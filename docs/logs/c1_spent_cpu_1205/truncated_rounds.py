@@ -14,7 +14,7 @@ sys.path.insert(0, "/work/main/docs/logs/first_hold_cpu_1205")
 import model_time as mt
 import torch
 import adaflash_hf.engine.verify_lengths as vl
-from adaflash_hf.speculation.length_policy import survival_curve
+from adaflash_hf.speculation.length.rules import survival_curve
 acc = collections.defaultdict(float); last = {}
 orig = vl.VerifyLengths._verify_lengths
 def wrapped(self, running, ratio, guess=False, unread_whole=False):

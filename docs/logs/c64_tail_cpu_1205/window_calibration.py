@@ -11,7 +11,7 @@ sys.path.insert(0, "/work/main/docs/logs/first_hold_cpu_1205")
 import model_time as mt
 import numpy as np, torch
 import adaflash_hf.engine.verify_lengths as vl
-from adaflash_hf.speculation.length_policy import survival_curve
+from adaflash_hf.speculation.length.rules import survival_curve
 acc = collections.defaultdict(float)
 pending = []
 orig = vl.VerifyLengths._verify_lengths
