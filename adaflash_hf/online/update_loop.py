@@ -391,5 +391,6 @@ class UpdateLoop:
             else:
                 self._version_serving = done[0]
         if done is not None:
-            logger.info("online version %d published (%s) in %s: held-back tau %s -> %s", done[0], what, done[1],
-                        _fmt(record.guard_serving), _fmt(record.guard_candidate))  # fmt: skip
+            held = ("no held-back check" if record.guard_serving is None
+                    else f"held-back tau {_fmt(record.guard_serving)} -> {_fmt(record.guard_candidate)}")
+            logger.info("online version %d published (%s) in %s: %s", done[0], what, done[1], held)
