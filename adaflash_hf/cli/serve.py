@@ -205,6 +205,10 @@ def run(args) -> int:
                              header_timeout_s=args.header_timeout, max_connections=args.max_connections,
                              exit_after_failure_s=args.exit_after_failure, drain_timeout_s=args.drain_timeout,
                              api_key=api_key)
+    if args.online and not args.output_dir:
+        print(f"{PROG} serve: warning: --online without --output-dir: the updates serve from memory only and nothing "
+              "is kept; they are lost when the server stops (pass --output-dir DIR to keep every version)",
+              file=sys.stderr)
     if settings.api_key is None and not _is_loopback(args.host):
         print(f"{PROG} serve: warning: listening on {args.host} without an API key: anyone who reaches this port can "
               f"use the model (set ${API_KEY_ENV} or --api-key)", file=sys.stderr)

@@ -69,6 +69,7 @@ from .versions import version_name
 from .worker import NonFiniteLossError, ShadowTrainer, copy_drafter
 
 _MAX_OPEN_ROWS = 4096  # requests in flight whose served rounds are kept
+DROP_LOG_INTERVAL_S = 60.0  # at most one "buffer full" line per minute
 
 __all__ = [
     "LABEL_MODES",
@@ -160,6 +161,10 @@ class OnlineAdapter(UpdateLoop):
         self.last_refusal: dict | None = None
         self.rollback = RollbackWatch(self.config.rollback_rounds, self.config.rollback_margin)
         self.start_version = 0  # the version the server started with (0: the given drafter's weights)
+        self._version_serving = 0  # the newest version written (start_version until then)
+        # verify rounds served and drafts they accepted, by the version serving them (the server's live acceptance)
+        self._served_by_version: dict[int, list[int]] = {}
+        self._drops_unlogged, self._drops_logged_at = 0, None  # buffer evictions not yet in a log line; its clock
         self._rollback_due: dict | None = None  # set by a round, taken by the worker thread
 
     def _resume(self) -> Resumed:
@@ -179,7 +184,7 @@ class OnlineAdapter(UpdateLoop):
         elif resumed.newest:
             logger.info("online: starting fresh from the given drafter, not from the versions in %s (new versions "
                         "from %s)", root, nxt)
-        self.start_version = resumed.version
+        self.start_version = self._version_serving = resumed.version
         return resumed
 
     def _init_worker_thread(self) -> None:
@@ -275,6 +280,9 @@ class OnlineAdapter(UpdateLoop):
             due = self.rollback.observe(tokens)
             if due is not None:
                 self._rollback_due = due
+            counts = self._served_by_version.setdefault(self._version_serving, [0, 0])
+            counts[0] += 1
+            counts[1] += tokens - 1
         if due is not None:  # the worker thread restores the weights; this round returns at once
             with self._cv:
                 self._cv.notify_all()
@@ -312,10 +320,26 @@ class OnlineAdapter(UpdateLoop):
                 self._served.pop(next(iter(self._served)))
 
     def _add(self, sample: Sample) -> None:
-        self.buffer.add(sample)
+        dropped = self.buffer.add(sample)
+        if dropped:
+            self._log_drops(dropped)
         if len(self.buffer) >= self.config.samples_per_update:
             with self._cv:
                 self._cv.notify_all()
+
+    def _log_drops(self, dropped: int) -> None:
+        """Say that the full buffer dropped its oldest samples: at once the first time, then at most once every
+        ``DROP_LOG_INTERVAL_S`` with the count since the last line (a slow worker drops on every request)."""
+        now = time.monotonic()
+        with self._stats_lock:
+            self._drops_unlogged += dropped
+            if self._drops_logged_at is not None and now - self._drops_logged_at < DROP_LOG_INTERVAL_S:
+                return
+            n, self._drops_unlogged, self._drops_logged_at = self._drops_unlogged, 0, now
+        logger.warning("online buffer full (%d samples, %d bytes at most): its %d oldest sample%s dropped unseen since "
+                       "the last such line (%d dropped in all); updates train slower than traffic arrives: raise "
+                       "--samples-per-update or --train-share, or lower --epochs", self.buffer.max_samples,
+                       self.buffer.max_bytes, n, "" if n == 1 else "s", self.buffer.dropped)  # fmt: skip
 
     # ================================================================== control
     def _ready_locked(self) -> bool:
@@ -425,7 +449,9 @@ class OnlineAdapter(UpdateLoop):
         """Counters, buffer state, per-update history (tau before / after, losses, the guard's
         measurements, rollbacks: :class:`UpdateRecord`), Hub state. ``swaps_refused`` / ``last_refusal``:
         updates the guard kept aside and the newest one's reason; ``rollbacks``: swaps undone;
-        ``served_version``: the version serving now (0: the starting weights); ``write_failures``: versions that
+        ``served_version``: the version serving now (0: the starting weights); ``served_by_version``: ``{version:
+        {"rounds", "accepted"}}``, the verify rounds served and the drafts they accepted while each version served
+        (the start weights and unwritten swaps count under the newest version written); ``write_failures``: versions that
         could not be written (their weights serve all the same); ``versions_rejected``: damaged versions skipped at
         the start (``resumed_from``: the version the adapter resumed from, 0: none)."""
         with self._stats_lock:
@@ -435,6 +461,7 @@ class OnlineAdapter(UpdateLoop):
             history = [asdict(h) for h in self.history]
             last_refusal = dict(self.last_refusal) if self.last_refusal is not None else None
             served_version = self._served_version()
+            served_by_version = {v: {"rounds": r, "accepted": a} for v, (r, a) in self._served_by_version.items()}
         serving = next((h for h in reversed(history) if h["swapped"]), None)
         if serving is not None:  # the serving weights' tau_after is live until the next swap
             serving["tau_after"], serving["rounds_after"], serving["head_mae_after"] = tau, rounds_since, mae
@@ -459,6 +486,7 @@ class OnlineAdapter(UpdateLoop):
             "rounds_since_update": rounds_since,
             "head_error": mae,
             "served_version": served_version,
+            "served_by_version": served_by_version,
             "write_failures": self.write_failures,
             "versions_rejected": len(self.resumed.skipped),
             "resumed_from": self.resumed.version,

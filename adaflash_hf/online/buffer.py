@@ -32,7 +32,10 @@ target features (optional)  ``T * K * H * 2`` bytes (bf16)       42 MB
 
 The buffer is bounded by ``max_samples`` *and* ``max_bytes``: adding a sample evicts the oldest
 ones until both bounds hold (a sample that alone exceeds ``max_bytes`` is refused); evictions are
-counted in ``dropped``. All methods are thread-safe and O(1) amortised, so ``add`` can be called
+counted in ``dropped``. So when the worker trains slower than traffic arrives, the *oldest* samples go first
+and the newest traffic is what the next update trains on; the online adapter logs these drops (at most one line a
+minute, with their count). After an update the adapter also drops the samples it had left over when it took its
+batch (``OnlineConfig.clear_after_update``: superseded by the update, also counted). All methods are thread-safe and O(1) amortised, so ``add`` can be called
 from the generation loop without blocking it.
 """
 

@@ -74,6 +74,21 @@ class UpdateRecord:
     base_version: int | None = None
 
 
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def guard_verdict(record: UpdateRecord) -> str:
+    """The guard's verdict on a swapped update as its log line says it: off (nothing held back), or passed with the
+    held-back requests' tau (accept_len) before and after training.
+
+    Example:
+        >>> guard_verdict(UpdateRecord(1, 8, None, None, None, None, 0, held_back=2, guard_serving=2.0, guard_candidate=2.5))
+        'passed, held-back tau 2.000 -> 2.500 on 2 requests'
+    """
+    if record.guard_serving is None:
+        return "off (no request held back)"
+    return f"passed, held-back tau {_fmt(record.guard_serving)} -> {_fmt(record.guard_candidate)} on {record.held_back} requests"
 
 
 class UpdateLoop:
@@ -140,16 +155,20 @@ class UpdateLoop:
             self._refuse(record, judged.refusal, index)
             return
         self._record_swapped(record)
+        superseded = 0
         if self.config.clear_after_update and leftover is not None:
             # What the update trained on left the buffer when it was taken; the samples that were left
             # over then (already superseded) go, counted in samples_dropped; those that arrived while it
             # trained stay for the next update.
-            self.buffer.drop_before(leftover)
+            superseded = self.buffer.drop_before(leftover)
         logger.info(
-            "online update %d (%s): %d samples, loss %.4f -> %.4f, tau before %s, %.1fs",
+            "online update %d (%s): %d samples, loss %.4f -> %.4f, guard: %s, %.1fs%s",
             record.update, self.config.method, len(samples), result["loss_first"] or 0.0, result["loss_last"] or 0.0,
-            "n/a" if record.tau_before is None else f"{record.tau_before:.3f}", record.seconds,
+            guard_verdict(record), record.seconds,
+            f"; {superseded} older buffered samples dropped (superseded by this update)" if superseded else "",
         )  # fmt: skip
+        logger.info("online swap: update %d's weights serve from now on (served tau before %s over %d rounds)",
+                    record.update, _fmt(record.tau_before), record.rounds_before)  # fmt: skip
         self._publish(record)
 
     @contextmanager
@@ -167,8 +186,8 @@ class UpdateLoop:
 
     def _served_version(self) -> int:
         """The version serving now (``start_version``: the starting weights, until one is written); under the stats
-        lock."""
-        return next((r.version for r in reversed(self.history) if r.version is not None), self.start_version)
+        lock. Kept as the newest version written (:meth:`_publish`), since every served round reads it."""
+        return self._version_serving
 
     def _serving_record(self) -> UpdateRecord | None:
         """The newest record whose weights were swapped in (an update or a rollback); under the stats lock."""
@@ -219,7 +238,9 @@ class UpdateLoop:
             self.consecutive_failures = 0
             self.last_loss = record.loss_last
             self.last_refusal = {**reason, "path": record.path}
-        logger.warning("online update %d refused, serving weights unchanged: %s%s", record.update, refusal["reason"],
+        logger.warning("online update %d (%s): %d samples, loss %.4f -> %.4f, guard: refused, serving weights "
+                       "unchanged: %s%s", record.update, self.config.method, record.samples, record.loss_first or 0.0,
+                       record.loss_last or 0.0, refusal["reason"],
                        f"; kept aside in {record.path}" if record.path else "")  # fmt: skip
 
     def _on_failure(self, e: BaseException) -> None:
@@ -367,3 +388,9 @@ class UpdateLoop:
             record.version, record.path = (done[0], str(done[1])) if done is not None else (None, None)
             if done is None:  # the swap stands (serving uses the new weights); only its copy on disk failed
                 self.last_error = self.publisher.last_error
+            else:
+                self._version_serving = done[0]
+        if done is not None:
+            held = ("no held-back check" if record.guard_serving is None
+                    else f"held-back tau {_fmt(record.guard_serving)} -> {_fmt(record.guard_candidate)}")
+            logger.info("online version %d published (%s) in %s: %s", done[0], what, done[1], held)

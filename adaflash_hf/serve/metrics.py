@@ -38,7 +38,12 @@ With an online adapter (``online_stats``: a callable returning the adapter's ``s
 ``adaflash_online_versions_rejected_total`` (damaged versions skipped when the server resumed),
 ``adaflash_online_last_loss``, ``adaflash_online_last_head_error`` (the length head's mean absolute error on the
 rounds served since the last swap), ``adaflash_online_samples_seen_total``, ``adaflash_online_samples_buffered``,
-``adaflash_online_samples_dropped_total``. Acceptance per position over a window is
+``adaflash_online_samples_dropped_total``, ``adaflash_online_served_tau`` (tau of the rounds served since the last
+swap), and the live acceptance of each version, ``adaflash_online_served_rounds_total{version}`` /
+``adaflash_online_served_accepted_tokens_total{version}`` (rounds served while that version served, and the drafts they
+accepted; the start weights and swaps not yet written count under the newest version written, so without
+``--output-dir`` all under 0): tau by version over a window is ``1 + rate(..._served_accepted_tokens_total[5m]) /
+rate(..._served_rounds_total[5m])``. Acceptance per position over a window is
 ``rate(..._accepted_tokens_per_pos_total[5m]) / rate(..._draft_tokens_per_pos_total[5m])``.
 
 Example::
@@ -77,6 +82,7 @@ _ONLINE_GAUGES = (
     ("online_samples_buffered", "samples waiting for the next update", "samples_buffered"),
     ("online_last_loss", "the last update's mean distillation loss (last epoch)", "last_loss"),
     ("online_last_head_error", "the length head's mean absolute error on rounds served since the last swap", "head_error"),
+    ("online_served_tau", "tokens per verify round served since the last swap", "tau_since_update"),
 )
 
 
@@ -227,6 +233,15 @@ class _Collector:
         for name, what, key in _ONLINE_GAUGES:
             value = stats.get(key)
             yield GaugeMetricFamily("adaflash_" + name, what, value=math.nan if value is None else float(value))
+        rounds = CounterMetricFamily("adaflash_online_served_rounds", "verify rounds served, by the version serving them",
+                                     labels=["version"])
+        accepted = CounterMetricFamily("adaflash_online_served_accepted_tokens",
+                                       "drafted tokens accepted, by the version serving them", labels=["version"])
+        for version, counts in sorted((stats.get("served_by_version") or {}).items()):
+            rounds.add_metric([str(version)], counts["rounds"])
+            accepted.add_metric([str(version)], counts["accepted"])
+        yield rounds
+        yield accepted
 
 
 _HEALTH_KEYS = ("served_version", "resumed_from", "updates", "failures", "write_failures", "swaps_refused", "rollbacks",

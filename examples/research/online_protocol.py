@@ -29,7 +29,8 @@ from adaflash_hf.online.config import OnlineConfig
 from online_experiment import HeadError, stream_order
 from adaflash_hf.online.versions import write_text_atomic
 
-__all__ = ["ProtocolSettings", "RoundRouter", "eos_ids", "parse_args", "prompt_ids", "run_protocol", "serving_engine"]
+__all__ = ["ProtocolSettings", "RoundRouter", "eos_ids", "measure_held_out", "parse_args", "prompt_ids", "run_protocol",
+           "serving_engine"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class RoundRouter:
             on_request(finished)
 
 
-def _measure(engine, router, prompts, references, settings: ProtocolSettings, eos) -> dict:
+def measure_held_out(engine, router, prompts, references, settings: ProtocolSettings, eos) -> dict:
     """Greedy tau of the engine's drafter on ``prompts`` (no adapter), and whether every output is plain greedy's."""
     block = engine.block_size
     head = router.sink = HeadError(block)
@@ -98,7 +99,7 @@ def _run_method(target, drafter, method, stream, held, refs, eos, settings, conf
     d = copy_drafter(drafter, target)
     router = RoundRouter()
     engine = serving_engine(target, d, settings, router)
-    curve = [{"update": 0, "served": 0, **_measure(engine, router, held, refs, settings, eos)}]
+    curve = [{"update": 0, "served": 0, **measure_held_out(engine, router, held, refs, settings, eos)}]
     record(curve, [])
     if method == "off":
         return {"curve": curve, "updates": [], "failures": 0}
@@ -123,7 +124,7 @@ def _run_method(target, drafter, method, stream, held, refs, eos, settings, conf
                 point = {**{k: v for k, v in curve[-1].items() if k not in ("update", "served", "loss", "outcome")},
                          "measured": False}
             else:
-                point = _measure(engine, router, held, refs, settings, eos)
+                point = measure_held_out(engine, router, held, refs, settings, eos)
             measured = swaps
             curve.append({"update": update, "served": served, "loss": stats["last_loss"], "outcome": outcome, **point})
             record(curve, stats["history"])
