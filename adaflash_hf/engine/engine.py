@@ -31,7 +31,9 @@ next to it. The drafter step of 1 is one static forward for all running requests
 (:class:`~.drafter.DraftGraphs`, CUDA graphs per bucket). A round reads the device back at most
 twice: the verify lengths (length head; not in ``fixed``), then, after the target, accepted counts, next
 tokens and the drafts together: the drafts reach the target's input on the device
-(:mod:`.round_drafts`). The drafter's LM head runs only for the draft positions some request verifies: not at
+(:mod:`.round_drafts`). A verify-only round of greedy requests whose rows nothing else reads (no penalty, grammar,
+logprobs or round sink) accepts inside the target's replay too (:meth:`.DecodeGraphs.run`'s ``accept``), and the read
+is one slice of its output buffer. The drafter's LM head runs only for the draft positions some request verifies: not at
 all when every ``k_hat`` is 1 or every request has one token left (the round is then plain
 decoding); when the rate alone caps every ``k_hat`` at 1 the drafter layers are skipped
 too and only the new context is stored. ``cuda_graphs=False`` keeps the all-eager reference path (SDPA, any shapes);
@@ -206,6 +208,7 @@ class Engine(DecodeSteps, RequestLifecycle):
         self._ids = itertools.count()
         self._in_step = False
         self._kept_stretch = None  # the requests and step count whose features plain steps keep (decode_steps)
+        self._graph_accept = False  # this round accepts inside the target's replay (_accepts_in_graph)
         self.num_steps = 0
         self.forward_tokens: list[int] = []  # tokens per target forward (benchmarks, tests)
         self.skipped_drafts = 0  # rounds whose drafter forward was skipped (nothing could be verified)
@@ -373,10 +376,10 @@ class Engine(DecodeSteps, RequestLifecycle):
         layout = PackedLayout.from_cache(self.cache, [s for s, _ in segs], [len(t) for _, t in segs])
         self._announce(layout.num_tokens, len(admitted), len(running))
         verify_inputs = drafts.verify_inputs([r.params.greedy for r in running], len(admitted), self.device)
-        in_graph = self._accepts_in_graph(admitted, running, drafts)
+        self._graph_accept = in_graph = self._accepts_in_graph(admitted, running, drafts)
         if self.profile:
             self._tick("host")
-        logits, hidden = self._target_forward(segs, layout, len(admitted), verify_inputs, accept=in_graph)
+        logits, hidden = self._target_forward(segs, layout, len(admitted), verify_inputs)
         drafted = verify_inputs[1] if verify_inputs is not None else None
         penalize_round(logits, len(admitted), running, drafts.q_lens, drafted)  # before anything reads the rows
         constrain_round(logits, admitted, running, drafts.q_lens, drafted)
@@ -543,14 +546,14 @@ class Engine(DecodeSteps, RequestLifecycle):
         vlogits = logits[vidx].float() if self.on_round is not None else None
         return first, res.num_accepted, res.next_tokens, bad, dl_dev, vlogits
 
-    def _target_forward(self, segs, layout: PackedLayout, num_prefill: int, verify_inputs, accept: bool = False):
+    def _target_forward(self, segs, layout: PackedLayout, num_prefill: int, verify_inputs):
         """Logits of each prefill's last token, then of every verify token; hidden states of every
         token, in ``layout``'s packed order; the drafts are copied into the verify segments on the device
         (``verify_inputs``' fill). One eager packed forward, or (CUDA graphs on) an eager
         prefill forward plus the graph-replayed decode forward (distinct slots: order is free).
         With graphs, a decode-only round returns views of the static buffers in the model dtype
         (read before the next replay: the drafter consumes the features at the start of the next round).
-        ``accept``: the replay accepts greedily too (a decode-only round, :meth:`_accepts_in_graph`)."""
+        With ``_graph_accept`` (this round's :meth:`_accepts_in_graph`) the replay accepts greedily too."""
         offs = layout.offsets
         dec_start = offs[num_prefill]
         if self.graphs is None or num_prefill == len(segs):
@@ -565,7 +568,7 @@ class Engine(DecodeSteps, RequestLifecycle):
         pre_layout, dec_layout = layout.split(num_prefill)
         logits, hidden = self.graphs.run([t for _, toks in segs[num_prefill:] for t in toks], dec_layout, copy=False,
                                          fill=verify_inputs[3] if verify_inputs is not None else None,
-                                         accept=verify_inputs[2] if accept else None)
+                                         accept=verify_inputs[2] if self._graph_accept else None)
         if num_prefill:
             tokens = torch.tensor([t for _, toks in segs[:num_prefill] for t in toks], dtype=torch.long, device=self.device)
             last = torch.tensor([offs[j + 1] - 1 for j in range(num_prefill)], device=self.device)

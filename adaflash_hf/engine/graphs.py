@@ -329,6 +329,7 @@ class DecodeGraphs(GraphRunner):
     # ------------------------------------------------------------------ the forward
     @torch.no_grad()  # also when replay / precapture are called directly: flex's backward needs more of the mask
     def _forward(self, Tb: int, qb: int, Rb: int | None = None, greedy: str | None = None) -> None:
+        # greedy: None (the forward), "accept" (the forward, then greedy acceptance: run's accept) or "greedy" (a step)
         if greedy is None or greedy == "accept":
             logits, _ = self._forward_once(Tb, qb, Rb)
             if greedy == "accept":
