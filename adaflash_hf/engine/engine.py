@@ -392,8 +392,10 @@ class Engine(DecodeSteps, RequestLifecycle):
         # one read: first tokens, accepted, next tokens, fault flags, verified draft lengths, drafts.
         if in_graph:
             verdict, bins = self.graphs.verdict_rows(layout.num_tokens), self.graphs.requests
-            host = self._read_and_chain(verdict, running, admitted, drafts, verdict[: len(running)],
-                                        verdict[bins : bins + len(running)])
+            bits = late_bits(drafts)
+            host = self._read_and_chain(torch.cat([verdict, *bits]) if bits else verdict, running, admitted, drafts,
+                                        verdict[: len(running)], verdict[bins : bins + len(running)])
+            host = take_late_ratios(self.planner, running, drafts, host)
             read, vlogits, scored = ([], [], *self.graphs.read_verdict(host, drafts.q_lens)), None, None
         else:
             first, accepted, next_tokens, bad, dl, vlogits = self._accept(logits, admitted, running, drafts, verify_inputs)
@@ -414,9 +416,9 @@ class Engine(DecodeSteps, RequestLifecycle):
     def _accepts_in_graph(self, admitted, running, drafts: RoundDrafts) -> bool:
         """Whether this round's acceptance runs inside the target's decode replay (:meth:`.DecodeGraphs.run`'s
         ``accept``): a verify-only round of greedy requests whose rows nothing changes or reads but the acceptance
-        (no penalty, grammar or logprobs; no round sink; no ratios riding on the read)."""
+        (no penalty, grammar or logprobs; no round sink)."""
         return (self.graphs is not None and not admitted and bool(running) and self.on_round is None
-                and not drafts.late_ratio and drafts.sampled is None
+                and drafts.sampled is None
                 and all(r.params.greedy and r.params.raw_rows for r in running))
 
     def _read_and_chain(self, packed: torch.Tensor, running, admitted, drafts: RoundDrafts, accepted, next_tokens) -> list[int]:
