@@ -59,7 +59,7 @@ from .admission import AdmissionController, fit_token_budget
 from .decode_steps import DecodeSteps
 from .kernels.attention import BLOCK
 from .drafter import DraftGraphs, append_context, draft_blocks, head_index, make_drafter_cache
-from .round_drafts import RoundDrafts, late_bits, take_late_ratios, unpack_drafts
+from .round_drafts import RoundDrafts, late_bits, take_late_ratios, unpack_drafts, unpack_read
 from .kernels.fused import FusedTarget
 from .graphs import DecodeGraphs, to_device
 from .lifecycle import NON_FINITE, RequestLifecycle
@@ -72,14 +72,6 @@ from .sampling import SamplingParams
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
 
 __all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo"]
-
-
-def _unpack_read(packed: list[int], base: int, n: int, w: int) -> tuple:
-    """The round's read as :meth:`Engine._commit_round` takes it, from ``packed`` (``base`` prefills' first tokens,
-    ``n`` accepted counts and next tokens, ``base + n`` fault flags, ``n`` draft lengths, ``[n, w]`` drafts)."""
-    bad, dl = packed[base + 2 * n : 2 * base + 3 * n], packed[2 * base + 3 * n : 2 * base + 4 * n]
-    rows = [packed[2 * base + 4 * n + i * w : 2 * base + 4 * n + (i + 1) * w] for i in range(n)]
-    return packed[:base], bad[:base], packed[base : base + n], packed[base + n : base + 2 * n], bad[base:], dl, rows
 
 
 class Engine(DecodeSteps, RequestLifecycle):
@@ -403,7 +395,7 @@ class Engine(DecodeSteps, RequestLifecycle):
             packed = torch.cat([first, accepted, next_tokens, bad.long(), dl, drafts.tokens.flatten(), *late_bits(drafts)])
             packed = take_late_ratios(self.planner, running, drafts, self._read_and_chain(packed, running, admitted, drafts,
                                                                                          accepted, next_tokens))
-            read = _unpack_read(packed, len(admitted), len(running), drafts.tokens.shape[1])
+            read = unpack_read(packed, len(admitted), len(running), drafts.tokens.shape[1])
         self.host_syncs += 1
         if self.profile:
             self._tick("accept")
