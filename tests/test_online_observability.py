@@ -11,9 +11,9 @@ import re
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import adaflash_hf.engine.serve.server as server_mod
+import adaflash_hf.serve.server as server_mod
 from adaflash_hf.cli import main
-from adaflash_hf.engine.serve.metrics import ServerMetrics
+from adaflash_hf.serve.metrics import ServerMetrics
 from adaflash_hf.online import OnlineAdapter
 from adaflash_hf.online import adapter as adapter_mod
 from online_helpers import BLOCK, fresh_drafter, pair, real_requests, real_rounds  # noqa: F401 (pair: a fixture)

@@ -31,7 +31,9 @@ next to it. The drafter step of 1 is one static forward for all running requests
 (:class:`~.drafter.DraftGraphs`, CUDA graphs per bucket). A round reads the device back at most
 twice: the verify lengths (length head; not in ``fixed``), then, after the target, accepted counts, next
 tokens and the drafts together: the drafts reach the target's input on the device
-(:mod:`.round_drafts`). The drafter's LM head runs only for the draft positions some request verifies: not at
+(:mod:`.round_drafts`). A verify-only round of greedy requests whose rows nothing else reads (no penalty, grammar,
+logprobs or round sink) accepts inside the target's replay too (:meth:`.DecodeGraphs.run`'s ``accept``), and the read
+is one slice of its output buffer. The drafter's LM head runs only for the draft positions some request verifies: not at
 all when every ``k_hat`` is 1 or every request has one token left (the round is then plain
 decoding); when the rate alone caps every ``k_hat`` at 1 the drafter layers are skipped
 too and only the new context is stored. ``cuda_graphs=False`` keeps the all-eager reference path (SDPA, any shapes);
@@ -57,7 +59,7 @@ from .admission import AdmissionController, fit_token_budget
 from .decode_steps import DecodeSteps
 from .kernels.attention import BLOCK
 from .drafter import DraftGraphs, append_context, draft_blocks, head_index, make_drafter_cache
-from .round_drafts import RoundDrafts, late_bits, take_late_ratios, unpack_drafts
+from .round_drafts import RoundDrafts, late_bits, take_late_ratios, unpack_drafts, unpack_read
 from .kernels.fused import FusedTarget
 from .graphs import DecodeGraphs, to_device
 from .lifecycle import NON_FINITE, RequestLifecycle
@@ -198,6 +200,7 @@ class Engine(DecodeSteps, RequestLifecycle):
         self._ids = itertools.count()
         self._in_step = False
         self._kept_stretch = None  # the requests and step count whose features plain steps keep (decode_steps)
+        self._graph_accept = False  # this round accepts inside the target's replay (_accepts_in_graph)
         self.num_steps = 0
         self.forward_tokens: list[int] = []  # tokens per target forward (benchmarks, tests)
         self.skipped_drafts = 0  # rounds whose drafter forward was skipped (nothing could be verified)
@@ -365,6 +368,7 @@ class Engine(DecodeSteps, RequestLifecycle):
         layout = PackedLayout.from_cache(self.cache, [s for s, _ in segs], [len(t) for _, t in segs])
         self._announce(layout.num_tokens, len(admitted), len(running))
         verify_inputs = drafts.verify_inputs([r.params.greedy for r in running], len(admitted), self.device)
+        self._graph_accept = in_graph = self._accepts_in_graph(admitted, running, drafts)
         if self.profile:
             self._tick("host")
         logits, hidden = self._target_forward(segs, layout, len(admitted), verify_inputs)
@@ -376,21 +380,38 @@ class Engine(DecodeSteps, RequestLifecycle):
         if self.profile:
             self._tick("target")
 
-        # 4. Accept on the device (the shared verify step), then one read: first tokens, accepted, next tokens,
-        # fault flags, verified draft lengths, drafts.
-        first, accepted, next_tokens, bad, dl, vlogits = self._accept(logits, admitted, running, drafts, verify_inputs)
-        scored = round_logprobs(logits, admitted, running, drafts.q_lens, drafted, first, accepted, next_tokens)
-        packed = torch.cat([first, accepted, next_tokens, bad.long(), dl, drafts.tokens.flatten(), *late_bits(drafts)])
-        packed = take_late_ratios(self.planner, running, drafts, self._read_and_chain(packed, running, admitted, drafts,
-                                                                                     accepted, next_tokens))
+        # 4. Accept on the device (the shared verify step; greedy decode-only rounds: inside the target's replay), then
+        # one read: first tokens, accepted, next tokens, fault flags, verified draft lengths, drafts.
+        if in_graph:
+            verdict, bins = self.graphs.verdict_rows(layout.num_tokens), self.graphs.requests
+            bits = late_bits(drafts)
+            host = self._read_and_chain(torch.cat([verdict, *bits]) if bits else verdict, running, admitted, drafts,
+                                        verdict[: len(running)], verdict[bins : bins + len(running)])
+            host = take_late_ratios(self.planner, running, drafts, host)
+            read, vlogits, scored = ([], [], *self.graphs.read_verdict(host, drafts.q_lens)), None, None
+        else:
+            first, accepted, next_tokens, bad, dl, vlogits = self._accept(logits, admitted, running, drafts, verify_inputs)
+            scored = round_logprobs(logits, admitted, running, drafts.q_lens, drafted, first, accepted, next_tokens)
+            packed = torch.cat([first, accepted, next_tokens, bad.long(), dl, drafts.tokens.flatten(), *late_bits(drafts)])
+            packed = take_late_ratios(self.planner, running, drafts, self._read_and_chain(packed, running, admitted, drafts,
+                                                                                         accepted, next_tokens))
+            read = unpack_read(packed, len(admitted), len(running), drafts.tokens.shape[1])
         self.host_syncs += 1
         if self.profile:
             self._tick("accept")
 
         # 5. Commit: prefills' first tokens, then each verify's accepted drafts + the target's next token.
-        self._commit_round(admitted, running, drafts, packed, vlogits, hidden, layout.offsets,
+        self._commit_round(admitted, running, drafts, read, vlogits, hidden, layout.offsets,
                            scored.read() if scored is not None else {})
         return True
+
+    def _accepts_in_graph(self, admitted, running, drafts: RoundDrafts) -> bool:
+        """Whether this round's acceptance runs inside the target's decode replay (:meth:`.DecodeGraphs.run`'s
+        ``accept``): a verify-only round of greedy requests whose rows nothing changes or reads but the acceptance
+        (no penalty, grammar or logprobs; no round sink)."""
+        return (self.graphs is not None and not admitted and bool(running) and self.on_round is None
+                and drafts.sampled is None
+                and all(r.params.greedy and r.params.raw_rows for r in running))
 
     def _read_and_chain(self, packed: torch.Tensor, running, admitted, drafts: RoundDrafts, accepted, next_tokens) -> list[int]:
         """The round's one device read. When the round verified drafts (any layout) and admitted nothing, the next
@@ -421,26 +442,25 @@ class Engine(DecodeSteps, RequestLifecycle):
                                     self.max_slots - self.cache.num_free, self.max_slots, self.admission.n_hat))
         assert num_tokens <= self.token_budget
 
-    def _commit_round(self, admitted, running, drafts: RoundDrafts, packed: list[int], vlogits, hidden, offs,
+    def _commit_round(self, admitted, running, drafts: RoundDrafts, read: tuple, vlogits, hidden, offs,
                       scored: dict) -> None:
         """Advance the target cache over what was accepted, hand the new features to the drafter, emit
-        each verified round, commit tokens; fail (alone) each request whose fault flag is set. ``packed``:
-        prefill first tokens, accepted counts, next tokens, fault flags (prefills, then verifies), verified draft
-        lengths, drafts ``[n, B-1]``; ``scored``: request id -> its rows' logprobs (the requests that asked)."""
-        base, n, w = len(admitted), len(running), drafts.tokens.shape[1]
-        first, accepted, next_tokens = packed[:base], packed[base : base + n], packed[base + n : base + 2 * n]
-        bad, dl = packed[base + 2 * n : 2 * base + 3 * n], packed[2 * base + 3 * n : 2 * base + 4 * n]
-        rows = [packed[2 * base + 4 * n + i * w : 2 * base + 4 * n + (i + 1) * w] for i in range(n)]
+        each verified round, commit tokens; fail (alone) each request whose fault flag is set. ``read``: host lists of
+        the prefills' first tokens and fault flags, then the verifies' accepted counts, next tokens, fault flags,
+        verified draft lengths and drafts (a list per request); ``scored``: request id -> its rows' logprobs (the
+        requests that asked)."""
+        first, bad_first, accepted, next_tokens, bad, dl, rows = read
         for j, r in enumerate(admitted):  # the prompt's features become the drafter's first context
-            if bad[j]:
+            if bad_first[j]:
                 self._fail(r, NON_FINITE)
                 continue
             self.cache.advance(r.slot, len(r.prompt))
             if hidden is not None:
                 r.pending_ctx = hidden[offs[j] : offs[j + 1]]
             self._commit(r, [first[j]], logprobs=scored.get(r.id))
+        base = len(admitted)
         for i, (r, a) in enumerate(zip(running, accepted)):
-            if bad[base + i]:
+            if bad[i]:
                 self._fail(r, NON_FINITE)
                 continue
             if self.on_round is not None:
@@ -526,7 +546,8 @@ class Engine(DecodeSteps, RequestLifecycle):
         (``verify_inputs``' fill). One eager packed forward, or (CUDA graphs on) an eager
         prefill forward plus the graph-replayed decode forward (distinct slots: order is free).
         With graphs, a decode-only round returns views of the static buffers in the model dtype
-        (read before the next replay: the drafter consumes the features at the start of the next round)."""
+        (read before the next replay: the drafter consumes the features at the start of the next round).
+        With ``_graph_accept`` (this round's :meth:`_accepts_in_graph`) the replay accepts greedily too."""
         offs = layout.offsets
         dec_start = offs[num_prefill]
         if self.graphs is None or num_prefill == len(segs):
@@ -540,7 +561,8 @@ class Engine(DecodeSteps, RequestLifecycle):
                                   torch.tensor(logits_index, device=self.device), self.fused)
         pre_layout, dec_layout = layout.split(num_prefill)
         logits, hidden = self.graphs.run([t for _, toks in segs[num_prefill:] for t in toks], dec_layout, copy=False,
-                                         fill=verify_inputs[3] if verify_inputs is not None else None)
+                                         fill=verify_inputs[3] if verify_inputs is not None else None,
+                                         accept=verify_inputs[2] if self._graph_accept else None)
         if num_prefill:
             tokens = torch.tensor([t for _, toks in segs[:num_prefill] for t in toks], dtype=torch.long, device=self.device)
             last = torch.tensor([offs[j + 1] - 1 for j in range(num_prefill)], device=self.device)

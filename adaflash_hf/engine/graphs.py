@@ -254,9 +254,16 @@ class DecodeGraphs(GraphRunner):
         self.slot_rows = cache.k.shape[1]
         self.attention = SlotAttention(self.slot_rows, cache.max_len, device, attention or default_backend(device))
         T = self.token_buckets[-1]
-        # rows: token ids, positions, cache slots (K/V), row within the request's query block, query slot row
-        self.inputs = torch.zeros(5, T, dtype=torch.long, device=device)
+        # rows: token ids, positions, cache slots (K/V), row within the request's query block, query slot row, the
+        # request (its index in the layout; padding: the last verdict bin)
+        self.inputs = torch.zeros(6, T, dtype=torch.long, device=device)
         self.inputs[2] = self.scratch
+        # Greedy acceptance inside the replay (`run(..., accept=)`): each request's verified draft length in, and out
+        # one buffer read whole: accepted counts, next tokens, fault flags, draft lengths (one bin per request and
+        # a last one for padding), then the forward's input tokens (the drafts among them).
+        self.requests = cache.num_slots + 1
+        self.verify_len = torch.zeros(self.requests, dtype=torch.long, device=device)
+        self.verdict = torch.zeros(4 * self.requests + T, dtype=torch.long, device=device)
         param = next(model.parameters())
         vocab = model.get_output_embeddings().weight.shape[0]
         self.logits = torch.zeros(T, vocab, dtype=param.dtype, device=device)
@@ -289,7 +296,7 @@ class DecodeGraphs(GraphRunner):
         Rb = pick_bucket(self.row_buckets, max(layout.slots) + 1)
         # The indices are built in numpy (a few microseconds each; torch's CPU ops cost more per call).
         pad = np.arange(Tb - T) % qb  # padding: scratch slot, distinct rows / positions where they fit
-        host = np.empty((5, Tb), dtype=np.int64)
+        host = np.empty((6, Tb), dtype=np.int64)
         host[0, :T] = tokens.cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens, dtype=np.int64)
         host[0, T:] = 0
         rows = layout.rows()
@@ -301,6 +308,8 @@ class DecodeGraphs(GraphRunner):
         host[3, T:] = pad
         host[4, :T] = host[2, :T]
         host[4, T:] = Rb
+        host[5, :T] = repeat(np.arange(len(layout.q_lens)), layout.q_lens)
+        host[5, T:] = self.requests - 1
         start = np.full(self.slot_rows, INACTIVE, dtype=np.int32)
         start[list(layout.slots)] = layout.prefix_lens
         if max(p + q for p, q in zip(layout.prefix_lens, layout.q_lens)) > self.cache.max_len:
@@ -314,13 +323,17 @@ class DecodeGraphs(GraphRunner):
         """Inputs that write nothing but the scratch row (for captures ahead of use)."""
         self.inputs.zero_()
         self.inputs[2] = self.scratch
+        self.inputs[5] = self.requests - 1
         self.attention.start.fill_(INACTIVE)
 
     # ------------------------------------------------------------------ the forward
     @torch.no_grad()  # also when replay / precapture are called directly: flex's backward needs more of the mask
     def _forward(self, Tb: int, qb: int, Rb: int | None = None, greedy: str | None = None) -> None:
-        if greedy is None:
-            self._forward_once(Tb, qb, Rb)
+        # greedy: None (the forward), "accept" (the forward, then greedy acceptance: run's accept) or "greedy" (a step)
+        if greedy is None or greedy == "accept":
+            logits, _ = self._forward_once(Tb, qb, Rb)
+            if greedy == "accept":
+                self._accept(logits, Tb)
             return
         # One greedy decode step that sets up the next (run_greedy replays it back to back): its argmax
         # is the next step's input token, one position later (the slot's ``start`` too), and goes to row
@@ -336,6 +349,25 @@ class DecodeGraphs(GraphRunner):
         self.attention.start.add_(1)  # INACTIVE rows stay far below every key position
         self.step_index.add_(1)
 
+    def _accept(self, logits: torch.Tensor, Tb: int) -> None:
+        """Greedy acceptance of every request of the forward, on the packed rows (static shapes: it is captured with
+        the forward): a request accepts its leading drafts equal to the argmax of the row before them, within its
+        ``verify_len``; its next token is the argmax of the row after its last accepted draft; its fault flag says
+        one of its rows is not finite. Results go to :attr:`verdict`."""
+        tokens, rows, req = self.inputs[0, :Tb], self.inputs[3, :Tb], self.inputs[5, :Tb]
+        top = logits.argmax(dim=-1)
+        # a row stops the run of accepted drafts where the next input token (the request's next draft) is not the
+        # row's argmax, or where no draft follows it within the verify length
+        stop = ((top != tokens.roll(-1)) | (rows >= self.verify_len[req])).long()
+        ends = stop.cumsum(0)
+        first = torch.arange(Tb, device=rows.device) - rows  # each token's request's first row (padding: within Tb)
+        run = (ends - (ends - stop)[first] == 0).long()  # no stop from the request's first row to this one
+        bins = self.requests
+        accepted = self.verify_len.new_zeros(bins).index_add_(0, req, run)
+        nxt = self.verify_len.new_zeros(bins).index_add_(0, req, torch.where(rows == accepted[req], top, 0))
+        bad = self.verify_len.new_zeros(bins).index_add_(0, req, (~torch.isfinite(logits).all(dim=-1)).long()).clamp(max=1)
+        self.verdict[: 4 * bins + Tb].copy_(torch.cat([accepted, nxt, bad, self.verify_len, tokens]))
+
     def _input_state(self) -> tuple:
         return self.inputs.clone(), self.attention.start.clone(), self.step_index.clone()
 
@@ -344,7 +376,7 @@ class DecodeGraphs(GraphRunner):
             buf.copy_(saved)
 
     def _forward_once(self, Tb: int, qb: int, Rb: int | None, keep: bool = True):
-        tokens, positions, slots, rows, qslots = self.inputs[:, :Tb]
+        tokens, positions, slots, rows, qslots = self.inputs[:5, :Tb]
         A = (self.cache.num_slots if Rb is None else Rb) + 1  # slot rows attention runs over
         mask = self.attention.mask(qb, A)
         k_cache, v_cache = self.cache.k, self.cache.v
@@ -375,21 +407,48 @@ class DecodeGraphs(GraphRunner):
         return logits, hidden
 
     @torch.no_grad()
-    def run(self, tokens, layout: PackedLayout, copy: bool = True, fill=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, tokens, layout: PackedLayout, copy: bool = True, fill=None, accept: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode forward over ``layout``: ``(logits [T, V] float32, hidden [T, K*H] or None)``, fresh
         tensors (the static buffers are overwritten by the next replay). Cache lengths are not changed.
         ``copy=False``: views of the static buffers in the model dtype (no ``[T, V]`` float32 copy;
         valid until the next replay; the engine reads them before that). ``fill = (positions, token ids)``
-        (device tensors): tokens that overwrite those of ``tokens`` on the device (the drafts, never read back)."""
+        (device tensors): tokens that overwrite those of ``tokens`` on the device (the drafts, never read back).
+        ``accept [n]`` (device, one per request of ``layout``: its draft length verified): greedy acceptance runs in the
+        same replay, into :attr:`verdict` (:meth:`read_verdict` says what it holds); the logits are then only what
+        the acceptance saw (nothing may change them before it)."""
         bucket = self.prepare(tokens, layout)
         if fill is not None:
             self.inputs[0].index_copy_(0, fill[0], fill[1])
+        if accept is not None:
+            self.verify_len[: accept.shape[0]].copy_(accept)
+            bucket = bucket + ("accept",)
         self.replay(bucket)
         T = layout.num_tokens
         if not copy:
             return self.logits[:T], (self.hidden[:T] if self.hidden is not None else None)
         logits = self.logits[:T].to(torch.float32, copy=True)
         return logits, (self.hidden[:T].clone() if self.hidden is not None else None)
+
+    def verdict_rows(self, num_tokens: int) -> torch.Tensor:
+        """What :meth:`run`'s acceptance left to read, in one slice of :attr:`verdict` (``num_tokens``: the forward's):
+        accepted counts, next tokens, fault flags, verified draft lengths (``requests`` each), then the input tokens."""
+        return self.verdict[: 4 * self.requests + num_tokens]
+
+    def read_verdict(self, host: list[int], q_lens: list[int]):
+        """The host's view of :meth:`verdict_rows` read back (``host``), for the ``n = len(q_lens)`` requests:
+        ``(accepted, next_tokens, bad, draft_len, drafts)``, lists of ``n`` (``drafts[i]``: the ``q_lens[i] - 1``
+        tokens request ``i`` verified).
+
+        Example:
+            >>> acc, nxt, bad, dl, drafts = graphs.read_verdict(host, [3, 1])  # doctest: +SKIP
+        """
+        n, bins = len(q_lens), self.requests
+        tokens, drafts, start = host[4 * bins :], [], 0
+        for q in q_lens:
+            drafts.append(tokens[start + 1 : start + q])
+            start += q
+        return host[:n], host[bins : bins + n], host[2 * bins : 2 * bins + n], host[3 * bins : 3 * bins + n], drafts
 
     @torch.no_grad()
     def run_greedy(self, tokens, layout: PackedLayout, steps: int, offset: int = 0) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from .graphs import to_device
 from .target import segments
 
-__all__ = ["RoundDrafts", "SampledDrafts", "late_bits", "take_late_ratios", "unpack_drafts"]
+__all__ = ["RoundDrafts", "SampledDrafts", "late_bits", "take_late_ratios", "unpack_drafts", "unpack_read"]
 
 
 def unpack_drafts(tokens: torch.Tensor, finite: torch.Tensor, counts: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,3 +129,18 @@ def take_late_ratios(planner, running, drafts: RoundDrafts, packed: list[int]) -
     bits = np.array(packed[-len(running) :], dtype=np.int64).astype(np.int32).view(np.float32)
     planner.note_ratios(running, torch.from_numpy(bits.copy()))
     return packed[: -len(running)]
+
+
+def unpack_read(packed: list[int], base: int, n: int, w: int) -> tuple:
+    """The round's read as :meth:`.Engine._commit_round` takes it, from ``packed`` (``base`` prefills' first tokens,
+    ``n`` accepted counts and next tokens, ``base + n`` fault flags, ``n`` draft lengths, ``[n, w]`` drafts): first
+    tokens and fault flags of the prefills, then accepted counts, next tokens, fault flags, draft lengths and drafts
+    (a list each) of the verifies.
+
+    Example:
+        >>> unpack_read([9, 2, 7, 0, 0, 2, 5, 6], 1, 1, 2)
+        ([9], [0], [2], [7], [0], [2], [[5, 6]])
+    """
+    bad, dl = packed[base + 2 * n : 2 * base + 3 * n], packed[2 * base + 3 * n : 2 * base + 4 * n]
+    rows = [packed[2 * base + 4 * n + i * w : 2 * base + 4 * n + (i + 1) * w] for i in range(n)]
+    return packed[:base], bad[:base], packed[base : base + n], packed[base + n : base + 2 * n], bad[base:], dl, rows

@@ -30,6 +30,8 @@ __all__ = ["measure_round_cost", "warmup", "workload_buckets"]
 def _target_buckets(engine, concurrency: int) -> set[tuple]:
     g = engine.graphs
     most_q = 1 if engine.layout == "off" else engine.max_q  # near its end a request verifies fewer
+    # verify rounds of greedy requests accept inside the replay (a graph of its own); rounds with prefills do not
+    variants = [()] if engine.layout == "off" else [(), ("accept",)]
     out = set()
     for n in range(1, concurrency + 1):
         rows = {pick_bucket(g.row_buckets, m) for m in range(n, concurrency + 1)}  # highest slot in use + 1
@@ -37,7 +39,8 @@ def _target_buckets(engine, concurrency: int) -> set[tuple]:
             totals = [n * q] if engine.layout == "rectangular" else range(q + n - 1, n * q + 1)
             for T in totals:
                 if T <= g.token_buckets[-1]:
-                    out |= {(pick_bucket(g.token_buckets, T), pick_bucket(g.q_buckets, q), Rb) for Rb in rows}
+                    out |= {(pick_bucket(g.token_buckets, T), pick_bucket(g.q_buckets, q), Rb, *v) for Rb in rows
+                            for v in variants}
         if engine.decode_steps > 1:
             out |= {(pick_bucket(g.token_buckets, n), 1, Rb, "greedy") for Rb in rows}
     return out
