@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from adaflash_hf.engine import DecodeGraphs, Engine, PackedLayout
-from adaflash_hf.engine.graphs import GraphRunner
+from adaflash_hf.engine import Engine
+from adaflash_hf.engine.graphs import DecodeGraphs, GraphRunner
+from adaflash_hf.engine.target import PackedLayout
 from adaflash_hf.speculation.acceptance import greedy_accept_ids
 
 from generation_helpers import engine_prompts, make_drafter, make_target, plain_greedy_ids, prefilled_cache
