@@ -124,6 +124,16 @@ def test_the_default_measures_under_cost_on_cuda_only(monkeypatch, measured, cac
     assert gpu.round_cost is None
     with pytest.raises(ValueError, match="no room"):
         cc.measure_if_asked(gpu, "measured")  # asked for: the error stands
+
+    def not_as_planned(engine):
+        raise RuntimeError("measure_round_cost: the timed plain rounds were not plain")
+
+    monkeypatch.setattr(cc, "cached_round_cost", not_as_planned)  # seen on an H200 with a tiny random pair
+    with pytest.warns(RuntimeWarning, match="were not plain"):
+        cc.measure_if_asked(gpu, None)
+    assert gpu.round_cost is None
+    with pytest.raises(RuntimeError, match="not plain"):
+        cc.measure_if_asked(gpu, "measured")
     target = make_target("qwen3")
     eng = Engine(target, make_drafter(target, block_size=8), **SHAPE)  # the CPU: SPEC's table, nothing measured
     assert eng.round_cost == RoundCost() and measured == []

@@ -74,7 +74,8 @@ def cached_round_cost(engine, refresh: bool = False, context: int | None = None,
 def measure_if_asked(engine, asked) -> None:
     """An engine's ``round_cost`` argument ``asked`` carried out: ``"measured"``, and the default (``None``) under
     ``cost`` on CUDA's graph path, set the engine's round cost to :func:`cached_round_cost`'s; a default that cannot
-    be measured (a slot too short for the timed rounds) keeps SPEC's table, with a warning."""
+    be measured (a slot too short for the timed rounds, or timed rounds that did not run as planned) keeps SPEC's
+    table, with a warning: building an engine never fails on its cost measurement unless it was asked for."""
     from ..speculation.length.names import LengthPolicy
 
     default = asked is None and engine.policy is LengthPolicy.COST and engine.device.type == "cuda" \
@@ -83,7 +84,7 @@ def measure_if_asked(engine, asked) -> None:
         return
     try:
         engine.round_cost = cached_round_cost(engine)
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:  # a measurement that cannot run, or whose rounds did not follow its plan
         if not default:
             raise
         warnings.warn(f"Engine: the round cost was not measured ({e}); the cost rule weighs SPEC's table",
