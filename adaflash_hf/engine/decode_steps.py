@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from ..speculation.hooks import hooks_for
 from .lifecycle import NON_FINITE
+from .round_ngrams import index_while
 from .target import PackedLayout
 
 __all__ = ["DecodeSteps"]
@@ -72,6 +73,9 @@ class DecodeSteps:
         if self.profile:
             self._tick("host")
         new = self.graphs.run_greedy([r.bonus for r in running], layout, steps, offset)
+        if self._ngram_event is not None:  # the host would only wait for the read: index n-grams meanwhile
+            self._ngram_event.record()
+            index_while(self.prompt_ngrams, running, lambda: not self._ngram_event.query())
         feats = self.graphs.step_hidden
         if feats is None and self.graphs.hidden is not None:  # one step without kept rows: the plain bucket's
             feats = self.graphs.hidden[:n][None]

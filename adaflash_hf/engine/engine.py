@@ -66,7 +66,7 @@ from .lifecycle import NON_FINITE, RequestLifecycle
 from .grammar import constrain_round
 from .processed_rows import penalize_round, round_logprobs
 from .requests import EngineOutput, Request, RequestHandle, RequestRejected, StepInfo, check_request
-from .round_ngrams import apply_prompt_ngrams, round_candidates, wide_capacity
+from .round_ngrams import PROBE_LAG, apply_prompt_ngrams, round_candidates, wide_capacity
 from .sampled_rows import RoundRandom, sample_drafts, sample_round
 from .sampling import SamplingParams
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
@@ -201,6 +201,9 @@ class Engine(DecodeSteps, RequestLifecycle):
         self._in_step = False
         self._kept_stretch = None  # the requests and step count whose features plain steps keep (decode_steps)
         self._graph_accept = False  # this round accepts inside the target's replay (_accepts_in_graph)
+        # a plain stretch's host indexes prompt n-grams until its replays end (decode_steps): CUDA only
+        self._ngram_event = (torch.cuda.Event() if self.device.type == "cuda" and self.cuda_graphs and drafter is not None
+                             and self.prompt_ngrams.enabled and draft_replay is None else None)
         self.num_steps = 0
         self.forward_tokens: list[int] = []  # tokens per target forward (benchmarks, tests)
         self.skipped_drafts = 0  # rounds whose drafter forward was skipped (nothing could be verified)
@@ -485,7 +488,10 @@ class Engine(DecodeSteps, RequestLifecycle):
             self._tick("draft")
         cands = None
         if n and self.drafter is not None and self.prompt_ngrams.enabled and self.on_round is None and self.draft_replay is None:
-            cands, lens = round_candidates(self.prompt_ngrams, running, draft_len.tolist(), self.wide_width)
+            # a probe amid plain decoding (the last drafted ratios said plain) does not stall on indexing: the plain
+            # stretches index while the device runs
+            behind = PROBE_LAG if self._ngram_event is not None and self.planner.drafted_plain else None
+            cands, lens = round_candidates(self.prompt_ngrams, running, draft_len.tolist(), self.wide_width, behind)
             wide = torch.tensor(lens)  # the verify lengths the candidates may take (the drafts' own without max_width)
         else:
             wide = draft_len
