@@ -102,13 +102,15 @@ class NgramIndex:
     windows).
 
     ``tokens`` is read, never copied: append to it and :meth:`candidates` (or :meth:`extend_to`) indexes what is new.
-    One dict holds every size (an n-gram's tuple length is its size): the engine calls this for every request
-    every round, on the host.
+    One dict holds every size, keyed by an int that spells the n-gram backwards from its last token behind a leading 1
+    bit (32 bits a token id), so the sizes never collide; a single occurrence is stored as its int start. The engine
+    indexes every request's tokens on the host: ints, unlike a tuple key and a list per new n-gram, allocate nothing
+    the garbage collector tracks, so a long run of indexing neither slows each step nor triggers full collections.
     """
 
     def __init__(self, tokens: list[int], max_ngram: int, forbidden=frozenset(), matches: int = 1):
         self.tokens, self.max_ngram, self.forbidden, self.matches = tokens, max_ngram, forbidden, matches
-        self.starts: dict[tuple, list[int]] = {}
+        self.starts: dict[int, int | list[int]] = {}
         self.length = 0
 
     def extend_to(self, length: int) -> None:
@@ -117,24 +119,36 @@ class NgramIndex:
         for nxt in range(self.length, length):
             if forbidden and toks[nxt] in forbidden:
                 continue
+            key = 1
             for n in range(1, min(top, nxt) + 1):
-                key = tuple(toks[nxt - n : nxt])
+                key = (key << 32) | toks[nxt - n]
                 seen = starts.get(key)
                 if seen is None:
-                    starts[key] = [nxt - n]
+                    starts[key] = nxt - n
+                elif type(seen) is int:
+                    if most > 1:
+                        starts[key] = [seen, nxt - n]
                 elif len(seen) < most:
                     seen.append(nxt - n)
         self.length = max(self.length, length)
+
+    def _suffix_keys(self, cur: int) -> list[int]:
+        """The keys of ``tokens[:cur]``'s suffix n-grams, shortest first (sizes 1 .. ``min(max_ngram, cur - 1)``)."""
+        toks, keys, key = self.tokens, [], 1
+        for n in range(1, min(self.max_ngram, cur - 1) + 1):
+            key = (key << 32) | toks[cur - n]
+            keys.append(key)
+        return keys
 
     def match(self, cur: int) -> int | None:
         """Where the continuation of ``tokens[:cur]``'s longest indexed suffix n-gram starts (``None``: no match);
         n-grams are tried longest first, as transformers does."""
         self.extend_to(cur)
-        toks, starts = self.tokens, self.starts
-        for n in range(min(self.max_ngram, cur - 1), 0, -1):
-            idx = starts.get(tuple(toks[cur - n : cur]))
-            if idx:
-                return idx[0] + n
+        keys = self._suffix_keys(cur)
+        for n in range(len(keys), 0, -1):
+            idx = self.starts.get(keys[n - 1])
+            if idx is not None:
+                return (idx if type(idx) is int else idx[0]) + n
         return None
 
     def candidates(self, num_tokens: int) -> list[list[int]]:
@@ -144,8 +158,10 @@ class NgramIndex:
         cur = len(self.tokens)
         self.extend_to(cur)
         toks, out, taken = self.tokens, [], set()
-        for n in range(min(self.max_ngram, cur - 1), 0, -1):
-            for start in self.starts.get(tuple(toks[cur - n : cur]), ()):
+        keys = self._suffix_keys(cur)
+        for n in range(len(keys), 0, -1):
+            found = self.starts.get(keys[n - 1])
+            for start in () if found is None else (found,) if type(found) is int else found:
                 if start + n not in taken:
                     taken.add(start + n)
                     out.append(toks[start + n : min(start + n + num_tokens, cur)])
