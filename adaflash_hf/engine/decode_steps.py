@@ -88,10 +88,12 @@ class DecodeSteps:
         self.host_syncs += 1
         if self.profile:
             self._tick("accept")
+        # the fed tokens' features (bonus, then each step's token): the drafter's context, one view per request
+        ctx = feats[: offset + steps, :n].unbind(1) if feats is not None else None  # one call, not one slice each
         for i, r in enumerate(running):
             self.cache.advance(r.slot, steps)  # a request that ends inside frees its slot (length reset) on commit
-            if feats is not None:  # the fed tokens' features (bonus, then each step's token): the drafter's context
-                r.pending_ctx = feats[: offset + steps, i]
+            if ctx is not None:
+                r.pending_ctx = ctx[i]
             for s in range(steps):
                 if rows[s][i] < 0:  # non-finite logits at this step: this request fails, the others go on
                     self._fail(r, NON_FINITE)

@@ -167,7 +167,7 @@ class LengthPlanner:
         row's and the traffic's sums (the traffic's decayed, so it follows a change of the prompt mix):
         ``(accepted + 1) / B``; where every verified draft was accepted short of the block (a censored count: it would
         have accepted at least that many), at least the head's ratio of the round."""
-        if not self.cost_rule or verify_len <= 1:
+        if verify_len <= 1 or not self.cost_rule:  # the cheap test first: plain steps call this for every token
             return
         seen = (accepted + 1) / self.block_size
         if accepted >= verify_len - 1 and verify_len < self.block_size and r.head_ratio is not None:
