@@ -1,5 +1,5 @@
-"""The leave-domain-out protocol's pieces that need no model: drafters that leave a family out of one shared
-regeneration (`--train-domains`), and the recovery ratio R computed from the runs' measurements."""
+"""The leave-domain-out protocol's pieces that need no model: which families each drafter trains on, and the recovery
+ratio R computed from the runs' measurements (the drivers themselves run at toy scale with --smoke)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from adaflash_hf.training import RecipeError
-from adaflash_hf.training.drafter_recipe import DrafterRecipe
-from adaflash_hf.training.train_drafter import run
-
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "online_protocol"
 
 
@@ -24,14 +20,6 @@ def _module(name: str):
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
-
-
-def test_train_domains_outside_the_regeneration_are_refused_before_any_work(tmp_path):
-    recipe = DrafterRecipe(target=str(tmp_path / "no-target"), out=str(tmp_path / "d"), domains=["math", "code"],
-                           train_domains=["chat"])
-    with pytest.raises(RecipeError, match="--train-domains chat is not a subset of --domains math,code"):
-        run(recipe)  # the target folder does not exist: the check came first
-    assert not (tmp_path / "d" / "train_log.jsonl").exists()
 
 
 def test_each_leave_out_drafter_lacks_exactly_its_family():

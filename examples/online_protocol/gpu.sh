@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # The leave-domain-out protocol on one GPU machine, in two device calls on the SAME machine (a warm machine keeps /tmp;
-# the four drafters, 18 MB each, are too large to come back and be carried again):
+# the four drafters, ~7 MB each, come back from call 1 but do not fit beside the checkout in a second call's carry):
 #   bash examples/online_protocol/gpu.sh drafters [leave_out.py flags]   # call 1: regeneration, twin, no-math/code/chat
 #   bash examples/online_protocol/gpu.sh recovery [recovery.py flags]    # call 2: the protocol on call 1's drafters
 # Carried beside the checkout: .slimwhl (transformers), .whl (the server's wheels: fastapi, starlette, pydantic,
 # pydantic_core, annotated_types, annotated_doc, typing_extensions, typing_inspection, opentelemetry_api, uvicorn) and
 # .evaldata/data.tar.gz (the shared data). Call 1 also checks that the server imports, so call 2 cannot fail on it.
-# Outputs in $OUT: drafters.tar or recovery.tar (tables, json, plots, logs; no weights), and the driver's log.
+#   bash examples/online_protocol/gpu.sh all                             # both in one call, smaller (MINUTES, SEEDS)
+# Outputs in $OUT: leave_out.tar (table, json, logs) and drafter_NAME.tar (weights, bf16), or recovery.tar (table,
+# json, plot, every run's protocol.json and logs; no weights), the driver's log and gpu_usage.csv.
 # CPU smoke of both drivers: python examples/online_protocol/leave_out.py --smoke ... / recovery.py --smoke ...
 set -uo pipefail
-STAGE=${1:?usage: gpu.sh drafters|recovery [driver flags]}; shift
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; W=/tmp/adaflash_leave_out
+STAGE=${1:?usage: gpu.sh drafters|recovery|all [driver flags]}; shift
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; W=${WORK:-/tmp/adaflash_leave_out}; SITE=${SITE:-/tmp/site}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE \
   ${WHEELS:-.slimwhl}/*.whl ${SERVE_WHEELS:-.whl}/*.whl || exit 1
-export PYTHONPATH=/tmp/site
+export PYTHONPATH=$SITE
 mkdir -p .evaldata/x && { [[ -d .evaldata/x/data ]] || tar xzf .evaldata/data.tar.gz -C .evaldata/x; } || exit 1
 export ADAFLASH_DATA="$PWD/.evaldata/x/data"
 python3 -m pip install -q --no-build-isolation --no-deps -e . > /dev/null || exit 1
@@ -23,16 +25,22 @@ python3 -c "import torch, transformers, fastapi, uvicorn; print('torch', torch._
 python3 -c "from adaflash_hf.serve.server import require_serve_extra; require_serve_extra(); print('server imports: ok')" || exit 1
 nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -l 5 > "$OUT/gpu_usage.csv" &
 SAMPLER=$!; trap 'kill $SAMPLER 2> /dev/null' EXIT
-if [[ $STAGE == drafters ]]; then
+drafters() {
   rm -rf $W  # a warm machine's earlier call: start clean
   python3 examples/online_protocol/leave_out.py --out $W "$@" 2>&1 | tee "$OUT/leave_out.log"
-  tar cf "$OUT/drafters.tar" -C $W leave_out.json leave_out.md logs \
-    $(cd $W && ls drafters/*/train_summary.json drafters/*/train_log.jsonl drafters/*/config.json 2> /dev/null)
-elif [[ $STAGE == recovery ]]; then
+  tar cf "$OUT/leave_out.tar" -C $W leave_out.json leave_out.md logs
+  for d in $W/drafters/*/; do tar cf "$OUT/drafter_$(basename $d).tar" -C $W/drafters $(basename $d); done  # ~7 MB each
+}
+recovery() {
   rm -rf $W/recovery
   python3 examples/online_protocol/recovery.py --drafters $W/drafters --out $W/recovery "$@" 2>&1 | tee "$OUT/recovery.log"
   [[ -d $W/recovery ]] && tar cf "$OUT/recovery.tar" --exclude='versions' -C $W recovery
-else
-  echo "unknown stage $STAGE (drafters or recovery)"; exit 2
-fi
+}
+case $STAGE in
+  drafters) drafters "$@" ;;
+  recovery) recovery "$@" ;;
+  # one call for both, at a smaller scale (if the two calls cannot share a machine)
+  all) drafters --minutes ${MINUTES:-0.5} --budget-s ${DRAFTERS_S:-270}; recovery --seeds ${SEEDS:-1} --budget-s ${RECOVERY_S:-240} ;;
+  *) echo "unknown stage $STAGE (drafters, recovery or all)"; exit 2 ;;
+esac
 ls -la "$OUT"

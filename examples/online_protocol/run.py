@@ -1,20 +1,22 @@
 """Online learning on one family of prompts, through the product: `adaflash serve --online` serves the family's
-training prompts (their first user turns, sent as OpenAI completion requests), and every version the server publishes is measured on the
-family's held-out slice.
+training prompts (their first user turns, sent as OpenAI completion requests), and every version the server publishes
+is measured on the family's held-out slice.
 
     python examples/online_protocol/run.py --family math --target T --drafter D --out runs/protocol/math-s1 --seed 1
     python examples/online_protocol/run.py --smoke        # the reference pair on the CPU, about a minute
 
 Give it the drafter trained without the family (the start); the in-domain drafter and an offline fine-tune are runs of
-the same script with their own --drafter and --method off (measured, never updated: no server, no traffic). Traffic:
-the first user turn of each sample of the family's "train" split (`adaflash_hf.training.data.chat_samples`), in file
-order for seed 0, else a seeded permutation; held out: the first --test prompts of its "eval" split. The server verifies with --length-policy (default
-fixed: every round drafts, so OPD learns from served rounds whatever the drafter's tau). After the traffic (cut once the
-run is --serve-s seconds old, if given) the server finishes the update it owes the traffic (at most --wait seconds), is stopped,
-and each version (v0: the start drafter) is measured with greedy decoding through the engine: tau, acceptance per
-draft position, and whether every output is plain greedy decoding's; v0 and the newest version first, so a run stopped
-early keeps both ends. Writes OUT/protocol.json and OUT/protocol.md (the table) after every measurement and OUT/tau.png
-(held-out tau against requests served) at the end, beside OUT/versions (the server's versions) and OUT/serve.log.
+the same script with their own --drafter and --method off (measured as they are: no server, no traffic). Traffic: the
+first user turn of each sample of the family's "train" split (`adaflash_hf.training.data.chat_samples`), in file
+order for seed 0, else a seeded permutation; held out: the first --test prompts of its "eval" split after the first
+--skip (0; a validation slice: --skip 64). The server verifies with --length-policy (default fixed: every round
+drafts, so OPD learns from served rounds whatever the drafter's tau). After the traffic (cut once the run is --serve-s
+seconds old, if given) the server finishes the update the traffic owes (at most --wait seconds) and is stopped; then
+each version (v0: the start drafter) is measured with greedy decoding through the engine: tau, acceptance per draft
+position, and whether every output is plain greedy decoding's; v0 and the newest version first, so a run stopped
+early keeps both ends. Writes OUT/protocol.json and OUT/protocol.md (the table) after every measurement and
+OUT/tau.png (held-out tau against requests served) at the end, beside OUT/versions (the server's versions) and
+OUT/serve.log (its log lines).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--method", choices=("opd", "osd", "off"), default="opd")
     p.add_argument("--requests", type=int, default=2000, help="requests served (at most the training split's size)")
     p.add_argument("--test", type=int, default=64, help="held-out prompts measured")
+    p.add_argument("--skip", type=int, default=0,
+                   help="held-out prompts start after this many of the eval split (a validation slice: --skip 64)")
     p.add_argument("--seed", type=int, default=0, help="the traffic's order (0: file order)")
     p.add_argument("--samples-per-update", type=int, default=128)
     p.add_argument("--epochs", type=int, default=None)
@@ -223,7 +227,7 @@ def traffic_and_held_out(a, tok) -> tuple[list[list[int]], list[list[int]]]:
     limit = a.max_len - a.max_new_tokens
     traffic = [] if a.method == "off" else _first(tok, stream_order(chat_samples(a.family, "train"), a.seed), limit,
                                                    a.requests)
-    held = _first(tok, chat_samples(a.family, "eval"), limit, a.test)
+    held = _first(tok, chat_samples(a.family, "eval")[a.skip :], limit, a.test)
     if (a.method != "off" and not traffic) or not held:
         raise SystemExit(f"no {a.family} prompts of at most {limit} tokens to serve or to hold out")
     return traffic, held
