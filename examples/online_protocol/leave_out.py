@@ -51,7 +51,7 @@ class Recipe:
     lr: float = 6e-4
     max_length: int = 1024
     num_workers: int = 4
-    minutes: float = 1.0  # training wall clock per drafter
+    minutes: float = 0.75  # training wall clock per drafter
     eval_per_domain: int = 8
     seed: int = 0
 
@@ -84,8 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=None, help=f"training wall clock per drafter ({Recipe.minutes})")
     p.add_argument("--num-prompts", type=int, default=None, help=f"prompts regenerated ({Recipe.num_prompts})")
     p.add_argument("--batch-size", type=int, default=None, help=f"({Recipe.batch_size})")
-    p.add_argument("--budget-s", type=float, default=510, help="the whole command's wall clock")
-    p.add_argument("--regen-limit", type=float, default=150, help="seconds the regeneration may take")
+    p.add_argument("--budget-s", type=float, default=400, help="the whole command's wall clock")
+    p.add_argument("--regen-limit", type=float, default=120, help="seconds the regeneration may take")
     p.add_argument("--smoke", action="store_true", help="toy scale on the CPU (a 2-layer drafter, 16 prompts)")
     a = p.parse_args(argv)
     a.leave_out = [f.strip() for f in a.leave_out.split(",") if f.strip()]

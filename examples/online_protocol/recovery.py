@@ -61,9 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--parallel", type=int, default=6, help="runs side by side")
-    p.add_argument("--budget-s", type=float, default=500, help="the whole command's wall clock")
-    p.add_argument("--measure-s", type=float, default=120, help="seconds each run keeps for its measurements")
+    p.add_argument("--parallel", type=int, default=9, help="runs side by side (each ~6 GB of GPU memory while it trains)")
+    p.add_argument("--budget-s", type=float, default=420, help="the whole command's wall clock")
+    p.add_argument("--measure-s", type=float, default=90,
+                   help="seconds each run keeps after its traffic: the update it owes (at most 30 s), then measuring")
     p.add_argument("--offline-ft-minutes", type=float, default=0.0, help="the offline reference's training (0: none)")
     p.add_argument("--smoke", action="store_true", help="toy scale on the CPU")
     a = p.parse_args(argv)
@@ -82,7 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _run_args(a, family: str, method: str, seed: int, drafter: Path, out: Path) -> list[str]:
     args = ["--target", a.target, "--drafter", str(drafter), "--family", family, "--method", method, "--seed", str(seed),
-            "--requests", str(a.requests), "--test", str(a.test), "--skip", str(a.skip), "--samples-per-update", str(a.samples_per_update),
+            "--requests", str(a.requests), "--test", str(a.test), "--skip", str(a.skip),
+            "--samples-per-update", str(a.samples_per_update),
             "--concurrency", str(a.concurrency), "--max-new-tokens", str(a.max_new_tokens), "--max-len", str(a.max_len),
             "--train-share", str(a.train_share), "--out", str(out)]
     for flag, value in (("--epochs", a.epochs), ("--lr", a.lr)):
@@ -170,7 +172,7 @@ def run_all(a, runs: list[tuple[str, list[str]]], deadline: float) -> dict[str, 
 
 def _launch(a, name: str, args: list[str], serve_s: float | None) -> subprocess.Popen:
     """run.py in its own process group (stopping the group stops its server and trainer too)."""
-    cmd = [sys.executable, str(HERE / "run.py"), *args, "--wait", "60"]
+    cmd = [sys.executable, str(HERE / "run.py"), *args, "--wait", "30"]
     cmd += ["--serve-s", f"{serve_s:.0f}"] if serve_s is not None else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(Path(a.out) / "logs" / f"{name}.log", "w") as log:

@@ -102,20 +102,23 @@ def start_server(a) -> tuple[subprocess.Popen, str]:
     return proc, m.group(1)
 
 
-def serve_traffic(a, url: str, traffic: list[list[int]]) -> tuple[dict[int, int], int]:
+def serve_traffic(a, url: str, traffic: list[list[int]]) -> tuple[dict[int, int], int, int]:
     """Send ``traffic`` ``concurrency`` requests at a time (until ``--serve-s``), then wait for the update the served
-    requests owe; ({version: requests answered when it was first seen}, requests served)."""
+    requests owe; ({version: requests answered when it was first seen}, requests sent, requests that failed)."""
     import httpx
 
     client = httpx.Client(base_url=url + "/v1", timeout=3600)
     model = client.get("/models").raise_for_status().json()["data"][0]["id"]
     seen: dict[int, int] = {0: 0}
     cut = None if a.serve_s is None else STARTED + a.serve_s
-    answered = 0
+    answered, failed = 0, []
 
-    def ask(ids: list[int]) -> None:
+    def ask(ids: list[int]) -> None:  # a failed request is counted, not fatal: the versions so far still get measured
         body = {"model": model, "prompt": ids, "max_tokens": a.max_new_tokens, "temperature": 0}
-        client.post("/completions", json=body).raise_for_status()
+        try:
+            client.post("/completions", json=body).raise_for_status()
+        except httpx.HTTPError as e:
+            failed.append(f"{type(e).__name__}: {e}")
 
     with ThreadPoolExecutor(a.concurrency) as pool:
         for start in range(0, len(traffic), a.concurrency):
@@ -126,14 +129,18 @@ def serve_traffic(a, url: str, traffic: list[list[int]]) -> tuple[dict[int, int]
             answered = min(start + a.concurrency, len(traffic))
             for number, _ in list_versions(a.out / "versions"):
                 seen.setdefault(number, answered)
-            print(f"[protocol] {answered}/{len(traffic)} requests answered, versions {sorted(seen)}", flush=True)
+            print(f"[protocol] {answered}/{len(traffic)} requests answered ({len(failed)} failed), versions {sorted(seen)}",
+                  flush=True)
+            if failed and len(failed) == answered:
+                print(f"[protocol] every request failed ({failed[-1]}): traffic stops", flush=True)
+                break
     deadline, settled = time.monotonic() + a.wait, 0
     while settled < 2 and time.monotonic() < deadline:  # idle at two polls in a row: no sample arrives late
         settled = settled + 1 if _idle(url, a.samples_per_update) else 0
         time.sleep(1.0)
     for number, _ in list_versions(a.out / "versions"):
         seen.setdefault(number, answered)
-    return seen, answered
+    return seen, answered, len(failed)
 
 
 def _idle(url: str, samples_per_update: int) -> bool:
@@ -144,7 +151,10 @@ def _idle(url: str, samples_per_update: int) -> bool:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url + "/metrics", timeout=30).text
+    try:
+        text = httpx.get(url + "/metrics", timeout=30).raise_for_status().text
+    except httpx.HTTPError:
+        return True  # the server is gone: nothing more will come
     v = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     finished = sum(v.get(f"adaflash_online_{n}_total", 0.0) for n in ("updates", "swaps_refused", "update_failures"))
     buffered = v.get("adaflash_online_samples_buffered", 0.0)
@@ -182,11 +192,11 @@ def measure_versions(a, target, drafter, tok, held: list[list[int]], seen: dict[
     return rows
 
 
-def write_outputs(a, rows: list[dict], served: int, command: str, device: str) -> None:
+def write_outputs(a, rows: list[dict], served: int, failed: int, command: str, device: str) -> None:
     """OUT/protocol.json and OUT/protocol.md (the table) from ``rows`` (version order, v0 first)."""
     result = {"command": command, "family": a.family, "method": a.method, "seed": a.seed, "drafter": a.drafter,
-              "requests_served": served, "versions": rows, "date": time.strftime("%Y-%m-%d", time.gmtime()),
-              "device": device}
+              "requests_served": served, "requests_failed": failed, "versions": rows,
+              "date": time.strftime("%Y-%m-%d", time.gmtime()), "device": device}
     write_text_atomic(a.out / "protocol.json", json.dumps(result, indent=2, default=str))
     start = rows[0]["tau"]
     lines = [f"`{command}`", "", "| version | update | requests served | held-out tau | vs start | acceptance pos 1 | "
@@ -260,16 +270,16 @@ def main(argv=None) -> int:
                                           dtype=torch.float32)
     traffic, held = traffic_and_held_out(a, tok)
     print(f"[protocol] {a.family}: {len(traffic)} requests to serve, {len(held)} held out, method {a.method}", flush=True)
-    seen, served = {0: 0}, 0
+    seen, served, failed = {0: 0}, 0, 0
     if a.method != "off":  # off: the drafter is measured as it is, nothing to serve
         proc, url = start_server(a)
         try:
-            seen, served = serve_traffic(a, url, traffic)
+            seen, served, failed = serve_traffic(a, url, traffic)
         finally:
             stop(proc)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     rows = measure_versions(a, target, drafter, tok, held, seen, served,
-                            lambda rows, served: write_outputs(a, rows, served, command, device))
+                            lambda rows, served: write_outputs(a, rows, served, failed, command, device))
     print((a.out / "protocol.md").read_text())
     plot(a, rows)
     return 0 if all(r["identical"] for r in rows) else 1
