@@ -40,7 +40,7 @@ case $STAGE in
   drafters) drafters "$@" ;;
   recovery) recovery "$@" ;;
   # one call for both, at a smaller scale (if the two calls cannot share a machine)
-  all) drafters --minutes ${MINUTES:-0.5} --budget-s ${DRAFTERS_S:-270}; recovery --seeds ${SEEDS:-1} --budget-s ${RECOVERY_S:-240} ;;
+  all) drafters --minutes ${MINUTES:-0.4} --budget-s ${DRAFTERS_S:-290}; recovery --seeds ${SEEDS:-1} --budget-s ${RECOVERY_S:-230} ;;
   *) echo "unknown stage $STAGE (drafters, recovery or all)"; exit 2 ;;
 esac
 ls -la "$OUT"

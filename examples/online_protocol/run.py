@@ -165,9 +165,10 @@ def _idle(url: str, samples_per_update: int) -> bool:
 def stop(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGTERM)  # an update in progress is abandoned; the versions on disk are whole
     try:
-        proc.wait(120)
+        proc.wait(30)  # nothing is in flight: a server that takes longer is stuck, and the measurements wait
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait()
 
 
 def measure_versions(a, target, drafter, tok, held: list[list[int]], seen: dict[int, int], served: int,
