@@ -537,3 +537,25 @@ def test_regen_cache_is_reused_only_with_the_settings_that_made_it(tmp_path, tar
     (tmp_path / "regen.jsonl.settings.json").unlink()
     with pytest.raises(SystemExit, match="regen.jsonl.settings.json"):
         train_drafter.main(common)
+
+
+def test_train_domains_train_on_part_of_one_shared_regeneration(tmp_path, target_dir, monkeypatch):
+    """Drafters that each leave a domain out share one regeneration: ``--train-domains`` keeps that domain's samples
+    out of training (the control, the same cache without it, trains on both), regenerating nothing; a domain that is
+    not regenerated is refused before any work."""
+    from adaflash_hf.training import train_drafter
+
+    cache = tmp_path / "regen.jsonl"
+    common = ["--target", str(target_dir), "--device", "cpu", "--domains", "chat,prose", "--num-prompts", "4",
+              "--max-new-tokens", "8", "--gen-batch-size", "4", "--no-progress", "--regen-cache", str(cache),
+              "--block-size", "4", "--batch-size", "2", "--max-length", "48", "--eval-per-domain", "0", "--steps", "1"]
+    assert train_drafter.main(common + ["--out", str(tmp_path / "both")]) == 0
+    monkeypatch.setattr(train_drafter, "regenerate", lambda *a, **k: pytest.fail("regenerated a cached run"))
+    assert train_drafter.main(common + ["--out", str(tmp_path / "no-prose"), "--train-domains", "chat"]) == 0
+    per = {d: json.loads((tmp_path / d / "train_summary.json").read_text())["regeneration"]["per_domain"]
+           for d in ("both", "no-prose")}
+    cached = [json.loads(line)["domain"] for line in cache.read_text().splitlines()]
+    assert per["both"] == {"chat": cached.count("chat"), "prose": cached.count("prose")} and per["both"]["prose"] > 0
+    assert per["no-prose"] == {"chat": cached.count("chat")}
+    with pytest.raises(SystemExit, match="--train-domains math is not a subset of --domains chat,prose"):
+        train_drafter.main(common + ["--out", str(tmp_path / "x"), "--train-domains", "math"])

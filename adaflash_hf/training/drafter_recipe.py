@@ -27,6 +27,9 @@ def add_arguments(ap: argparse.ArgumentParser, require_target: bool = True) -> a
     ap.add_argument("--out", required=True, help="output folder for the drafter checkpoint and logs")
     ap.add_argument("--data", default=None, help="shared/data folder (default: $ADAFLASH_DATA or ../shared/data)")
     ap.add_argument("--domains", default="chat,prose", help="training domains, comma separated")
+    ap.add_argument("--train-domains", default=None,
+                    help="train on the regenerated samples of these domains only (default: all of --domains): drafters "
+                         "that each leave a domain out can share one regeneration (--regen-cache)")
     ap.add_argument("--device", default="auto", help="auto | cuda | cpu")
     ap.add_argument("--seed", type=int, default=0)
     # regeneration
@@ -107,6 +110,7 @@ class DrafterRecipe:
     tokenizer: str | None = None
     data: str | None = None
     domains: list[str] = field(default_factory=lambda: ["chat", "prose"])
+    train_domains: list[str] | None = None
     device: str = "auto"
     seed: int = 0
     num_prompts: int = 2000
@@ -157,5 +161,6 @@ def config_from_args(a: argparse.Namespace) -> DrafterRecipe:
     for name in ("domains", "sampled_domains", "eval_domains"):
         kw[name] = _split(kw[name])
     kw["target_layer_ids"] = [int(x) for x in _split(a.target_layer_ids)] or None
+    kw["train_domains"] = _split(kw.get("train_domains")) or None
     kw["progress"] = not a.no_progress and sys.stderr.isatty()  # bars in a log file are noise
     return DrafterRecipe(**kw)

@@ -17,6 +17,8 @@ Three stages, one command:
    drafter learns the target's distribution, not the data's. ``--regen-cache FILE``
    stores (or reuses) the regenerated samples as jsonl, with the settings that made them beside it
    (``FILE.settings.json``); a cache made with other settings (seed, target, prompts...) is refused.
+   ``--train-domains`` trains on some of the regenerated domains only, so drafters that each leave a domain
+   out can share one regeneration and its cache.
 2. **Training** with :class:`~adaflash_hf.training.trainer.DrafterTrainer`: a fresh drafter
    (``--num-layers`` 2, ``--block-size`` 16, mask token from the tokenizer), AdamW lr 6e-4,
    warmup 4 % then cosine, grad clip 1.0, bf16 autocast on CUDA, length head trained jointly on
@@ -476,6 +478,8 @@ def run(r: DrafterRecipe) -> int:
     if r.block_attention == "flex" and not flex_available(device):
         raise RecipeError(f"--block-attention flex trains on CUDA only (here: {device}): use dense")
     check_regen_cache(r)
+    if r.train_domains and not set(r.train_domains) <= set(r.domains):
+        raise RecipeError(f"--train-domains {','.join(r.train_domains)} is not a subset of --domains {','.join(r.domains)}")
     main_process = int(os.environ.get("RANK", 0)) == 0
     set_seed(r.seed)
     out = Path(r.out)
@@ -491,9 +495,11 @@ def run(r: DrafterRecipe) -> int:
     if note and main_process:
         print(note, file=sys.stderr, flush=True)
     samples = _training_samples(r, target, tok, main_process, timings)
+    if r.train_domains:  # the regeneration (or its cache) covers --domains; this drafter learns from some of them
+        samples = [s for s in samples if s.get("domain") in set(r.train_domains)]
     resp_tokens = sum(sum(s["loss_mask"]) for s in samples)
     regen_stats = {"samples": len(samples), "response_tokens": resp_tokens,
-                   "per_domain": {d: sum(1 for s in samples if s.get("domain") == d) for d in r.domains}}  # fmt: skip
+                   "per_domain": {d: sum(1 for s in samples if s.get("domain") == d) for d in r.train_domains or r.domains}}  # fmt: skip
     print(f"[train_drafter] {len(samples)} samples, {resp_tokens} response tokens ({timings['regenerate_s']}s)", flush=True)
     if not samples:
         raise RecipeError("no training samples after regeneration")

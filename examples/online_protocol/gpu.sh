@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The leave-domain-out protocol on one GPU machine, in two device calls on the SAME machine (a warm machine keeps /tmp;
+# the four drafters, ~7 MB each, come back from call 1 but do not fit beside the checkout in a second call's carry):
+#   bash examples/online_protocol/gpu.sh drafters [leave_out.py flags]   # call 1: regeneration, twin, no-math/code/chat
+#   bash examples/online_protocol/gpu.sh recovery [recovery.py flags]    # call 2: the protocol on call 1's drafters
+# Carried beside the checkout: .slimwhl (transformers), .whl (the server's wheels: fastapi, starlette, pydantic,
+# pydantic_core, annotated_types, annotated_doc, typing_extensions, typing_inspection, opentelemetry_api, uvicorn) and
+# .evaldata/data.tar.gz (the shared data). Call 1 also checks that the server imports, so call 2 cannot fail on it.
+#   bash examples/online_protocol/gpu.sh all                             # both in one call, smaller (MINUTES, SEEDS)
+# Outputs in $OUT: leave_out.tar (table, json, logs) and drafter_NAME.tar (weights, bf16), or recovery.tar (table,
+# json, plot, every run's protocol.json and logs; no weights), the driver's log and gpu_usage.csv.
+# CPU smoke of both drivers: python examples/online_protocol/leave_out.py --smoke ... / recovery.py --smoke ...
+set -uo pipefail
+STAGE=${1:?usage: gpu.sh drafters|recovery|all [driver flags]}; shift
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; W=${WORK:-/tmp/adaflash_leave_out}; SITE=${SITE:-/tmp/site}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE \
+  ${WHEELS:-.slimwhl}/*.whl ${SERVE_WHEELS:-.whl}/*.whl || exit 1
+export PYTHONPATH=$SITE
+mkdir -p .evaldata/x && { [[ -d .evaldata/x/data ]] || tar xzf .evaldata/data.tar.gz -C .evaldata/x; } || exit 1
+export ADAFLASH_DATA="$PWD/.evaldata/x/data"
+python3 -m pip install -q --no-build-isolation --no-deps -e . > /dev/null || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, transformers, fastapi, uvicorn; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fastapi', fastapi.__version__)"
+python3 -c "from adaflash_hf.serve.server import require_serve_extra; require_serve_extra(); print('server imports: ok')" || exit 1
+nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -l 5 > "$OUT/gpu_usage.csv" &
+SAMPLER=$!; trap 'kill $SAMPLER 2> /dev/null' EXIT
+drafters() {
+  rm -rf $W  # a warm machine's earlier call: start clean
+  python3 examples/online_protocol/leave_out.py --out $W "$@" 2>&1 | tee "$OUT/leave_out.log"
+  tar cf "$OUT/leave_out.tar" -C $W leave_out.json leave_out.md logs
+  for d in $W/drafters/*/; do tar cf "$OUT/drafter_$(basename $d).tar" -C $W/drafters $(basename $d); done  # ~7 MB each
+}
+recovery() {
+  rm -rf $W/recovery
+  python3 examples/online_protocol/recovery.py --drafters $W/drafters --out $W/recovery "$@" 2>&1 | tee "$OUT/recovery.log"
+  [[ -d $W/recovery ]] && tar cf "$OUT/recovery.tar" --exclude='versions' -C $W recovery
+}
+case $STAGE in
+  drafters) drafters "$@" ;;
+  recovery) recovery "$@" ;;
+  # one call for both, at a smaller scale (if the two calls cannot share a machine)
+  all) drafters --minutes ${MINUTES:-0.4} --budget-s ${DRAFTERS_S:-290}; recovery --seeds ${SEEDS:-1} --budget-s ${RECOVERY_S:-230} ;;
+  *) echo "unknown stage $STAGE (drafters, recovery or all)"; exit 2 ;;
+esac
+ls -la "$OUT"
