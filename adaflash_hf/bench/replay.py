@@ -26,12 +26,12 @@ policy, rate, minimum and block size; a shipped head calibrated for rate 2.0 rep
 verify half of what it verifies in use). :meth:`ReplayPolicy.apply` sets it on the replaying engine.
 
 Example:
-    >>> from adaflash_hf.engine import Engine
+    >>> from adaflash_hf.engine import Engine, EngineConfig
     >>> refs = {tuple(p): Engine(target).generate([p], 64)[0].token_ids
     ...         for p in prompts}  # doctest: +SKIP
     >>> trace = paper_dflash_trace()
     >>> replay = DraftReplay(refs, trace)  # doctest: +SKIP
-    >>> engine = Engine(target, drafter, length_policy="adaptive", draft_replay=replay)  # doctest: +SKIP
+    >>> engine = Engine(target, drafter, EngineConfig(length_policy="adaptive", draft_replay=replay))  # doctest: +SKIP
     >>> trace.policy.apply(engine)  # doctest: +SKIP
 """
 
@@ -208,7 +208,7 @@ class RecordedTrace:
         """Run ``prompts`` greedily through the engine in ``fixed`` mode and keep every verified round
         (its accepted drafts and the length head's ratio; the drafter needs a length head), each request's rounds
         together and in order (``sequences``)."""
-        from ..engine import Engine
+        from ..engine import Engine, EngineConfig
 
         if getattr(drafter, "length_head", None) is None:
             raise ValueError("recording a trace needs a drafter with a length head (its ratios are replayed)")
@@ -219,7 +219,7 @@ class RecordedTrace:
                 by_request.setdefault(v.row, []).append(TraceRound(v.num_accepted, float(v.predicted_ratio)))
 
         engine_kwargs.setdefault("max_len", max(len(p) for p in prompts) + max_new_tokens + 8)
-        Engine(target, drafter, length_policy="fixed", round_sink=keep, **engine_kwargs).generate(
+        Engine(target, drafter, EngineConfig(length_policy="fixed", round_sink=keep, **engine_kwargs)).generate(
             prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
         runs = [by_request[k] for k in sorted(by_request)]
         return cls([r for run in runs for r in run], ReplayPolicy.from_drafter(drafter), name, [len(run) for run in runs])

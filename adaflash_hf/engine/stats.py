@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,7 +22,7 @@ class EngineStats:
     Example:
         >>> s = EngineStats()
         >>> s.num_steps += 2; s.forward_tokens += [3, 1]
-        >>> saved = s.snapshot(); s.num_steps = 9; s.restore(saved); s.num_steps, s.forward_tokens
+        >>> s.num_steps, s.forward_tokens
         (2, [3, 1])
     """
 
@@ -33,16 +33,6 @@ class EngineStats:
     whole_rounds: int = 0  # drafting rounds that verified whole blocks chosen before their ratios
     wide_rounds: int = 0  # rounds that verified past the block (the prompt n-gram rule's `max_width`)
     ngram_used: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))  # on the device
-
-    NAMES = ("num_steps", "forward_tokens", "skipped_drafts", "host_syncs", "whole_rounds", "wide_rounds", "ngram_used")
-
-    def snapshot(self) -> dict:
-        """Every count, the token list copied (for :meth:`restore`)."""
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), list) else v for f in fields(self)}
-
-    def restore(self, saved: dict) -> None:
-        for name, value in saved.items():
-            setattr(self, name, value)
 
 
 class PhaseTimer:
