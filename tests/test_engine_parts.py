@@ -48,10 +48,19 @@ def test_keywords_build_the_same_config_as_a_config():
 
 
 class _Cache:
-    """A stand-in slotted cache: records the slots freed."""
+    """A stand-in slotted cache: ``slots`` free ones; records the slots taken and freed."""
 
-    def __init__(self):
-        self.freed = []
+    def __init__(self, slots: int = 8):
+        self.free_slots, self.taken, self.freed = list(range(slots)), [], []
+
+    @property
+    def num_free(self):
+        return len(self.free_slots)
+
+    def alloc(self, slot=None):
+        slot = self.free_slots.pop(0) if slot is None else self.free_slots.remove(slot) or slot
+        self.taken.append(slot)
+        return slot
 
     def free(self, slot):
         self.freed.append(slot)
@@ -96,6 +105,20 @@ def test_lifecycle_alone_commits_finishes_fails_and_cancels():
     assert not life.healthy and life.last_error == "RuntimeError: kernel" and isinstance(life.failure, RuntimeError)
     assert [r.output.finish_reason for r in (a, b)] == ["error", "error"] and life.running == []
     assert [f.row for f in finished] == [0, 1]
+
+
+@pytest.mark.parametrize("slots, limit, budget, want", [
+    (8, 8, 100, [0, 1, 2, 3]), (2, 8, 100, [0, 1]), (8, 3, 100, [0, 1]), (8, 8, 9, [0, 1]), (8, 8, 3, [])])
+def test_lifecycle_admits_in_order_within_slots_limit_and_budget(slots, limit, budget, want):
+    """Queued requests start in order while a slot is free, fewer than ``limit`` run and the prompt fits the budget
+    left (prompts of 4, 5, 2, 1 tokens; one request already runs); the first that does not fit stops admission."""
+    cache, dcache = _Cache(slots), _Cache(slots)
+    life = Lifecycle(cache, dcache)
+    life.queue.extend(Request(i, [7] * n, 4, SamplingParams(), None) for i, n in enumerate([4, 5, 2, 1]))
+    admitted = life.admit(1, limit, budget)
+    assert [r.id for r in admitted] == want and life.running == admitted
+    assert [r.id for r in life.queue] == [i for i in range(4) if i not in want]
+    assert all(r.state == "running" for r in admitted) and cache.taken == dcache.taken == [r.slot for r in admitted]
 
 
 @pytest.mark.parametrize("steps", [1, 4])

@@ -280,10 +280,7 @@ class Engine:
     # ------------------------------------------------------------------ the round
     @torch.no_grad()
     def step(self) -> bool:
-        """One round for every running request (and prefill for newly admitted ones).
-
-        Returns False when there was nothing to do.
-        """
+        """One round for every running request (and prefill for newly admitted ones); False: nothing to do."""
         lifecycle, timer = self.lifecycle, self.timer
         if lifecycle.in_step:
             raise RuntimeError("Engine.step is not reentrant (called from a callback?)")
@@ -482,23 +479,11 @@ class Engine:
         return drafts
 
     def _admit(self, running, verify_tokens: int) -> list[Request]:
-        """Queued requests that fit next to ``running`` this round (slots allocated, state ``running``)."""
+        """Queued requests that fit next to ``running`` this round: the EMA fit, then the hard limits."""
         n = len(running)
         if n:
             self.admission.observe(verify_tokens / n, sum(len(r.prompt) + r.max_new for r in running) / n)
-        admitted: list[Request] = []
-        left = self.token_budget - verify_tokens
-        while (self._queue and self.cache.num_free > 0 and n + len(admitted) < self.admission.limit
-               and len(self._queue[0].prompt) <= left):
-            req = self._queue.popleft()
-            req.slot = self.cache.alloc()
-            if self.dcache is not None:
-                self.dcache.alloc(req.slot)  # the drafter's context cache uses the same slot id
-            req.state = "running"
-            self._running.append(req)  # in flight from here: a failed round fails it too
-            admitted.append(req)
-            left -= len(req.prompt)
-        return admitted
+        return self.lifecycle.admit(n, self.admission.limit, self.token_budget - verify_tokens)
 
     def _accept(self, logits, admitted, running, drafts: RoundDrafts, verify_inputs):
         """Prefill first tokens, accepted counts, next tokens and per-request fault flags (prefills, then

@@ -1,5 +1,5 @@
-"""How a request ends inside the engine: commit its tokens, finish, fail (one request, or every request of a
-failed round), cancel; and the engine's health.
+"""How a request starts and ends inside the engine: admit it to a slot, commit its tokens, finish, fail (one
+request, or every request of a failed round), cancel; and the engine's health.
 
 Fault isolation: a failure that belongs to one request (its ``on_token`` callback raised, its logits or
 processed distribution were not finite) finishes that request with ``finish_reason="error"`` and
@@ -31,10 +31,11 @@ NON_FINITE = "non-finite logits or probabilities for this request (not a valid d
 
 
 class Lifecycle:
-    """Where requests wait (:attr:`queue`), run (:attr:`running`) and end: commit, finish, fail, cancel, reap.
+    """Where requests wait (:attr:`queue`), start (:meth:`admit`), run (:attr:`running`) and end: commit, finish,
+    fail, cancel, reap.
 
     ``cache`` / ``dcache``: the target's and the drafter's slotted caches (``dcache`` may be ``None``); a request that
-    ends frees its slot in both. ``on_request``: called with a
+    starts takes a slot in both, one that ends frees it. ``on_request``: called with a
     :class:`~adaflash_hf.speculation.rounds.FinishedRequest` for each request that ends by EOS or length (settable).
 
     Example:
@@ -58,6 +59,23 @@ class Lifecycle:
         self.healthy = True  # False after a round failed as a whole (sticky: restart the engine)
         self.last_error: str | None = None  # that failure, "ExceptionType: message"
         self.failure: Exception | None = None  # that failure's exception (an AsyncEngine re-raises it: its thread stops)
+
+    def admit(self, running: int, limit: int, budget: int) -> list[Request]:
+        """Queued requests, in order, that may join ``running`` others: while a slot is free, fewer than ``limit`` run
+        and the next prompt fits what is left of ``budget`` tokens. Each gets its slot (the same id in both caches) and
+        joins :attr:`running` (in flight from here: a failed round fails it too)."""
+        queue, cache, dcache = self.queue, self.cache, self.dcache
+        admitted: list[Request] = []
+        while queue and cache.num_free > 0 and running + len(admitted) < limit and len(queue[0].prompt) <= budget:
+            req = queue.popleft()
+            req.slot = cache.alloc()
+            if dcache is not None:
+                dcache.alloc(req.slot)
+            req.state = "running"
+            self.running.append(req)
+            admitted.append(req)
+            budget -= len(req.prompt)
+        return admitted
 
     def commit(self, r: Request, new: list[int], verify_len: int | None = None, logprobs=None) -> int:
         """Append tokens one by one; stop at EOS, ``max_new_tokens`` or a cancellation exactly where plain
