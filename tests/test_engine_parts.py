@@ -45,6 +45,8 @@ def test_keywords_build_the_same_config_as_a_config():
     assert outs[0] == outs[1] == [plain_greedy_ids(target, p, 6) for p in prompts]
     with pytest.raises(ValueError, match="need a drafter"):  # drafter-dependent checks come when the engine is built
         Engine(target, None, base)
+    with pytest.raises(TypeError, match="config must be an EngineConfig"):  # a policy name where the config goes
+        Engine(target, drafter, "fixed")
 
 
 class _Cache:

@@ -112,6 +112,9 @@ class EngineConfig:
     def of(cls, config: EngineConfig | None = None, **overrides) -> EngineConfig:
         """``config`` (default: every default) with ``overrides`` (field name: value) on top: the one way an engine's
         keywords become its config; an unknown name raises ``TypeError`` naming it."""
+        if config is not None and not isinstance(config, cls):
+            raise TypeError(f"config must be an EngineConfig or None, got {type(config).__name__} "
+                            f"(settings by name go as keywords: Engine(target, drafter, length_policy=...))")
         unknown = sorted(set(overrides) - {f.name for f in fields(cls)})
         if unknown:
             raise TypeError(f"EngineConfig has no setting {', '.join(unknown)}")
