@@ -56,7 +56,7 @@ class EngineConfig:
         prompt_ngrams: the prompt n-gram rule beside the drafter, as ``generate``'s
             (:mod:`adaflash_hf.speculation.prompt_ngrams`; 0: off; default: greedy requests only, n-grams up to 4).
             Off while a round sink or ``draft_replay`` is set (they read the drafter's own drafts).
-        draft_replay: a :class:`~.proposal.DraftSource` that replaces the length head's ratios and the drafted tokens
+        draft_replay: a :class:`~.round_drafts.DraftSource` that replaces the length head's ratios and the drafted tokens
             after the drafter's real forward (benchmarks: :class:`adaflash_hf.bench.replay.DraftReplay`, greedy
             requests only; outputs stay those of plain greedy decoding).
         round_cost: the :class:`~adaflash_hf.speculation.length.cost.RoundCost` the ``cost`` policy weighs, or
