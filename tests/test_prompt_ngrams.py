@@ -273,3 +273,52 @@ def test_the_rule_is_off_under_a_round_sink(reference_pair, prompt_ids):
                                    do_sample=False, length_policy="fixed", return_stats=True, round_sink=Sink(),
                                    fast_path=False)
     assert rounds and stats.ngram_rounds == 0
+
+
+@pytest.mark.parametrize("turns, sampled", [(None, False), (1, False), (3, False), (0, False), (None, True)])
+def test_index_while_the_device_runs_builds_the_index_drafting_would(turns, sampled):
+    """A plain stretch's host indexes requests' n-grams while ``busy()``, in chunks: whatever it reached, the index
+    after a drafting round's catch-up is the one built at once; ``busy`` False indexes nothing (the negative
+    control), and sampled rows (outside the rule by default) are never indexed."""
+    from adaflash_hf.engine.requests import Request
+    from adaflash_hf.engine.round_ngrams import INDEX_CHUNK, index_while, round_candidates
+    from adaflash_hf.engine.sampling import SamplingParams
+
+    rule = PromptNgrams()
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.7 if sampled else 0.0)
+    rows = []
+    for i in range(2):
+        r = Request(i, torch.randint(0, 9, (150,), generator=g).tolist(), 400, params, None)
+        r.tokens = torch.randint(0, 9, (90,), generator=g).tolist()
+        rows.append(r)
+    calls = iter(range(10**6))
+    busy = (lambda: True) if turns is None else (lambda: next(calls) < turns)
+    done = index_while(rule, rows, busy)
+    if sampled or turns == 0:
+        assert done == 0 and all(r.ngrams is None for r in rows)
+        return
+    assert done == (480 if turns is None else turns * INDEX_CHUNK)
+    ref = [rule.index(r.prompt + r.tokens) for r in rows]
+    cands, _ = round_candidates(rule, rows, [7, 7], None)
+    for r, want, got in zip(rows, ref, cands):
+        assert got == want.candidates(7)
+        assert r.ngrams.starts == want.starts and r.ngrams.length == len(r.prompt) + len(r.tokens)
+
+
+@pytest.mark.parametrize("most_behind, lag, served", [(None, 200, True), (64, 200, False), (64, 64, True), (0, 1, False)])
+def test_probe_candidates_skip_rows_whose_index_lags(most_behind, lag, served):
+    """A probe round's candidates (``most_behind``) go only to requests whose index lags their tokens by at most that
+    many; a lagging request gets none and its index is left for :func:`index_while` (not extended now)."""
+    from adaflash_hf.engine.requests import Request
+    from adaflash_hf.engine.round_ngrams import round_candidates
+    from adaflash_hf.engine.sampling import SamplingParams
+
+    rule = PromptNgrams()
+    r = Request(0, [3, 1, 2, 3, 1, 2] * 20, 400, SamplingParams(), None)
+    r.ngrams = rule.index(list(r.prompt))
+    r.ngrams.extend_to(len(r.prompt))
+    r.tokens = [3, 1, 2] * (lag // 3) + [3, 1, 2][: lag % 3]
+    cands, lens = round_candidates(rule, [r], [5], None, most_behind)
+    assert (cands[0] != []) is served and lens == [5]
+    assert r.ngrams.length == (len(r.prompt) + lag if served else len(r.prompt))

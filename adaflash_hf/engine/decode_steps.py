@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from ..speculation.hooks import hooks_for
 from .lifecycle import NON_FINITE
+from .round_ngrams import index_while
 from .target import PackedLayout
 
 __all__ = ["PlainDecoder"]
@@ -28,7 +29,9 @@ class PlainDecoder:
 
     Handed what it works on: the target's ``graphs`` (:class:`.graphs.DecodeGraphs`, static path) and slotted ``cache``,
     the ``lifecycle`` that commits (:class:`.lifecycle.Lifecycle`), the engine's ``stats`` and phase ``timer``
-    (:mod:`.stats`); with a drafter, the ``drafter`` and its ``draft_graphs``, whose context the steps' features become.
+    (:mod:`.stats`); with a drafter, the ``drafter`` and its ``draft_graphs``, whose context the steps' features become,
+    and (CUDA) the ``prompt_ngrams`` rule with an ``ngram_event``: the host indexes the requests' n-grams while the
+    stretch's replays run (:func:`.round_ngrams.index_while`) instead of only waiting for the read.
     Between calls it keeps :attr:`kept`: the requests (and step count) whose features ``graphs.step_hidden`` holds,
     until a drafting round stores them (:meth:`forget`).
 
@@ -37,9 +40,11 @@ class PlainDecoder:
         >>> decoder.run(engine.lifecycle.running, steps=4)  # doctest: +SKIP
     """
 
-    def __init__(self, graphs, cache, lifecycle, stats, timer, drafter=None, draft_graphs=None):
+    def __init__(self, graphs, cache, lifecycle, stats, timer, drafter=None, draft_graphs=None, prompt_ngrams=None,
+                 ngram_event=None):
         self.graphs, self.cache, self.lifecycle, self.stats, self.timer = graphs, cache, lifecycle, stats, timer
         self.drafter, self.draft_graphs = drafter, draft_graphs
+        self.prompt_ngrams, self.ngram_event = prompt_ngrams, ngram_event
         self.kept = None  # the requests and step count whose features plain steps keep
 
     def forget(self) -> None:
@@ -79,6 +84,10 @@ class PlainDecoder:
             stats.skipped_drafts += steps
         mark("host")
         new = graphs.run_greedy([r.bonus for r in running], layout, steps, offset)
+        event = self.ngram_event
+        if event is not None:  # the host would only wait for the read: index n-grams meanwhile
+            event.record()
+            index_while(self.prompt_ngrams, running, lambda: not event.query())
         feats = graphs.step_hidden
         if feats is None and graphs.hidden is not None:  # one step without kept rows: the plain bucket's
             feats = graphs.hidden[:n][None]

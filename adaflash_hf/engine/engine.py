@@ -8,13 +8,12 @@ One :meth:`Engine.step` is one round for every running request:
    against the round's cost (:class:`~adaflash_hf.speculation.length.cost.RoundCost`), under ``adaptive`` the paper's
    floor rule at a fixed rate (``load_scaled_rate`` on request); a round the planner makes plain decodes as ``off``
    does (:mod:`.decode_steps`);
-2. admit: queued requests whose prompt fits what is left of the token budget, up to the EMA
-   estimate of how many fit (:class:`AdmissionController`);
-3. one packed target forward over the new prompts (prefill) and every running request's bonus +
-   drafts (verify), through the slotted KV cache (:func:`target_forward`);
-4. accept (greedy or speculative sampling on processed distributions; a request's penalties and grammar change
-   its rows first, every verified position alike: :mod:`.processed_rows`, :mod:`.grammar`), commit token by token
-   (EOS / ``max_new_tokens``), advance the caches by what was accepted, free finished slots.
+2. admit: queued requests whose prompt fits what is left of the token budget, up to the EMA estimate of how many fit
+   (:class:`AdmissionController`, :meth:`.lifecycle.Lifecycle.admit`);
+3. one packed target forward over the new prompts (prefill) and every running request's bonus + drafts (verify),
+   through the slotted KV cache (:func:`target_forward`);
+4. accept (greedy or speculative sampling on processed distributions; a request's penalties and grammar change its
+   rows first: :mod:`.processed_rows`, :mod:`.grammar`), commit token by token (:mod:`.lifecycle`).
 
 What a round verifies (:func:`round_layout`, from ``length_policy`` as in ``generate``): ``packed``
 (``adaptive``: each request its own ``k_hat_i``; ``sum_i k_hat_i`` tokens), ``rectangular``
@@ -36,8 +35,7 @@ logprobs or round sink) accepts inside the target's replay too (:meth:`.DecodeGr
 is one slice of its output buffer. The drafter's LM head runs only for the draft positions some request verifies: not at
 all when every ``k_hat`` is 1 or every request has one token left (the round is then plain
 decoding); when the rate alone caps every ``k_hat`` at 1 the drafter layers are skipped
-too and only the new context is stored. ``cuda_graphs=False`` keeps the all-eager reference path (SDPA, any shapes);
-``examples/engine_gpu_check.py`` checks both agree and measures them.
+too and only the new context is stored. ``cuda_graphs=False`` keeps the all-eager reference path (SDPA, any shapes).
 """
 
 from __future__ import annotations
@@ -65,7 +63,7 @@ from .lifecycle import NON_FINITE, Lifecycle
 from .grammar import constrain_round
 from .processed_rows import penalize_round, round_logprobs
 from .requests import EngineOutput, Request, RequestHandle, RequestRejected, StepInfo, check_request
-from .round_ngrams import apply_prompt_ngrams, round_candidates, wide_capacity
+from .round_ngrams import PROBE_LAG, apply_prompt_ngrams, round_candidates, wide_capacity
 from .sampled_rows import RoundRandom, sample_drafts, sample_round
 from .sampling import SamplingParams
 from .stats import EngineStats, PhaseTimer
@@ -152,7 +150,11 @@ class Engine:
         self.step_hook = config.step_hook
         self.lifecycle = Lifecycle(self.cache, self.dcache, on_request)
         self._queue, self._running = self.lifecycle.queue, self.lifecycle.running  # the lifecycle's, read every round
-        self.plain = PlainDecoder(self.graphs, self.cache, self.lifecycle, self.stats, self.timer, drafter, self.draft_graphs)
+        # a plain stretch's host indexes prompt n-grams until its replays end (decode_steps): CUDA only
+        self._ngram_event = (torch.cuda.Event() if self.device.type == "cuda" and self.cuda_graphs and drafter is not None
+                             and self.prompt_ngrams.enabled and config.draft_replay is None else None)
+        self.plain = PlainDecoder(self.graphs, self.cache, self.lifecycle, self.stats, self.timer, drafter, self.draft_graphs,
+                                  self.prompt_ngrams if self._ngram_event is not None else None, self._ngram_event)
         self._ids = itertools.count()
         self._graph_accept = False  # this round accepts inside the target's replay (_accepts_in_graph)
         if round_cost is None or isinstance(round_cost, str):  # "measured", or the default: cost_cache says
@@ -261,13 +263,8 @@ class Engine:
         """What a :class:`RequestHandle`'s ``cancel()`` asks (:meth:`.lifecycle.Lifecycle.cancel`)."""
         self.lifecycle.cancel(req)
 
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def num_queued(self) -> int:
-        return len(self._queue)
+    num_running = property(lambda self: len(self._running))
+    num_queued = property(lambda self: len(self._queue))
 
     @property
     def idle(self) -> bool:
@@ -460,7 +457,10 @@ class Engine:
         self.timer.mark("draft")
         cands = None
         if n and self.drafter is not None and self.prompt_ngrams.enabled and self.on_round is None and self.draft_source.own_drafts:
-            cands, lens = round_candidates(self.prompt_ngrams, running, draft_len.tolist(), self.wide_width)
+            # a probe amid plain decoding (the last drafted ratios said plain) does not stall on indexing: the plain
+            # stretches index while the device runs
+            behind = PROBE_LAG if self._ngram_event is not None and self.planner.drafted_plain else None
+            cands, lens = round_candidates(self.prompt_ngrams, running, draft_len.tolist(), self.wide_width, behind)
             wide = torch.tensor(lens)  # the verify lengths the candidates may take (the drafts' own without max_width)
         else:
             wide = draft_len

@@ -15,7 +15,10 @@ from .kernels import TILE_ROWS
 from .round_drafts import RoundDrafts
 from .sampled_rows import agree_sampled
 
-__all__ = ["apply_prompt_ngrams", "round_candidates", "wide_capacity"]
+__all__ = ["INDEX_CHUNK", "PROBE_LAG", "apply_prompt_ngrams", "index_while", "round_candidates", "wide_capacity"]
+
+INDEX_CHUNK = 64  # tokens a request's index takes per turn while the device runs (a few tens of microseconds)
+PROBE_LAG = 64  # the most tokens a probe round catches up on for a request's candidates (round_candidates)
 
 
 def wide_capacity(rule: PromptNgrams, target) -> int:
@@ -34,11 +37,13 @@ def wide_capacity(rule: PromptNgrams, target) -> int:
     return min(rule.max_width, TILE_ROWS // group - 1)
 
 
-def round_candidates(rule: PromptNgrams, running, dl_host: list[int], wide: int | None):
+def round_candidates(rule: PromptNgrams, running, dl_host: list[int], wide: int | None, most_behind: int | None = None):
     """Each running request's candidates (host lists, in order of preference; ``[]``: none) and the draft length it
     may verify with them: its own ``dl_host[i]``, or, under ``wide`` (a greedy request that drafts at all), up to its
     longest candidate, at most ``wide`` tokens and its tokens left - 1. Each request's index (``Request.ngrams``) is
-    built on first use and fed its new tokens.
+    built on first use and fed its new tokens. ``most_behind``: a request whose index lags its tokens by more than
+    that many gets none this round rather than catching up now (a probe of plain decoding: :func:`index_while`
+    catches up while the device runs).
 
     Example:
         >>> cands, lens = round_candidates(PromptNgrams(max_width=31), running, [15], 31)  # doctest: +SKIP
@@ -49,14 +54,48 @@ def round_candidates(rule: PromptNgrams, running, dl_host: list[int], wide: int 
             cands.append([])
             lens.append(dl)
             continue
-        if r.ngrams is None:
-            r.ngrams = rule.index(list(r.prompt))
-        r.ngrams.tokens.extend(r.tokens[len(r.ngrams.tokens) - len(r.prompt) :])
+        index = _fed(rule, r)
+        if most_behind is not None and len(index.tokens) - index.length > most_behind:
+            cands.append([])
+            lens.append(dl)
+            continue
         widen = wide is not None and r.params.greedy
         found = r.ngrams.candidates(max(dl, min(wide, r.remaining - 1)) if widen else dl)
         cands.append(found)
         lens.append(max([dl] + [len(c) for c in found]) if widen else dl)
     return cands, lens
+
+
+def _fed(rule: PromptNgrams, r):
+    """``r``'s index (built on first use), its token list holding the prompt and every committed token."""
+    if r.ngrams is None:
+        r.ngrams = rule.index(list(r.prompt))
+    r.ngrams.tokens.extend(r.tokens[len(r.ngrams.tokens) - len(r.prompt) :])
+    return r.ngrams
+
+
+def index_while(rule: PromptNgrams, running, busy) -> int:
+    """Index the requests' committed tokens ahead of need, ``INDEX_CHUNK`` tokens of one request at a time, while
+    ``busy()`` (the device still runs work queued before this call): a plain stretch's host would otherwise only wait
+    for its read. A request that drafts again then finds its index nearly current instead of catching up on every
+    token since it last drafted (its whole prompt, the first time) in the middle of that round. Returns the tokens
+    indexed. The index is the same whatever the chunks (:meth:`.NgramIndex.extend_to` indexes in order).
+
+    Example:
+        >>> index_while(PromptNgrams(), running, lambda: not done_event.query())  # doctest: +SKIP
+        128
+    """
+    rows = [r for r in running if rule.applies(r.params.greedy)]
+    done = 0
+    while rows and busy():
+        r = rows[-1]
+        index = _fed(rule, r)
+        end = min(len(index.tokens), index.length + INDEX_CHUNK)
+        done += end - index.length
+        index.extend_to(end)
+        if index.length >= len(index.tokens):
+            rows.pop()
+    return done
 
 
 def apply_prompt_ngrams(running, drafts: RoundDrafts, cands: list[list[list[int]]], wide: int | None,

@@ -215,11 +215,13 @@ class LengthPlanner:
     def plain_stretch(self, rows, most: int, sink: bool = False) -> int:
         """How many plain rounds in a row the ``cost`` policy decodes next behind one read, as ``off`` does (``most`` at
         most; 0: the next round is not plain by this test, the loop asks :meth:`plan`): its last drafted round's ratios
-        said plain (priced with the body), the guesses say so, and no probe falls inside. Counts them as plain rounds."""
+        said plain (priced with the body), the guesses say so, and a probe is not due. A stretch is never cut short
+        for a probe due inside it (a short stretch costs a whole read): the probe waits for its end. Counts them as
+        plain rounds."""
         if not self.cost_rule or self.layout != "packed" or sink or not self.drafted_plain or not rows:
             return 0
-        steps = min(most, self.plain_limit - self.plain_rounds, min(r.remaining for r in rows))
-        if steps < 1 or not self.plain_by_guess(rows, sink):  # the cheap bounds first: the rule runs on the host
+        steps = min(most, min(r.remaining for r in rows))
+        if self.plain_rounds >= self.plain_limit or not self.plain_by_guess(rows, sink):  # the cheap bound first
             return 0
         self.plain_rounds += steps
         return steps

@@ -1,0 +1,118 @@
+"""Where the default (``cost``) engine's time goes against ``off`` in a closed batch, round by round, on a GPU: the
+reference pair's engine, gsm8k prompts, a warm-up run and then a timed run (as ``replay_bench.py --real-concurrency``
+times its rows), with every ``Engine.step`` timed (device synchronised) and classified: a plain stretch (``steps``
+plain decode steps behind one read), a drafting round (its verify lengths), a prefill round. The planner's state
+(probe back-off, the traffic's mean acceptance) and its round cost are printed beside.
+
+    python examples/engine_probes/plan_trace.py --out $OUT/plan_trace --concurrency 1,32
+
+Writes ``plan_trace.json`` and ``plan_trace.md`` into ``--out``. ``--smoke``: CPU, the same code path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import gpu_common as common  # noqa: E402
+
+from adaflash_hf.engine import Engine  # noqa: E402
+from adaflash_hf.speculation.length.names import layout_args  # noqa: E402
+
+
+def classify(eng, before: dict) -> str:
+    steps = eng.num_steps - before["num_steps"]
+    skipped = eng.skipped_drafts - before["skipped"]
+    if eng.drafter is None or (steps > 1 and skipped == steps):
+        return f"plain x{steps}"
+    if skipped and steps == 1:
+        return "plain x1 (round)"
+    return "drafting" if steps == 1 else f"mixed x{steps}"
+
+
+def run(eng, prompts, max_new, device, eos) -> dict:
+    eng.generate(prompts, max_new_tokens=max_new, eos_token_id=eos)  # warm, as replay_bench's rows
+    handles = [eng.submit(p, max_new, eos_token_id=eos) for p in prompts]
+    rows, t_start = [], None
+    while not all(h.done for h in handles):
+        before = {"num_steps": eng.num_steps, "skipped": eng.skipped_drafts,
+                  "tokens": sum(len(h.token_ids) for h in handles)}
+        common.sync(device)
+        t = time.perf_counter()
+        eng.step()
+        common.sync(device)
+        dt = time.perf_counter() - t
+        prefilled = all(h.token_ids or h.done for h in handles)
+        kind = classify(eng, before) if before["tokens"] >= len(handles) else "prefill"
+        p = eng.planner
+        rows.append({"kind": kind, "ms": 1e3 * dt, "tokens": sum(len(h.token_ids) for h in handles) - before["tokens"],
+                     "plain_rounds": p.plain_rounds, "plain_limit": p.plain_limit, "drafted_plain": p.drafted_plain,
+                     "traffic": (p.traffic_seen[0] / p.traffic_seen[1]) if p.traffic_seen[1] else None,
+                     "prefilled": prefilled})
+        t_start = t_start or t
+    by = defaultdict(lambda: {"n": 0, "ms": 0.0, "tokens": 0})
+    for r in rows:
+        b = by[r["kind"]]
+        b["n"], b["ms"], b["tokens"] = b["n"] + 1, b["ms"] + r["ms"], b["tokens"] + r["tokens"]
+    decode = [r for r in rows if r["kind"] != "prefill"]
+    tok, ms = sum(r["tokens"] for r in decode), sum(r["ms"] for r in decode)
+    return {"by_kind": dict(by), "decode_tok_per_s": 1e3 * tok / ms if ms else None, "rows": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--concurrency", default="1,32")
+    ap.add_argument("--modes", default="off,default,fixed")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    device = "cpu" if args.smoke else "cuda"
+    conc = [int(c) for c in args.concurrency.split(",")]
+    max_new = 24 if args.smoke else args.max_new_tokens
+    target, drafter, prompts, eos, source = common.reference_pair(device, torch.float32, "gsm8k", max(conc))
+    longest = max(map(len, prompts[: max(conc)]))
+    kw = dict(max_slots=max(conc), max_len=longest + max_new + 8, token_budget=max(4096, longest + max(conc) * 16),
+              cuda_graphs=not args.smoke)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res, lines = {}, ["# Plan trace", ""]
+    for mode in args.modes.split(","):
+        margs = {"drafter": drafter} if mode == "default" else layout_args(drafter, mode, "cost")
+        eng = Engine(target, **margs, **kw)
+        rc = eng.round_cost.to_json() if eng.drafter is not None else None
+        for c in conc:
+            r = run(eng, prompts[:c], max_new, device, eos)
+            holds = eng.planner.probe_holds(c) if eng.drafter is not None else None
+            res[f"{mode}_c{c}"] = {**r, "round_cost": rc, "probe_holds": holds}
+            lines.append(f"## {mode}, c={c}: decode {r['decode_tok_per_s']:.0f} tok/s; probe holds {holds}")
+            lines.append("")
+            lines.append("| kind | rounds | ms | tokens | ms / token |")
+            lines.append("|---|---|---|---|---|")
+            for k, b in sorted(r["by_kind"].items()):
+                lines.append(f"| {k} | {b['n']} | {b['ms']:.2f} | {b['tokens']} | {b['ms'] / max(1, b['tokens']):.4f} |")
+            lines.append("")
+            seq = " ".join(f"{x['kind'].split()[0][0]}{x['tokens']}" for x in r["rows"][:80])
+            lines.append(f"sequence (p: plain/prefill, d: drafting; tokens): {seq}")
+            lines.append("")
+            common.log(lines[-6 - len(r["by_kind"])])
+        if rc is not None:
+            lines.append(f"{mode} round cost: `{json.dumps(rc)}`")
+            lines.append("")
+        del eng
+        common.free_memory()
+    (out / "plan_trace.json").write_text(json.dumps(res, indent=1))
+    (out / "plan_trace.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
