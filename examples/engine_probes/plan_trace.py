@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gpu_common as common  # noqa: E402
 
 from adaflash_hf.engine import Engine  # noqa: E402
+from adaflash_hf.speculation.length.cost import RoundCost  # noqa: E402
 from adaflash_hf.speculation.length.names import layout_args  # noqa: E402
 
 
@@ -73,6 +74,9 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="off,default,fixed")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--variants", default="", help="default variants to time beside: no_overlap (n-grams indexed only "
+                    "when drafting), no_ngrams (prompt_ngrams=0), never (a cost table where drafting never pays: plain stretches only, "
+                    "no measurement, no probes)")
     args = ap.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     conc = [int(c) for c in args.concurrency.split(",")]
@@ -84,9 +88,15 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res, lines = {}, ["# Plan trace", ""]
-    for mode in args.modes.split(","):
-        margs = {"drafter": drafter} if mode == "default" else layout_args(drafter, mode, "cost")
-        eng = Engine(target, **margs, **kw)
+    modes = args.modes.split(",") + [f"default+{v}" for v in args.variants.split(",") if v]
+    for mode in modes:
+        margs = {"drafter": drafter} if mode.startswith("default") else layout_args(drafter, mode, "cost")
+        extra = {"prompt_ngrams": 0} if mode.endswith("no_ngrams") else {}
+        if mode.endswith("never"):
+            extra["round_cost"] = RoundCost.flat(spec_overhead=1e9)
+        eng = Engine(target, **margs, **kw, **extra)
+        if mode.endswith("no_overlap"):
+            eng._ngram_event = None
         rc = eng.round_cost.to_json() if eng.drafter is not None else None
         for c in conc:
             r = run(eng, prompts[:c], max_new, device, eos)
