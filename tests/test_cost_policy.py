@@ -492,7 +492,7 @@ def test_engine_measures_its_own_round_cost(pair):
 
     target, drafter = pair
     eng = Engine(target, drafter, length_policy="cost", max_slots=4, max_len=96, token_budget=64, cuda_graphs=True)
-    before = {k: getattr(eng, k) for k in ("policy", "round_cost", "planner", "draft_replay", "on_round", "admission")}
+    before = {k: getattr(eng, k) for k in ("policy", "round_cost", "planner", "draft_source", "on_round", "admission")}
     state = vars(eng.planner).copy()
     cost = measure_round_cost(eng, context=16, reps=1)
     assert cost.rows == (1, 2, 4) and cost.tokens_per_row == (1, 2, 4, 8)

@@ -30,7 +30,7 @@ def test_a_plain_plan_runs_the_off_engines_step(monkeypatch, ratio_high):
     drafter = make_drafter(target, block_size=8, seed=3)
     prompts = engine_prompts([5, 7], seed=17)
     steps, rounds, bodies, greedy = [], [], [], []
-    _spy(monkeypatch, engine_mod.Engine, "_decode_steps", steps, lambda self, running, n: (self, n))
+    _spy(monkeypatch, engine_mod.Engine, "_plain_steps", steps, lambda self, running, n: (self, n))
     _spy(monkeypatch, engine_mod.Engine, "_draft", rounds, lambda self, running: self)
     _spy(monkeypatch, engine_mod.DraftGraphs, "run_body", bodies, lambda self, slots, ctx, bonus: bonus is not None)
     _spy(monkeypatch, engine_mod.DecodeGraphs, "run_greedy", greedy, lambda self, *a, **k: self)

@@ -218,7 +218,7 @@ def test_the_replay_bench_fails_a_row_whose_requests_fail_instead_of_waiting(mon
         submit = eng.submit
         def failing(*args, **kwargs):
             handle = submit(*args, **kwargs)
-            eng._fail(handle._req, "bad row (simulated)")
+            eng.lifecycle.fail(handle._req, "bad row (simulated)")
             return handle
 
         monkeypatch.setattr(eng, "submit", failing)

@@ -26,12 +26,12 @@ policy, rate, minimum and block size; a shipped head calibrated for rate 2.0 rep
 verify half of what it verifies in use). :meth:`ReplayPolicy.apply` sets it on the replaying engine.
 
 Example:
-    >>> from adaflash_hf.engine import Engine
+    >>> from adaflash_hf.engine import Engine, EngineConfig
     >>> refs = {tuple(p): Engine(target).generate([p], 64)[0].token_ids
     ...         for p in prompts}  # doctest: +SKIP
     >>> trace = paper_dflash_trace()
     >>> replay = DraftReplay(refs, trace)  # doctest: +SKIP
-    >>> engine = Engine(target, drafter, length_policy="adaptive", draft_replay=replay)  # doctest: +SKIP
+    >>> engine = Engine(target, drafter, EngineConfig(length_policy="adaptive", draft_replay=replay))  # doctest: +SKIP
     >>> trace.policy.apply(engine)  # doctest: +SKIP
 """
 
@@ -208,7 +208,7 @@ class RecordedTrace:
         """Run ``prompts`` greedily through the engine in ``fixed`` mode and keep every verified round
         (its accepted drafts and the length head's ratio; the drafter needs a length head), each request's rounds
         together and in order (``sequences``)."""
-        from ..engine import Engine
+        from ..engine import Engine, EngineConfig
 
         if getattr(drafter, "length_head", None) is None:
             raise ValueError("recording a trace needs a drafter with a length head (its ratios are replayed)")
@@ -219,7 +219,7 @@ class RecordedTrace:
                 by_request.setdefault(v.row, []).append(TraceRound(v.num_accepted, float(v.predicted_ratio)))
 
         engine_kwargs.setdefault("max_len", max(len(p) for p in prompts) + max_new_tokens + 8)
-        Engine(target, drafter, length_policy="fixed", round_sink=keep, **engine_kwargs).generate(
+        Engine(target, drafter, EngineConfig(length_policy="fixed", round_sink=keep, **engine_kwargs)).generate(
             prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
         runs = [by_request[k] for k in sorted(by_request)]
         return cls([r for run in runs for r in run], ReplayPolicy.from_drafter(drafter), name, [len(run) for run in runs])
@@ -280,7 +280,8 @@ def paper_dflash_trace(block_size: int = 16, ratio_from: RecordedTrace | None = 
 
 
 class DraftReplay:
-    """Makes the engine's drafts and length-head ratios follow a trace (``Engine(draft_replay=...)``).
+    """Makes the engine's drafts and length-head ratios follow a trace (``EngineConfig(draft_replay=...)``: a
+    :class:`~adaflash_hf.engine.round_drafts.DraftSource`).
 
     ``references[tuple(prompt)]``: the plain greedy continuation of each prompt (at least as long as its
     ``max_new_tokens``). Per request and round the next round of the request's ``trace.stream`` (seeded by the
@@ -295,6 +296,7 @@ class DraftReplay:
 
     def __init__(self, references: dict[tuple, list[int]], trace, seed: int = 0):
         self.references, self.trace, self.seed = references, trace, seed
+        self.own_drafts = False  # the trace's drafts: prompt n-grams and the chained body stay off
         self.planned: dict[tuple[int, int], TraceRound] = {}
         self._streams: dict[int, object] = {}  # per request id: its trace stream
         self._streams_of = trace
@@ -323,12 +325,12 @@ class DraftReplay:
         # `fixed` (which never asks for ratios) would not pay.
         return to_device(torch.tensor(values, dtype=torch.float32), ratio.device)
 
-    def drafts(self, running, tokens: torch.Tensor, block_size: int) -> None:
-        """Overwrite ``tokens [n, B-1]`` (host) in place: the request's greedy continuation for the round's
-        accepted count, then a token other than the continuation's."""
+    def drafts(self, running, draft: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The drafts ``[n, B-1]`` on ``draft``'s device: each request's greedy continuation for the round's
+        accepted count, then a token other than the continuation's, zeros after."""
         # The harness's own host work, charged to every round it replays: one list pass and one copy, no
         # per-request tensor ops.
-        rows = tokens.tolist()
+        rows = [[0] * (block_size - 1) for _ in running]
         for row, r in zip(rows, running):
             ref = self._refs.get(r.id)
             if ref is None:
@@ -341,7 +343,7 @@ class DraftReplay:
             if good < min(len(cont), block_size - 1):
                 t = cont[good]
                 row[good] = t - 1 if t > 0 else t + 1
-        tokens.copy_(torch.tensor(rows, dtype=tokens.dtype).view(tokens.shape))
+        return to_device(torch.tensor(rows, dtype=torch.long).view(len(running), block_size - 1), draft.device)
 
     def followed(self, outputs) -> tuple[int, int]:
         """``(rounds that accepted what the trace planned, rounds checked)`` over ``outputs``: a round

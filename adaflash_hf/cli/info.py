@@ -222,7 +222,7 @@ def _round_costs() -> int:
 
 
 def _profile_cost(args) -> int:
-    from ..engine import Engine
+    from ..engine import Engine, EngineConfig
     from ..engine.cost_cache import cached_round_cost, round_cost_key
     from ..loading import load_models, resolve_device_dtype
 
@@ -230,8 +230,8 @@ def _profile_cost(args) -> int:
         raise UsageError("--profile-cost needs the target", "pass --target PATH_OR_HUB_ID, or --reference")
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     models = load_models(args.target, args.checkpoint, device=device, dtype=dtype, need_drafter=True)
-    engine = Engine(models.target, models.drafter, max_slots=args.max_slots, max_len=1024, token_budget=max(512, 16 * args.max_slots),
-                    cuda_graphs=True)
+    engine = Engine(models.target, models.drafter, EngineConfig(max_slots=args.max_slots, max_len=1024,
+                                                                token_budget=max(512, 16 * args.max_slots), cuda_graphs=True))
     cost = cached_round_cost(engine, refresh=True)
     print("\n".join(_cost_lines(round_cost_key(engine), cost)))
     return 0

@@ -149,7 +149,7 @@ def _api_key(args) -> str | None:
 
 def _service(args, need_drafter: bool):
     """Load the models and build the engine and the completion service; (service, description line)."""
-    from ..engine import Engine
+    from ..engine import Engine, EngineConfig
     from ..serve.server import CompletionService
 
     target, drafter, tok = load_models_from_args(args, need_drafter=need_drafter)
@@ -158,9 +158,9 @@ def _service(args, need_drafter: bool):
     max_len = args.max_len or min(2048, getattr(cfg, "max_position_embeddings", None) or 2048)
     token_budget = args.token_budget or max_len
     try:
-        engine = Engine(target, drafter if need_drafter else None, length_policy=args.length_policy if need_drafter else None,
-                        max_slots=args.max_slots, max_len=max_len, token_budget=token_budget,
-                        decode_steps=args.decode_steps, round_sink=adapter)
+        config = EngineConfig(length_policy=args.length_policy if need_drafter else None, max_slots=args.max_slots,
+                              max_len=max_len, token_budget=token_budget, decode_steps=args.decode_steps, round_sink=adapter)
+        engine = Engine(target, drafter if need_drafter else None, config)
     except ValueError as e:
         raise UsageError(f"cannot serve this model: {one_line(e)}", "the engine drives Qwen3 / Llama-family targets") from None
     engine.warmup(concurrency=args.max_slots)  # capture the decode rounds' graphs before the first request

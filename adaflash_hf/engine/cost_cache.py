@@ -4,11 +4,11 @@ tokens per request, the drafter's body and head, and real rounds' overheads, sec
 path), then read back by every engine of the same key (:func:`round_cost_key`: the models, the device, the dtype, the
 engine's shape and the library versions). Files live beside the kernel tuning cache
 (:func:`~.kernels.tuning_cache.cache_dir` ``("round_cost")``: ``~/.cache/adaflash_hf/round_cost`` by default), written
-atomically. ``Engine(round_cost="measured")`` uses it; ``adaflash info --round-costs`` prints what it holds and
+atomically. ``EngineConfig(round_cost="measured")`` uses it; ``adaflash info --round-costs`` prints what it holds and
 ``adaflash info ... --profile-cost`` measures again.
 
 Example:
-    >>> engine = Engine(target, drafter, cuda_graphs=True, round_cost="measured")  # doctest: +SKIP
+    >>> engine = Engine(target, drafter, EngineConfig(cuda_graphs=True, round_cost="measured"))  # doctest: +SKIP
     >>> engine.round_cost.unit_ms  # doctest: +SKIP
 """
 

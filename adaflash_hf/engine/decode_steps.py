@@ -1,4 +1,4 @@
-"""Plain greedy decoding, up to several steps per device read (``Engine(decode_steps=)``): the ``off`` layout's step,
+"""Plain greedy decoding, up to several steps per device read (``EngineConfig.decode_steps``): the ``off`` layout's step,
 and the one a ``cost`` round the planner makes plain runs (rounds where drafting does not pay,
 :meth:`~adaflash_hf.speculation.length.planner.LengthPlanner.plain_stretch`): the same function, so a plain plan does
 the work of ``off``'s step, plus what resuming drafting needs (module doc of the planner): the target's features of the
@@ -21,27 +21,41 @@ from .lifecycle import NON_FINITE
 from .round_ngrams import index_while
 from .target import PackedLayout
 
-__all__ = ["DecodeSteps"]
+__all__ = ["PlainDecoder"]
 
 
-class DecodeSteps:
-    """Mixin of :class:`~.engine.Engine` (it owns ``decode_steps``, ``graphs``, ``cache``, ``admission``, the counters
-    and the commit / fail / announce / profile methods)."""
+class PlainDecoder:
+    """Plain greedy decode steps, queued back to back behind one device read (:meth:`run`), for an engine's requests.
 
-    def _greedy_steps(self, running) -> int:
-        """How many plain greedy decode steps to queue before the next device read (0: a normal round). Needs the
-        graphs' static path, an empty queue (admission needs a normal round) and greedy requests only."""
-        if self.graphs is None or not running or self._queue or not all(r.params.greedy and r.params.raw_rows for r in running):
-            return 0
-        if self.drafter is not None:
-            return self.planner.plain_stretch(running, self.decode_steps, sink=self.on_round is not None)
-        return min(self.decode_steps, min(r.remaining for r in running))
+    Handed what it works on: the target's ``graphs`` (:class:`.graphs.DecodeGraphs`, static path) and slotted ``cache``,
+    the ``lifecycle`` that commits (:class:`.lifecycle.Lifecycle`), the engine's ``stats`` and phase ``timer``
+    (:mod:`.stats`); with a drafter, the ``drafter`` and its ``draft_graphs``, whose context the steps' features become,
+    and (CUDA) the ``prompt_ngrams`` rule with an ``ngram_event``: the host indexes the requests' n-grams while the
+    stretch's replays run (:func:`.round_ngrams.index_while`) instead of only waiting for the read.
+    Between calls it keeps :attr:`kept`: the requests (and step count) whose features ``graphs.step_hidden`` holds,
+    until a drafting round stores them (:meth:`forget`).
+
+    Example:
+        >>> decoder = PlainDecoder(engine.graphs, engine.cache, engine.lifecycle, engine.stats, engine.timer)  # doctest: +SKIP
+        >>> decoder.run(engine.lifecycle.running, steps=4)  # doctest: +SKIP
+    """
+
+    def __init__(self, graphs, cache, lifecycle, stats, timer, drafter=None, draft_graphs=None, prompt_ngrams=None,
+                 ngram_event=None):
+        self.graphs, self.cache, self.lifecycle, self.stats, self.timer = graphs, cache, lifecycle, stats, timer
+        self.drafter, self.draft_graphs = drafter, draft_graphs
+        self.prompt_ngrams, self.ngram_event = prompt_ngrams, ngram_event
+        self.kept = None  # the requests and step count whose features plain steps keep
+
+    def forget(self) -> None:
+        """A drafting round's body stores what the last stretch kept: the next stretch starts its rows afresh."""
+        self.kept = None
 
     def _kept_offset(self, running, steps: int) -> int:
         """Where this stretch's features go in ``step_hidden``: after the last stretch's, when it ran the same requests
         in the same order, no round came between, and ``steps`` more fit the kept rows and the drafter's context
         buckets (the next body stores them all); else 0, the pending context stored first."""
-        kept = self._kept_stretch
+        kept = self.kept
         if kept is not None and len(kept[0]) == len(running) and all(a is b for a, b in zip(kept[0], running)):
             offset = kept[1]
             if offset + steps <= self.graphs.kept_steps and (offset + steps) * len(running) <= self.draft_graphs.ctx_buckets[-1]:
@@ -59,47 +73,42 @@ class DecodeSteps:
             for r in pending:
                 r.pending_ctx = None
 
-    def _decode_steps(self, running, steps: int) -> bool:
+    def run(self, running, steps: int) -> None:
         """``steps`` plain greedy decode steps for every running request, queued back to back, and one
         device read; each step is committed as a round of one token, exactly as ``steps`` normal rounds would."""
-        n = len(running)
+        n, graphs, stats, mark = len(running), self.graphs, self.stats, self.timer.mark
         layout = PackedLayout.from_cache(self.cache, [r.slot for r in running], [1] * n)
-        self._announce(n, 0, n)
-        self.admission.observe(1.0, sum(len(r.prompt) + r.max_new for r in running) / n)
         offset = 0
         if self.drafter is not None:
             offset = self._kept_offset(running, steps)
-            self.skipped_drafts += steps
-        if self.profile:
-            self._tick("host")
-        new = self.graphs.run_greedy([r.bonus for r in running], layout, steps, offset)
-        if self._ngram_event is not None:  # the host would only wait for the read: index n-grams meanwhile
-            self._ngram_event.record()
-            index_while(self.prompt_ngrams, running, lambda: not self._ngram_event.query())
-        feats = self.graphs.step_hidden
-        if feats is None and self.graphs.hidden is not None:  # one step without kept rows: the plain bucket's
-            feats = self.graphs.hidden[:n][None]
-        self._kept_stretch = (list(running), offset + steps) if self.graphs.step_hidden is not None else None
-        self.forward_tokens.extend([n] * steps)
-        self.num_steps += steps
-        if self.profile:
-            self._tick("target")
+            stats.skipped_drafts += steps
+        mark("host")
+        new = graphs.run_greedy([r.bonus for r in running], layout, steps, offset)
+        event = self.ngram_event
+        if event is not None:  # the host would only wait for the read: index n-grams meanwhile
+            event.record()
+            index_while(self.prompt_ngrams, running, lambda: not event.query())
+        feats = graphs.step_hidden
+        if feats is None and graphs.hidden is not None:  # one step without kept rows: the plain bucket's
+            feats = graphs.hidden[:n][None]
+        self.kept = (list(running), offset + steps) if graphs.step_hidden is not None else None
+        stats.forward_tokens.extend([n] * steps)
+        stats.num_steps += steps
+        mark("target")
         rows = new.tolist()  # the replay's one device read
-        self.host_syncs += 1
-        if self.profile:
-            self._tick("accept")
+        stats.host_syncs += 1
+        mark("accept")
+        commit, fail, advance = self.lifecycle.commit, self.lifecycle.fail, self.cache.advance
         # the fed tokens' features (bonus, then each step's token): the drafter's context, one view per request
         ctx = feats[: offset + steps, :n].unbind(1) if feats is not None else None  # one call, not one slice each
         for i, r in enumerate(running):
-            self.cache.advance(r.slot, steps)  # a request that ends inside frees its slot (length reset) on commit
+            advance(r.slot, steps)  # a request that ends inside frees its slot (length reset) on commit
             if ctx is not None:
                 r.pending_ctx = ctx[i]
             for s in range(steps):
                 if rows[s][i] < 0:  # non-finite logits at this step: this request fails, the others go on
-                    self._fail(r, NON_FINITE)
+                    fail(r, NON_FINITE)
                     break
-                self._commit(r, [rows[s][i]], verify_len=1)
+                commit(r, [rows[s][i]], verify_len=1)
                 if r.output is not None:
                     break
-        return True
-

@@ -8,13 +8,12 @@ One :meth:`Engine.step` is one round for every running request:
    against the round's cost (:class:`~adaflash_hf.speculation.length.cost.RoundCost`), under ``adaptive`` the paper's
    floor rule at a fixed rate (``load_scaled_rate`` on request); a round the planner makes plain decodes as ``off``
    does (:mod:`.decode_steps`);
-2. admit: queued requests whose prompt fits what is left of the token budget, up to the EMA
-   estimate of how many fit (:class:`AdmissionController`);
-3. one packed target forward over the new prompts (prefill) and every running request's bonus +
-   drafts (verify), through the slotted KV cache (:func:`target_forward`);
-4. accept (greedy or speculative sampling on processed distributions; a request's penalties and grammar change
-   its rows first, every verified position alike: :mod:`.processed_rows`, :mod:`.grammar`), commit token by token
-   (EOS / ``max_new_tokens``), advance the caches by what was accepted, free finished slots.
+2. admit: queued requests whose prompt fits what is left of the token budget, up to the EMA estimate of how many fit
+   (:class:`AdmissionController`, :meth:`.lifecycle.Lifecycle.admit`);
+3. one packed target forward over the new prompts (prefill) and every running request's bonus + drafts (verify),
+   through the slotted KV cache (:func:`target_forward`);
+4. accept (greedy or speculative sampling on processed distributions; a request's penalties and grammar change its
+   rows first: :mod:`.processed_rows`, :mod:`.grammar`), commit token by token (:mod:`.lifecycle`).
 
 What a round verifies (:func:`round_layout`, from ``length_policy`` as in ``generate``): ``packed``
 (``adaptive``: each request its own ``k_hat_i``; ``sum_i k_hat_i`` tokens), ``rectangular``
@@ -36,16 +35,13 @@ logprobs or round sink) accepts inside the target's replay too (:meth:`.DecodeGr
 is one slice of its output buffer. The drafter's LM head runs only for the draft positions some request verifies: not at
 all when every ``k_hat`` is 1 or every request has one token left (the round is then plain
 decoding); when the rate alone caps every ``k_hat`` at 1 the drafter layers are skipped
-too and only the new context is stored. ``cuda_graphs=False`` keeps the all-eager reference path (SDPA, any shapes);
-``examples/engine_gpu_check.py`` checks both agree and measures them.
+too and only the new context is stored. ``cuda_graphs=False`` keeps the all-eager reference path (SDPA, any shapes).
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 import warnings
-from collections import Counter, deque
 from typing import Callable
 
 import torch
@@ -53,169 +49,134 @@ import torch
 from ..speculation.hooks import hooks_for, round_callbacks
 from ..speculation.length import LengthPlanner, LengthPolicy, LengthSettings, RoundCost, round_layout
 from ..speculation.prompt_ngrams import PromptNgrams
-from ..speculation.rounds import RoundSink, VerifiedRound
+from ..speculation.rounds import VerifiedRound
 from ..speculation.verify import accept_block
 from .admission import AdmissionController, fit_token_budget
-from .decode_steps import DecodeSteps
+from .config import EngineConfig
+from .decode_steps import PlainDecoder
 from .kernels.attention import BLOCK
 from .drafter import DraftGraphs, append_context, draft_blocks, head_index, make_drafter_cache
-from .round_drafts import RoundDrafts, late_bits, take_late_ratios, unpack_drafts, unpack_read
+from .round_drafts import OWN_DRAFTS, RoundDrafts, late_bits, take_late_ratios, unpack_drafts, unpack_read
 from .kernels.fused import FusedTarget
-from .graphs import DecodeGraphs, to_device
-from .lifecycle import NON_FINITE, RequestLifecycle
+from .graphs import DecodeGraphs
+from .lifecycle import NON_FINITE, Lifecycle
 from .grammar import constrain_round
 from .processed_rows import penalize_round, round_logprobs
 from .requests import EngineOutput, Request, RequestHandle, RequestRejected, StepInfo, check_request
 from .round_ngrams import PROBE_LAG, apply_prompt_ngrams, round_candidates, wide_capacity
 from .sampled_rows import RoundRandom, sample_drafts, sample_round
 from .sampling import SamplingParams
+from .stats import EngineStats, PhaseTimer
 from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
 
-__all__ = ["Engine", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo"]
+__all__ = ["Engine", "EngineConfig", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo"]
 
 
-class Engine(DecodeSteps, RequestLifecycle):
-    """Continuous-batching speculative decoding over a slotted KV cache.
+def _part(part: str, name: str) -> property:
+    """The engine's attribute ``name`` as its part ``part``'s (read and set there)."""
+    return property(lambda self: getattr(getattr(self, part), name),
+                    lambda self, value: setattr(getattr(self, part), name, value),
+                    doc=f"``{part}.{name}``")
+
+
+class Engine:
+    """Continuous-batching speculative decoding over a slotted KV cache, built from one :class:`.config.EngineConfig`.
 
     Args:
         target: a Qwen3 / Llama ``*ForCausalLM`` (eval mode).
         drafter: an :class:`AdaFlashDrafter` bound to ``target``; ``None``: plain decoding.
-        length_policy: ``cost`` (each request's ``k_hat`` from the length head, chosen together against
-            ``round_cost``, packed into one forward), ``adaptive`` (the paper's floor rule on the length head) or
-            ``fixed`` (the whole block, DFlash); the same setting as ``generate``'s; default: ``cost``
-            when the drafter's length head is trained, else ``fixed``; or a
-            :class:`~adaflash_hf.speculation.length.names.LengthSettings` (the loose keywords below override it).
-            Under ``cost`` a round whose requests all decode plainly by their guesses is a plain step, as ``off``'s,
-            without the drafter's body (a probe round runs it to refresh them: first once such rounds have cost four
-            times what a probe adds, then doubling up to what keeps probing within 2% of the time, by ``round_cost``
-            at the batch; :attr:`planner`, :mod:`adaflash_hf.speculation.length.planner`).
-        round_cost: the :class:`~adaflash_hf.speculation.length.cost.RoundCost` the ``cost`` policy weighs, or
-            ``"measured"``: this engine's own (:func:`~.warmup.measure_round_cost`: its graphs and its real rounds, the
-            host's time included), profiled once per models, device, dtype, shape and versions and cached in the
-            user's cache directory (:func:`~.cost_cache.cached_round_cost`). Default: ``"measured"`` under ``cost`` on
-            CUDA's graph path, else :class:`~adaflash_hf.speculation.length.cost.RoundCost`'s default table.
-        rectangular: with ``cost`` / ``adaptive``, pad every request to the round's largest ``k_hat`` (the cost of a
-            padded ``[b, max k_hat]`` batch; for comparison only).
-        max_slots: concurrent requests (KV slots for target and drafter).
-        max_len: positions per slot: ``len(prompt) + max_new_tokens`` must not exceed it.
-        token_budget: most tokens one target forward may carry (prefill + verify).
-        length_rate, length_min: the length head policy (default: the drafter config's).
-        halving_batch: ``None`` (default) keeps the rate fixed, as the paper does (load is left to
-            admission); a batch size scales the rate down with the batch instead
-            (``load_scaled_rate(length_rate, batch, halving_batch)``: half the rate at that batch).
-        ema_beta: admission EMA weight.
-        round_sink: receives every verified round, and every finished (not cancelled) request when it
-            has ``on_request`` (default: an OnlineAdapter attached to the drafter).
-        step_hook: called with a :class:`StepInfo` before each target forward (tests, metrics).
-        cuda_graphs: decode and drafter forwards as CUDA graphs per bucket with split-KV Triton attention
-            (flex_attention without Triton) (default: on when the target is on CUDA). ``True`` on CPU runs the same static, padded
-            bucket forwards eagerly with SDPA (what the CPU tests check); ``False`` is the eager
-            reference path.
-        fused_kernels: run the target's layers (and the drafter's, on the CUDA-graph path) with fused projections and elementwise kernels
-            (:class:`~.kernels.fused.FusedTarget`: q/k/v and gate/up weights become views of one tensor per
-            layer; elementwise math compiled on CUDA). Kept off automatically, with the reason in
-            :attr:`fusion_note` and a warning, for layers that are not the stock Qwen3 / Llama math (e.g.
-            LoRA, a hook that may change a forward; transformers' output-capturing hooks do not count).
-        decode_steps: ``off`` mode, and the ``cost`` policy's plain stretches, with graphs: while nothing waits for
-            admission and every running request is greedy (and, under ``cost``, the last ratios say every request
-            decodes plainly), queue up to this many decode steps (no more than any request's remaining
-            tokens; one graph replay each, launched while the previous runs) and read them back once
-            (:meth:`.DecodeGraphs.run_greedy`). The host's per-step work, the device read and the
-            exposed launch then come once per ``decode_steps`` tokens.
-            Outputs are unchanged (tokens past a request's end are computed and dropped); streaming
-            callbacks and cancellations act at that granularity. 1 turns it off.
-        profile: time each step's phases (``phase_seconds``: draft, target, accept, host), with a
-            device synchronisation at every phase boundary (measurement only: it adds syncs).
-        prompt_ngrams: the prompt n-gram rule beside the drafter, as ``generate``'s (:mod:`adaflash_hf.speculation.prompt_ngrams`;
-            0: off; default: greedy requests only, n-grams up to 4). Off while a round sink or
-            ``draft_replay`` is set (they read the drafter's own drafts).
-        draft_replay: acceptance replay for benchmarks (:class:`adaflash_hf.bench.replay.DraftReplay`):
-            after the drafter's real forward, its length-head ratios and drafted tokens are replaced by a
-            trace's (greedy requests only; outputs stay those of plain greedy decoding).
+        config: the settings (:class:`.config.EngineConfig`; default: every default).
+        **overrides: settings by name on top of ``config`` (``Engine(t, d, max_slots=8)`` is
+            ``Engine(t, d, EngineConfig.of(None, max_slots=8))``: the same config, built the one way).
+
+    Its parts, each built alone from what it is handed: the :attr:`planner` (verify lengths), the :attr:`lifecycle`
+    (queue, running requests, commit / finish / fail / cancel), :attr:`plain` (queued plain greedy steps,
+    :mod:`.decode_steps`), the caches and graphs, the counters (:attr:`stats`) and the phase timer profiling switches
+    (:attr:`timer`); a :class:`.round_drafts.DraftSource` (``draft_replay``) may stand in for the drafter's ratios and
+    drafts. :meth:`_step` is the round that composes them.
 
     Faults (:mod:`.lifecycle`): a request whose callback raises or whose distribution is not finite ends
     alone with ``finish_reason="error"``; a failed round fails the requests in flight and sets
     :attr:`healthy` to False (:attr:`last_error` says why). ``step()`` itself does not raise for either.
 
     Example:
-        >>> engine = Engine(target, drafter, length_policy="adaptive", max_slots=8, max_len=256)  # doctest: +SKIP
+        >>> config = EngineConfig(length_policy="adaptive", max_slots=8, max_len=256)
+        >>> engine = Engine(target, drafter, config)  # doctest: +SKIP
         >>> [o.token_ids for o in engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)]  # doctest: +SKIP
+        >>> plain = Engine(target, None, config, length_policy=None, max_slots=4)  # doctest: +SKIP
     """
 
-    def __init__(self, target, drafter=None, length_policy: str | None = None, rectangular: bool = False,
-                 max_slots: int = 16, max_len: int = 1024,
-                 token_budget: int = 512, length_rate: float | None = None, length_min: int | None = None,
-                 halving_batch: int | None = None, ema_beta: float = 0.2, round_sink: RoundSink | None = None,
-                 step_hook: Callable[[StepInfo], None] | None = None, cuda_graphs: bool | None = None,
-                 fused_kernels: bool = True, decode_steps: int = 8, profile: bool = False, draft_replay=None,
-                 round_cost: RoundCost | str | None = None, prompt_ngrams: int | PromptNgrams | None = None):
-        settings = LengthSettings.of(length_policy if isinstance(length_policy, LengthSettings) else None,
-                                     length_policy=None if isinstance(length_policy, LengthSettings) else length_policy,
-                                     length_rate=length_rate, length_min=length_min, halving_batch=halving_batch)
-        layout = round_layout(drafter, settings.policy, rectangular)
+    def __init__(self, target, drafter=None, config: EngineConfig | None = None, **overrides):
+        self.config = config = EngineConfig.of(config, **overrides)
+        settings = config.length_settings
+        layout = round_layout(drafter, settings.policy, config.rectangular)
         if drafter is None and settings.given:
             raise ValueError(f"{', '.join(settings.given)} need a drafter (without one the engine decodes plainly)")
-        if round_cost is not None and not isinstance(round_cost, RoundCost) and round_cost != "measured":
-            raise ValueError(f"round_cost must be a RoundCost, 'measured' or None, got {round_cost!r}")
         settings = settings.resolved(drafter) if drafter is not None else LengthSettings(LengthPolicy.FIXED, 1.0, 1)
-        block = drafter.config.block_size if drafter is not None else 1
-        self.planner = LengthPlanner(settings, block, round_cost if isinstance(round_cost, RoundCost) else None, layout)
-        if decode_steps < 1:
-            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+        round_cost = config.round_cost
+        self.block_size = drafter.config.block_size if drafter is not None else 1
+        self.planner = LengthPlanner(settings, self.block_size, round_cost if isinstance(round_cost, RoundCost) else None,
+                                     layout)
         check_target_supported(target)
         if drafter is not None:
             drafter.check_target(target)
             if not drafter.is_bound_to(target):
                 drafter.bind_target(target)
         self.target, self.drafter, self.layout = target, drafter, layout
-        self.max_slots, self.max_len, self.token_budget = max_slots, max_len, token_budget
-        self.draft_replay = draft_replay
-        self.prompt_ngrams = PromptNgrams.of(prompt_ngrams)
-        self.ngram_used = torch.zeros((), dtype=torch.long)  # request-rounds that verified a candidate (device)
+        self.max_slots, self.max_len, self.token_budget = config.max_slots, config.max_len, config.token_budget
+        self.draft_source = config.draft_replay if config.draft_replay is not None else OWN_DRAFTS
+        self.prompt_ngrams = PromptNgrams.of(config.prompt_ngrams)
         self.device = next(target.parameters()).device
         self.random = RoundRandom(self.device)  # unseeded sampled requests' draws (sampled_rows)
-        self.block_size = self.drafter.config.block_size if self.drafter is not None else 1
+        self.stats = EngineStats()
+        self.timer = PhaseTimer(self.device, config.profile)
         # The widest verify a request sends: the block, or a prompt n-gram candidate under `max_width` (fixed here:
         # the graphs' buckets follow it), within one tile of the decode attention kernel.
         self.max_q = max(self.block_size, wide_capacity(self.prompt_ngrams, target) + 1) if drafter is not None else self.block_size
-        self.wide_rounds = 0  # rounds that verified past the block (`PromptNgrams.max_width`)
-        self.whole_rounds = 0  # drafting rounds that verified whole blocks chosen before their ratios (Plan.whole)
-        cfg = self.drafter.config if self.drafter is not None else None
-        self.hidden_layers = list(cfg.target_layer_ids) if cfg is not None else None
-        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        self.hidden_layers = list(drafter.config.target_layer_ids) if drafter is not None else None
+        self.cuda_graphs = self.device.type == "cuda" if config.cuda_graphs is None else bool(config.cuda_graphs)
         # several plain steps per read: `off`, and the cost policy's plain stretches (both need the graphs' static path)
-        self.decode_steps = decode_steps if self.cuda_graphs and (layout == "off" or self.policy is LengthPolicy.COST) else 1
-        self.fused, self.fusion_note = FusedTarget.build(target) if fused_kernels else (None, "fused_kernels=False")
-        if fused_kernels and self.fused is None:  # asked for and refused: never silently at half speed
+        self.decode_steps = config.decode_steps if self.cuda_graphs and (layout == "off" or self.policy is LengthPolicy.COST) else 1
+        self.fused, self.fusion_note = FusedTarget.build(target) if config.fused_kernels else (None, "fused_kernels=False")
+        if config.fused_kernels and self.fused is None:  # asked for and refused: never silently at half speed
             warnings.warn(f"Engine: fused kernels off, the target's layers run through its modules: {self.fusion_note}",
                           RuntimeWarning, stacklevel=2)
-        self._build_caches(max_slots, max_len, token_budget)
+        self._build_caches(config.max_slots, config.max_len, config.token_budget)
         per_req = {"off": 1.0, "fixed": float(self.block_size)}.get(layout, max(1.0, self.block_size * settings.rate / 2))
-        self.admission = AdmissionController(max_slots, max_len, token_budget, per_req, beta=ema_beta)
+        self.admission = AdmissionController(config.max_slots, config.max_len, config.token_budget, per_req,
+                                             beta=config.ema_beta)
         # Verified rounds and finished requests go to `round_sink`, else to the drafter's registered hooks.
-        self.on_round, self.on_request = round_callbacks(round_sink, self.drafter) if self.drafter is not None else (None, None)
-        self.step_hook = step_hook
-        self._queue: deque[Request] = deque()
-        self._running: list[Request] = []
-        self._ids = itertools.count()
-        self._in_step = False
-        self._kept_stretch = None  # the requests and step count whose features plain steps keep (decode_steps)
-        self._graph_accept = False  # this round accepts inside the target's replay (_accepts_in_graph)
+        self.on_round, on_request = round_callbacks(config.round_sink, drafter) if drafter is not None else (None, None)
+        self.step_hook = config.step_hook
+        self.lifecycle = Lifecycle(self.cache, self.dcache, on_request)
+        self._queue, self._running = self.lifecycle.queue, self.lifecycle.running  # the lifecycle's, read every round
         # a plain stretch's host indexes prompt n-grams until its replays end (decode_steps): CUDA only
         self._ngram_event = (torch.cuda.Event() if self.device.type == "cuda" and self.cuda_graphs and drafter is not None
-                             and self.prompt_ngrams.enabled and draft_replay is None else None)
-        self.num_steps = 0
-        self.forward_tokens: list[int] = []  # tokens per target forward (benchmarks, tests)
-        self.skipped_drafts = 0  # rounds whose drafter forward was skipped (nothing could be verified)
-        self.host_syncs = 0  # device -> host reads the round logic makes (1 per fixed round, 2 with the length head)
-        self.profile = profile
-        self.phase_seconds: Counter = Counter()  # with profile=True: draft / target / accept / host
-        self.profiled_steps = 0
-        self._t_last = 0.0
+                             and self.prompt_ngrams.enabled and config.draft_replay is None else None)
+        self.plain = PlainDecoder(self.graphs, self.cache, self.lifecycle, self.stats, self.timer, drafter, self.draft_graphs,
+                                  self.prompt_ngrams if self._ngram_event is not None else None, self._ngram_event)
+        self._ids = itertools.count()
+        self._graph_accept = False  # this round accepts inside the target's replay (_accepts_in_graph)
         if round_cost is None or isinstance(round_cost, str):  # "measured", or the default: cost_cache says
             from .cost_cache import measure_if_asked
 
             measure_if_asked(self, round_cost)
+
+    # What the parts count and hold, shown as the engine's own attributes (benchmarks, tests, the server's health).
+    num_steps = _part("stats", "num_steps")
+    forward_tokens = _part("stats", "forward_tokens")
+    skipped_drafts = _part("stats", "skipped_drafts")
+    host_syncs = _part("stats", "host_syncs")
+    whole_rounds = _part("stats", "whole_rounds")
+    wide_rounds = _part("stats", "wide_rounds")
+    ngram_used = _part("stats", "ngram_used")  # request-rounds that verified a prompt n-gram candidate (device)
+    phase_seconds = _part("timer", "seconds")  # with profile on: draft / target / accept / host
+    profiled_steps = _part("timer", "steps")
+    profile = _part("timer", "enabled")  # settable: time each step's phases from the next step on
+    on_request = _part("lifecycle", "on_request")
+    healthy = _part("lifecycle", "healthy")  # False after a round failed as a whole (sticky: restart the engine)
+    last_error = _part("lifecycle", "last_error")  # that failure, "ExceptionType: message"
+    failure = _part("lifecycle", "failure")  # that failure's exception (an AsyncEngine re-raises it)
 
     @property
     def policy(self) -> LengthPolicy | None:
@@ -298,13 +259,12 @@ class Engine(DecodeSteps, RequestLifecycle):
         w = self.prompt_ngrams.max_width
         return None if w is None or not self.prompt_ngrams.enabled else min(w, self.max_q - 1)
 
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
+    def _cancel(self, req: Request) -> None:
+        """What a :class:`RequestHandle`'s ``cancel()`` asks (:meth:`.lifecycle.Lifecycle.cancel`)."""
+        self.lifecycle.cancel(req)
 
-    @property
-    def num_queued(self) -> int:
-        return len(self._queue)
+    num_running = property(lambda self: len(self._running))
+    num_queued = property(lambda self: len(self._queue))
 
     @property
     def idle(self) -> bool:
@@ -317,47 +277,34 @@ class Engine(DecodeSteps, RequestLifecycle):
     # ------------------------------------------------------------------ the round
     @torch.no_grad()
     def step(self) -> bool:
-        """One round for every running request (and prefill for newly admitted ones).
-
-        Returns False when there was nothing to do.
-        """
-        if self._in_step:
+        """One round for every running request (and prefill for newly admitted ones); False: nothing to do."""
+        lifecycle, timer = self.lifecycle, self.timer
+        if lifecycle.in_step:
             raise RuntimeError("Engine.step is not reentrant (called from a callback?)")
-        self._in_step = True
+        lifecycle.in_step = True
         try:
-            if self.profile:
-                self._tick(None)
+            timer.mark(None)
             try:
                 did = self._step()
             except Exception as e:  # noqa: BLE001 - the round failed as a whole (forward, kernel, OOM)
-                self._fail_round(e)
+                lifecycle.fail_round(e)
                 did = True
-            if self.profile:
-                self._tick("host")
-                self.profiled_steps += int(did)
+            timer.end_step(did)
             return did
         finally:
-            self._in_step = False
-            self._reap_cancelled()
-
-    def _tick(self, phase: str | None) -> None:
-        """``profile=True``: charge the time since the last tick to ``phase`` (after a device sync)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        if phase is not None:
-            self.phase_seconds[phase] += now - self._t_last
-        self._t_last = now
+            lifecycle.in_step = False
+            lifecycle.reap()
 
     def _step(self) -> bool:
-        self._reap_cancelled()
+        self.lifecycle.reap()
         running = list(self._running)
         if not running and not self._queue:
             return False
         steps = self._greedy_steps(running)
         if steps:
-            return self._decode_steps(running, steps)
-        self._kept_stretch = None  # this round's body stores the features plain steps kept (decode_steps)
+            return self._plain_steps(running, steps)
+        self.plain.forget()  # this round's body stores the features plain steps kept
+        stats, mark = self.stats, self.timer.mark
 
         # 1. Draft and choose verify lengths (the adaptive policy reads them back); the drafts stay on the device.
         drafts = self._draft(running)
@@ -371,42 +318,62 @@ class Engine(DecodeSteps, RequestLifecycle):
         layout = PackedLayout.from_cache(self.cache, [s for s, _ in segs], [len(t) for _, t in segs])
         self._announce(layout.num_tokens, len(admitted), len(running))
         verify_inputs = drafts.verify_inputs([r.params.greedy for r in running], len(admitted), self.device)
-        self._graph_accept = in_graph = self._accepts_in_graph(admitted, running, drafts)
-        if self.profile:
-            self._tick("host")
+        self._graph_accept = self._accepts_in_graph(admitted, running, drafts)
+        mark("host")
         logits, hidden = self._target_forward(segs, layout, len(admitted), verify_inputs)
         drafted = verify_inputs[1] if verify_inputs is not None else None
         penalize_round(logits, len(admitted), running, drafts.q_lens, drafted)  # before anything reads the rows
         constrain_round(logits, admitted, running, drafts.q_lens, drafted)
-        self.forward_tokens.append(layout.num_tokens)
-        self.num_steps += 1
-        if self.profile:
-            self._tick("target")
+        stats.forward_tokens.append(layout.num_tokens)
+        stats.num_steps += 1
+        mark("target")
 
         # 4. Accept on the device (the shared verify step; greedy decode-only rounds: inside the target's replay), then
-        # one read: first tokens, accepted, next tokens, fault flags, verified draft lengths, drafts.
-        if in_graph:
+        # the round's one read.
+        read, vlogits, scored = self._accept_and_read(logits, layout, admitted, running, drafts, verify_inputs)
+        stats.host_syncs += 1
+        mark("accept")
+
+        # 5. Commit: prefills' first tokens, then each verify's accepted drafts + the target's next token.
+        self._commit_round(admitted, running, drafts, read, vlogits, hidden, layout.offsets, scored)
+        return True
+
+    def _greedy_steps(self, running) -> int:
+        """How many plain greedy decode steps to queue before the next device read (0: a normal round). Needs the
+        graphs' static path, an empty queue (admission needs a normal round) and greedy requests only."""
+        if self.graphs is None or not running or self._queue or not all(r.params.greedy and r.params.raw_rows for r in running):
+            return 0
+        if self.drafter is not None:
+            return self.planner.plain_stretch(running, self.decode_steps, sink=self.on_round is not None)
+        return min(self.decode_steps, min(r.remaining for r in running))
+
+    def _plain_steps(self, running, steps: int) -> bool:
+        """``steps`` plain greedy steps of ``running`` behind one read (:class:`.decode_steps.PlainDecoder`)."""
+        n = len(running)
+        self._announce(n, 0, n)
+        self.admission.observe(1.0, sum(len(r.prompt) + r.max_new for r in running) / n)
+        self.plain.run(running, steps)
+        return True
+
+    def _accept_and_read(self, logits, layout: PackedLayout, admitted, running, drafts: RoundDrafts, verify_inputs):
+        """Accept on the device, then the round's one read (first tokens, accepted, next tokens, fault flags, verified
+        draft lengths, drafts: :meth:`_commit_round`'s ``read``), the verify logits a round sink is given (else
+        ``None``) and the logprobs of the requests that asked (:class:`.processed_rows.RoundLogprobs`, unread; ``None``)."""
+        if self._graph_accept:
             verdict, bins = self.graphs.verdict_rows(layout.num_tokens), self.graphs.requests
             bits = late_bits(drafts)
             host = self._read_and_chain(torch.cat([verdict, *bits]) if bits else verdict, running, admitted, drafts,
                                         verdict[: len(running)], verdict[bins : bins + len(running)])
             host = take_late_ratios(self.planner, running, drafts, host)
-            read, vlogits, scored = ([], [], *self.graphs.read_verdict(host, drafts.q_lens)), None, None
-        else:
-            first, accepted, next_tokens, bad, dl, vlogits = self._accept(logits, admitted, running, drafts, verify_inputs)
-            scored = round_logprobs(logits, admitted, running, drafts.q_lens, drafted, first, accepted, next_tokens)
-            packed = torch.cat([first, accepted, next_tokens, bad.long(), dl, drafts.tokens.flatten(), *late_bits(drafts)])
-            packed = take_late_ratios(self.planner, running, drafts, self._read_and_chain(packed, running, admitted, drafts,
-                                                                                         accepted, next_tokens))
-            read = unpack_read(packed, len(admitted), len(running), drafts.tokens.shape[1])
-        self.host_syncs += 1
-        if self.profile:
-            self._tick("accept")
-
-        # 5. Commit: prefills' first tokens, then each verify's accepted drafts + the target's next token.
-        self._commit_round(admitted, running, drafts, read, vlogits, hidden, layout.offsets,
-                           scored.read() if scored is not None else {})
-        return True
+            return ([], [], *self.graphs.read_verdict(host, drafts.q_lens)), None, None
+        drafted = verify_inputs[1] if verify_inputs is not None else None
+        first, accepted, next_tokens, bad, dl, vlogits = self._accept(logits, admitted, running, drafts, verify_inputs)
+        scored = round_logprobs(logits, admitted, running, drafts.q_lens, drafted, first, accepted, next_tokens)
+        packed = torch.cat([first, accepted, next_tokens, bad.long(), dl, drafts.tokens.flatten(), *late_bits(drafts)])
+        packed = take_late_ratios(self.planner, running, drafts, self._read_and_chain(packed, running, admitted, drafts,
+                                                                                     accepted, next_tokens))
+        read = unpack_read(packed, len(admitted), len(running), drafts.tokens.shape[1])
+        return read, vlogits, scored
 
     def _accepts_in_graph(self, admitted, running, drafts: RoundDrafts) -> bool:
         """Whether this round's acceptance runs inside the target's decode replay (:meth:`.DecodeGraphs.run`'s
@@ -422,7 +389,7 @@ class Engine(DecodeSteps, RequestLifecycle):
         the host waits for the copy and commits, and the next round takes that body if it drafts for the same requests.
         A round of bonus tokens only chains nothing: under ``cost`` the next round is likely plain too (no body)."""
         if not (self.draft_graphs is not None and self.draft_graphs.chain_source is not None and self.layout != "off"
-                and running and not admitted and self.on_round is None and self.draft_replay is None
+                and running and not admitted and self.on_round is None and self.draft_source.own_drafts
                 and max(drafts.q_lens) > 1):
             return packed.tolist()
         copied = None
@@ -445,33 +412,36 @@ class Engine(DecodeSteps, RequestLifecycle):
                                     self.max_slots - self.cache.num_free, self.max_slots, self.admission.n_hat))
         assert num_tokens <= self.token_budget
 
-    def _commit_round(self, admitted, running, drafts: RoundDrafts, read: tuple, vlogits, hidden, offs,
-                      scored: dict) -> None:
+    def _commit_round(self, admitted, running, drafts: RoundDrafts, read: tuple, vlogits, hidden, offs, scored) -> None:
         """Advance the target cache over what was accepted, hand the new features to the drafter, emit
         each verified round, commit tokens; fail (alone) each request whose fault flag is set. ``read``: host lists of
         the prefills' first tokens and fault flags, then the verifies' accepted counts, next tokens, fault flags,
-        verified draft lengths and drafts (a list per request); ``scored``: request id -> its rows' logprobs (the
-        requests that asked)."""
+        verified draft lengths and drafts (a list per request); ``scored``: the logprobs of the requests that asked
+        (read here: request id -> rows), or ``None``."""
         first, bad_first, accepted, next_tokens, bad, dl, rows = read
+        scored = scored.read() if scored is not None else {}
+        commit, fail, advance, observe = self.lifecycle.commit, self.lifecycle.fail, self.cache.advance, self.planner.observe
         for j, r in enumerate(admitted):  # the prompt's features become the drafter's first context
             if bad_first[j]:
-                self._fail(r, NON_FINITE)
+                fail(r, NON_FINITE)
                 continue
-            self.cache.advance(r.slot, len(r.prompt))
+            advance(r.slot, len(r.prompt))
             if hidden is not None:
                 r.pending_ctx = hidden[offs[j] : offs[j + 1]]
-            self._commit(r, [first[j]], logprobs=scored.get(r.id))
+            commit(r, [first[j]], logprobs=scored.get(r.id))
         base = len(admitted)
         for i, (r, a) in enumerate(zip(running, accepted)):
             if bad[i]:
-                self._fail(r, NON_FINITE)
+                fail(r, NON_FINITE)
                 continue
             if self.on_round is not None:
                 self._emit_round(r, drafts, rows[i], vlogits, i, dl[i], a)
-            self.cache.advance(r.slot, a + 1)
+            advance(r.slot, a + 1)
             if hidden is not None:
                 r.pending_ctx = hidden[offs[base + i] : offs[base + i] + a + 1]
-            self._commit(r, rows[i][:a] + [next_tokens[i]], verify_len=dl[i] + 1, logprobs=scored.get(r.id))
+            emitted = commit(r, rows[i][:a] + [next_tokens[i]], verify_len=dl[i] + 1, logprobs=scored.get(r.id))
+            if emitted:  # what the round says of the request's acceptance (a failed commit says nothing)
+                observe(r, emitted - 1, dl[i] + 1)
 
     def _draft(self, running) -> RoundDrafts:
         """Drafts and verify lengths for ``running`` (trimmed to the token budget); sampled requests draw
@@ -484,10 +454,9 @@ class Engine(DecodeSteps, RequestLifecycle):
         else:
             draft = torch.zeros(n, max(self.block_size - 1, 0), dtype=torch.long, device=self.device)
             draft_len = torch.zeros(n, dtype=torch.long)
-        if self.profile:
-            self._tick("draft")
+        self.timer.mark("draft")
         cands = None
-        if n and self.drafter is not None and self.prompt_ngrams.enabled and self.on_round is None and self.draft_replay is None:
+        if n and self.drafter is not None and self.prompt_ngrams.enabled and self.on_round is None and self.draft_source.own_drafts:
             # a probe amid plain decoding (the last drafted ratios said plain) does not stall on indexing: the plain
             # stretches index while the device runs
             behind = PROBE_LAG if self._ngram_event is not None and self.planner.drafted_plain else None
@@ -499,34 +468,22 @@ class Engine(DecodeSteps, RequestLifecycle):
         draft_len = torch.minimum(draft_len, caps)
         dl_host, caps = draft_len.tolist(), caps.tolist()
         q_lens = [max(caps) + 1] * n if self.layout == "rectangular" and n else [c + 1 for c in caps]
-        self.wide_rounds += int(n > 0 and max(q_lens) > self.block_size)
+        self.stats.wide_rounds += int(n > 0 and max(q_lens) > self.block_size)
         drafts = RoundDrafts(draft, finite, draft_len, q_lens, draft_logits, offsets, ratio,
                              late_ratio=self._late and ratio is not None)
         drafts.sampled = sample_drafts(running, drafts, dl_host, self.random)
         if cands is not None:
             used = apply_prompt_ngrams(running, drafts, cands, self.wide_width, caps)
             if used is not None:
-                self.ngram_used = self.ngram_used.to(used.device) + used
+                self.stats.ngram_used = self.stats.ngram_used.to(used.device) + used
         return drafts
 
     def _admit(self, running, verify_tokens: int) -> list[Request]:
-        """Queued requests that fit next to ``running`` this round (slots allocated, state ``running``)."""
+        """Queued requests that fit next to ``running`` this round: the EMA fit, then the hard limits."""
         n = len(running)
         if n:
             self.admission.observe(verify_tokens / n, sum(len(r.prompt) + r.max_new for r in running) / n)
-        admitted: list[Request] = []
-        left = self.token_budget - verify_tokens
-        while (self._queue and self.cache.num_free > 0 and n + len(admitted) < self.admission.limit
-               and len(self._queue[0].prompt) <= left):
-            req = self._queue.popleft()
-            req.slot = self.cache.alloc()
-            if self.dcache is not None:
-                self.dcache.alloc(req.slot)  # the drafter's context cache uses the same slot id
-            req.state = "running"
-            self._running.append(req)  # in flight from here: a failed round fails it too
-            admitted.append(req)
-            left -= len(req.prompt)
-        return admitted
+        return self.lifecycle.admit(n, self.admission.limit, self.token_budget - verify_tokens)
 
     def _accept(self, logits, admitted, running, drafts: RoundDrafts, verify_inputs):
         """Prefill first tokens, accepted counts, next tokens and per-request fault flags (prefills, then
@@ -587,7 +544,7 @@ class Engine(DecodeSteps, RequestLifecycle):
         request verifies (the longest draft's width for all in the rectangular layout), and not at all when every
         ``k_hat`` is 1. When the planner's plan is plain (:meth:`.LengthPlanner.plan`), the body is skipped too:
         context only. Sets ``_late`` when the round verifies whole blocks chosen before its ratios (read at its end)."""
-        d = self.drafter
+        d, stats, source = self.drafter, self.stats, self.draft_source
         B = self.block_size
         n = len(running)
         plan = self.planner.plan(running, sink=self.on_round is not None)
@@ -609,17 +566,17 @@ class Engine(DecodeSteps, RequestLifecycle):
             if not skip:
                 remaining = torch.tensor([r.remaining for r in running])
                 adaptive = self.layout != "fixed" and ratio is not None
-                if adaptive and self.draft_replay is not None:
-                    ratio = self.draft_replay.ratios(running, ratio, B)
+                if adaptive:
+                    ratio = source.ratios(running, ratio, B)
                 # whole blocks chosen on the last ratios: this round's come with its one read instead of in between
                 self._late = late = adaptive and plan.whole
                 k_hat = self.planner.lengths(running, ratio if adaptive and not late else None)  # read 1 when adaptive
-                self.host_syncs += int(adaptive and not late)
-                self.whole_rounds += int(late)
+                stats.host_syncs += int(adaptive and not late)
+                stats.whole_rounds += int(late)
                 draft_len = torch.minimum(k_hat - 1, remaining - 1).clamp(min=0)
             width = int(draft_len.max()) if n else 0
             if width == 0:  # nothing to verify: no draft logits (the LM head is most of a drafter step)
-                self.skipped_drafts += 1
+                stats.skipped_drafts += 1
                 return torch.zeros(n, B - 1, dtype=torch.long, device=self.device), None, None, None, ratio, draft_len
             counts = [width] * n if self.layout == "rectangular" else draft_len.tolist()
             if self.draft_graphs is not None:
@@ -632,11 +589,7 @@ class Engine(DecodeSteps, RequestLifecycle):
                 tokens = torch.nan_to_num(logits).argmax(dim=-1)
                 offsets = [0, *itertools.accumulate(counts)]
         draft, finite_rows = unpack_drafts(tokens, finite, counts, B - 1)  # on the device: nothing is read here
-        if self.draft_replay is not None:  # the harness's drafts, planned on the host from the references
-            host = torch.zeros(n, B - 1, dtype=torch.long)
-            self.draft_replay.drafts(running, host, B)
-            draft = to_device(host, self.device)
-        return draft, finite_rows, logits, offsets, ratio, draft_len
+        return source.drafts(running, draft, B), finite_rows, logits, offsets, ratio, draft_len
 
     def _emit_round(self, r: Request, drafts: RoundDrafts, row: list[int], vlogits: torch.Tensor, i: int, draft_len: int,
                     accepted: int) -> None:

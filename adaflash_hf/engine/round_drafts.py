@@ -10,6 +10,7 @@ forward, so the host never waits for the drafter's head before queuing the targe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -17,7 +18,42 @@ import torch
 from .graphs import to_device
 from .target import segments
 
-__all__ = ["RoundDrafts", "SampledDrafts", "late_bits", "take_late_ratios", "unpack_drafts", "unpack_read"]
+__all__ = ["DraftSource", "OWN_DRAFTS", "OwnDrafts", "RoundDrafts", "SampledDrafts", "late_bits", "take_late_ratios", "unpack_drafts", "unpack_read"]
+
+
+class DraftSource(Protocol):
+    """Where a round's length-head ratios and drafted tokens come from, after the drafter's real forward: the seam an
+    engine is given (``EngineConfig.draft_replay``) to replay a trace in their place (benchmarks:
+    :class:`adaflash_hf.bench.replay.DraftReplay`). ``own_drafts``: the drafts are the drafter's own (the prompt n-gram
+    rule and the chained next body build on them only then)."""
+
+    own_drafts: bool
+
+    def ratios(self, running, ratio: torch.Tensor, block_size: int) -> torch.Tensor:
+        """This round's ratios ``[n]`` (on ``ratio``'s device) for ``running``, given the head's ``ratio``."""
+
+    def drafts(self, running, draft: torch.Tensor, block_size: int) -> torch.Tensor:
+        """This round's drafts ``[n, block_size - 1]`` (on ``draft``'s device), given the drafter's ``draft``."""
+
+
+class OwnDrafts:
+    """The drafter's own ratios and drafts, as they come: an engine's default :class:`DraftSource`.
+
+    Example:
+        >>> OWN_DRAFTS.ratios([], torch.ones(2), 16).tolist(), OWN_DRAFTS.own_drafts
+        ([1.0, 1.0], True)
+    """
+
+    own_drafts = True
+
+    def ratios(self, running, ratio: torch.Tensor, block_size: int) -> torch.Tensor:
+        return ratio
+
+    def drafts(self, running, draft: torch.Tensor, block_size: int) -> torch.Tensor:
+        return draft
+
+
+OWN_DRAFTS = OwnDrafts()
 
 
 def unpack_drafts(tokens: torch.Tensor, finite: torch.Tensor, counts: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:

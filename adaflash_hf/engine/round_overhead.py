@@ -23,6 +23,7 @@ import torch
 
 from ..speculation.length import LengthPolicy, RoundCost
 from ..speculation.length.planner import PLAIN_PROBE_ROUNDS
+from .round_drafts import OWN_DRAFTS
 
 __all__ = ["measure_overheads", "measure_room", "quiet"]
 
@@ -39,7 +40,7 @@ def quiet(engine, **overrides):
     value) in force meanwhile.
 
     Example:
-        >>> with quiet(engine, draft_replay=None):  # doctest: +SKIP
+        >>> with quiet(engine, draft_source=OWN_DRAFTS):  # doctest: +SKIP
         ...     engine.generate([[1, 2, 3]], max_new_tokens=4)
     """
     saved = {k: getattr(engine, k) for k in _SAVED + ("planner",) + tuple(overrides)}
@@ -147,7 +148,7 @@ def measure_overheads(engine, cost: RoundCost, base_s: float, context: int, reps
     spec, plain, unread = [], [], []
     # Drafting rounds are timed as the cost rule must assume them when it weighs lengths (reading their ratios
     # mid-round), then as whole-block stretches (skipping that read).
-    with quiet(engine, draft_replay=None):
+    with quiet(engine, draft_source=OWN_DRAFTS):
         planner = engine.planner  # the copy quiet lends
         policy = LengthPolicy.COST if plain_ok else planner.policy
         planner.settings = dataclasses.replace(planner.settings, policy=policy, min_len=1)

@@ -125,7 +125,7 @@ def measure_round_cost(engine, rows: Sequence[int] | None = None, tokens_per_row
     without the mid-round read of its ratios), less what those graphs account for: the overheads
     (:func:`.round_overhead.measure_overheads`, ``reps`` rounds each).
     Needs an idle engine with the graph path (``cuda_graphs`` on); what it borrows is freed after. Defaults:
-    powers of two up to ``max_slots`` and the block size. Pass the result as ``Engine(..., round_cost=...)`` or set
+    powers of two up to ``max_slots`` and the block size. Pass the result as ``EngineConfig(round_cost=...)`` or set
     ``engine.round_cost``.
 
     Example:

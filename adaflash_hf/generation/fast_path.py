@@ -142,7 +142,7 @@ def _engine_for(model, drafter, length: LengthSettings, rows: int, max_len: int,
                 width: int | None = None) -> _Cached:
     """The cached engine for these models and verify-length settings (resolved) if it fits the call, else a new one
     (replacing it); ``width``: the prompt n-gram rule's ``max_width`` the engine must take (its graphs' widest verify)."""
-    from ..engine import Engine
+    from ..engine import Engine, EngineConfig
 
     def pow2(n: int, floor: int) -> int:
         return max(floor, 1 << max(0, n - 1).bit_length())
@@ -159,8 +159,10 @@ def _engine_for(model, drafter, length: LengthSettings, rows: int, max_len: int,
                 _ENGINES.move_to_end(key)
                 return hit
         with torch.inference_mode(False):  # see engine_decoding: the engine is reused outside this call's mode
-            engine = Engine(model, drafter, length_policy=length, max_slots=pow2(rows, 1), max_len=pow2(max_len, 256),
-                            token_budget=pow2(budget, 64), cuda_graphs=True, prompt_ngrams=PromptNgrams(max_width=width))  # off CUDA: the same static bucket forwards, eagerly
+            config = EngineConfig(length_policy=length, max_slots=pow2(rows, 1), max_len=pow2(max_len, 256),
+                                  token_budget=pow2(budget, 64), cuda_graphs=True,  # off CUDA: the same static bucket forwards, eagerly
+                                  prompt_ngrams=PromptNgrams(max_width=width))
+            engine = Engine(model, drafter, config)
         if hit is not None:  # a bigger engine for the same pair: it keeps what the traffic's rounds accepted (a fresh
             # one guesses each request's next round from its last head ratio, which says little: on Spec-Bench
             # summarization's test prompts at batch 1 the 3 calls that made one cost the set 0.32 of its tau)
@@ -273,7 +275,7 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
         output.finished[i] = torch.cat([input_ids[i], torch.tensor(o.token_ids, dtype=input_ids.dtype, device=input_ids.device)])
         for a, v in zip(o.accepted, o.verify_lengths):
             stats.record(i, v, a)
-    # draft_time_s / verify_time_s stay 0: splitting an engine round needs device syncs (Engine(profile=True))
+    # draft_time_s / verify_time_s stay 0: splitting an engine round needs device syncs (EngineConfig(profile=True))
     if streamer is not None:
         streamer.end()
     if on_request is not None:

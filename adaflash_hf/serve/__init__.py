@@ -7,10 +7,10 @@ prometheus-client when imported, FastAPI and uvicorn when a server is made).
 
 Example::
 
-    from adaflash_hf.engine import Engine
+    from adaflash_hf.engine import Engine, EngineConfig
     from adaflash_hf.serve import make_server
 
-    with make_server(Engine(target, drafter, max_slots=8, max_len=1024), tok, port=0).start() as server:
+    with make_server(Engine(target, drafter, EngineConfig(max_slots=8, max_len=1024)), tok, port=0).start() as server:
         print(server.url)
 """
 

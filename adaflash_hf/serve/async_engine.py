@@ -159,7 +159,7 @@ class AsyncEngine:
 
     Example (asyncio)::
 
-        aengine = AsyncEngine(Engine(target, drafter, max_slots=8, max_len=512))
+        aengine = AsyncEngine(Engine(target, drafter, EngineConfig(max_slots=8, max_len=512)))
         out = await aengine.generate(prompt_ids, max_new_tokens=64)       # EngineOutput
         async for tok in aengine.stream(prompt_ids, max_new_tokens=64):   # token ids as committed
             print(tok)

@@ -9,11 +9,11 @@ concurrent HTTP requests are decoded together (continuous batching); the fields 
 Example::
 
     from adaflash_hf import load_reference_pair
-    from adaflash_hf.engine import Engine
+    from adaflash_hf.engine import Engine, EngineConfig
     from adaflash_hf.serve import make_server
 
     target, drafter, tok = load_reference_pair()
-    server = make_server(Engine(target, drafter, max_slots=8, max_len=1024), tok, port=8000)
+    server = make_server(Engine(target, drafter, EngineConfig(max_slots=8, max_len=1024)), tok, port=8000)
     server.serve_forever()   # or server.start() for a background thread; server.close() stops both
 
     # curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\

@@ -14,7 +14,7 @@ body); answers are shaped by :class:`~.responses.ResponseShapes`.
 
 Example::
 
-    svc = CompletionService(Engine(target, drafter, max_slots=8, max_len=1024), tok)
+    svc = CompletionService(Engine(target, drafter, EngineConfig(max_slots=8, max_len=1024)), tok)
     req = svc.parse({"prompt": "Hi", "max_tokens": 8, "temperature": 0}, "completion")
     gens = svc.start(req)                    # inside a running event loop: one per choice
     answers = [await gen.text() for gen in gens]   # (text, logprob entries) each

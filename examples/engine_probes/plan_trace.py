@@ -96,7 +96,7 @@ def main(argv=None) -> int:
             extra["round_cost"] = RoundCost.flat(spec_overhead=1e9)
         eng = Engine(target, **margs, **kw, **extra)
         if mode.endswith("no_overlap"):
-            eng._ngram_event = None
+            eng._ngram_event = eng.plain.ngram_event = None  # the round's and the plain decoder's
         rc = eng.round_cost.to_json() if eng.drafter is not None else None
         for c in conc:
             r = run(eng, prompts[:c], max_new, device, eos)

@@ -11,7 +11,7 @@ def _pow2_at_least(n: int, floor: int) -> int:
 
 def _engine_for(ctx, policy: str | None, prompts: list[list[int]], max_new: int, prompt_ngrams=None):
     """The context's engine for (length policy, batch size), rebuilt when this batch does not fit it."""
-    from ...engine import Engine
+    from ...engine import Engine, EngineConfig
 
     drafter = ctx.drafter if policy is not None else None
     block = drafter.config.block_size if drafter is not None else 1
@@ -20,9 +20,9 @@ def _engine_for(ctx, policy: str | None, prompts: list[list[int]], max_new: int,
     key = (policy, len(prompts), prompt_ngrams)
     eng = ctx.engines.get(key)
     if eng is None or eng.max_len < need_len or eng.token_budget < need_budget:
-        eng = Engine(ctx.target, drafter, length_policy=policy, max_slots=len(prompts), max_len=need_len,
-                     token_budget=need_budget, length_rate=ctx.length_rate, halving_batch=ctx.halving_batch,
-                     prompt_ngrams=prompt_ngrams)
+        eng = Engine(ctx.target, drafter, EngineConfig(length_policy=policy, max_slots=len(prompts), max_len=need_len,
+                                                      token_budget=need_budget, length_rate=ctx.length_rate,
+                                                      halving_batch=ctx.halving_batch, prompt_ngrams=prompt_ngrams))
         eng.warmup(concurrency=len(prompts))  # the decode rounds' graphs, before any timed request
         ctx.engines[key] = eng
     return eng, block
