@@ -63,15 +63,15 @@ def serve(target, drafter, stream, run: str, args, eos, record) -> dict:
             texts.extend(o.token_ids for o in outs)
             rows.append({"served": served, "tok_s": tokens / dt, "seconds": dt, "tokens": tokens,
                          "tau": mean_tokens_per_round([a for o in outs for a in o.accepted]),
-                         "training": busy_before or adapter.busy, "updates": adapter.updates})
+                         "training": busy_before or adapter.busy, "updates": adapter.counters.updates})
             print(f"[{run}] {served} requests: {rows[-1]['tok_s']:.0f} tok/s, tau {rows[-1]['tau']:.3f}, "
-                  f"training={rows[-1]['training']}, updates {adapter.updates}", flush=True)
+                  f"training={rows[-1]['training']}, updates {adapter.counters.updates}", flush=True)
             record({"chunks": rows, "outputs": texts})
         adapter.wait_for_update(120)  # the update triggered last: counted, not timed
     finally:
         adapter.close(abandon=True)
     history = adapter.stats["history"]
-    return {"chunks": rows, "outputs": texts, "updates": adapter.updates, "update_seconds": [h["seconds"] for h in history]}
+    return {"chunks": rows, "outputs": texts, "updates": adapter.counters.updates, "update_seconds": [h["seconds"] for h in history]}
 
 
 def plot(result: dict, path: str) -> None:

@@ -145,8 +145,8 @@ def test_close_abandon_discards_the_update_in_progress(setup, tmp_path, abandon)
     closer.join(30)
     assert not closer.is_alive()
     unchanged = all(torch.equal(before[k], v) for k, v in adapter.drafter.state_dict().items())
-    assert (adapter.updates, unchanged, len(list_versions(tmp_path))) == ((0, True, 0) if abandon else (1, False, 1))
-    assert adapter.failures == 0
+    assert (adapter.counters.updates, unchanged, len(list_versions(tmp_path))) == ((0, True, 0) if abandon else (1, False, 1))
+    assert adapter.counters.failures == 0
 
 
 def test_leftovers_dropped_after_an_update_are_counted_and_flush_still_returns(setup):
@@ -154,7 +154,7 @@ def test_leftovers_dropped_after_an_update_are_counted_and_flush_still_returns(s
     adapter = _adapter(target)  # clear_after_update=True (the default)
     try:
         training, release = _gated(adapter)
-        with adapter._cv:  # the worker cannot take a batch until all four are buffered
+        with adapter.loop._cv:  # the worker cannot take a batch until all four are buffered
             for r in rounds[:4]:
                 adapter.on_round(r)
         assert training.wait(30)  # update 1 took two; two were left over
@@ -175,7 +175,7 @@ def test_flush_with_everything_dropped_meanwhile_returns(setup):
     adapter = _adapter(target)
     try:
         training, release = _gated(adapter)
-        with adapter._cv:
+        with adapter.loop._cv:
             for r in rounds[:3]:
                 adapter.on_round(r)
         assert training.wait(30)  # update 1 took two; one left over, nothing arrives later

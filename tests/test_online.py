@@ -85,7 +85,7 @@ def test_update_swaps_weights_only_between_rounds(pair):
         done = threading.Event()
         with adapter.round_lock:  # a round in progress
             threading.Thread(target=lambda: (adapter.flush(30), done.set()), daemon=True).start()
-            assert adapter._swap_pending.wait(30), "the worker never reached the swap"
+            assert adapter.loop.swap_pending.wait(30), "the worker never reached the swap"
             time.sleep(0.2)
             assert same(before, snapshot(d)), "weights changed while a round held the lock"
             assert not done.is_set()
@@ -138,16 +138,16 @@ def test_attach_detach_and_explicit_sink(pair):
     adapter = OnlineAdapter(d, pair, method="off")
     ids, mask, _ = prompts(0)
     greedy(pair, ids, mask, assistant_model=d)
-    assert adapter.rounds_seen == 0
+    assert adapter.counters.rounds_seen == 0
     adapter.attach()
     greedy(pair, ids, mask, assistant_model=d)
-    seen = adapter.rounds_seen
+    seen = adapter.counters.rounds_seen
     assert seen > 0 and len(adapter.buffer) == 0  # "off" collects statistics only
     adapter.detach()
     greedy(pair, ids, mask, assistant_model=d)
-    assert adapter.rounds_seen == seen
+    assert adapter.counters.rounds_seen == seen
     greedy(pair, ids, mask, assistant_model=d, round_sink=adapter)
-    assert adapter.rounds_seen > seen
+    assert adapter.counters.rounds_seen > seen
     with pytest.raises(ValueError, match="already has an online adapter"):
         OnlineAdapter(d, pair)
     adapter.close()
@@ -318,7 +318,7 @@ def test_close_drains_a_running_update(pair):
     for r in rounds[:4]:
         adapter.on_round(r)
     adapter.close()  # waits for the update already triggered, then stops the worker
-    assert adapter._thread is not None and not adapter._thread.is_alive()
+    assert adapter.loop._thread is not None and not adapter.loop._thread.is_alive()
     assert adapter.stats["updates"] + adapter.stats["failures"] == 1
     adapter.on_round(rounds[5])
     assert len(adapter.buffer) == 0
@@ -371,7 +371,7 @@ def test_on_round_never_waits_for_training(pair):
         for r in rounds[2:8]:
             adapter.on_round(r)
         assert time.perf_counter() - t0 < 0.5
-        assert adapter._busy  # the update was still running all along
+        assert adapter.busy  # the update was still running all along
         ids, mask, _ = prompts(4)
         assert torch.equal(greedy(pair, ids, mask, assistant_model=d, round_sink=adapter), greedy(pair, ids, mask))
     finally:

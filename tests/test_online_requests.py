@@ -39,7 +39,7 @@ def test_request_samples_cost_ids_only_and_skip_empty_responses(pair):
     adapter = OnlineAdapter(d, pair, samples_per_update=1000)
     try:
         adapter.on_round(real_rounds(pair, d)[0])  # rounds only feed tau statistics in request mode
-        assert len(adapter.buffer) == 0 and adapter.rounds_seen == 1
+        assert len(adapter.buffer) == 0 and adapter.counters.rounds_seen == 1
         adapter.on_request(req)
         adapter.on_request(FinishedRequest(0, req.prompt_ids, req.output_ids[:1]))  # nothing to predict
         assert len(adapter.buffer) == 1
@@ -141,7 +141,7 @@ def test_engine_requests_feed_an_attached_adapter(pair):
         prompts = [row.tolist() for row in ragged_prompts(4, [5, 7, 6, 4], 3)[2]]
         outs = engine.generate(prompts, max_new_tokens=8)
         assert adapter.wait_for_update(30) and adapter.stats["updates"] >= 1
-        assert not same(start, snapshot(d)) and adapter.rounds_seen == sum(o.rounds for o in outs)
+        assert not same(start, snapshot(d)) and adapter.counters.rounds_seen == sum(o.rounds for o in outs)
         for p, o in zip(prompts, outs):  # lossless while the weights change under it
             ref = pair.generate(torch.tensor([p]), do_sample=False, max_new_tokens=8, pad_token_id=PAD_ID)
             assert o.token_ids == ref[0, len(p):].tolist()

@@ -112,8 +112,8 @@ def test_non_finite_weights_are_never_swapped_in(setup):
         name = sorted(state)[-1]
         state[name].fill_(float("inf"))
         with pytest.raises(NonFiniteLossError, match=name):
-            adapter._install(state)
+            adapter.loop.install(state)
         assert same(before, snapshot(adapter.drafter))
-        adapter._install({k: v.clone() for k, v in adapter.drafter.state_dict().items()})  # the control: finite swaps
+        adapter.loop.install({k: v.clone() for k, v in adapter.drafter.state_dict().items()})  # the control: finite swaps
     finally:
         adapter.close(timeout=10)

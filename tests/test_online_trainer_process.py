@@ -59,11 +59,11 @@ def test_closing_mid_update_stops_the_child_and_keeps_the_serving_weights(pair):
     adapter = OnlineAdapter(d, pair, trainer="process", samples_per_update=len(reqs), epochs=10_000, lr=1e-2)
     for r in reqs:
         adapter.on_request(r)
-    _wait(lambda: adapter.worker.process is not None and adapter.worker.process.is_alive())
-    child = adapter.worker.process
+    _wait(lambda: adapter.trainer.process is not None and adapter.trainer.process.is_alive())
+    child = adapter.trainer.process
     t0 = time.monotonic()
     assert adapter.close(abandon=True, timeout=60)
-    assert time.monotonic() - t0 < 30 and not child.is_alive() and adapter.worker.process is None
+    assert time.monotonic() - t0 < 30 and not child.is_alive() and adapter.trainer.process is None
     assert adapter.stats["updates"] == 0 and adapter.stats["failures"] == 0 and same(good, snapshot(d))
 
 
@@ -75,20 +75,20 @@ def test_a_child_that_dies_fails_its_update_and_the_next_update_starts_another(p
     try:
         for r in reqs:
             adapter.on_request(r)
-        _wait(lambda: adapter.worker.process is not None and adapter.worker.process.is_alive())
-        first = adapter.worker.process
+        _wait(lambda: adapter.trainer.process is not None and adapter.trainer.process.is_alive())
+        first = adapter.trainer.process
         time.sleep(1.0)  # inside the update
         os.kill(first.pid, signal.SIGKILL)
         _wait(lambda: adapter.stats["failures"] == 1)
-        assert adapter.stats["updates"] == 0 and same(good, snapshot(d)) and "died during the update (exit code -9)" in adapter.last_error
+        assert adapter.stats["updates"] == 0 and same(good, snapshot(d)) and "died during the update (exit code -9)" in adapter.counters.last_error
         adapter.config.epochs = 1  # read by the next child when it starts
         for r in reqs:
             adapter.on_request(r)
         assert adapter.flush(120) and adapter.stats["updates"] == 1 and not same(good, snapshot(d))
-        assert adapter.worker.process is not first and adapter.worker.process.is_alive()
+        assert adapter.trainer.process is not first and adapter.trainer.process.is_alive()
     finally:
         adapter.close()
-    assert adapter.worker.process is None
+    assert adapter.trainer.process is None
 
 
 def test_a_child_that_cannot_start_fails_the_update_and_the_next_one_retries(pair, monkeypatch):
@@ -103,14 +103,14 @@ def test_a_child_that_cannot_start_fails_the_update_and_the_next_one_retries(pai
         for r in reqs:
             adapter.on_request(r)
         _wait(lambda: adapter.stats["failures"] == 1)
-        assert adapter.worker.process is None and "no shared memory" in adapter.last_error
+        assert adapter.trainer.process is None and "no shared memory" in adapter.counters.last_error
         monkeypatch.setattr(tp, "portable", real)
         for r in reqs:
             adapter.on_request(r)
         assert adapter.flush(120) and adapter.stats["updates"] == 1
     finally:
         adapter.close()
-    assert adapter.worker.process is None
+    assert adapter.trainer.process is None
 
 
 def _after_a_rollback(target, trainer: str) -> tuple[dict, dict]:
@@ -148,7 +148,7 @@ def test_after_a_rollback_the_child_trains_from_the_restored_weights(pair, monke
 
     start, by_thread = _after_a_rollback(pair, "thread")
     if not child_rebuilds:
-        monkeypatch.setattr(tp.ProcessTrainer, "reset", tp.ShadowTrainer.reset)
+        monkeypatch.setattr(tp.ProcessTrainer, "reset", lambda self: self.local.reset())  # the child keeps its shadow
     _, by_child = _after_a_rollback(pair, "process")
     assert not same(start, by_child)  # update 2 moved the weights
     close = all(torch.allclose(by_child[k], t, rtol=1e-5, atol=1e-6) for k, t in by_thread.items())

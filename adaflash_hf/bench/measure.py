@@ -157,16 +157,16 @@ def _fill_rounds(cell, t: _Timings) -> None:
 def online_report(method, cell, adapter, config, waited, online) -> None:
     """Cell notes on the adapter, and its tau per weights version into `online` (a stream that
     triggered no update gives no records)."""
-    stats = adapter.stats
+    stats, c = adapter.stats, adapter.config
     policy = adaflash_policy(adapter.drafter) if method.name == "adaflash" else "fixed"
     why = {
         "adaflash": " (the drafter's length head is trained)" if policy == "adaptive"
         else " (the drafter has no trained length head, so the verify length is not adapted)",
     }.get(method.name, "")  # fmt: skip
-    cell.notes.append(f"online adapter method {adapter.method!r}, verify-length policy {policy}{why}")
+    cell.notes.append(f"online adapter method {adapter.config.method!r}, verify-length policy {policy}{why}")
     cell.notes.append(
         f"{stats['updates']} online update(s) from {stats['rounds_seen']} rounds "
-        f"(samples: {adapter.sample_unit}s, samples_per_update {adapter.samples_per_update}, epochs {adapter.epochs}, lr {adapter.lr:g})"
+        f"(samples: {c.sample_unit}s, samples_per_update {c.samples_per_update}, epochs {c.epochs}, lr {c.lr:g})"
     )
     if config.online_wait:
         cell.notes.append(f"wall time includes {waited:.3f} s waiting for triggered updates (--online-wait); TPOT excludes it")

@@ -5,7 +5,8 @@
   (``config.py``) holds its settings; ``worker.py`` trains the shadow drafter in the background
   through the offline training objective, in a thread or (``trainer_process.py``) a child process; ``guard.py`` swaps an update in only if it does not lower
   acceptance on held-back requests, and rolls a swap back when served tau falls after it; ``lock.py``
-  is the round lock.
+  is the round lock. The adapter composes them: its :class:`~.update_loop.UpdateLoop` (``update_loop.py``) trains,
+  judges, swaps and publishes on its worker thread, recording into :class:`OnlineCounters` (``counters.py``).
 - :class:`ReplayBuffer` (``buffer.py``): bounded by samples and bytes; what a sample costs.
 - :class:`VersionStore` / :func:`latest_version` (``versions.py``): atomic, checksummed numbered versions;
   ``resume.py``: a restarted adapter serves the newest version that checks out;
@@ -17,7 +18,8 @@
 - :func:`adapt_from_jsonl` (``external.py``): adapt from SGLang / vLLM traffic logs.
 """
 
-from .adapter import OnlineAdapter, UpdateRecord
+from .adapter import OnlineAdapter
+from .counters import OnlineCounters, UpdateRecord
 from .buffer import ReplayBuffer, RequestSample, Sample, estimate_sample_bytes
 from .callback import OnlineAdapterCallback
 from .config import OnlineConfig
@@ -34,6 +36,7 @@ __all__ = [
     "OnlineAdapter",
     "OnlineAdapterCallback",
     "OnlineConfig",
+    "OnlineCounters",
     "ReplayBuffer",
     "RequestSample",
     "RoundLock",

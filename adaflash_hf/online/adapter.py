@@ -33,6 +33,10 @@ Flow::
   counted in ``stats["swaps_refused"]``, not a failure). A swap after which served tau falls is undone:
   the previous weights serve again and are published as a new version (``stats["rollbacks"]``).
 * **Memory.** What a sample stores and costs: :mod:`adaflash_hf.online.buffer`.
+* **Parts.** The adapter is the serving side (ingest, control, statistics); it composes, from its one
+  :class:`OnlineConfig`, the :class:`~adaflash_hf.online.update_loop.UpdateLoop` (train + guard + swap + publish, on
+  its worker thread) with the buffer, the trainer, the guard, the publisher, the
+  :class:`~adaflash_hf.online.counters.OnlineCounters` and the round lock it hands that loop.
 
 Example:
     >>> adapter = OnlineAdapter(drafter, target, OnlineConfig(output_dir="runs/online"))  # doctest: +SKIP
@@ -47,9 +51,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from contextlib import nullcontext
-from dataclasses import asdict
 
 import torch
 from torch import nn
@@ -58,13 +60,14 @@ from ..modeling import AdaFlashDrafter
 from ..speculation.hooks import DrafterHooks, hooks_for, register_hooks, replace_hooks, unregister_hooks
 from .buffer import ReplayBuffer, RequestSample, Sample
 from .config import LABEL_MODES, METHODS, SAMPLE_UNITS, OnlineConfig
+from .counters import OnlineCounters, UpdateRecord
 from .guard import RollbackWatch, UpdateGuard
 from .hub import redact
 from .lock import RoundLock
 from .publish import VersionPublisher
 from .resume import Resumed, newest_number, resume_drafter
 from .trainer_process import ProcessTrainer
-from .update_loop import UpdateLoop, UpdateRecord
+from .update_loop import UpdateLoop
 from .versions import version_name
 from .worker import NonFiniteLossError, ShadowTrainer, copy_drafter
 
@@ -86,7 +89,7 @@ __all__ = [
 logger = logging.getLogger("adaflash_hf.online")
 
 
-class OnlineAdapter(UpdateLoop):
+class OnlineAdapter:
     """Distils ``drafter`` from the target's verification feedback while it serves (module doc).
 
     Args:
@@ -96,7 +99,11 @@ class OnlineAdapter(UpdateLoop):
         **settings: ``OnlineConfig`` fields, applied over ``config`` (``OnlineAdapter(d, t,
             method="osd", samples_per_update=64)``).
 
-    The settings are readable as attributes (``adapter.method``, ``adapter.lr``, ...).
+    The settings are read from ``adapter.config`` (``adapter.config.lr``). Its parts, each an attribute:
+    ``buffer`` (:class:`ReplayBuffer`), ``worker`` (the :class:`ShadowTrainer` holding the shadow), ``trainer``
+    (``worker``, or a :class:`ProcessTrainer` around it), ``guard``, ``publisher`` (None without ``output_dir``),
+    ``counters`` (:class:`OnlineCounters`, read whole through :attr:`stats`), ``round_lock`` and ``loop``
+    (:class:`UpdateLoop`).
     """
 
     def __init__(self, drafter: AdaFlashDrafter, target: nn.Module, config: OnlineConfig | None = None, **settings):
@@ -112,114 +119,51 @@ class OnlineAdapter(UpdateLoop):
             drafter.bind_target(target)
         self.drafter, self.target, self.config = drafter, target, config
         self.domain = config.domain
-        self.target_name = config.target_name or _model_name(target)
         self._feature_dim = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
         self.buffer = ReplayBuffer(
             max_samples=config.max_buffer_samples or 4 * config.samples_per_update, max_bytes=config.max_buffer_bytes
         )
-        self._init_stats()
-        self.resumed = self._resume() if config.output_dir else Resumed()
+        self.resumed = _resume(drafter, config) if config.output_dir else Resumed()
+        self.counters = OnlineCounters(RollbackWatch(config.rollback_rounds, config.rollback_margin),
+                                       start_version=self.resumed.version)  # fmt: skip
         self.publisher = (
             VersionPublisher(config.output_dir, config.keep_versions, config.hub_repo, config.version_layout,
                              config.hub_private, config.hub_max_retries, config.hub_backoff_s,
-                             keep=self._serving_on_disk)
+                             keep=self.counters.serving_on_disk)
             if config.output_dir else None
         )  # fmt: skip
-        self.hub = self.publisher.hub if self.publisher is not None else None
-        self.worker = (ProcessTrainer if config.trainer == "process" else ShadowTrainer)(drafter, target, config)
+        self.worker = ShadowTrainer(drafter, target, config)
+        self.trainer = ProcessTrainer(self.worker) if config.trainer == "process" else self.worker
         self.guard = UpdateGuard(config)
-        self.device = self.worker.device
 
         # Serving-side coordination: the loops find the lock (and, once attached, this sink) here.
         self.round_lock = RoundLock()
         self._hooks = DrafterHooks(weights_lock=self.round_lock)
         register_hooks(drafter, self._hooks)
-        self._swap_pending = threading.Event()  # set while a swap waits for the round lock
         # served rounds of requests in flight, per (loop thread, row): (anchor, accepted, verify length)
         self._served: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         self._served_lock = threading.Lock()
-        self._init_worker_thread()
-
-    def _init_stats(self) -> None:
-        self._stats_lock = threading.Lock()
-        self._tau_sum = 0
-        self._tau_n = 0
-        self._last_swap_tau: tuple[float | None, int] = (None, 0)
-        self._head_err = [0.0, 0]  # the length head's absolute error on served rounds since the last swap
-        self._last_swap_mae: float | None = None
-        self.rounds_seen = 0
-        self.updates = 0
-        self.failures = 0
-        self.consecutive_failures = 0
-        self.sample_errors = 0
-        self.last_loss: float | None = None
-        self.last_error: str | None = None
-        self.history: list[UpdateRecord] = []
-        self.domains_seen: Counter = Counter()
-        self.swaps_refused = 0
-        self.rollbacks = 0
-        self.last_refusal: dict | None = None
-        self.rollback = RollbackWatch(self.config.rollback_rounds, self.config.rollback_margin)
-        self.start_version = 0  # the version the server started with (0: the given drafter's weights)
-        self._version_serving = 0  # the newest version written (start_version until then)
-        # verify rounds served and drafts they accepted, by the version serving them (the server's live acceptance)
-        self._served_by_version: dict[int, list[int]] = {}
+        self._drops_lock = threading.Lock()
         self._drops_unlogged, self._drops_logged_at = 0, None  # buffer evictions not yet in a log line; its clock
-        self._rollback_due: dict | None = None  # set by a round, taken by the worker thread
-
-    def _resume(self) -> Resumed:
-        """With ``config.resume``, serve the newest good version in the output folder (:mod:`.resume`); one log
-        line says which weights serve, a warning names each version skipped."""
-        root, c = self.config.output_dir, self.config
-        resumed = resume_drafter(self.drafter, root) if c.resume else Resumed(newest=newest_number(root))
-        for name, reason in resumed.skipped:
-            logger.warning("online: version %s in %s skipped: %s", name, root, reason)
-        nxt = version_name(resumed.newest + 1)
-        if resumed.version:
-            logger.info("online: resuming from %s: its drafter and length head serve and train on (new versions "
-                        "from %s)", resumed.path, nxt)
-        elif c.resume:
-            logger.info("online: no %sversion to resume in %s: starting from the given drafter (new versions from %s)",
-                        "good " if resumed.skipped else "", root, nxt)
-        elif resumed.newest:
-            logger.info("online: starting fresh from the given drafter, not from the versions in %s (new versions "
-                        "from %s)", root, nxt)
-        self.start_version = self._version_serving = resumed.version
-        return resumed
-
-    def _init_worker_thread(self) -> None:
-        self._cv = threading.Condition()
-        self._busy = False
-        self._force = 0
-        self._started = 0
-        self._finished = 0
-        self._closing = False
-        self._abandon = threading.Event()  # close(abandon=True): the update in progress stops at its next step
-        self.stopped = False
-        self._thread: threading.Thread | None = None
-        if self.config.method != "off":
-            self._thread = threading.Thread(target=self._run, name="adaflash-online-worker", daemon=True)
-            self._thread.start()
-
-    def __getattr__(self, name: str):  # settings read as attributes: adapter.method, adapter.lr, ...
-        config = self.__dict__.get("config")
-        if config is not None and name in OnlineConfig.__dataclass_fields__:
-            return getattr(config, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self.loop = UpdateLoop(config, drafter, self.worker, self.trainer, self.buffer, self.guard, self.publisher,
+                               self.counters, self.round_lock, config.target_name or _model_name(target))  # fmt: skip
+        if config.method != "off":
+            self.loop.start()
 
     @property
     def busy(self) -> bool:
         """Whether an update is training (or swapping / publishing) right now."""
-        return self._busy
+        return self.loop.busy
 
-    def _serving_on_disk(self) -> set[int]:
-        """The version on disk whose weights serve now, which pruning keeps (none while a swap is being written)."""
-        with self._stats_lock:
-            record = self._serving_record()
-            return {self.start_version} if record is None else ({record.version} if record.version else set())
+    @property
+    def stopped(self) -> bool:
+        """Whether the adapter stopped adapting after ``max_consecutive_failures`` failed updates in a row (serving
+        is unaffected)."""
+        return self.loop.stopped
 
     @property
     def write_failures(self) -> int:
+        """Versions that could not be written (their weights serve all the same)."""
         return self.publisher.failures if self.publisher is not None else 0
 
     # ================================================================== serving side
@@ -251,14 +195,14 @@ class OnlineAdapter(UpdateLoop):
     def on_request(self, finished) -> None:
         """`RoundSink` hook at the end of each sequence (a `FinishedRequest`): with
         ``sample_unit="request"``, buffer it as a sample. Never blocks on training."""
-        if self.config.sample_unit != "request" or self.config.method == "off" or self.stopped or self._closing:
+        if self.config.sample_unit != "request" or self.config.method == "off" or not self.loop.accepting:
             return
         with self._served_lock:
             served = self._served.pop((threading.get_ident(), int(finished.row)), None)
         try:
             sample = RequestSample.from_request(finished, domain=self.domain, served=served)
         except Exception as e:  # noqa: BLE001 - a bad request must never break generation
-            self.sample_errors += 1
+            self.counters.sample_error()
             logger.warning("online adapter could not buffer a request: %s", redact(f"{type(e).__name__}: {e}"))
             return
         if sample.prompt_len >= 1 and sample.response_len >= 2:  # a block needs an anchor and a label
@@ -269,26 +213,11 @@ class OnlineAdapter(UpdateLoop):
         already at hand (then the worker does not recompute them; they count against the buffer's
         byte bound)."""
         tokens = int(verified.num_accepted) + 1
-        with self._stats_lock:
-            self._tau_sum += tokens
-            self._tau_n += 1
-            self.rounds_seen += 1
-            err = verified.head_error(self.drafter.config.block_size)
-            if err is not None:
-                self._head_err[0] += err
-                self._head_err[1] += 1
-            due = self.rollback.observe(tokens)
-            if due is not None:
-                self._rollback_due = due
-            counts = self._served_by_version.setdefault(self._version_serving, [0, 0])
-            counts[0] += 1
-            counts[1] += tokens - 1
-        if due is not None:  # the worker thread restores the weights; this round returns at once
-            with self._cv:
-                self._cv.notify_all()
+        if self.counters.observe_round(tokens, verified.head_error(self.drafter.config.block_size)):
+            self.loop.wake()  # the worker thread restores the weights; this round returns at once
         if self.config.sample_unit == "request" and self.config.anchors_at_served_rounds:
             self._keep_served(verified)
-        if self.config.sample_unit != "round" or self.config.method == "off" or self.stopped or self._closing:
+        if self.config.sample_unit != "round" or self.config.method == "off" or not self.loop.accepting:
             return
         try:
             sample = Sample.from_round(
@@ -300,7 +229,7 @@ class OnlineAdapter(UpdateLoop):
                 features=features,
             )
         except Exception as e:  # noqa: BLE001 - a bad round must never break generation
-            self.sample_errors += 1
+            self.counters.sample_error()
             logger.warning("online adapter could not buffer a round: %s", redact(f"{type(e).__name__}: {e}"))
             return
         self._add(sample)
@@ -324,14 +253,13 @@ class OnlineAdapter(UpdateLoop):
         if dropped:
             self._log_drops(dropped)
         if len(self.buffer) >= self.config.samples_per_update:
-            with self._cv:
-                self._cv.notify_all()
+            self.loop.wake()
 
     def _log_drops(self, dropped: int) -> None:
         """Say that the full buffer dropped its oldest samples: at once the first time, then at most once every
         ``DROP_LOG_INTERVAL_S`` with the count since the last line (a slow worker drops on every request)."""
         now = time.monotonic()
-        with self._stats_lock:
+        with self._drops_lock:
             self._drops_unlogged += dropped
             if self._drops_logged_at is not None and now - self._drops_logged_at < DROP_LOG_INTERVAL_S:
                 return
@@ -342,28 +270,11 @@ class OnlineAdapter(UpdateLoop):
                        self.buffer.max_bytes, n, "" if n == 1 else "s", self.buffer.dropped)  # fmt: skip
 
     # ================================================================== control
-    def _ready_locked(self) -> bool:
-        if self.stopped:
-            return False
-        n = len(self.buffer)
-        return n >= self.config.samples_per_update or (bool(self._force) and n > 0)
-
-    def _rollback_pending(self) -> bool:
-        """A rollback decided that the worker thread (alive to make it) has not made yet."""
-        return self._rollback_due is not None and self._thread is not None and self._thread.is_alive()
-
     def wait_for_update(self, timeout: float | None = None) -> bool:
         """Block until the worker is idle: every update triggered so far has finished (succeeded,
         refused or failed), a rollback decided has been made, and the buffer holds fewer than
         ``samples_per_update`` samples. False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            while self._busy or self._ready_locked() or self._rollback_pending():
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cv.wait(remaining)
-        return True
+        return self.loop.wait_idle(timeout)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Train now on what is buffered (up to ``samples_per_update``, even fewer), wait for that
@@ -371,36 +282,10 @@ class OnlineAdapter(UpdateLoop):
         worker idle with an empty buffer, or stopped), never waits for an update that cannot start.
         False on timeout (``None``: no limit; an update in progress always finishes)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._train_buffered(deadline):
+        if not self.loop.train_buffered(deadline):
             return False
         left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         return self.publisher.flush(left) if self.publisher is not None else True
-
-    def _train_buffered(self, deadline: float | None) -> bool:
-        """The training half of :meth:`flush` (its version written too); False at ``deadline``."""
-        if self._thread is None:
-            return True
-        with self._cv:
-            if len(self.buffer) > 0:
-                ticket = self._started + 1
-            elif self._busy:
-                ticket = self._started
-            else:
-                ticket = self._finished
-            self._force += 1
-            self._cv.notify_all()
-            try:
-                # Done at the ticket's update, or as soon as nothing more can train (worker idle and
-                # nothing buffered): samples of a pending ticket may have been dropped meanwhile.
-                while (self._finished < ticket and not self.stopped and self._thread.is_alive()
-                       and (self._busy or len(self.buffer) > 0)):  # fmt: skip
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        return False
-                    self._cv.wait(remaining)
-            finally:
-                self._force -= 1
-        return True
 
     def close(self, flush: bool = False, timeout: float | None = 120.0, hub_timeout: float | None = 10.0,
               abandon: bool = False) -> bool:
@@ -416,17 +301,8 @@ class OnlineAdapter(UpdateLoop):
         Example:
             >>> adapter.close(flush=True, hub_timeout=300)  # wait longer for a large upload  # doctest: +SKIP
         """
-        self._closing = True  # on_round ignores rounds from now on
-        if abandon:
-            self._abandon.set()
-        done = self._train_buffered(None if timeout is None else time.monotonic() + timeout) if flush and not abandon else True
-        with self._cv:
-            self._closing = True
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            done = done and not self._thread.is_alive()
-        self.worker.close()
+        done = self.loop.stop(flush=flush, timeout=timeout, abandon=abandon)
+        self.trainer.close()
         unregister_hooks(self.drafter, self._hooks)
         if self.publisher is not None:
             done = self.publisher.close(hub_timeout) and done
@@ -441,8 +317,8 @@ class OnlineAdapter(UpdateLoop):
     # ================================================================== statistics
     @property
     def tau_since_update(self) -> float | None:
-        with self._stats_lock:
-            return self._tau_sum / self._tau_n if self._tau_n else None
+        """Mean tokens per round served since the newest swap (None before any round)."""
+        return self.counters.tau_since_update
 
     @property
     def stats(self) -> dict:
@@ -454,47 +330,25 @@ class OnlineAdapter(UpdateLoop):
         (the start weights and unwritten swaps count under the newest version written); ``write_failures``: versions that
         could not be written (their weights serve all the same); ``versions_rejected``: damaged versions skipped at
         the start (``resumed_from``: the version the adapter resumed from, 0: none)."""
-        with self._stats_lock:
-            tau = self._tau_sum / self._tau_n if self._tau_n else None
-            rounds_since = self._tau_n
-            mae = self._head_err[0] / self._head_err[1] if self._head_err[1] else None
-            history = [asdict(h) for h in self.history]
-            last_refusal = dict(self.last_refusal) if self.last_refusal is not None else None
-            served_version = self._served_version()
-            served_by_version = {v: {"rounds": r, "accepted": a} for v, (r, a) in self._served_by_version.items()}
-        serving = next((h for h in reversed(history) if h["swapped"]), None)
-        if serving is not None:  # the serving weights' tau_after is live until the next swap
-            serving["tau_after"], serving["rounds_after"], serving["head_mae_after"] = tau, rounds_since, mae
+        c = self.counters.snapshot()
         return {
             "method": self.config.method,
-            "updates": self.updates,
-            "failures": self.failures,
-            "swaps_refused": self.swaps_refused,
-            "rollbacks": self.rollbacks,
-            "last_refusal": last_refusal,
-            "consecutive_failures": self.consecutive_failures,
+            **{k: c[k] for k in ("updates", "failures", "swaps_refused", "rollbacks", "last_refusal",
+                                 "consecutive_failures")},
             "stopped": self.stopped,
-            "last_loss": self.last_loss,
-            "last_error": self.last_error,
-            "rounds_seen": self.rounds_seen,
+            **{k: c[k] for k in ("last_loss", "last_error", "rounds_seen")},
             "samples_seen": self.buffer.added,
             "samples_buffered": len(self.buffer),
             "buffer_bytes": self.buffer.nbytes,
             "samples_dropped": self.buffer.dropped,
-            "sample_errors": self.sample_errors,
-            "tau_since_update": tau,
-            "rounds_since_update": rounds_since,
-            "head_error": mae,
-            "served_version": served_version,
-            "served_by_version": served_by_version,
+            **{k: c[k] for k in ("sample_errors", "tau_since_update", "rounds_since_update", "head_error",
+                                 "served_version", "served_by_version")},
             "write_failures": self.write_failures,
             "versions_rejected": len(self.resumed.skipped),
             "resumed_from": self.resumed.version,
-            "versions": [r["version"] for r in history if r["version"] is not None],
-            "domains": dict(self.domains_seen),
-            "history": history,
+            **{k: c[k] for k in ("versions", "domains", "history")},
             "hub": self.publisher.hub_stats if self.publisher is not None else None,
-        }
+        }  # fmt: skip
 
     # ================================================================== evaluation
     def evaluate(self, samples) -> dict:
@@ -512,6 +366,26 @@ class OnlineAdapter(UpdateLoop):
                                                                          logits_dtype=None) for r in samples]  # fmt: skip
         with self.round_lock:
             return self.worker.evaluate(self.drafter, samples)
+
+
+def _resume(drafter: AdaFlashDrafter, config: OnlineConfig) -> Resumed:
+    """With ``config.resume``, serve the newest good version in the output folder (:mod:`.resume`); one log
+    line says which weights serve, a warning names each version skipped."""
+    root = config.output_dir
+    resumed = resume_drafter(drafter, root) if config.resume else Resumed(newest=newest_number(root))
+    for name, reason in resumed.skipped:
+        logger.warning("online: version %s in %s skipped: %s", name, root, reason)
+    nxt = version_name(resumed.newest + 1)
+    if resumed.version:
+        logger.info("online: resuming from %s: its drafter and length head serve and train on (new versions "
+                    "from %s)", resumed.path, nxt)
+    elif config.resume:
+        logger.info("online: no %sversion to resume in %s: starting from the given drafter (new versions from %s)",
+                    "good " if resumed.skipped else "", root, nxt)
+    elif resumed.newest:
+        logger.info("online: starting fresh from the given drafter, not from the versions in %s (new versions "
+                    "from %s)", root, nxt)
+    return resumed
 
 
 def _model_name(model: nn.Module) -> str:

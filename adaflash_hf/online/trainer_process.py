@@ -17,6 +17,7 @@ an adapter with ``trainer="process"`` keeps its entry point under ``if __name__ 
 
 Example:
     >>> adapter = OnlineAdapter(drafter, target, OnlineConfig(trainer="process"))  # doctest: +SKIP
+    >>> adapter.trainer  # a ProcessTrainer around adapter.worker, the ShadowTrainer here  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -53,29 +54,39 @@ class SharedMemoryTooSmall(RuntimeError):
         super().__init__(f"{self.problem}: {self.remedy}")
 
 
-class ProcessTrainer(ShadowTrainer):
-    """A :class:`ShadowTrainer` whose :meth:`train` runs in a child process (module doc); everything else (the
-    guard's measurements, the shadow that is swapped in, kept aside or published) runs here as before."""
+class ProcessTrainer:
+    """Trains ``local``'s shadow in a child process (module doc): :meth:`train` sends the samples to the child and
+    loads the weights it sends back into ``local.shadow``; everything else (the guard's measurements, the shadow that
+    is swapped in, kept aside or published) is ``local``'s, in this process. :meth:`reset` goes through here, so
+    that the child rebuilds its shadow too.
 
-    def __init__(self, drafter, target, config: OnlineConfig):
-        super().__init__(drafter, target, config)
-        share_cpu_memory(target, drafter)  # now, before serving reads them (module doc)
+    Example:
+        >>> trainer = ProcessTrainer(ShadowTrainer(drafter, target, OnlineConfig()))  # doctest: +SKIP
+        >>> trainer.train(samples, 1)  # trained in the child; trainer.local.shadow holds the result  # doctest: +SKIP
+        >>> trainer.close()  # doctest: +SKIP
+    """
+
+    def __init__(self, local: ShadowTrainer):
+        self.local = local
+        share_cpu_memory(local.target, local.drafter)  # now, before serving reads them (module doc)
         self.process: mp.Process | None = None
         self._conn = None
         self._stop = None
         self._child_fresh = True  # the child must rebuild its shadow from the serving weights
 
     def reset(self) -> None:
-        super().reset()
+        """Drop the local shadow, and have the child rebuild its own from the serving weights at its next update."""
+        self.local.reset()
         self._child_fresh = True
 
     def _start_child(self) -> None:
+        local = self.local
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self._stop = ctx.Event()
-        config = self.config.replace(device=self.device, output_dir=None, hub_repo=None)  # train on this device
+        config = local.config.replace(device=local.device, output_dir=None, hub_repo=None)  # train on this device
         process = ctx.Process(target=_child_main, name="adaflash-online-trainer", daemon=True,
-                              args=(child_conn, self._stop, portable(self.drafter), portable(self.target), config,
+                              args=(child_conn, self._stop, portable(local.drafter), portable(local.target), config,
                                     torch.get_num_threads()))
         try:
             process.start()  # pickles the models' tensors: a failure here fails the update, nothing is left started
@@ -84,7 +95,8 @@ class ProcessTrainer(ShadowTrainer):
         self.process, self._child_fresh = process, True
 
     def train(self, samples: list[Sample], update_index: int, should_stop=lambda: False) -> dict:
-        shadow, _ = self.ensure_shadow()  # the local copy that receives the child's weights
+        """:meth:`ShadowTrainer.train`'s contract, the training in the child."""
+        shadow, _ = self.local.ensure_shadow()  # the local copy that receives the child's weights
         if self.process is None or not self.process.is_alive():
             self._start_child()
         self._stop.clear()

@@ -1,77 +1,41 @@
-"""The worker-thread half of :class:`~adaflash_hf.online.adapter.OnlineAdapter`: one update from the samples it
-takes to the swap, the guard's refusal, a rollback, and the version published (the adapter's module docstring has
-the flow). The serving half (ingest, control, statistics) is in :mod:`.adapter`; both halves share the adapter's
-state (its locks, counters and history) as one object.
+"""The update loop of an online adapter: from the samples an update takes to the swap, the guard's refusal, a
+rollback, and the version published (:mod:`.adapter`'s docstring has the flow), on a worker thread of its own.
+
+:class:`UpdateLoop` is built from explicit collaborators (the buffer it takes samples from, the trainer, the guard,
+the publisher, the counters it records into, the round lock a swap takes) and the one :class:`OnlineConfig`; the
+adapter composes it with the serving side (ingest, control, statistics).
 
 Example:
-    >>> adapter = OnlineAdapter(drafter, target)  # an UpdateLoop: its worker thread runs ``_run``  # doctest: +SKIP
+    >>> loop = UpdateLoop(config, drafter, worker, worker, buffer, UpdateGuard(config), None,  # doctest: +SKIP
+    ...                   OnlineCounters(RollbackWatch(0, 0.1)), RoundLock(), target_name="tiny")
+    >>> loop.update(buffer.take(config.samples_per_update))  # one update, here: trained, judged, swapped in  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..modeling import AdaFlashDrafter
 from ..speculation.capture import CAPTURE_LOCK
-from .buffer import RequestSample, Sample
+from .buffer import ReplayBuffer, RequestSample, Sample
+from .config import OnlineConfig
+from .counters import OnlineCounters, UpdateRecord
+from .guard import UpdateGuard
 from .hub import redact
-from .publish import card_context
+from .lock import RoundLock
+from .publish import VersionPublisher, card_context
 from .resume import first_nonfinite
-from .worker import NonFiniteLossError, UpdateAbandoned
+from .worker import NonFiniteLossError, ShadowTrainer, UpdateAbandoned
 
-__all__ = ["UpdateLoop", "UpdateRecord"]
+__all__ = ["UpdateLoop", "guard_verdict"]
 
 logger = logging.getLogger("adaflash_hf.online")
-
-
-@dataclass
-class UpdateRecord:
-    """One finished update. ``tau_before``: mean tokens per round (accepted + 1) served since the
-    previous swap; ``tau_after``: the same for the rounds served with this update's weights
-    (running until the next update). ``head_mae_before`` / ``head_mae_after``: the length head's mean
-    absolute error ``|ratio - (accepted + 1) / B|`` on the same served rounds (those whose block the
-    verify length did not cut), i.e. on rounds no update had trained on yet. ``grad_norm``: the drafter's
-    mean gradient norm per step before clipping.
-
-    The guard (:mod:`~adaflash_hf.online.guard`): ``held_back`` requests judged the update,
-    ``guard_serving`` / ``guard_candidate`` are the serving weights' and the trained shadow's ``accept_len`` on
-    them (None when the guard is off), ``guard_gain`` / ``guard_gain_se`` the candidate's paired gain in accepted
-    drafts per block and its standard error across those requests; ``swapped`` is False for a refused update (its
-    ``version`` is None, ``path`` the folder it was kept aside in, ``tau_before`` the tau served so far with the
-    weights it did not replace, ``update`` the number it would have had). A rollback is its own record:
-    ``rollback_of`` names the update undone, ``version`` the restored weights' new version, ``tau_before`` the tau
-    served with the undone weights. ``base_version``: the version serving when the update was trained, which it
-    continues from (0: the weights the adapter started with)."""
-
-    update: int
-    samples: int
-    loss_first: float | None
-    loss_last: float | None
-    head_loss_last: float | None
-    tau_before: float | None
-    rounds_before: int
-    tau_after: float | None = None
-    rounds_after: int = 0
-    head_mae_before: float | None = None
-    head_mae_after: float | None = None
-    seconds: float = 0.0
-    grad_norm: float | None = None
-    version: int | None = None
-    path: str | None = None
-    domains: dict = field(default_factory=dict)
-    swapped: bool = True
-    held_back: int = 0
-    guard_serving: float | None = None
-    guard_candidate: float | None = None
-    guard_gain: float | None = None
-    guard_gain_se: float | None = None
-    rollback_of: int | None = None
-    base_version: int | None = None
 
 
 def _fmt(value: float | None) -> str:
@@ -91,14 +55,149 @@ def guard_verdict(record: UpdateRecord) -> str:
     return f"passed, held-back tau {_fmt(record.guard_serving)} -> {_fmt(record.guard_candidate)} on {record.held_back} requests"
 
 
+
 class UpdateLoop:
-    """The worker thread's side of an online adapter (module docstring); mixed into ``OnlineAdapter``."""
+    """Trains, judges, swaps in and publishes updates of a serving drafter (module doc), one at a time.
+
+    Args:
+        config: the settings it reads: ``samples_per_update``, ``clear_after_update``, ``max_consecutive_failures``,
+            ``held_back``, ``guard_margin``, ``method``, ``version_layout``, ``output_dir`` (and, through
+            :func:`~.publish.card_context`, what a model card states).
+        drafter: the serving drafter; a swap copies new weights into it in place.
+        worker: the :class:`~.worker.ShadowTrainer` holding the shadow that is judged, swapped in or kept aside, and
+            measuring acceptance for the guard and the rollback check.
+        trainer: what trains the shadow (``train``, ``reset``): ``worker`` itself, or a
+            :class:`~.trainer_process.ProcessTrainer` around it.
+        buffer: the :class:`~.buffer.ReplayBuffer` updates take their samples from.
+        guard: the :class:`~.guard.UpdateGuard` that holds samples back and judges each candidate.
+        publisher: the :class:`~.publish.VersionPublisher` that writes each swap as a version (None: nothing written).
+        counters: the :class:`~.counters.OnlineCounters` every update, refusal, failure and rollback is recorded in,
+            and the rollback decisions come from.
+        round_lock: the :class:`~.lock.RoundLock` every round drafts under; a swap takes it exclusively.
+        target_name: the target's name in the versions' metadata and model cards.
+
+    :meth:`update` runs one update on the calling thread; :meth:`start` runs updates on a worker thread whenever
+    the buffer holds ``samples_per_update`` samples (:meth:`wake` after adding some), until :meth:`stop`.
+
+    Example:
+        >>> loop.start(); buffer.add(sample); loop.wake()  # the thread trains once the buffer is full  # doctest: +SKIP
+        >>> loop.stop(flush=True)  # doctest: +SKIP
+    """
+
+    def __init__(self, config: OnlineConfig, drafter: AdaFlashDrafter, worker: ShadowTrainer, trainer,
+                 buffer: ReplayBuffer, guard: UpdateGuard, publisher: VersionPublisher | None,
+                 counters: OnlineCounters, round_lock: RoundLock, target_name: str):
+        self.config, self.drafter, self.worker, self.trainer = config, drafter, worker, trainer
+        self.buffer, self.guard, self.publisher, self.counters = buffer, guard, publisher, counters
+        self.round_lock, self.target_name = round_lock, target_name
+        self.swap_pending = threading.Event()  # set while a swap waits for the round lock
+        self._cv = threading.Condition()  # guards the fields below; the worker thread waits on it
+        self._busy = False
+        self._force = 0  # flushes waiting: an update may start on fewer than samples_per_update samples
+        self._started = 0  # batches taken (the update's index: the guard's seed)
+        self._finished = 0
+        self._closing = False
+        self._stopped = False
+        self._abandon = threading.Event()  # stop(abandon=True): the update in progress stops at its next step
+        self._thread: threading.Thread | None = None
+
+    # ================================================================== control
+    def start(self) -> None:
+        """Run updates on a worker thread from now on (daemon; :meth:`stop` ends it)."""
+        self._thread = threading.Thread(target=self._run, name="adaflash-online-worker", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Tell the worker thread to look again (samples were added, or a rollback was decided)."""
+        with self._cv:
+            self._cv.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        """Whether an update is training (or swapping / publishing) right now."""
+        return self._busy
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the loop stopped after ``max_consecutive_failures`` failed updates in a row."""
+        return self._stopped
+
+    @property
+    def accepting(self) -> bool:
+        """Whether new samples are wanted: neither stopped nor closing."""
+        return not (self._stopped or self._closing)
+
+    def _ready_locked(self) -> bool:
+        if self._stopped:
+            return False
+        n = len(self.buffer)
+        return n >= self.config.samples_per_update or (bool(self._force) and n > 0)
+
+    def _rollback_pending(self) -> bool:
+        """A rollback decided that the worker thread (alive to make it) has not made yet."""
+        return self.counters.rollback_due and self._thread is not None and self._thread.is_alive()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every update triggered so far has finished (succeeded, refused or failed), a rollback
+        decided has been made, and the buffer holds fewer than ``samples_per_update`` samples. False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._busy or self._ready_locked() or self._rollback_pending():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cv.wait(remaining)
+        return True
+
+    def train_buffered(self, deadline: float | None) -> bool:
+        """Train now on what is buffered (up to ``samples_per_update``, even fewer) and wait for that update (its
+        version written too); returns as soon as nothing more can train. False at ``deadline`` (monotonic)."""
+        if self._thread is None:
+            return True
+        with self._cv:
+            if len(self.buffer) > 0:
+                ticket = self._started + 1
+            elif self._busy:
+                ticket = self._started
+            else:
+                ticket = self._finished
+            self._force += 1
+            self._cv.notify_all()
+            try:
+                # Done at the ticket's update, or as soon as nothing more can train (worker idle and
+                # nothing buffered): samples of a pending ticket may have been dropped meanwhile.
+                while (self._finished < ticket and not self._stopped and self._thread.is_alive()
+                       and (self._busy or len(self.buffer) > 0)):  # fmt: skip
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    self._cv.wait(remaining)
+            finally:
+                self._force -= 1
+        return True
+
+    def stop(self, flush: bool = False, timeout: float | None = 120.0, abandon: bool = False) -> bool:
+        """Take no more samples, finish the updates already triggered (with ``flush``, one on a partial buffer too)
+        and end the worker thread, each wait up to ``timeout``; ``abandon``: the update in progress stops at its
+        next optimizer step and is discarded. False when something was left unfinished."""
+        self._closing = True  # the adapter ignores rounds from now on
+        if abandon:
+            self._abandon.set()
+        done = True
+        if flush and not abandon:
+            done = self.train_buffered(None if timeout is None else time.monotonic() + timeout)
+        with self._cv:
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            done = done and not self._thread.is_alive()
+        return done
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._ready_locked() and self._rollback_due is None:
-                    if self._closing or self.stopped:
+                while not self._ready_locked() and not self.counters.rollback_due:
+                    if self._closing or self._stopped:
                         return
                     self._cv.wait()
                 ready = self._ready_locked()
@@ -108,9 +207,9 @@ class UpdateLoop:
                     self._started += 1
                 self._busy = True
             try:
-                self._roll_back_if_due(samples if ready else None)
+                self.roll_back_if_due(samples if ready else None)
                 if ready:
-                    self._update(samples, leftover)
+                    self.update(samples, leftover)
             except BaseException as e:  # noqa: BLE001 - the worker must survive anything
                 logger.error("online adapter worker error: %s", redact(f"{type(e).__name__}: {e}"))
             finally:
@@ -119,42 +218,45 @@ class UpdateLoop:
                     self._finished += int(ready)
                     self._cv.notify_all()
 
-    def _update(self, samples: list[Sample], leftover: int | None = None) -> None:
+    # ================================================================== one update
+    def update(self, samples: list[Sample], leftover: int | None = None) -> None:
+        """Train on ``samples``, judge the candidate, then swap it in and publish it, or keep it aside; a failure is
+        counted and leaves the serving weights as they are. ``leftover``: the buffer's mark when the samples were
+        taken (with ``clear_after_update``, the samples older than it go once the update is swapped in)."""
         t0 = time.perf_counter()
         domains = Counter(s.domain for s in samples if s.domain is not None)
-        worker, index = self.worker, self._started
+        index = self._started
         samples, held = self.guard.split(samples, index)
-        with self._stats_lock:
-            base = self._served_version()
+        base = self.counters.served_version()
         try:
             with self._side_stream(after_serving=True):
-                serving = self.guard.measure(worker, held, index)  # before training: the shadow holds the serving weights
-                result = worker.train(samples, index, should_stop=self._abandon.is_set)
-                candidate = self.guard.measure(worker, held, index)
-            if self._roll_back_if_due(held):  # the shadow trained on the weights just undone: the update goes too
+                serving = self.guard.measure(self.worker, held, index)  # before training: the shadow holds the serving weights
+                result = self.trainer.train(samples, index, should_stop=self._abandon.is_set)
+                candidate = self.guard.measure(self.worker, held, index)
+            if self.roll_back_if_due(held):  # the shadow trained on the weights just undone: the update goes too
                 logger.info("online update discarded: it was trained from weights that were just rolled back")
                 return
             judged = self.guard.judge(serving, candidate)
             if judged.refusal is None:
                 self._swap()
         except UpdateAbandoned:
-            worker.reset()  # the shadow stopped mid-update: rebuilt from the serving weights if ever needed
+            self.trainer.reset()  # the shadow stopped mid-update: rebuilt from the serving weights if ever needed
             logger.info("online update abandoned (the adapter is closing); serving weights unchanged")
             return
         except Exception as e:  # noqa: BLE001
             self._on_failure(e)
             return
         record = UpdateRecord(
-            update=self.updates + 1, samples=len(samples), loss_first=result["loss_first"], loss_last=result["loss_last"],
-            head_loss_last=result["head_loss_last"], grad_norm=result.get("grad_norm"), tau_before=None, rounds_before=0,
-            seconds=time.perf_counter() - t0,
+            update=self.counters.updates + 1, samples=len(samples), loss_first=result["loss_first"],
+            loss_last=result["loss_last"], head_loss_last=result["head_loss_last"], grad_norm=result.get("grad_norm"),
+            tau_before=None, rounds_before=0, seconds=time.perf_counter() - t0,
             domains=dict(domains), held_back=len(held), guard_serving=judged.serving, guard_candidate=judged.candidate,
             guard_gain=judged.gain, guard_gain_se=judged.gain_se, base_version=base,
         )  # fmt: skip
         if judged.refusal is not None:
             self._refuse(record, judged.refusal, index)
             return
-        self._record_swapped(record)
+        self.counters.record_swapped(record)
         superseded = 0
         if self.config.clear_after_update and leftover is not None:
             # What the update trained on left the buffer when it was taken; the samples that were left
@@ -184,42 +286,11 @@ class UpdateLoop:
                     self.worker.stream.wait_stream(torch.cuda.default_stream(self.worker.device))
             yield
 
-    def _served_version(self) -> int:
-        """The version serving now (``start_version``: the starting weights, until one is written); under the stats
-        lock. Kept as the newest version written (:meth:`_publish`), since every served round reads it."""
-        return self._version_serving
-
-    def _serving_record(self) -> UpdateRecord | None:
-        """The newest record whose weights were swapped in (an update or a rollback); under the stats lock."""
-        return next((r for r in reversed(self.history) if r.swapped), None)
-
-    def _record_swapped(self, record: UpdateRecord) -> None:
-        """Append the record of weights just swapped in: its tau_before is what served since the previous
-        swap, which is that swap's record's tau_after."""
-        with self._stats_lock:
-            record.tau_before, record.rounds_before = self._last_swap_tau
-            record.head_mae_before = self._last_swap_mae
-            previous = self._serving_record()
-            if previous is not None:
-                previous.tau_after, previous.rounds_after = record.tau_before, record.rounds_before
-                previous.head_mae_after = self._last_swap_mae
-            self.history.append(record)
-            if record.rollback_of is not None:
-                self.rollbacks += 1
-                return
-            self.updates += 1
-            self.consecutive_failures = 0
-            self.last_loss = record.loss_last
-            self.domains_seen.update(record.domains)
-
     def _refuse(self, record: UpdateRecord, refusal: dict, index: int) -> None:
         """Keep a candidate that lowered held-back acceptance aside (:mod:`.guard`): no swap, no version, the
         shadow rebuilt from the serving weights. Not a failure: the worker ran without fault."""
         record.swapped = False
-        with self._stats_lock:
-            record.tau_before = self._tau_sum / self._tau_n if self._tau_n else None
-            record.rounds_before = self._tau_n
-            served = self._served_version()
+        served = self.counters.refusing(record)
         reason = {**refusal, "update": record.update, "worker_update_index": index, "samples": record.samples,
                   "serving_version": served, "loss_first": record.loss_first, "loss_last": record.loss_last}  # fmt: skip
         if self.worker.stream is not None:
@@ -229,35 +300,27 @@ class UpdateLoop:
                 with self._side_stream():
                     record.path = str(self.guard.keep_aside(self.worker.shadow, next(self.drafter.parameters()).dtype, reason))
             except Exception as e:  # noqa: BLE001 - keeping it aside is a record, never a reason to stop
-                self.last_error = redact(f"could not keep a refused update aside: {type(e).__name__}: {e}")
-                logger.warning("%s", self.last_error)
-        self.worker.reset()
-        with self._stats_lock:
-            self.history.append(record)
-            self.swaps_refused += 1
-            self.consecutive_failures = 0
-            self.last_loss = record.loss_last
-            self.last_refusal = {**reason, "path": record.path}
+                error = redact(f"could not keep a refused update aside: {type(e).__name__}: {e}")
+                self.counters.record_error(error)
+                logger.warning("%s", error)
+        self.trainer.reset()
+        self.counters.record_refused(record, {**reason, "path": record.path})
         logger.warning("online update %d (%s): %d samples, loss %.4f -> %.4f, guard: refused, serving weights "
                        "unchanged: %s%s", record.update, self.config.method, record.samples, record.loss_first or 0.0,
                        record.loss_last or 0.0, refusal["reason"],
                        f"; kept aside in {record.path}" if record.path else "")  # fmt: skip
 
     def _on_failure(self, e: BaseException) -> None:
-        self.worker.reset()  # rebuilt from the (unchanged, last good) serving weights next time
-        limit = self.config.max_consecutive_failures
-        with self._stats_lock:
-            self.failures += 1
-            self.consecutive_failures += 1
-            self.last_error = redact(f"{type(e).__name__}: {e}")
-            stop = limit is not None and self.consecutive_failures >= limit
-        logger.warning("online update failed, serving weights unchanged: %s", self.last_error)
+        self.trainer.reset()  # rebuilt from the (unchanged, last good) serving weights next time
+        error = redact(f"{type(e).__name__}: {e}")
+        stop = self.counters.record_failure(error, self.config.max_consecutive_failures)
+        logger.warning("online update failed, serving weights unchanged: %s", error)
         if stop:
-            self.stopped = True
+            self._stopped = True
             self.buffer.clear()
             logger.error(
                 "online adapter stopped after %d consecutive failed updates; the drafter keeps serving its last good weights",
-                self.consecutive_failures,
+                self.counters.consecutive_failures,
             )
 
     # ------------------------------------------------------------------ swap / rollback
@@ -265,16 +328,15 @@ class UpdateLoop:
         """Copy the shadow's weights into the serving drafter while no round is drafting; keep the weights
         they replace (on the CPU) while the rollback watch judges the swap."""
         previous = None
-        if self.rollback.can_judge:
+        if self.counters.can_judge:
             previous = {k: v.detach().to("cpu", copy=True) for k, v in self.drafter.state_dict().items()}
-        self._install(self.worker.shadow.state_dict(), judge=(previous, self.updates + 1))
+        self.install(self.worker.shadow.state_dict(), judge=(previous, self.counters.updates + 1))
 
-    def _roll_back_if_due(self, recent: list | None = None) -> bool:
+    def roll_back_if_due(self, recent: list | None = None) -> bool:
         """Restore the weights the newest swap replaced when served tau fell after it (:mod:`.guard`) and a paired
         check does not clear it (:meth:`_paired_check`, on ``recent`` requests or the newest buffered), and
         publish them as a new version so that ``LATEST`` names what serves. Whether it did."""
-        with self._stats_lock:
-            due, self._rollback_due = self._rollback_due, None
+        due = self.counters.take_rollback()
         if due is None:
             return False
         paired = self._paired_check(due, recent)
@@ -284,14 +346,14 @@ class UpdateLoop:
                            "compares different traffic)", due["update"], due["tau_before"], due["tau_after"],
                            paired["requests"], paired["serving"], paired["previous"])  # fmt: skip
             return False
-        self._install(due["previous"])
-        self.worker.reset()  # the shadow holds the undone weights: rebuilt from the restored ones
+        self.install(due["previous"])
+        self.trainer.reset()  # the shadow holds the undone weights: rebuilt from the restored ones
         logger.warning("online rollback of update %d: served tau fell from %.3f to %.3f over %d rounds after its swap; "
                        "its previous weights serve again", due["update"], due["tau_before"], due["tau_after"],
                        due["rounds"])  # fmt: skip
         record = UpdateRecord(update=due["update"], samples=0, loss_first=None, loss_last=None, head_loss_last=None,
                               tau_before=None, rounds_before=0, rollback_of=due["update"])  # fmt: skip
-        self._record_swapped(record)
+        self.counters.record_swapped(record)
         self._publish(record)
         return True
 
@@ -312,20 +374,20 @@ class UpdateLoop:
             scores = [worker.accept_len(m, samples, seed=self._started) for m in (serving, previous)]
         return {"serving": scores[0], "previous": scores[1], "requests": len(samples)}
 
-    def _install(self, new_state: dict, judge: tuple[dict | None, int] | None = None) -> None:
-        """Copy ``new_state`` into the serving drafter under the round lock (exclusive: between rounds).
-        ``judge``: (the replaced weights or None, update number) for the rollback watch; None for a
-        rollback, after which the rounds served with the undone weights judge nothing more."""
+    def install(self, new_state: dict, judge: tuple[dict | None, int] | None = None) -> None:
+        """Copy ``new_state`` into the serving drafter under the round lock (exclusive: between rounds), swap and
+        rollback alike. ``judge``: (the replaced weights or None, update number) for the rollback watch; None for a
+        rollback. Raises (nothing copied) when the tensors differ from the serving ones or are not finite."""
         serving = self.drafter.state_dict()
         if new_state.keys() != serving.keys():
             raise RuntimeError("new and serving drafter weights disagree on their tensors; not swapping")
         bad = first_nonfinite(new_state.items())
         if bad is not None:  # never served: the update fails, the serving weights stay
             raise NonFiniteLossError(f"non-finite values in {bad}; not swapping")
-        self._swap_pending.set()
+        self.swap_pending.set()
         try:
             with self.round_lock.exclusive(), CAPTURE_LOCK:  # device syncs and copies on the legacy stream
-                self._swap_pending.clear()
+                self.swap_pending.clear()
                 cuda_devices = {t.device for t in serving.values() if t.device.type == "cuda"}
                 if self.worker.stream is not None:
                     cuda_devices.add(self.worker.device)
@@ -336,27 +398,11 @@ class UpdateLoop:
                         t.copy_(new_state[name])
                 for dev in cuda_devices:
                     torch.cuda.synchronize(dev)
-                with self._stats_lock:
-                    self._last_swap_tau = (self._tau_sum / self._tau_n if self._tau_n else None, self._tau_n)
-                    self._tau_sum, self._tau_n = 0, 0
-                    self._last_swap_mae = self._head_err[0] / self._head_err[1] if self._head_err[1] else None
-                    self._head_err = [0.0, 0]
-                    if judge is None:
-                        self.rollback.reset()
-                    else:
-                        self.rollback.arm(*judge)
+                self.counters.swapped(judge)
         finally:
-            self._swap_pending.clear()
+            self.swap_pending.clear()
 
     # ------------------------------------------------------------------ publishing
-    def _card_context(self, writing: UpdateRecord | None = None, number: int | None = None) -> dict:
-        """The model card's context; ``writing``: the record of the version being written, numbered ``number`` in
-        the card only (its record takes the number once the version is on disk)."""
-        with self._stats_lock:
-            history = [{**asdict(h), "version": number} if h is writing else asdict(h) for h in self.history]
-            domains = dict(self.domains_seen)
-        return card_context(self.config, history, domains, self.target_name, self.worker.block_size)
-
     def _publish(self, record: UpdateRecord) -> None:
         if self.publisher is None:
             return
@@ -378,18 +424,14 @@ class UpdateLoop:
         }
 
         def card(number: int) -> dict:
-            return self._card_context(record, number)
+            history, domains = self.counters.card_history(record, number)
+            return card_context(self.config, history, domains, self.target_name, self.worker.block_size)
 
         what = f"rollback of update {record.update}" if record.rollback_of is not None else f"update {record.update}"
         with self._side_stream():  # the weights are read off the legacy stream (speculation/capture.py)
             done = self.publisher.publish(self.drafter, card, meta, f"AdaFlash online {what} (version {{version}})",
                                           what="online version")  # fmt: skip
-        with self._stats_lock:
-            record.version, record.path = (done[0], str(done[1])) if done is not None else (None, None)
-            if done is None:  # the swap stands (serving uses the new weights); only its copy on disk failed
-                self.last_error = self.publisher.last_error
-            else:
-                self._version_serving = done[0]
+        self.counters.record_published(record, done, self.publisher.last_error)
         if done is not None:
             held = ("no held-back check" if record.guard_serving is None
                     else f"held-back tau {_fmt(record.guard_serving)} -> {_fmt(record.guard_candidate)}")

@@ -132,8 +132,8 @@ class ShadowTrainer:
         self.shadow, self.optimizer, self.scheduler = None, None, None
 
     def close(self) -> None:
-        """Release what the trainer holds beyond its shadow (nothing here; a child process in
-        :class:`~adaflash_hf.online.trainer_process.ProcessTrainer`)."""
+        """Release what the trainer holds beyond its shadow (nothing here; a
+        :class:`~adaflash_hf.online.trainer_process.ProcessTrainer` around it stops its child process)."""
 
     # ------------------------------------------------------------------ the target's side
     @torch.no_grad()

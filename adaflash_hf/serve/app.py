@@ -203,7 +203,7 @@ async def _complete(svc: CompletionService, request: Request, body: _Request, ki
                                      headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         answers = await _until_answered(asyncio.gather(*(g.text() for g in gens)), request, settings.disconnect_poll_s)
         _finished(stats, gens)
-        return JSONResponse(svc.response(req, gens, answers, rid))
+        return JSONResponse(svc.shapes.response(req, gens, answers, rid))
     finally:
         if not streaming:  # an error or a client that left: free the engine slots
             _cancel(gens)
@@ -255,19 +255,20 @@ def _sse(payload: dict) -> bytes:
 async def _events(svc: CompletionService, req, gens, rid: str, stats: dict):
     """The SSE stream: OpenAI's chunks, each choice's as they come (its ``index``), ``[DONE]``; an error mid-stream
     is reported in-band."""
+    shapes = svc.shapes
     try:
         if req.kind == "chat":
             for i in range(len(gens)):
-                yield _sse(svc.chunk(req, rid, role=True, index=i))
-        tools = svc.tool_streams(req, gens)
+                yield _sse(shapes.chunk(req, rid, role=True, index=i))
+        tools = shapes.tool_streams(req, gens)
         async for i, piece in _merged(gens):
-            chunks = (svc.piece_chunks(req, rid, i, piece, tools[i]) if piece is not None
-                      else svc.finish_chunks(req, rid, i, gens[i], tools[i]))
+            chunks = (shapes.piece_chunks(req, rid, i, piece, tools[i]) if piece is not None
+                      else shapes.finish_chunks(req, rid, i, gens[i], tools[i]))
             for chunk in chunks:
                 yield _sse(chunk)
         _finished(stats, gens)
         if req.include_usage:
-            yield _sse(svc.chunk(req, rid, usage=svc.usage(req, gens)))
+            yield _sse(shapes.chunk(req, rid, usage=shapes.usage(req, gens)))
         yield _DONE
     except APIError as e:
         stats["error"] = e.message

@@ -4,7 +4,8 @@ and a chat answer's tool calls (:mod:`.tools`), streamed or not.
 Example::
 
     answers = [await gen.text() for gen in gens]          # (text, logprob entries) per choice
-    body = svc.response(req, gens, answers, "chatcmpl-1")  # {"choices": [{"message": ..., "logprobs": ...}], ...}
+    shapes = ResponseShapes("adaflash", svc.token_text)     # a service's own: svc.shapes
+    body = shapes.response(req, gens, answers, "chatcmpl-1")  # {"choices": [{"message": ..., "logprobs": ...}], ...}
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ __all__ = ["ResponseShapes"]
 
 
 class ResponseShapes:
-    """Mixin of :class:`~.service.CompletionService` (it owns ``model_name`` and ``token_text``)."""
+    """The bodies and chunks a service answers with (module doc).
+
+    Args:
+        model_name: the ``model`` every answer names.
+        token_text: one token id's text, as logprobs name it (the service's
+            :meth:`~.service.CompletionService.token_text`).
+    """
+
+    def __init__(self, model_name: str, token_text):
+        self.model_name, self.token_text = model_name, token_text
 
     def usage(self, req, gens) -> dict:
         n, done = sum(map(len, req.prompts)), sum(gen.completion_tokens for gen in gens)

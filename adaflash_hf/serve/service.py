@@ -10,7 +10,7 @@ ids, or a list of either: each prompt its own choices) / ``messages``, ``max_tok
 chunk), ``logprobs`` / ``top_logprobs`` and ``echo`` (:mod:`.logprobs`), the penalties, ``response_format`` and
 ``tools`` / ``tool_choice`` (:mod:`.tools`); every other field of OpenAI's request bodies is accepted or refused
 as :mod:`.options` says. A bad request raises :class:`APIError` (a 400 with an OpenAI-style ``{"error": {...}}``
-body); answers are shaped by :class:`~.responses.ResponseShapes`.
+body); answers are shaped by its :class:`~.responses.ResponseShapes` (``svc.shapes``).
 
 Example::
 
@@ -18,7 +18,7 @@ Example::
     req = svc.parse({"prompt": "Hi", "max_tokens": 8, "temperature": 0}, "completion")
     gens = svc.start(req)                    # inside a running event loop: one per choice
     answers = [await gen.text() for gen in gens]   # (text, logprob entries) each
-    print(svc.response(req, gens, answers, "cmpl-1"))
+    print(svc.shapes.response(req, gens, answers, "cmpl-1"))
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ def _holdback(text: str, stops: list[str]) -> int:
     return n
 
 
-class CompletionService(ResponseShapes):
+class CompletionService:
     """The server's logic without HTTP: parses OpenAI requests, runs them on an :class:`AsyncEngine`.
 
     Args:
@@ -259,6 +259,7 @@ class CompletionService(ResponseShapes):
                  eos_token_id=None):
         self.engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
         self.tokenizer, self.model_name, self.default_max_tokens = tokenizer, model_name, default_max_tokens
+        self.shapes = ResponseShapes(model_name, self.token_text)  # the answers' bodies and chunks
         if eos_token_id is None:
             ids = set()
             gen_cfg = getattr(getattr(self.engine.engine, "target", None), "generation_config", None)

@@ -132,7 +132,7 @@ def _run_method(target, drafter, method, stream, held, refs, eos, settings, conf
                   f"identical={curve[-1]['identical']} (served {served})", flush=True)
     finally:
         adapter.close()
-    return {"curve": curve, "updates": adapter.stats["history"], "failures": adapter.failures}
+    return {"curve": curve, "updates": adapter.stats["history"], "failures": adapter.counters.failures}
 
 
 def _attempts(adapter: OnlineAdapter) -> int:
@@ -141,7 +141,8 @@ def _attempts(adapter: OnlineAdapter) -> int:
 
 
 def _counts(adapter: OnlineAdapter) -> tuple[int, int, int]:
-    return adapter.updates, adapter.swaps_refused, adapter.failures
+    c = adapter.counters
+    return c.updates, c.swaps_refused, c.failures
 
 
 def run_protocol(target, drafter, tokenizer, stream, held_out, methods=("opd", "osd", "off"),
