@@ -14,6 +14,10 @@ from adaflash_hf.engine import Engine
 from adaflash_hf.serve.server import make_server
 
 TOL = 1e-4  # logprobs against plain decoding's, float32
+# Two tools in OpenAI's format: one with an argument constrained to an enum, one with none.
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
 
 def start_reference_server(max_len: int = 160, chat_template: str | None = None) -> dict:

@@ -21,7 +21,8 @@ import torch
 
 from adaflash_hf import load_reference_pair
 
-from reference_server import TOL, accepted_drafts, check_chat_logprobs, check_completion_logprobs, plain
+from reference_server import (TIME, TOL, WEATHER, accepted_drafts, check_chat_logprobs, check_completion_logprobs,
+                              plain)
 
 COMPARE = Path(__file__).resolve().parents[1] / "examples" / "lm_eval" / "compare.py"
 MODEL = "adaflash-reference"
@@ -77,7 +78,8 @@ def test_echo_with_max_tokens_0_over_a_prompt_list(srv):
     """lm-eval's loglikelihood request: a list of token-id prompts, echo + logprobs, no new token: choice i holds
     prompt i's logprobs, equal to one plain forward's (the first token has none)."""
     batch = [srv["tok"](p)["input_ids"] for p in PROMPTS]
-    res = srv["client"].completions.create(model=MODEL, prompt=batch, max_tokens=0, temperature=0, logprobs=1, echo=True)
+    res = srv["client"].completions.create(model=MODEL, prompt=batch, max_tokens=0, temperature=0, logprobs=1,
+                                           echo=True)
     assert [c.index for c in res.choices] == [0, 1, 2] and res.usage.completion_tokens == 0
     for choice, ids in zip(res.choices, batch):
         assert choice.text == srv["tok"].decode(ids) and choice.logprobs.token_logprobs[0] is None
@@ -123,7 +125,8 @@ def test_response_format_answers_parse_and_match_the_schema(srv, question, fmt):
     for stream in (False, True):
         res = srv["client"].chat.completions.create(model=MODEL, messages=ask, max_tokens=48, temperature=0,
                                                     response_format=fmt, stream=stream)
-        text = "".join(c.choices[0].delta.content or "" for c in res if c.choices) if stream else res.choices[0].message.content
+        text = ("".join(c.choices[0].delta.content or "" for c in res if c.choices) if stream
+                else res.choices[0].message.content)
         value = json.loads(text)
         assert isinstance(value, dict)
         if fmt["type"] == "json_schema":
@@ -131,11 +134,6 @@ def test_response_format_answers_parse_and_match_the_schema(srv, question, fmt):
     assert accepted_drafts(srv, "draft") > before[0]  # speculation stayed on under the grammar: drafts verified
     if fmt["type"] == "json_schema":
         assert accepted_drafts(srv) > before[1]  # and accepted (a few tokens of {} and tabs need not accept any)
-
-
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
 
 def test_tool_choice_forces_a_call_returned_as_tool_calls_streamed_and_not(srv):
@@ -158,18 +156,18 @@ def test_tool_choice_forces_a_call_returned_as_tool_calls_streamed_and_not(srv):
     fn = required.message.tool_calls[0].function
     assert fn.name in ("get_weather", "get_time") and isinstance(json.loads(fn.arguments), dict)
     free = srv["client"].chat.completions.create(**{**kw, "max_tokens": 12}, tool_choice="none").choices[0]
-    assert free.message.tool_calls is None and "<tool_call>" not in free.message.content  # control: no call unless forced
+    assert free.message.tool_calls is None and "<tool_call>" not in free.message.content  # control: none unless forced
 
 
-@pytest.mark.parametrize("call,param", [
-    (lambda c: c.completions.create(model=MODEL, prompt="Hi", max_tokens=2, best_of=3), "best_of"),
-    (lambda c: c.chat.completions.create(model=MODEL, messages=STORY, max_tokens=2, modalities=["audio"]), "modalities"),
-    (lambda c: c.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"beam_width": 4}), "beam_width"),
-], ids=["best_of", "modalities", "unknown"])
-def test_a_field_the_server_cannot_honour_is_a_400_naming_it(srv, call, param):
+@pytest.mark.parametrize("kind,field,value", [("completion", "best_of", 3), ("chat", "modalities", ["audio"]),
+                                              ("completion", "beam_width", 4)], ids=["best_of", "modalities", "unknown"])
+def test_a_field_the_server_cannot_honour_is_a_400_naming_it(srv, kind, field, value):
+    create = srv["client"].chat.completions.create if kind == "chat" else srv["client"].completions.create
+    prompt = dict(messages=STORY) if kind == "chat" else dict(prompt="Hi")
     with pytest.raises(openai.BadRequestError) as e:
-        call(srv["client"])
-    assert e.value.status_code == 400 and e.value.body["param"] == param and f"`{param}`" in e.value.body["message"]
+        create(model=MODEL, max_tokens=2, **prompt, extra_body={field: value})
+    assert e.value.status_code == 400 and e.value.body["param"] == field and f"`{field}`" in e.value.body["message"]
+    assert create(model=MODEL, max_tokens=2, **prompt).choices  # control: the same request without it is answered
 
 
 def test_lm_evaluation_harness_against_the_server_matches_its_hf_model(srv):
@@ -181,7 +179,7 @@ def test_lm_evaluation_harness_against_the_server_matches_its_hf_model(srv):
     proc = subprocess.run([sys.executable, str(COMPARE), "--url", srv["url"], "--gsm8k", "4", "--mathqa", "4",
                            "--max-gen-toks", "32"], capture_output=True, text=True, env=env, timeout=300)
     lines = proc.stdout.splitlines()
-    assert proc.returncode == 0 and lines[-1] == "all equal: True", (
+    assert proc.returncode == 0 and lines[-1:] == ["all equal: True"], (
         f"{proc.stdout}\n{proc.stderr[-4000:]}\nthe server's stderr ends:\n{srv['log'].read_text()[-2000:]}")
     for name in ("gsm8k local-completions: answers equal 4/4", "gsm8k local-chat-completions: answers equal 4/4",
                  "mathqa local-completions: max |loglikelihood diff|"):
