@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LogitsProcessor
 
 from adaflash_hf import load_reference_pair
 from adaflash_hf.engine import Engine
 from adaflash_hf.engine.sampling import SamplingParams
 
-from reference_server import accepted_drafts, start_reference_server
+from reference_server import (TOL, OpenAIPenalties, accepted_drafts, check_chat_logprobs, check_completion_logprobs,
+                              plain, start_reference_server)
 
-TOL = 1e-4
 PROMPTS = ["Once upon a time there was", "The little dog ran to the", "She opened the door and"]
 
 
@@ -24,28 +23,6 @@ def srv():
     s = start_reference_server()
     yield s
     s["server"].close()
-
-
-class OpenAIPenalties(LogitsProcessor):
-    """OpenAI's presence / frequency penalties over the generated tokens: the plain reference."""
-
-    def __init__(self, prompt_len: int, presence: float, frequency: float):
-        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
-
-    def __call__(self, input_ids, scores):
-        counts = torch.zeros_like(scores)
-        gen = input_ids[:, self.prompt_len :]
-        counts.scatter_add_(1, gen, torch.ones_like(gen, dtype=scores.dtype))
-        return scores - counts * self.frequency - (counts > 0).to(scores.dtype) * self.presence
-
-
-def plain(s, ids: list[int], n: int, presence: float = 0.0, frequency: float = 0.0):
-    """Plain greedy `generate` of the reference target: the tokens and each step's processed logprobs [n, V]."""
-    procs = [OpenAIPenalties(len(ids), presence, frequency)] if presence or frequency else None
-    with torch.no_grad():
-        out = s["target"].generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, logits_processor=procs,
-                                   output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-    return out.sequences[0, len(ids):].tolist(), torch.stack(out.scores)[:, 0].float().log_softmax(-1)
 
 
 def teacher_forced(s, ids: list[int], gen: list[int], presence: float = 0.0, frequency: float = 0.0):
@@ -61,16 +38,6 @@ def ids_of(s, text: str) -> list[int]:
     return s["tok"](text)["input_ids"]
 
 
-def check_entries(s, tokens, values, tops, ref_lp, k: int) -> None:
-    """Each token's logprob and its top k alternatives (ids by text, values) against the reference rows."""
-    assert len(values) == ref_lp.shape[0]
-    for i, (t, v) in enumerate(zip(tokens, values)):
-        assert abs(v - float(ref_lp[i, t])) < TOL, (i, v, float(ref_lp[i, t]))
-        want = ref_lp[i].topk(k)
-        got = sorted(tops[i].values(), reverse=True)[:k] if isinstance(tops[i], dict) else [x.logprob for x in tops[i]]
-        assert torch.allclose(torch.tensor(got), want.values, atol=TOL), (i, got, want.values)
-
-
 @pytest.mark.parametrize("presence,frequency", [(0.0, 0.0), (1.2, 0.0), (-0.5, 0.7)])
 def test_greedy_completions_with_logprobs_and_penalties_equal_plain_decoding(srv, presence, frequency):
     """Non-streamed, streamed and echoed answers: tokens, logprobs and top-3 alternatives equal `generate`'s; drafts
@@ -82,17 +49,7 @@ def test_greedy_completions_with_logprobs_and_penalties_equal_plain_decoding(srv
         changed.append(bool(presence or frequency) and ref != plain(srv, ids, 24)[0])
         kw = dict(model="ref", prompt=prompt, max_tokens=24, temperature=0, logprobs=3, presence_penalty=presence,
                   frequency_penalty=frequency)
-        res = srv["client"].completions.create(**kw).choices[0]
-        assert res.text == srv["tok"].decode(ref, skip_special_tokens=True)
-        lp = res.logprobs
-        assert lp.tokens == [srv["tok"].decode([t]) for t in ref]
-        check_entries(srv, ref, lp.token_logprobs, lp.top_logprobs, ref_lp, 3)
-        chunks = list(srv["client"].completions.create(**kw, stream=True))
-        streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
-        assert "".join(c.choices[0].text for c in chunks if c.choices) == res.text
-        streamed_lp = sum((x.token_logprobs for x in streamed), [])  # another round layout: float noise only
-        assert torch.allclose(torch.tensor(streamed_lp), torch.tensor(lp.token_logprobs), atol=TOL)
-        assert sum((x.text_offset for x in streamed), []) == lp.text_offset
+        check_completion_logprobs(srv, kw, ref, ref_lp, 3)
     assert accepted_drafts(srv) > before
     assert any(changed) == bool(presence or frequency)  # control: the penalties change the answers
 
@@ -103,14 +60,7 @@ def test_chat_logprobs_streamed_and_not_equal_plain_decoding(srv):
     ref, ref_lp = plain(srv, ids, 20, 0.4, 0.4)
     kw = dict(model="ref", messages=messages, max_tokens=20, temperature=0, logprobs=True, top_logprobs=2,
               presence_penalty=0.4, frequency_penalty=0.4)
-    res = srv["client"].chat.completions.create(**kw).choices[0]
-    content = res.logprobs.content
-    assert [c.token for c in content] == [srv["tok"].decode([t]) for t in ref]
-    check_entries(srv, ref, [c.logprob for c in content], [c.top_logprobs for c in content], ref_lp, 2)
-    streamed = [c for ch in srv["client"].chat.completions.create(**kw, stream=True)
-                if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
-    assert [c.token for c in streamed] == [c.token for c in content]
-    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) < TOL
+    check_chat_logprobs(srv, kw, ref, ref_lp, 2)
     plain_chat = srv["client"].chat.completions.create(model="ref", messages=messages, max_tokens=4, temperature=0)
     assert plain_chat.choices[0].logprobs is None  # not asked: none
 

@@ -15,7 +15,7 @@ import xgrammar as xgr
 from adaflash_hf.engine.grammar import Grammars
 from adaflash_hf.serve.tools import END, START, ToolStream, forced_call, parse_tool_calls
 
-from reference_server import start_reference_server
+from reference_server import TIME, WEATHER, start_reference_server
 
 HERMES = """{%- if tools %}<|im_start|>system
 You may call functions. <tools>
@@ -42,9 +42,6 @@ Return a call as <tool_call>
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 

@@ -3,11 +3,15 @@ reference target (float32, CPU): the same per-sample answers and accuracy, logli
 
 Two tasks from local files (tasks/): gsm8k's test problems (generate-until, through `local-completions` and, with
 the chat template, `local-chat-completions`) and MathQA (multiple choice by loglikelihood: `echo` + `logprobs` with
-one new token, through `local-completions`). Needs lm-eval (`pip install -e ".[lmeval]"`); about 20 minutes on two
-loaded CPU cores with the defaults, most of it lm-eval's `hf` model generating.
+no new token, through `local-completions`); `local-completions` sends its prompts in batches of 8 (prompt lists).
+Needs lm-eval (`pip install -e ".[lmeval]"`, in `.[dev]` too); about a minute and a half on two loaded CPU cores
+with the defaults. One task index (the local folder alone, not lm-eval's thousands of tasks), one `hf` model and one
+server serve every comparison, one lm-eval run per model and prompt format; the test suite runs this script on four
+problems of each task against its own server (`--url`).
 
     python examples/lm_eval/compare.py                       # 20 gsm8k problems, 40 MathQA problems
     python examples/lm_eval/compare.py --gsm8k 100 --mathqa 200
+    python examples/lm_eval/compare.py --url http://127.0.0.1:8000 --gsm8k 4 --mathqa 4   # a running server
 
 Prints one line per comparison and `all equal: True|False` (exit status 1 when not).
 """
@@ -19,33 +23,66 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 TASKS = Path(__file__).resolve().parent / "tasks"
 TOL = 1e-4
 
 
-def start_server(max_len: int) -> tuple[subprocess.Popen, str]:
-    """`adaflash serve --reference` on a free port; (process, base URL) once it listens."""
+def start_server(max_len: int = 1024, stderr=subprocess.DEVNULL, timeout: float = 300, lifetime: float | None = None
+                 ) -> tuple[subprocess.Popen, str]:
+    """`adaflash serve --reference` on a free port of 127.0.0.1; (process, base URL) once it listens. A server that
+    has not said where it listens within ``timeout`` seconds is stopped (then this raises); with ``lifetime``, the
+    server stops after that many seconds whatever becomes of its caller (GNU `timeout`)."""
     cmd = [sys.executable, "-m", "adaflash_hf.cli", "serve", "--reference", "--port", "0", "--max-len", str(max_len),
            "--max-slots", "8"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    for line in proc.stdout:
-        m = re.search(r"at (http://\S+)/v1 ", line)
-        if m:
-            return proc, m.group(1)
+    cmd = ["timeout", str(lifetime), *cmd] if lifetime else cmd
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
+    watchdog = threading.Timer(timeout, proc.terminate)  # SIGTERM: `timeout` passes it on
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            m = re.search(r"at (http://\S+)/v1 ", line)
+            if m:
+                return proc, m.group(1)
+    finally:
+        watchdog.cancel()
     raise RuntimeError(f"adaflash serve exited ({proc.wait()}) before listening")
 
 
-def evaluate(model: str, model_args: str, task: str, limit: int, chat: bool = False, batch_size: int = 1) -> list[dict]:
-    """lm-eval's `simple_evaluate` on one task; its logged samples, by document."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
+class Harness:
+    """lm-eval's side: the local task folder indexed once, its `hf` model on the plain reference target and its two
+    API models on the server at ``url``, each built once and reused for every task."""
 
-    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[task], limit=limit, log_samples=True,
-                                  task_manager=TaskManager(include_path=str(TASKS)), batch_size=batch_size,
-                                  apply_chat_template=chat)
-    return sorted(out["samples"][task], key=lambda s: s["doc_id"])
+    def __init__(self, url: str):
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.models.openai_completions import LocalChatCompletion, LocalCompletionsAPI
+        from lm_eval.tasks import TaskManager
+
+        from adaflash_hf.reference import REFERENCE_DIR
+
+        target = os.path.join(REFERENCE_DIR, "target")
+        self.tasks = TaskManager(include_path=str(TASKS), include_defaults=False)
+        api = dict(model="adaflash-reference", tokenizer=target, tokenizer_backend="huggingface", max_retries=1)
+        self.models = {"hf": HFLM(pretrained=target, dtype="float32", device="cpu", batch_size=1),
+                       "local-completions": LocalCompletionsAPI(base_url=f"{url}/v1/completions", batch_size=8, **api),
+                       "local-chat-completions": LocalChatCompletion(base_url=f"{url}/v1/chat/completions",
+                                                                     tokenized_requests=False, **api)}
+
+    def samples(self, model: str, docs: dict[str, int], chat: bool = False, max_gen_toks: int | None = None
+                ) -> dict[str, list[dict]]:
+        """lm-eval's `simple_evaluate` of one model on the first ``docs[task]`` documents of each task, in one run
+        (``max_gen_toks``: the generate-until task's cap in place of its file's); each task's logged samples, by
+        document."""
+        import lm_eval
+
+        out = lm_eval.simple_evaluate(model=self.models[model], tasks=list(docs), log_samples=True,
+                                      samples={task: list(range(n)) for task, n in docs.items()},
+                                      task_manager=self.tasks, apply_chat_template=chat, bootstrap_iters=0,
+                                      gen_kwargs={"max_gen_toks": max_gen_toks} if max_gen_toks else None)
+        return {task: sorted(out["samples"][task], key=lambda s: s["doc_id"]) for task in docs}
 
 
 def same_answers(served: list[dict], plain: list[dict], metric: str) -> tuple[bool, str]:
@@ -70,39 +107,45 @@ def same_loglikelihoods(served: list[dict], plain: list[dict]) -> tuple[bool, st
     return ok, f"max |loglikelihood diff| {worst:.2e}, is_greedy equal {greedy}, acc {right[0]}/{len(served)} vs {right[1]}/{len(plain)}"
 
 
+def compare(url: str, gsm8k: int, mathqa: int, chat: bool = True, max_gen_toks: int | None = None
+            ) -> list[tuple[str, tuple[bool, str]]]:
+    """Every comparison against the server at ``url`` (one lm-eval run per model and prompt format, both tasks in
+    each): (name, (equal, line)) each."""
+    h = Harness(url)
+    docs = {task: n for task, n in (("gsm8k_local", gsm8k), ("mathqa_local", mathqa)) if n}
+    served, plain = (h.samples(m, docs, max_gen_toks=max_gen_toks) for m in ("local-completions", "hf"))
+    results = []
+    if gsm8k:
+        results.append(("gsm8k local-completions", same_answers(served["gsm8k_local"], plain["gsm8k_local"],
+                                                                "exact_match")))
+    if gsm8k and chat:
+        chat_docs = {"gsm8k_local": gsm8k}
+        served_chat, plain_chat = (h.samples(m, chat_docs, True, max_gen_toks)["gsm8k_local"]
+                                   for m in ("local-chat-completions", "hf"))
+        results.append(("gsm8k local-chat-completions", same_answers(served_chat, plain_chat, "exact_match")))
+    if mathqa:
+        results.append(("mathqa local-completions", same_loglikelihoods(served["mathqa_local"], plain["mathqa_local"])))
+    return results
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gsm8k", type=int, default=20, help="gsm8k test problems (the first N)")
     ap.add_argument("--mathqa", type=int, default=40, help="MathQA problems (the first N)")
     ap.add_argument("--no-chat", action="store_true", help="leave out gsm8k through local-chat-completions")
+    ap.add_argument("--max-gen-toks", type=int, help="gsm8k's cap on new tokens (default: the task file's, 96)")
+    ap.add_argument("--url", help="a running `adaflash serve --reference` (e.g. http://127.0.0.1:8000, --max-len 1024 "
+                                  "or more); default: start one on a free port")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from adaflash_hf.reference import REFERENCE_DIR
-
-    target = os.path.join(REFERENCE_DIR, "target")
-    hf = f"pretrained={target},dtype=float32,device=cpu"
-    server, url = start_server(max_len=1024)
+    server, url = (None, args.url.rstrip("/")) if args.url else start_server()
     try:
-        api = f"model=adaflash-reference,tokenizer={target},tokenizer_backend=huggingface,max_retries=1"
-        results = []
-        if args.gsm8k:
-            served = evaluate("local-completions", f"{api},base_url={url}/v1/completions", "gsm8k_local", args.gsm8k)
-            results.append(("gsm8k local-completions",
-                            same_answers(served, evaluate("hf", hf, "gsm8k_local", args.gsm8k), "exact_match")))
-        if args.gsm8k and not args.no_chat:
-            chat = f"{api},base_url={url}/v1/chat/completions,tokenized_requests=False"
-            served = evaluate("local-chat-completions", chat, "gsm8k_local", args.gsm8k, chat=True)
-            results.append(("gsm8k local-chat-completions",
-                            same_answers(served, evaluate("hf", hf, "gsm8k_local", args.gsm8k, chat=True), "exact_match")))
-        if args.mathqa:
-            served = evaluate("local-completions", f"{api},base_url={url}/v1/completions", "mathqa_local", args.mathqa,
-                              batch_size=8)
-            results.append(("mathqa local-completions", same_loglikelihoods(served, evaluate("hf", hf, "mathqa_local",
-                                                                                               args.mathqa))))
+        results = compare(url, args.gsm8k, args.mathqa, not args.no_chat, args.max_gen_toks)
     finally:
-        server.terminate()
-        server.wait(30)
+        if server is not None:
+            server.terminate()
+            server.wait(30)
     for name, (ok, line) in results:
         print(f"{name}: {line} -> {'equal' if ok else 'DIFFERENT'}")
     ok = all(ok for _, (ok, _) in results)
