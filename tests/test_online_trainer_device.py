@@ -109,3 +109,25 @@ def test_the_flag_reaches_the_config():
     add_arguments(p)
     assert online_config(p.parse_args(["--online", "--trainer-device", "cpu"])).trainer_device == torch.device("cpu")
     assert online_config(p.parse_args(["--online"])).trainer_device is None  # default: beside the drafter
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_the_two_gpu_script_refuses_a_host_with_fewer_than_two(gpus, monkeypatch, capsys):
+    """examples/two_gpu/run.py stops with status 2 and says why before any work; control: two GPUs pass the check."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "two_gpu" / "run.py"
+    spec = importlib.util.spec_from_file_location("two_gpu_run", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0" if gpus else "")
+    with pytest.raises(SystemExit) as stop:
+        script.main(["serve", "--out", "unused"])
+    assert stop.value.code == 2
+    assert f"needs two CUDA devices; this process sees {gpus}" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    script.two_gpus_or_exit()
