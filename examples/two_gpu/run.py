@@ -40,6 +40,8 @@ TRAIN_RECIPE = ["--domains", "chat,prose", "--num-prompts", "6144", "--prompts-p
                 "160", "--gen-batch-size", "4096", "--eval-per-domain", "16", "--eval-domains", "chat,prose",
                 "--no-progress"]  # fmt: skip
 CONCURRENCIES = (1, 32)
+LAUNCH_TWO = ["-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu", "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no"]  # the recipe's bf16 autocast is its own
 
 
 def two_gpus_or_exit() -> None:
@@ -99,8 +101,7 @@ def train_seed(args, seed: int, out: Path) -> dict:
         _run([sys.executable, *module, *common, "--out", str(out / f"regen_{seed}"), "--regen-only"],
              out / f"regen_{seed}.log", {"CUDA_VISIBLE_DEVICES": "0"})  # fmt: skip
     runs = {"one_gpu": ([sys.executable, *module], {"CUDA_VISIBLE_DEVICES": "0"}),
-            "two_gpus": ([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu",
-                          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *module], {})}
+            "two_gpus": ([sys.executable, *LAUNCH_TWO, *module], {})}
     row = {}
     for name, (launcher, env) in runs.items():
         folder = out / f"{name}_seed{seed}"
