@@ -77,13 +77,14 @@ def _grad_ready(t: torch.Tensor) -> torch.Tensor:
 class ShadowTrainer:
     """Trains a shadow copy of ``drafter`` on samples (module doc); owns the shadow, its optimizer
     and, on CUDA, the side stream it trains on, all on ``config.trainer_device`` (default: the drafter's device).
-    ``target`` is the trainer's own: the serving one on its device, else a frozen copy of it on the trainer's."""
+    ``target`` is the trainer's own: the serving one, or with a ``trainer_device`` the target is not on, a frozen
+    copy of it there."""
 
     def __init__(self, drafter: AdaFlashDrafter, target: nn.Module, config: OnlineConfig):
         param = next(drafter.parameters())
         self.device = torch.device(config.trainer_device) if config.trainer_device is not None else param.device
-        if next(target.parameters()).device != self.device:  # no forward of an update on the serving device
-            target = frozen_copy(target, self.device)
+        if config.trainer_device is not None and next(target.parameters()).device != self.device:
+            target = frozen_copy(target, self.device)  # no forward of an update on the serving device
         self.drafter, self.target, self.config = drafter, target, config
         self.train_dtype = config.train_dtype
         if self.train_dtype is None:
