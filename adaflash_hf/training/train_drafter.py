@@ -414,7 +414,7 @@ def _training_model(r: DrafterRecipe, target, drafter):
     return model, n_params
 
 
-def _trainer(r: DrafterRecipe, model, samples, collator, out: Path, device: torch.device, main_process: bool):
+def _trainer(r: DrafterRecipe, model, samples, collator, out: Path, device: torch.device, main_process: bool = True):
     """A ``DrafterTrainer`` whose LR schedule runs over the wall-clock budget (or ``steps``)."""
     from transformers import PrinterCallback, TrainingArguments
 
