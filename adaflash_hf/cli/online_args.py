@@ -51,6 +51,10 @@ def add_online_args(g, method_flag: str = "--method", output_required: bool = Tr
         help="where an update trains: a thread of this process or a child process sharing the models' memory, so "
              "that its Python never holds the serving loop's interpreter lock; auto: a process when the drafter is "
              f"on CUDA, else a thread (default: {trainer or 'thread'})")
+    add("--trainer-device", default=None, metavar="DEVICE",
+        help="where updates train and are judged (cpu, cuda:1...; default: the drafter's device): another GPU than "
+             "the serving one keeps every training step off it, with a copy of the target there; the weights cross "
+             "only at a swap. Indices count the devices CUDA_VISIBLE_DEVICES shows")
     add("--layout", choices=("native", "dflash"), default="native", help="version layout (dflash: what SGLang / vLLM load)")
     add("--keep-versions", type=positive_int, default=None, help="rolling window of versions kept on disk")
     add("--guard-samples", type=nonneg_int, default=None,
@@ -80,6 +84,14 @@ def online_flags_given(args) -> list[str]:
 
 def check_online_args(args) -> None:
     """Refuse bad adapter flags before anything loads."""
+    from ..online.config import resolve_trainer_device
+
+    if args.trainer_device is not None:
+        try:
+            resolve_trainer_device(args.trainer_device)
+        except ValueError as e:
+            raise UsageError(f"--trainer-device {args.trainer_device}: {e}",
+                             "pass cpu or a cuda:N this process sees, or leave it out to train beside the drafter") from None
     if args.output_dir:
         check_output_dir(args.output_dir)
     if args.hub_repo and not HUB_ID.match(args.hub_repo):
@@ -130,6 +142,7 @@ def online_config(args, drafter=None):
 
     flags = {"sample_unit": args.sample_unit, "samples_per_update": args.samples_per_update, "epochs": args.epochs,
              "batch_size": args.train_batch_size, "lr": args.lr, "head_lr": args.head_lr, "train_share": args.train_share, "trainer": trainer, "keep_versions": args.keep_versions,
+             "trainer_device": args.trainer_device,
              "guard_samples": args.guard_samples, "guard_margin": args.guard_margin,
              "guard_confidence": args.guard_confidence, "rollback_rounds": args.rollback_rounds,
              "rollback_margin": args.rollback_margin}

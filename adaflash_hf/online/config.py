@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LABEL_MODES", "METHODS", "SAMPLE_UNITS", "TRAINERS", "OnlineConfig"]
+__all__ = ["LABEL_MODES", "METHODS", "SAMPLE_UNITS", "TRAINERS", "OnlineConfig", "resolve_trainer_device"]
 
 METHODS = ("opd", "osd", "off")
 # Where a round sample's per-slot labels come from. "verified": the verify forward, free, but only
@@ -32,6 +33,32 @@ SAMPLE_UNITS = ("request", "round")
 LAYOUTS = ("native", "dflash")
 # Where an update trains: a thread of the serving process, or a child process (online/trainer_process.py).
 TRAINERS = ("thread", "process")
+
+
+def resolve_trainer_device(name: torch.device | str) -> torch.device:
+    """The device ``name`` (``cpu``, ``cuda`` (index 0) or ``cuda:N``) the online trainer can run on, or a
+    ``ValueError`` saying why not; CUDA indices count the devices this process sees (``CUDA_VISIBLE_DEVICES``).
+
+    Example:
+        >>> resolve_trainer_device("cpu")
+        device(type='cpu')
+    """
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{name!r} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise ValueError(f"the online trainer runs on cpu or cuda:N, not {device.type}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r}; indices count the devices it shows)"
+    index = 0 if device.index is None else device.index
+    if index >= count:
+        sees = "no CUDA device" if count == 0 else f"{count} CUDA device{'s' if count > 1 else ''} (cuda:0..cuda:{count - 1})"
+        raise ValueError(f"{name} is not available: this process sees {sees}{shown}")
+    return torch.device("cuda", index)
 
 
 @dataclass
@@ -71,7 +98,10 @@ class OnlineConfig:
             so that the update's Python never holds the serving loop's interpreter lock; the guard, swap and
             publishing stay in the serving process either way.
         train_dtype: the shadow's dtype (default: fp32 master weights for a bf16 / fp16 drafter).
-        device: where the shadow trains (default: the drafter's device).
+        trainer_device: where updates train and the guard measures (``"cpu"``, ``"cuda:1"``...; default: the
+            drafter's device). Another device than the target's holds a frozen copy of the target (its memory once
+            more), so that no forward of an update runs on the serving device; the weights cross to it only at a
+            swap, as one copy of the state dict. CUDA indices count the devices ``CUDA_VISIBLE_DEVICES`` shows.
         seed: shuffling seed.
     Buffer:
         max_buffer_samples (default ``4 * samples_per_update``) / max_buffer_bytes; store_features,
@@ -148,7 +178,7 @@ class OnlineConfig:
     label_mode: str = "verified"
     trainer: str = "thread"
     train_dtype: torch.dtype | None = None
-    device: torch.device | str | None = None
+    trainer_device: torch.device | str | None = None
     seed: int = 0
     max_buffer_samples: int | None = None
     max_buffer_bytes: int = 2 << 30
@@ -194,6 +224,8 @@ class OnlineConfig:
         self.head_weight, self.weight_decay = float(self.head_weight), float(self.weight_decay)
         self.max_anchors, self.seed = int(self.max_anchors), int(self.seed)
         self.max_consecutive_failures = self.max_consecutive_failures or None
+        if self.trainer_device is not None:
+            self.trainer_device = resolve_trainer_device(self.trainer_device)
         self._check_guard()
 
     def _check_guard(self) -> None:

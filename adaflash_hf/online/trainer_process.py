@@ -5,7 +5,8 @@ With ``OnlineConfig(trainer="process")`` the adapter's worker thread hands each 
 rollback and publishing stay in the serving process exactly as with ``trainer="thread"``, on a local shadow that
 receives the child's weights after every update. The child is given the target and the serving drafter through
 ``torch.multiprocessing``, which shares their storage (CUDA IPC on GPU, shared memory on CPU) instead of copying
-it, so a second target costs no memory (on CPU the trainer moves both models into shared memory when it is made,
+it, so a second target costs no memory (the target it is given is the trainer's: with a ``trainer_device`` of its own,
+the copy there, :mod:`~adaflash_hf.online.placement`; on CPU the trainer moves both models into shared memory when it is made,
 before anything serves: moved later, their old memory would be freed under a forward reading it); it rebuilds its
 shadow from the serving weights whenever the adapter's own is reset (a refusal, a rollback, a failure).
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from itertools import chain
 
 import torch
 import torch.multiprocessing as mp
@@ -33,6 +33,7 @@ from torch import nn
 
 from .buffer import Sample
 from .config import OnlineConfig
+from .placement import model_tensors, rebuild
 from .worker import NonFiniteLossError, ShadowTrainer, UpdateAbandoned
 
 __all__ = ["ProcessTrainer", "SharedMemoryTooSmall"]
@@ -68,7 +69,7 @@ class ProcessTrainer:
 
     def __init__(self, local: ShadowTrainer):
         self.local = local
-        share_cpu_memory(local.target, local.drafter)  # now, before serving reads them (module doc)
+        share_cpu_memory(local.target, local.drafter)  # now, before serving reads them (module doc); the trainer's target
         self.process: mp.Process | None = None
         self._conn = None
         self._stop = None
@@ -84,7 +85,7 @@ class ProcessTrainer:
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self._stop = ctx.Event()
-        config = local.config.replace(device=local.device, output_dir=None, hub_repo=None)  # train on this device
+        config = local.config.replace(trainer_device=local.device, output_dir=None, hub_repo=None)  # train on this device
         process = ctx.Process(target=_child_main, name="adaflash-online-trainer", daemon=True,
                               args=(child_conn, self._stop, portable(local.drafter), portable(local.target), config,
                                     torch.get_num_threads()))
@@ -150,10 +151,6 @@ class ProcessTrainer:
         self._drop_child()
 
 
-def _tensors(model: nn.Module):
-    return chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
-
-
 def _unshared(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not t.is_shared()
 
@@ -163,7 +160,7 @@ def share_cpu_memory(*models: nn.Module) -> None:
     old memory under any forward running in another thread. Refused before any move when ``/dev/shm`` (where torch
     puts it on Linux) has too little room: a full one kills the process with SIGBUS mid-copy instead."""
     # one tensor per storage: moving it moves every view of that storage (tied and fused weights) with it
-    loose = {t.untyped_storage().data_ptr(): t for m in models for _, t in _tensors(m) if _unshared(t)}
+    loose = {t.untyped_storage().data_ptr(): t for m in models for _, t in model_tensors(m) if _unshared(t)}
     need = sum(t.untyped_storage().nbytes() for t in loose.values())
     if need and os.path.isdir(_SHM):
         fs = os.statvfs(_SHM)
@@ -176,34 +173,16 @@ def share_cpu_memory(*models: nn.Module) -> None:
 
 def portable(model: nn.Module) -> tuple:
     """``(class, config, tensors)``: what rebuilds ``model`` in another process around the same memory
-    (:func:`rebuild`). Its runtime state stays behind: transformers' output-capturing hooks are local functions that
-    pickle refuses, and a compiled or hooked module is not the object to train from anyway.
+    (:func:`~adaflash_hf.online.placement.rebuild`). Its runtime state stays behind: transformers' output-capturing
+    hooks are local functions that pickle refuses, and a compiled or hooked module is not the object to train from anyway.
 
     A CPU tensor outside shared memory is sent as a shared copy: pickling it as it is would move its storage into
     shared memory in place, freeing the memory a serving forward may be reading at that moment."""
     sent: dict[int, torch.Tensor] = {}  # by the tensor's identity: a tied weight stays one tensor in the child
-    for name, t in _tensors(model):
+    for name, t in model_tensors(model):
         if id(t) not in sent:
             sent[id(t)] = t.detach().clone().share_memory_() if _unshared(t) else t.detach()
-    return type(model), model.config, {name: sent[id(t)] for name, t in _tensors(model)}
-
-
-def rebuild(cls, config, tensors: dict[str, torch.Tensor]) -> nn.Module:
-    """The model :func:`portable` described, built on the meta device and given the shared tensors (no copy), in
-    eval mode and frozen."""
-    with torch.device("meta"):
-        model = cls(config)
-    for name, t in tensors.items():
-        owner, _, leaf = name.rpartition(".")
-        module = model.get_submodule(owner)
-        if leaf in module._parameters:
-            module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
-        else:
-            module._buffers[leaf] = t
-    missing = [n for n, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
-    if missing:
-        raise RuntimeError(f"{cls.__name__} rebuilt without tensors for {missing[:5]}")
-    return model.eval().requires_grad_(False)
+    return type(model), model.config, {name: sent[id(t)] for name, t in model_tensors(model)}
 
 
 def _child_main(conn, stop, drafter_parts, target_parts, config: OnlineConfig, threads: int) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+from itertools import chain
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,7 @@ from ..training.objective import DrafterObjective
 from .buffer import RequestSample, Sample
 from .config import OnlineConfig
 from .pacing import Pacer
+from .placement import frozen_copy
 from .resume import first_nonfinite
 
 __all__ = ["NonFiniteLossError", "ShadowTrainer", "UpdateAbandoned", "copy_drafter"]
@@ -52,14 +54,18 @@ class UpdateAbandoned(RuntimeError):
     """The adapter is shutting down: the update in progress stops at its next step and is discarded."""
 
 
-def copy_drafter(drafter: AdaFlashDrafter, target: nn.Module) -> AdaFlashDrafter:
+def copy_drafter(drafter: AdaFlashDrafter, target: nn.Module, device: torch.device | None = None) -> AdaFlashDrafter:
     """A deep copy of `drafter` bound to `target`, sharing (never copying) the target's embedding
-    and LM head.
+    and LM head; ``device``: its parameters and buffers copied straight there (nothing more on the drafter's own).
 
     Example:
         >>> shadow = copy_drafter(drafter, target)  # train it without touching the serving drafter  # doctest: +SKIP
     """
     memo: dict = {id(getattr(drafter, "_target_refs", {})): {}}
+    if device is not None:  # deepcopy takes these for the originals
+        for t in chain(drafter.parameters(), drafter.buffers()):
+            moved = t.detach().to(device, copy=True)
+            memo[id(t)] = nn.Parameter(moved, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else moved
     return copy.deepcopy(drafter, memo).bind_target(target)
 
 
@@ -70,12 +76,16 @@ def _grad_ready(t: torch.Tensor) -> torch.Tensor:
 
 class ShadowTrainer:
     """Trains a shadow copy of ``drafter`` on samples (module doc); owns the shadow, its optimizer
-    and, on CUDA, the side stream it trains on."""
+    and, on CUDA, the side stream it trains on, all on ``config.trainer_device`` (default: the drafter's device).
+    ``target`` is the trainer's own: the serving one, or with a ``trainer_device`` the target is not on, a frozen
+    copy of it there."""
 
     def __init__(self, drafter: AdaFlashDrafter, target: nn.Module, config: OnlineConfig):
-        self.drafter, self.target, self.config = drafter, target, config
         param = next(drafter.parameters())
-        self.device = torch.device(config.device) if config.device is not None else param.device
+        self.device = torch.device(config.trainer_device) if config.trainer_device is not None else param.device
+        if config.trainer_device is not None and next(target.parameters()).device != self.device:
+            target = frozen_copy(target, self.device)  # no forward of an update on the serving device
+        self.drafter, self.target, self.config = drafter, target, config
         self.train_dtype = config.train_dtype
         if self.train_dtype is None:
             self.train_dtype = torch.float32 if param.dtype in (torch.float16, torch.bfloat16) else param.dtype
@@ -93,7 +103,7 @@ class ShadowTrainer:
 
     # ------------------------------------------------------------------ shadow / optimizer
     def make_shadow(self) -> AdaFlashDrafter:
-        shadow = copy_drafter(self.drafter, self.target)
+        shadow = copy_drafter(self.drafter, self.target, self.device)
         impl = str(getattr(shadow.config, "_attn_implementation", "") or "")
         if self.config.sample_unit == "request" and (impl.startswith("flash") or "paged" in impl):
             # Many blocks per request train in one pass under a block attention mask, which flash
@@ -334,7 +344,10 @@ class ShadowTrainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, model: AdaFlashDrafter, samples: list) -> dict:
-        """Mean main / length-head loss of ``model`` on request samples or round samples, untrained."""
+        """Mean main / length-head loss of ``model`` on request samples or round samples, untrained (on a copy of it
+        on the trainer's device, when it lives elsewhere)."""
+        if next(model.parameters()).device != self.device:
+            model = copy_drafter(model, self.target, self.device)
         if samples and all(isinstance(x, RequestSample) for x in samples):
             out = self.request_model(model)(**self.request_batch(samples, self.device))
             return {"loss": float(out["ce_loss"]), "head_loss": float(out["length_loss"])}

@@ -76,7 +76,11 @@ def add_arguments(ap: argparse.ArgumentParser, require_target: bool = True) -> a
     ap.add_argument("--warmup-ratio", type=float, default=0.04)
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--grad-clip", type=float, default=1.0)
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=16,
+                    help="samples per optimizer step in each process (N processes: N times as many in all)")
+    ap.add_argument("--grad-accum", type=int, default=1,
+                    help="batches of --batch-size per optimizer step: one process with --grad-accum N takes the steps "
+                         "of N processes (accelerate launch --num_processes N), on the same samples")
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--minutes", type=float, default=6.0, help="training wall-clock budget (minutes)")
     ap.add_argument("--steps", "--max-steps", dest="steps", type=int, default=None,
@@ -143,6 +147,7 @@ class DrafterRecipe:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     batch_size: int = 16
+    grad_accum: int = 1
     max_length: int = 1024
     minutes: float = 6.0
     steps: int | None = None

@@ -39,10 +39,16 @@ From Python: ``run(DrafterRecipe(target=..., out=..., domains=["chat", "prose"],
 :class:`~adaflash_hf.training.RecipeError` (the command line prints it and exits non-zero).
 
 Several GPUs: ``accelerate launch --num_processes N -m adaflash_hf.training.train_drafter ...``
-trains data-parallel (DDP through the Trainer). Regeneration is not split across processes (every
-process would repeat it): run it once single-process with ``--regen-cache FILE --regen-only``, then launch the
-multi-GPU run with the same regeneration flags and ``--regen-cache FILE``, which every process then just reads.
-(Not testable on the CPU machines.)
+trains data-parallel (DDP through the Trainer), the same recipe as one process:
+
+* the samples come from one ``--regen-cache FILE`` made beforehand by one process (the same flags with
+  ``--regen-only``), which every process reads: a launch without it is refused before any work;
+* ``--batch-size`` is per process; the processes take each optimizer step's batches in turn from one order drawn
+  from ``--seed`` (each sees different samples), so one process with ``--grad-accum N`` takes the same steps as N
+  processes (tests/test_train_distributed.py checks the weights agree);
+* ``--minutes`` runs on the main process's clock (every process stops after the same step);
+* only the main process evaluates and writes the drafter, ``train_log.jsonl`` and ``train_summary.json``
+  (``train_samples_per_s`` counts the samples of every process).
 """
 
 from __future__ import annotations
@@ -410,22 +416,24 @@ def _training_model(r: DrafterRecipe, target, drafter):
     return model, n_params
 
 
-def _trainer(r: DrafterRecipe, model, samples, collator, out: Path, device: torch.device):
+def _trainer(r: DrafterRecipe, model, samples, collator, out: Path, device: torch.device, main_process: bool = True):
     """A ``DrafterTrainer`` whose LR schedule runs over the wall-clock budget (or ``steps``)."""
     from transformers import PrinterCallback, TrainingArguments
 
     from .trainer import DrafterTrainer, JsonlLogCallback, WallClockCallback, wall_clock_cosine_schedule
 
     log_path = out / "train_log.jsonl"
-    if log_path.exists():
+    if main_process and log_path.exists():  # only the main process writes the log
         log_path.unlink()
     clock = WallClockCallback(r.minutes * 60.0)
     timed = r.steps is None  # LR schedule over wall-clock time; tqdm would show a meaningless total
-    callbacks = [JsonlLogCallback(log_path, verbose=timed or not r.progress, budget_s=r.minutes * 60.0), clock]
+    callbacks = [clock] + ([JsonlLogCallback(log_path, verbose=timed or not r.progress, budget_s=r.minutes * 60.0)]
+                           if main_process else [])
     # output_dir: the run's own folder (save_strategy "no": the Trainer writes nothing there; a temporary folder per
     # run was left behind by every run)
     targs = TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=r.batch_size,
+        gradient_accumulation_steps=r.grad_accum,
         learning_rate=r.lr, weight_decay=r.weight_decay, max_grad_norm=r.grad_clip, lr_scheduler_type="cosine",
         warmup_steps=r.warmup_ratio, max_steps=r.steps if r.steps is not None else 10**9,
         logging_steps=r.logging_steps, logging_first_step=True, save_strategy="no", report_to=[],
@@ -467,6 +475,29 @@ def _after_training(r: DrafterRecipe, model, target, samples, eval_samples, coll
     return lh_losses, eval_res
 
 
+def _processes() -> tuple[int, bool]:
+    """``(processes, whether this one is the main one)`` of a launch (``accelerate launch`` / ``torchrun`` set
+    ``WORLD_SIZE`` and ``RANK``)."""
+    return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)) == 0
+
+
+def check_recipe(r: DrafterRecipe) -> None:
+    """Refuse what cannot run, before any model loads: flex attention off CUDA, a regeneration cache made with other
+    settings, a multi-process launch without the samples every process must read from one file."""
+    device = _device(r.device)
+    if r.block_attention == "flex" and not flex_available(device):
+        raise RecipeError(f"--block-attention flex trains on CUDA only (here: {device}): use dense")
+    if r.grad_accum < 1:
+        raise RecipeError(f"--grad-accum must be >= 1, got {r.grad_accum}")
+    check_regen_cache(r)
+    if r.train_domains and not set(r.train_domains) <= set(r.domains):
+        raise RecipeError(f"--train-domains {','.join(r.train_domains)} is not a subset of --domains {','.join(r.domains)}")
+    processes, _ = _processes()
+    if processes > 1 and (r.regen_only or not (r.regen_cache and Path(r.regen_cache).is_file())):
+        raise RecipeError(f"{processes} processes train from one regeneration: make it first in one process (the same "
+                          "flags with --regen-cache FILE --regen-only), then launch with --regen-cache FILE")
+
+
 def run(r: DrafterRecipe) -> int:
     """Regenerate, train and save as ``r`` says (module doc); raises :class:`RecipeError` on
     user-fixable problems."""
@@ -474,16 +505,13 @@ def run(r: DrafterRecipe) -> int:
 
     from .collator import DrafterDataCollator
 
+    check_recipe(r)
     device = _device(r.device)
-    if r.block_attention == "flex" and not flex_available(device):
-        raise RecipeError(f"--block-attention flex trains on CUDA only (here: {device}): use dense")
-    check_regen_cache(r)
-    if r.train_domains and not set(r.train_domains) <= set(r.domains):
-        raise RecipeError(f"--train-domains {','.join(r.train_domains)} is not a subset of --domains {','.join(r.domains)}")
-    main_process = int(os.environ.get("RANK", 0)) == 0
+    processes, main_process = _processes()
     set_seed(r.seed)
     out = Path(r.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if main_process:
+        out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     tok = AutoTokenizer.from_pretrained(r.tokenizer or r.target)
     target = _load_target(r.target, device)
@@ -505,19 +533,21 @@ def run(r: DrafterRecipe) -> int:
         raise RecipeError("no training samples after regeneration")
     if r.regen_only:
         return 0
-    eval_samples = _eval_samples(r, target, tok, timings) if r.eval_per_domain > 0 and main_process else []
     model, n_params = _training_model(r, target, drafter)
     collator = DrafterDataCollator(tok, max_length=r.max_length)
-    trainer = _trainer(r, model, samples, collator, out, device)
+    trainer = _trainer(r, model, samples, collator, out, device, main_process)
     t = time.time()
     result = trainer.train()
     timings["train_s"] = round(time.time() - t, 1)
-    print(f"[train_drafter] trained {trainer.state.global_step} steps in {timings['train_s']}s "
+    step_samples = r.batch_size * r.grad_accum * processes
+    timings["train_samples_per_s"] = round(trainer.state.global_step * step_samples / max(timings["train_s"], 1e-9), 2)
+    print(f"[train_drafter] trained {trainer.state.global_step} steps of {step_samples} samples in {timings['train_s']}s "
           f"(final train loss {result.training_loss:.4f})", flush=True)
+    if not main_process:  # the main process evaluates and writes everything
+        return 0
+    eval_samples = _eval_samples(r, target, tok, timings) if r.eval_per_domain > 0 else []
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
     lh_losses, eval_res = _after_training(r, model, target, samples, eval_samples, collator, autocast_dtype, timings)
-    if not trainer.is_world_process_zero():
-        return 0
     if r.length_head_weight > 0 or r.length_head_steps > 0:
         model.base_drafter.config.length_head_trained = True
     model.save_pretrained(out, dtype=torch.bfloat16, max_shard_size=r.max_shard_size)
@@ -526,6 +556,8 @@ def run(r: DrafterRecipe) -> int:
     summary = {
         "args": {**asdict(r), "device": _device_name(r.device)},
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+        "processes": processes,
+        "samples_per_step": step_samples,
         "drafter_params": n_params,
         "target_layer_ids": list(model.base_drafter.config.target_layer_ids),
         "steps": trainer.state.global_step,
@@ -535,7 +567,7 @@ def run(r: DrafterRecipe) -> int:
         "eval_accept_proxy": eval_res,
         "timings": timings,
     }
-    (out / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    write_text_atomic(out / "train_summary.json", json.dumps(summary, indent=2, default=str))
     print(f"[train_drafter] saved drafter to {out} (total {timings['total_s']}s)", flush=True)
     return 0
 

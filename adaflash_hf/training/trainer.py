@@ -39,13 +39,16 @@ drafter only). LoRA freezes everything else, including ``fc``, ``hidden_norm`` a
 add them to ``modules_to_save`` to train them too (the length-head loss is skipped while the head
 has no trainable parameter). Saved checkpoints merge the adapters into a plain drafter.
 
-**Several GPUs** (``accelerate``; not testable on the CPU machines)::
+**Several GPUs** (``accelerate``; two CPU processes of the gloo backend take the steps of one process with
+two-fold gradient accumulation, ``tests/test_train_distributed.py``)::
 
     accelerate launch --num_processes 8 -m adaflash_hf.training.train_drafter --target T --out O ...
 
 or any script that builds a :class:`DrafterTrainer`: the Trainer wraps the drafter in DDP, each
 process holds its own frozen target copy (not part of DDP, so no gradient all-reduce for it), the
-per-device batch is ``per_device_train_batch_size``, and only the main process writes checkpoints.
+per-device batch is ``per_device_train_batch_size``, ``group_by_length`` orders the samples by the global batch
+from the run's seed (every process the same order; accelerate deals the batches out in turn), and only the main
+process writes checkpoints.
 Use plain DDP (the default of ``accelerate launch`` without an FSDP/DeepSpeed config): the
 drafter is small, and :meth:`DrafterTrainingModel.save_pretrained` reads the drafter's full
 (unsharded) state dict, which FSDP / ZeRO-3 would have to gather first (not supported here).
@@ -67,6 +70,7 @@ from typing import Iterable
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from .checkpoint import drafter_state_dict, is_peft, save_drafter, unwrap_drafter
 from .collator import DrafterDataCollator, encode_sample
@@ -128,6 +132,19 @@ class DrafterTrainer(Trainer):
                 logs[k] = round(float(v) / self._metric_count, 6)
             self._metric_sums, self._metric_count = {}, 0
         super().log(logs, start_time)
+
+    def _get_train_sampler(self, train_dataset=None):
+        """transformers' sampler, except that ``group_by_length`` groups by the *global* batch (every process's
+        batches of an optimizer step) from a generator of the run's seed: every process draws the same order, and
+        accelerate deals its batches out in turn, so N processes and one process with N-fold gradient accumulation
+        take their steps on the same samples (transformers groups by each process's batch from torch's global RNG)."""
+        sampler = super()._get_train_sampler(train_dataset)
+        if not isinstance(sampler, LengthGroupedSampler):
+            return sampler
+        args = self.args
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        step_batch = args.train_batch_size * args.gradient_accumulation_steps * args.world_size
+        return LengthGroupedSampler(step_batch, lengths=sampler.lengths, generator=torch.Generator().manual_seed(seed))
 
     def _training_model(self) -> DrafterTrainingModel:
         m = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
@@ -197,25 +214,41 @@ class JsonlLogCallback(TrainerCallback):
 
 class WallClockCallback(TrainerCallback):
     """Stop training once ``seconds`` of training wall clock have passed; exposes ``fraction()``
-    (elapsed share of the budget) for :func:`wall_clock_cosine_schedule`."""
+    (elapsed share of the budget, read at the end of each step) for :func:`wall_clock_cosine_schedule`.
+
+    Several processes (``torch.distributed``) use the main process's clock: each step's share is broadcast from
+    rank 0, so that every process takes the same learning rate and stops after the same step (a process that
+    stopped alone would leave the others waiting in their next gradient all-reduce)."""
 
     def __init__(self, seconds: float):
         self.seconds = float(seconds)
         self.t0: float | None = None
+        self._fraction = 0.0
 
     def fraction(self) -> float:
-        if self.t0 is None:
-            return 0.0
-        return min(1.0, (time.time() - self.t0) / max(self.seconds, 1e-9))
+        return self._fraction
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.t0 = time.time()
+        self._fraction = 0.0
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.fraction() >= 1.0:
+        self._fraction = _from_rank_zero(min(1.0, (time.time() - self.t0) / max(self.seconds, 1e-9)))
+        if self._fraction >= 1.0:
             control.should_training_stop = True
             control.should_save = False
         return control
+
+
+def _from_rank_zero(value: float) -> float:
+    """``value`` as the main process has it, when several processes train (else ``value``)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0)
+    return float(t.item())
 
 
 def wall_clock_cosine_schedule(optimizer, clock: WallClockCallback, warmup_ratio: float = 0.04, min_ratio: float = 0.0):
