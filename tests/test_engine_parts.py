@@ -153,3 +153,14 @@ def test_phase_timer_marks_only_when_enabled():
     timer.enabled = True
     timer.mark(None), timer.mark("draft"), timer.end_step(True)
     assert timer.enabled and set(timer.seconds) == {"draft", "host"} and timer.steps == 1
+
+
+@pytest.mark.parametrize("offsets, counts", [([0, 3], [3]), ([0, 3], [1]), ([2, 5, 5, 9], [2, 0, 4]), ([0, 1, 4], [1, 1])])
+def test_leading_rows_are_each_segments_first_rows(offsets, counts):
+    """The drafter's new context in one split equals a slice per segment (the reference), as views of the rows."""
+    from adaflash_hf.engine.target import leading_rows
+
+    rows = torch.arange(20).reshape(10, 2)
+    got = leading_rows(rows, offsets, counts)
+    assert [v.tolist() for v in got] == [rows[o : o + n].tolist() for o, n in zip(offsets, counts)]
+    assert all(v.data_ptr() == rows[o].data_ptr() for v, o, n in zip(got, offsets, counts) if n)

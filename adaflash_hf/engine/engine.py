@@ -67,7 +67,7 @@ from .round_ngrams import PROBE_LAG, apply_prompt_ngrams, round_candidates, wide
 from .sampled_rows import RoundRandom, sample_drafts, sample_round
 from .sampling import SamplingParams
 from .stats import EngineStats, PhaseTimer
-from .target import PackedLayout, check_target_supported, make_target_cache, target_forward
+from .target import PackedLayout, check_target_supported, leading_rows, make_target_cache, target_forward
 
 __all__ = ["Engine", "EngineConfig", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo"]
 
@@ -421,15 +421,17 @@ class Engine:
         first, bad_first, accepted, next_tokens, bad, dl, rows = read
         scored = scored.read() if scored is not None else {}
         commit, fail, advance, observe = self.lifecycle.commit, self.lifecycle.fail, self.cache.advance, self.planner.observe
+        base = len(admitted)
+        ctx = None if hidden is None else leading_rows(  # the drafter's context: prompts, accepted rows + bonus
+            hidden, offs, [offs[j + 1] - offs[j] for j in range(base)] + [a + 1 for a in accepted])
         for j, r in enumerate(admitted):  # the prompt's features become the drafter's first context
             if bad_first[j]:
                 fail(r, NON_FINITE)
                 continue
             advance(r.slot, len(r.prompt))
-            if hidden is not None:
-                r.pending_ctx = hidden[offs[j] : offs[j + 1]]
+            if ctx is not None:
+                r.pending_ctx = ctx[j]
             commit(r, [first[j]], logprobs=scored.get(r.id))
-        base = len(admitted)
         for i, (r, a) in enumerate(zip(running, accepted)):
             if bad[i]:
                 fail(r, NON_FINITE)
@@ -437,8 +439,8 @@ class Engine:
             if self.on_round is not None:
                 self._emit_round(r, drafts, rows[i], vlogits, i, dl[i], a)
             advance(r.slot, a + 1)
-            if hidden is not None:
-                r.pending_ctx = hidden[offs[base + i] : offs[base + i] + a + 1]
+            if ctx is not None:
+                r.pending_ctx = ctx[base + i]
             emitted = commit(r, rows[i][:a] + [next_tokens[i]], verify_len=dl[i] + 1, logprobs=scored.get(r.id))
             if emitted:  # what the round says of the request's acceptance (a failed commit says nothing)
                 observe(r, emitted - 1, dl[i] + 1)
