@@ -413,11 +413,10 @@ class Engine:
         assert num_tokens <= self.token_budget
 
     def _commit_round(self, admitted, running, drafts: RoundDrafts, read: tuple, vlogits, hidden, offs, scored) -> None:
-        """Advance the target cache over what was accepted, hand the new features to the drafter, emit
-        each verified round, commit tokens; fail (alone) each request whose fault flag is set. ``read``: host lists of
-        the prefills' first tokens and fault flags, then the verifies' accepted counts, next tokens, fault flags,
-        verified draft lengths and drafts (a list per request); ``scored``: the logprobs of the requests that asked
-        (read here: request id -> rows), or ``None``."""
+        """Advance the target cache over what was accepted, hand the new features to the drafter, emit each verified
+        round, commit tokens; fail (alone) each request whose fault flag is set. ``read``: host lists of the prefills'
+        first tokens and fault flags, then the verifies' accepted counts, next tokens, fault flags, verified draft
+        lengths and drafts (a list per request); ``scored``: the asking requests' logprobs (id -> rows), or ``None``."""
         first, bad_first, accepted, next_tokens, bad, dl, rows = read
         scored = scored.read() if scored is not None else {}
         commit, fail, advance, observe = self.lifecycle.commit, self.lifecycle.fail, self.cache.advance, self.planner.observe

@@ -1,8 +1,10 @@
 """The tau table of README.md from bench/*/bench.json: `cost` (the default) tau as a share of `fixed`'s at c=1, beside
-the last such run (`../c1_traffic_cpu_1205/bench`). `python docs/logs/length_home_cpu_1206/table.py > .../table.md`"""
+the last such run (`../c1_traffic_cpu_1205/bench`). `python docs/logs/length_home_cpu_1206/table.py [BENCH_DIR] > .../table.md`
+(BENCH_DIR: default this folder's bench/)."""
 import glob
 import json
 import os
+import sys
 
 here = os.path.dirname(os.path.abspath(__file__))
 
@@ -16,7 +18,7 @@ def cells(pattern):
     return out
 
 
-now = cells(f"{here}/bench/*/bench.json")
+now = cells(f"{sys.argv[1] if len(sys.argv) > 1 else here + '/bench'}/*/bench.json")
 before = cells(f"{here}/../c1_traffic_cpu_1205/bench/*/bench.json")
 print("| set (test prompts) | `fixed` tau | `cost` tau | share of `fixed` | 12-05 run | `cost` mean verify length | identical |")
 print("|---|---|---|---|---|---|---|")
