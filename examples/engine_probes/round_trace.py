@@ -2,8 +2,9 @@
 concurrency (torch.profiler, host and device).
 
 For each (mode, c): c gsm8k prompts are submitted and prefilled, a few rounds run unprofiled, then ``--steps`` rounds
-are timed without the profiler (wall ms per round), then the same number of rounds again under torch.profiler with
-host and device activities, and a third time under cProfile (the Python functions the host spends its time in).
+are timed without the profiler (wall ms per round; ``--passes N``: N such passes, their median), then the same number
+of rounds again under torch.profiler with host and device activities, and a third time under cProfile (the Python
+functions the host spends its time in; ``--no-profile``: the timed passes only).
 Per round it reports:
 
 - ``wall_ms``: the round's time without a profiler;
@@ -27,6 +28,7 @@ import argparse
 import cProfile
 import json
 import pstats
+import statistics
 import sys
 import time
 from collections import Counter
@@ -58,19 +60,30 @@ def runtime_counts(events) -> Counter:
     return Counter(e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(("cuda", "cu")))
 
 
-def profile_rounds(eng, handles, steps: int, device) -> dict:
-    """One timed pass, one torch.profiler pass and one cProfile pass of ``steps`` rounds each."""
-    from torch.profiler import ProfilerActivity, profile
-
-    common.sync(device)
-    tok0, t = sum(len(h.token_ids) for h in handles), time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    common.sync(device)
-    wall_ms = 1e3 * (time.perf_counter() - t) / steps
-    tokens = (sum(len(h.token_ids) for h in handles) - tok0) / steps
+def timed_passes(eng, handles, steps: int, passes: int, device) -> tuple[list[float], float]:
+    """``passes`` timed passes of ``steps`` rounds: each pass's ms a round, and the tokens a round."""
+    walls, tok0 = [], sum(len(h.token_ids) for h in handles)
+    for _ in range(passes):
+        common.sync(device)
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        common.sync(device)
+        walls.append(1e3 * (time.perf_counter() - t) / steps)
     if any(h.done for h in handles):
         raise RuntimeError("a request finished inside the timed rounds: raise --max-new-tokens")
+    return walls, (sum(len(h.token_ids) for h in handles) - tok0) / (steps * passes)
+
+
+def profile_rounds(eng, handles, steps: int, device, passes: int = 1, profiled: bool = True) -> dict:
+    """``passes`` timed passes (``wall_ms``: their median), then one torch.profiler pass and one cProfile pass of
+    ``steps`` rounds each (``profiled=False``: the timed passes only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    walls, tokens = timed_passes(eng, handles, steps, passes, device)
+    wall_ms = statistics.median(walls)
+    if not profiled:
+        return {"wall_ms": wall_ms, "wall_passes_ms": walls, "tokens_per_round": tokens}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
     with profile(activities=acts) as prof:
         for _ in range(steps):
@@ -87,7 +100,7 @@ def profile_rounds(eng, handles, steps: int, device) -> dict:
     pr.disable()
     st = pstats.Stats(pr)
     py = sorted(((v[2], v[3], v[0], f"{Path(k[0]).name}:{k[1]}({k[2]})") for k, v in st.stats.items()), reverse=True)
-    return {"wall_ms": wall_ms, "tokens_per_round": tokens, "gpu_busy_ms": busy_us(ev) / 1e3 / steps,
+    return {"wall_ms": wall_ms, "wall_passes_ms": walls, "tokens_per_round": tokens, "gpu_busy_ms": busy_us(ev) / 1e3 / steps,
             "syncs": sum(rt[n] for n in SYNC_CALLS) / steps, "dtoh_copies": dtoh / steps,
             "launches": sum(rt[n] for n in LAUNCH_CALLS) / steps, "graph_launches": rt["cudaGraphLaunch"] / steps,
             "runtime_calls": {k: round(v / steps, 2) for k, v in rt.most_common(12)},
@@ -123,12 +136,12 @@ def run(args) -> dict:
                 eng.step()
             for _ in range(3):
                 eng.step()
-            row = {"mode": mode, "concurrency": c, **profile_rounds(eng, handles, args.steps, device)}
+            row = {"mode": mode, "concurrency": c, **profile_rounds(eng, handles, args.steps, device, args.passes,
+                                                                            not args.no_profile)}
             while not all(h.done for h in handles):
                 eng.step()
-            common.log(f"{mode:8s} c={c:3d}: wall {row['wall_ms']:.3f} ms, {row['tokens_per_round']:.2f} tokens, gpu busy {row['gpu_busy_ms']:.3f} ms, "
-                       f"syncs {row['syncs']:.1f}, dtoh {row['dtoh_copies']:.1f}, launches {row['launches']:.1f}, "
-                       f"graphs {row['graph_launches']:.1f}")
+            common.log(f"{mode:8s} c={c:3d}: wall {row['wall_ms']:.3f} ms (passes "
+                       f"{' '.join(f'{w:.3f}' for w in row['wall_passes_ms'])}), {row['tokens_per_round']:.2f} tokens")
             res["rows"].append(row)
             del eng
             common.free_memory()
@@ -140,10 +153,15 @@ def markdown(res: dict) -> str:
              "| mode | c | tokens / round | wall ms | GPU busy ms | host-only ms | syncs | DtoH copies | kernel launches | graph launches |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
+        if "gpu_busy_ms" not in r:  # --no-profile: the timed passes only
+            lines.append(f"| {r['mode']} | {r['concurrency']} | {r['tokens_per_round']:.2f} | {r['wall_ms']:.3f} | - | - | - | - | - | - |")
+            continue
         lines.append(f"| {r['mode']} | {r['concurrency']} | {r['tokens_per_round']:.2f} | {r['wall_ms']:.3f} | {r['gpu_busy_ms']:.3f} | "
                      f"{r['wall_ms'] - r['gpu_busy_ms']:.3f} | {r['syncs']:.1f} | {r['dtoh_copies']:.1f} | {r['launches']:.1f} | "
                      f"{r['graph_launches']:.1f} |")
-    for r in res["rows"]:
+    lines += ["", "Timed passes, ms a round: " + "; ".join(
+        f"{r['mode']} c={r['concurrency']} " + " ".join(f"{w:.3f}" for w in r["wall_passes_ms"]) for r in res["rows"])]
+    for r in (r for r in res["rows"] if "runtime_calls" in r):
         lines += ["", f"## {r['mode']}, c={r['concurrency']}: runtime calls per round", "",
                   ", ".join(f"{k} {v}" for k, v in r["runtime_calls"].items()), "",
                   "Python functions by self time per round (cProfile; its own overhead inflates them):", ""]
@@ -158,6 +176,8 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="1,32")
     ap.add_argument("--dataset", default="gsm8k")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--passes", type=int, default=1, help="timed passes of --steps rounds (wall_ms: their median)")
+    ap.add_argument("--no-profile", action="store_true", help="the timed passes only (no profiler, no cProfile)")
     ap.add_argument("--max-new-tokens", type=int, default=1024)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
