@@ -362,3 +362,24 @@ def test_engine_decode_steps_wait_for_admission_and_sampling(pair):
     assert len(c.result().token_ids) == 10
     with pytest.raises(ValueError, match="decode_steps"):
         Engine(target, None, decode_steps=0)
+
+
+@pytest.mark.parametrize("first_len,second_new,stretch", [
+    (3, 13, 8),  # the first request ends inside the stretch: it runs on for the second (not cut to 2 steps)
+    (3, 4, 3),   # neither has more than 3 left after the prefill's token: the stretch stops there
+    (-3, 13, 3),  # the first request's slot holds 3 more positions (its prompt fills the rest): they cap it
+])
+def test_engine_stretch_runs_to_the_longest_request_within_every_slot(pair, first_len, second_new, stretch):
+    """A plain stretch lasts until the request with the most left is done or a slot is full, not until the first
+    request ends: the one that ends inside drops its later steps (outputs equal plain greedy, every slot freed)."""
+    target, _ = pair
+    engine = Engine(target, None, max_slots=2, max_len=128, token_budget=256, cuda_graphs=True, decode_steps=8)
+    assert engine.cache.max_len == 128  # a whole number of attention blocks: the slots hold what requests may use
+    n = first_len if first_len > 0 else engine.cache.max_len + first_len
+    prompts = [engine_prompts([n], seed=3)[0], engine_prompts([4], seed=4)[0]]
+    handles = [engine.submit(prompts[0], 3), engine.submit(prompts[1], second_new)]
+    engine.step()  # both prefilled: one token each
+    assert engine._greedy_steps(engine._running) == stretch
+    engine.run_until_idle()
+    assert [h.result().token_ids for h in handles] == [plain_greedy_ids(target, p, m) for p, m in zip(prompts, (3, second_new))]
+    assert engine.cache.num_free == 2

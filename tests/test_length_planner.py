@@ -78,3 +78,13 @@ def test_plain_verdicts_are_kept_until_a_guess_may_change(monkeypatch):
     other = [RowState(remaining=100, head_ratio=0.2)]  # other rows: asked again
     planner.plan(other)
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize("remaining,most,want", [((2, 20), 8, 8), ((3, 5), 8, 5), ((30, 30), 4, 4)])
+def test_a_plain_stretch_lasts_until_the_row_with_the_most_left_is_done(remaining, most, want):
+    """A plain stretch is not cut short for a row that ends inside it (the loop drops that row's later steps): it
+    runs ``most`` steps, or what the row with the most left still needs."""
+    planner = LengthPlanner(COST, 8, RoundCost.flat(draft_fraction=50.0))
+    rows = [RowState(remaining=n) for n in remaining]
+    planner.lengths(rows, torch.tensor([0.2] * len(rows)))  # a drafted round said plain
+    assert planner.plain_stretch(rows, most) == want

@@ -147,8 +147,7 @@ class Engine:
                                              beta=config.ema_beta)
         # Verified rounds and finished requests go to `round_sink`, else to the drafter's registered hooks.
         self.on_round, on_request = round_callbacks(config.round_sink, drafter) if drafter is not None else (None, None)
-        self.step_hook = config.step_hook
-        self.lifecycle = Lifecycle(self.cache, self.dcache, on_request)
+        self.step_hook, self.lifecycle = config.step_hook, Lifecycle(self.cache, self.dcache, on_request)
         self._queue, self._running = self.lifecycle.queue, self.lifecycle.running  # the lifecycle's, read every round
         # a plain stretch's host indexes prompt n-grams until its replays end (decode_steps): CUDA only
         self._ngram_event = (torch.cuda.Event() if self.device.type == "cuda" and self.cuda_graphs and drafter is not None
@@ -339,13 +338,15 @@ class Engine:
         return True
 
     def _greedy_steps(self, running) -> int:
-        """How many plain greedy decode steps to queue before the next device read (0: a normal round). Needs the
-        graphs' static path, an empty queue (admission needs a normal round) and greedy requests only."""
+        """Plain greedy steps queued before the next read (0: a normal round; static graphs, an empty queue, greedy
+        requests only) until the request with the most left ends or a slot fills: one ending inside drops its later
+        steps, as after an EOS."""
         if self.graphs is None or not running or self._queue or not all(r.params.greedy and r.params.raw_rows for r in running):
             return 0
+        most = min(self.decode_steps, self.cache.max_len - max(self.cache.length(r.slot) for r in running))
         if self.drafter is not None:
-            return self.planner.plain_stretch(running, self.decode_steps, sink=self.on_round is not None)
-        return min(self.decode_steps, min(r.remaining for r in running))
+            return self.planner.plain_stretch(running, most, sink=self.on_round is not None)
+        return min(most, max(r.remaining for r in running))
 
     def _plain_steps(self, running, steps: int) -> bool:
         """``steps`` plain greedy steps of ``running`` behind one read (:class:`.decode_steps.PlainDecoder`)."""

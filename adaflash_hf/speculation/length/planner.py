@@ -216,11 +216,12 @@ class LengthPlanner:
         """How many plain rounds in a row the ``cost`` policy decodes next behind one read, as ``off`` does (``most`` at
         most; 0: the next round is not plain by this test, the loop asks :meth:`plan`): its last drafted round's ratios
         said plain (priced with the body), the guesses say so, and a probe is not due. A stretch is never cut short
-        for a probe due inside it (a short stretch costs a whole read): the probe waits for its end. Counts them as
-        plain rounds."""
+        for a probe due inside it (a short stretch costs a whole read): the probe waits for its end, nor for a row
+        that ends inside it (the loop discards that row's steps past its end): it lasts until the row with the most
+        left is done. Counts them as plain rounds."""
         if not self.cost_rule or self.layout != "packed" or sink or not self.drafted_plain or not rows:
             return 0
-        steps = min(most, min(r.remaining for r in rows))
+        steps = min(most, max(r.remaining for r in rows))
         if self.plain_rounds >= self.plain_limit or not self.plain_by_guess(rows, sink):  # the cheap bound first
             return 0
         self.plain_rounds += steps
