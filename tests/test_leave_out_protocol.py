@@ -89,18 +89,19 @@ def test_a_run_stopped_during_its_traffic_still_counts_its_start(tmp_path):
 
 def test_the_traffic_stops_in_time_for_the_newest_measurement(monkeypatch):
     """The traffic's cut is the run's end less what its own start measurement says the newest version takes (with the
-    owed update and the server's exit); a start measurement too slow for any traffic starts no server at all."""
+    owed update and the server's exit); a start measurement too slow for any traffic sends none and stops the server."""
     run = _module("run")
     reserve = run.Reserve()
     assert reserve.after_traffic(40.0, wait_s=30.0) - reserve.after_traffic(20.0, wait_s=30.0) == pytest.approx(
         reserve.margin * 20.0)
-    asked = []
-    monkeypatch.setattr(run, "start_server", lambda a, by: asked.append(by) or (None, ""))
+    asked, stopped = [], []
+    monkeypatch.setattr(run, "server_url", lambda a, proc, by: asked.append(by))  # None: not listening by the cut
+    monkeypatch.setattr(run, "stop", lambda proc, timeout: stopped.append(proc))
     end = time.monotonic() + 100.0
-    run.serve(Namespace(wait=30.0), [[1]], end, 5.0)
-    assert asked == [pytest.approx(end - reserve.after_traffic(5.0, wait_s=30.0))]
-    *_, why = run.serve(Namespace(wait=30.0), [[1]], end, 50.0)  # 30 + 10 + 1.5 * 50 + 10 s kept: more than 100
-    assert len(asked) == 1 and "no time" in why
+    *_, why = run.serve(Namespace(wait=30.0), "server", [[1]], end, 5.0)
+    assert asked == [pytest.approx(end - reserve.after_traffic(5.0, wait_s=30.0))] and "not listening" in why
+    *_, why = run.serve(Namespace(wait=30.0), "server", [[1]], end, 50.0)  # 30 + 10 + 1.5 * 50 + 10 s kept: over 100
+    assert len(asked) == 1 and "no time" in why and stopped == ["server", "server"]
 
 
 def test_a_run_stopped_during_its_traffic_keeps_its_start(tmp_path):

@@ -180,7 +180,7 @@ def run_all(a, runs: list[tuple[str, list[str]]], deadline: float) -> dict[str, 
 def _launch(a, name: str, args: list[str], slice_s: float) -> subprocess.Popen:
     """run.py in its own process group (stopping the group stops its server and trainer too), its --run-s the slice
     less the interpreter's start, which its clock does not see."""
-    cmd = [sys.executable, str(HERE / "run.py"), *args, "--wait", "30", "--run-s", f"{slice_s - START_S:.0f}"]
+    cmd = [sys.executable, str(HERE / "run.py"), *args, "--wait", "30", "--run-s", f"{max(slice_s - START_S, 1):.0f}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(Path(a.out) / "logs" / f"{name}.log", "w") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

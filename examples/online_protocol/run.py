@@ -15,10 +15,10 @@ drafts, so OPD learns from served rounds whatever the drafter's tau).
 A measurement is greedy decoding of every held-out prompt at once through the engine: tau, acceptance per draft
 position, the length head's error, and whether every output is plain greedy decoding's. Plain greedy decoding's
 outputs are computed once and their engine freed; the start drafter (v0) and every version are measured through one
-speculative engine (a version's weights are copied into the drafter in place). Order: before the traffic, the
-references and v0, and OUT/protocol.json is written at once (a run stopped later still reports tau at the start);
-after the traffic, the newest version, then the others. OUT/protocol.json and OUT/protocol.md (the table) are
-rewritten after every measurement, OUT/tau.png (held-out tau against requests served) at the end, beside
+speculative engine (a version's weights are copied into the drafter in place). Order: before the traffic (while the
+server starts), the references and v0, and OUT/protocol.json is written at once (a run stopped later still reports tau
+at the start); after the traffic, the newest version, then the others. OUT/protocol.json and OUT/protocol.md (the
+table) are rewritten after every measurement, OUT/tau.png (held-out tau against requests served) at the end, beside
 OUT/versions (the server's versions) and OUT/serve.log (its log lines).
 
 --run-s bounds the whole run (from its start, loading included): the traffic stops early enough that the update it
@@ -174,7 +174,8 @@ class Report:
         self.timings: dict[str, float] = {}
 
     def add(self, version: int, update, served, point: dict, seconds: float) -> None:
-        self.rows.append({"version": version, "update": update, "served": served, "measure_s": round(seconds, 1), **point})
+        row = {"version": version, "update": update, "served": served, "measure_s": round(seconds, 1), **point}
+        self.rows.append(row)
         self.rows.sort(key=lambda r: r["version"])
         print(f"[protocol] v{version}: held-out tau {point['tau']:.3f}, identical {point['identical']} "
               f"({seconds:.1f} s)", flush=True)
@@ -204,16 +205,16 @@ class Report:
         if self.newest is None and self.a.method != "off":
             lines += ["", "Traffic not finished: the start alone is measured."]
         if self.traffic_end:
-            lines += ["", f"Traffic: {self.served} requests served ({self.failed} failed), ended by {self.traffic_end}; "
-                      f"newest version v{self.newest}."]
+            lines += ["", f"Traffic: {self.served} requests served ({self.failed} failed), ended by "
+                      f"{self.traffic_end}; newest version v{self.newest}."]
         if self.unmeasured:
             lines += ["", f"Not measured (no time left in --run-s): {', '.join(f'v{n}' for n in self.unmeasured)}."]
         return "\n".join(lines) + "\n"
 
 
-def start_server(a, by: float | None) -> tuple[subprocess.Popen | None, str]:
-    """`adaflash serve --online` on the start drafter, every version kept in OUT/versions; (process, base URL), or
-    (None, "") when it is not listening by ``by`` (monotonic seconds; None: no limit)."""
+def start_server(a) -> subprocess.Popen:
+    """`adaflash serve --online` on the start drafter, every version kept in OUT/versions; it prints its URL once it
+    listens (:func:`server_url`), meanwhile the run measures its start."""
     models = ["--reference"] if a.reference else ["--target", a.target, "--drafter", a.drafter]
     cmd = [sys.executable, "-m", "adaflash_hf.cli", "serve", *models, "--port", "0", "--online", "--online-method",
            a.method, "--output-dir", str(a.out / "versions"), "--keep-versions", "1000000", "--samples-per-update",
@@ -222,30 +223,32 @@ def start_server(a, by: float | None) -> tuple[subprocess.Popen | None, str]:
     for flag, value in (("--epochs", a.epochs), ("--lr", a.lr), ("--train-share", a.train_share)):
         cmd += [flag, str(value)] if value is not None else []
     log = open(a.out / "serve.log", "w")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    ready = by is None or select.select([proc.stdout], [], [], max(by - time.monotonic(), 0.0))[0]
-    if not ready:
-        stop(proc, RESERVE.stop_s)
-        return None, ""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def server_url(a, proc: subprocess.Popen, by: float | None) -> str | None:
+    """The server's base URL once it listens, or None when it does not by ``by`` (monotonic seconds; None: no limit)."""
+    if by is not None and not select.select([proc.stdout], [], [], max(by - time.monotonic(), 0.0))[0]:
+        return None
     line = proc.stdout.readline()  # printed once the server listens
     m = re.search(r"at (http://[\d.]+:\d+)/v1", line)
     if m is None:
-        proc.kill()
         raise SystemExit(f"the server did not start ({line!r}); see {a.out / 'serve.log'}")
-    return proc, m.group(1)
+    return m.group(1)
 
 
-def serve(a, traffic: list[list[int]], end: float | None, measured_s: float) -> tuple[dict[int, int], int, int, str]:
-    """The server's whole life: started, sent the traffic (cut so that the newest version is measured by ``end``),
-    given the update it owes, stopped; ({version: requests answered when first seen}, served, failed, why the traffic
-    ended)."""
+def serve(a, proc: subprocess.Popen, traffic: list[list[int]], end: float | None,
+          measured_s: float) -> tuple[dict[int, int], int, int, str]:
+    """The started server's traffic (cut so that the newest version is measured by ``end``, from the start's
+    measurement that took ``measured_s``), the update it owes, its stop; ({version: requests answered when first
+    seen}, served, failed, why the traffic ended)."""
     cut = None if end is None else end - RESERVE.after_traffic(measured_s, a.wait)
-    if cut is not None and time.monotonic() >= cut:
-        return {0: 0}, 0, 0, "no time left for traffic in --run-s"
-    proc, url = start_server(a, cut)
-    if proc is None:
-        return {0: 0}, 0, 0, "the server was not listening by the traffic's cut"
     try:
+        if cut is not None and time.monotonic() >= cut:
+            return {0: 0}, 0, 0, "no time left for traffic in --run-s"
+        url = server_url(a, proc, cut)
+        if url is None:
+            return {0: 0}, 0, 0, "the server was not listening by the traffic's cut"
         idle_by = None if end is None else end - RESERVE.stop_s - RESERVE.measurement(measured_s)
         return serve_traffic(a, url, traffic, cut, idle_by)
     finally:
@@ -411,17 +414,22 @@ def main(argv=None) -> int:
           flush=True)
     report = Report(a, command, torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     report.timings["load_s"] = time.monotonic() - STARTED
-    held = HeldOut(a, target, drafter, tok, held_prompts)
-    report.timings.update(references_s=held.references_s, engine_s=held.engine_s)
-    point, v0_s = held.measure()
-    report.add(0, None, 0, point, v0_s)  # written before any traffic: a run stopped later still has its start
-    if a.method == "off":  # the drafter is measured as it is, nothing to serve
-        report.served, report.newest = 0, 0
-    else:
-        t = time.monotonic()
-        seen, report.served, report.failed, report.traffic_end = serve(a, traffic, end, v0_s)
-        report.timings["traffic_s"] = time.monotonic() - t
-        measure_versions(a, held, report, seen, end)
+    proc = start_server(a) if a.method != "off" else None  # it starts while the start is measured
+    try:
+        held = HeldOut(a, target, drafter, tok, held_prompts)
+        report.timings.update(references_s=held.references_s, engine_s=held.engine_s)
+        point, v0_s = held.measure()
+        report.add(0, None, 0, point, v0_s)  # written before any traffic: a run stopped later still has its start
+        if proc is None:  # --method off: the drafter is measured as it is, nothing to serve
+            report.served, report.newest = 0, 0
+        else:
+            t = time.monotonic()
+            seen, report.served, report.failed, report.traffic_end = serve(a, proc, traffic, end, v0_s)
+            report.timings["traffic_s"] = time.monotonic() - t
+            measure_versions(a, held, report, seen, end)
+    finally:
+        if proc is not None and proc.poll() is None:  # the measurement failed: the server goes too
+            stop(proc, RESERVE.stop_s)
     report.write()
     print((a.out / "protocol.md").read_text())
     plot(a, report.rows)
