@@ -1,11 +1,18 @@
-"""The leave-domain-out protocol's pieces that need no model: which families each drafter trains on, and the recovery
-ratio R computed from the runs' measurements (the drivers themselves run at toy scale with --smoke)."""
+"""The leave-domain-out protocol's pieces: which families each drafter trains on, the recovery ratio R computed from the
+runs' measurements, the time a run keeps for its newest version (from its own start measurement), and a run stopped
+during its traffic keeping that start measurement (the drivers themselves run at toy scale with --smoke)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
+import signal
+import subprocess
 import sys
+import threading
+import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -30,11 +37,13 @@ def test_each_leave_out_drafter_lacks_exactly_its_family():
         assert set(names["twin"]) - set(names[f"no-{family}"]) == {family}
 
 
-def _write_run(out: Path, name: str, taus: list[float], served: list[int]) -> None:
+def _write_run(out: Path, name: str, taus: list[float], served: list[int], traffic_ended: bool = True) -> None:
     versions = [{"version": v, "tau": t, "served": s, "identical": True, "acceptance_by_position": [0.5, None]}
                 for v, (t, s) in enumerate(zip(taus, served))]
     (out / name).mkdir(parents=True)
-    (out / name / "protocol.json").write_text(json.dumps({"versions": versions, "requests_served": served[-1]}))
+    newest = len(versions) - 1 if traffic_ended else None  # run.py: null while the traffic runs
+    (out / name / "protocol.json").write_text(json.dumps({"versions": versions, "requests_served": served[-1] if
+                                                          traffic_ended else None, "newest": newest}))
 
 
 def test_recovery_ratio_from_the_runs(tmp_path):
@@ -61,3 +70,58 @@ def test_no_gap_no_ratio(tmp_path):
     _write_run(tmp_path, "code-opd-s0", [2.0, 2.5], [0, 128])
     result = recovery.summarise(Namespace(out=str(tmp_path), families=["code"], methods=["opd"], seeds=1), {})
     assert result["runs"][0]["R"] is None and result["mean_R"] == {}
+
+
+def test_a_run_stopped_during_its_traffic_still_counts_its_start(tmp_path):
+    """A run stopped before its traffic ended (newest: null) gives tau at the start and no R; the control, the same
+    measurements with the traffic ended, gives R."""
+    recovery = _module("recovery")
+    _write_run(tmp_path, "math-twin", [3.0], [0])
+    _write_run(tmp_path, "math-opd-s0", [2.0], [0], traffic_ended=False)
+    _write_run(tmp_path, "math-opd-s1", [2.0, 2.5], [0, 128])
+    result = recovery.summarise(Namespace(out=str(tmp_path), families=["math"], methods=["opd"], seeds=2), {})
+    stopped, ended = result["runs"]
+    assert stopped["tau_start"] == 2.0 and stopped.get("R") is None and stopped.get("tau_online") is None
+    assert ended["R"] == pytest.approx(0.5) and result["mean_R"]["math/opd"]["seeds"] == 1
+    table = recovery.markdown(Namespace(), {**result, "command": "c", "date": "d", "device": "cpu"})
+    assert "| math | opd | 0 | - | - | 2.000 | - |" in table
+
+
+def test_the_traffic_stops_in_time_for_the_newest_measurement(monkeypatch):
+    """The traffic's cut is the run's end less what its own start measurement says the newest version takes (with the
+    owed update and the server's exit); a start measurement too slow for any traffic sends none and stops the server."""
+    run = _module("run")
+    reserve = run.Reserve()
+    assert reserve.after_traffic(40.0, wait_s=30.0) - reserve.after_traffic(20.0, wait_s=30.0) == pytest.approx(
+        reserve.margin * 20.0)
+    asked, stopped = [], []
+    monkeypatch.setattr(run, "server_url", lambda a, proc, by: asked.append(by))  # None: not listening by the cut
+    monkeypatch.setattr(run, "stop", lambda proc, timeout: stopped.append(proc))
+    end = time.monotonic() + 100.0
+    *_, why = run.serve(Namespace(wait=30.0), "server", [[1]], end, 5.0)
+    assert asked == [pytest.approx(end - reserve.after_traffic(5.0, wait_s=30.0))] and "not listening" in why
+    *_, why = run.serve(Namespace(wait=30.0), "server", [[1]], end, 50.0)  # 30 + 10 + 1.5 * 50 + 10 s kept: over 100
+    assert len(asked) == 1 and "no time" in why and stopped == ["server", "server"]
+
+
+def test_a_run_stopped_during_its_traffic_keeps_its_start(tmp_path):
+    """run.py measures the start drafter before the traffic: stopped (its process group) while serving, it leaves
+    protocol.json with v0 and the traffic marked unfinished."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, str(EXAMPLES / "run.py"), "--smoke", "--requests", "40", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+    guard = threading.Timer(120, os.killpg, (proc.pid, signal.SIGKILL))  # a run that hangs ends the wait too
+    guard.start()
+    try:
+        line = next((line for line in proc.stdout if "requests answered" in line), "")  # the traffic is under way
+        assert line, "the run ended without serving"
+    finally:
+        guard.cancel()
+        with contextlib.suppress(ProcessLookupError):  # already ended by the guard
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    result = json.loads((out / "protocol.json").read_text())
+    assert [v["version"] for v in result["versions"]] == [0] and result["newest"] is None
+    assert result["versions"][0]["tau"] >= 1.0 and result["versions"][0]["identical"]
+    assert "Traffic not finished" in (out / "protocol.md").read_text()

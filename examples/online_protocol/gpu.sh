@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The leave-domain-out protocol on one GPU machine, in two device calls on the SAME machine (a warm machine keeps /tmp;
-# the four drafters, ~7 MB each, come back from call 1 but do not fit beside the checkout in a second call's carry):
-#   bash examples/online_protocol/gpu.sh drafters [leave_out.py flags]   # call 1: regeneration, twin, no-math/code/chat
+# the drafters, ~7 MB each, come back from call 1 but do not fit beside the checkout in a second call's carry):
+#   bash examples/online_protocol/gpu.sh drafters [leave_out.py flags]   # call 1: regeneration, twin, no-math, no-code
 #   bash examples/online_protocol/gpu.sh recovery [recovery.py flags]    # call 2: the protocol on call 1's drafters
+# Each driver's --budget-s bounds its command (defaults sized for one 600 s call). In call 2 every run's slice of the
+# budget is its whole wall clock: it measures its start drafter before any traffic, stops the traffic in time for its
+# newest version's measurement (timed from the start's), so a run cut by its slice still reports tau at the start.
 # Carried beside the checkout: .slimwhl (transformers), .whl (the server's wheels: fastapi, starlette, pydantic,
 # pydantic_core, annotated_types, annotated_doc, typing_extensions, typing_inspection, opentelemetry_api, uvicorn) and
 # .evaldata/data.tar.gz (the shared data). Call 1 also checks that the server imports, so call 2 cannot fail on it.

@@ -14,12 +14,18 @@ prompts N.. of the family's eval split instead of the first ones: a validation s
     python examples/online_protocol/recovery.py --drafters runs/leave_out/drafters --out runs/recovery      # GPU
     python examples/online_protocol/recovery.py --smoke --drafters /tmp/leave_out/drafters --out /tmp/recovery
 
-Runs go --parallel at a time (side by side on one GPU), seed by seed, so a budget cut leaves whole seeds; each run's
-traffic stops in time for its measurements (run.py --serve-s), and a run past the budget is stopped, keeping what it
-measured (run.py writes protocol.json after every measurement). --offline-ft-minutes M adds the offline reference:
-the start drafter fine-tuned for M minutes (train_drafter --init-from) on the target's answers to as many of the
-family's training prompts as the stream holds, measured as the twin is. Writes OUT/recovery.json, OUT/recovery.md
-and OUT/recovery.png (held-out tau against requests served, one panel per family), beside each run's folder.
+Runs go --parallel at a time (side by side on one GPU), seed by seed, so a budget cut leaves whole seeds. Each run gets
+an equal slice of the budget as its whole wall clock (run.py --run-s): it measures the references and its start drafter
+first, stops its traffic in time for the update it owes (--wait 30) and its newest version's measurement (the time its
+own start measurement took says how long that is), and measures the other versions while they fit. A run still going
+past its slice is stopped and keeps what it measured (run.py writes protocol.json after every measurement, the start's
+before any traffic): its row has tau at the start, and R once its traffic ended and its newest version was measured
+(R = 0 for a run that served requests and published nothing).
+
+--offline-ft-minutes M adds the offline reference: the start drafter fine-tuned for M minutes (train_drafter
+--init-from) on the target's answers to as many of the family's training prompts as the stream holds, measured as the
+twin is. Writes OUT/recovery.json, OUT/recovery.md and OUT/recovery.png (held-out tau against requests served, one
+panel per family), beside each run's folder.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 REFERENCE_TARGET = str(HERE.parents[1] / "adaflash_hf" / "reference" / "target")
 SMOKE = ["--families", "math", "--seeds", "1", "--requests", "8", "--test", "2", "--samples-per-update", "4",
          "--concurrency", "4", "--max-new-tokens", "16", "--max-len", "256", "--epochs", "1", "--parallel", "2",
-         "--budget-s", "400", "--measure-s", "60"]
+         "--budget-s", "400"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafters", required=True, help="leave_out.py's OUT/drafters (twin, no-math, ...)")
     p.add_argument("--out", required=True)
     p.add_argument("--target", default=REFERENCE_TARGET)
-    p.add_argument("--families", default="math,code,chat")
+    p.add_argument("--families", default="math,code", help="families left out (leave_out.py's default: math,code)")
     p.add_argument("--methods", default="opd,osd")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (0: the split's file order)")
     p.add_argument("--requests", type=int, default=2000, help="requests per run (the stream)")
@@ -63,8 +69,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--parallel", type=int, default=9, help="runs side by side (each ~6 GB of GPU memory while it trains)")
     p.add_argument("--budget-s", type=float, default=420, help="the whole command's wall clock")
-    p.add_argument("--measure-s", type=float, default=90,
-                   help="seconds each run keeps after its traffic: the update it owes (at most 30 s), then measuring")
     p.add_argument("--offline-ft-minutes", type=float, default=0.0, help="the offline reference's training (0: none)")
     p.add_argument("--smoke", action="store_true", help="toy scale on the CPU")
     a = p.parse_args(argv)
@@ -129,29 +133,32 @@ def offline_finetunes(a, deadline: float) -> None:
 
 def run_all(a, runs: list[tuple[str, list[str]]], deadline: float) -> dict[str, object]:
     """Every run: the references (no traffic) at once, the others --parallel at a time in the given order, each given an
-    equal slice of the time left and stopped (its process group: run.py and its server) past it; {name: exit status}."""
+    equal slice of the time left as its --run-s and stopped (its process group: run.py and its server) past it; {name:
+    exit status}."""
     refs = [r for r in runs if "off" == r[1][r[1].index("--method") + 1]]
     queue = [r for r in runs if r not in refs]
     rounds = max(-(-len(queue) // a.parallel), 1)
     slice_s = (deadline - time.monotonic() - GRACE_S) / rounds
-    if slice_s - a.measure_s < 60:
-        print(f"[recovery] warning: {slice_s - a.measure_s:.0f} s of traffic per run ({len(queue)} runs, {rounds} "
-              f"rounds of {a.parallel}): fewer seeds or a larger --budget-s would serve more", flush=True)
+    print(f"[recovery] {len(queue)} runs, {rounds} rounds of {a.parallel}: {slice_s:.0f} s each, loading, measuring and "
+          "the server's start included", flush=True)
+    if slice_s < MIN_SLICE_S:
+        print(f"[recovery] warning: a slice under {MIN_SLICE_S} s leaves little traffic: fewer seeds or a larger "
+              "--budget-s would serve more", flush=True)
     status: dict[str, object] = {}
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     for name, args in refs:
         if (Path(args[args.index("--drafter") + 1]) / "config.json").is_file():
-            running[name] = (_launch(a, name, args, None), deadline - GRACE_S)
+            running[name] = (_launch(a, name, args, deadline - GRACE_S - time.monotonic()), deadline - GRACE_S)
         else:  # an offline fine-tune that did not finish
             status[name] = "no drafter"
     while queue or running:
         while queue and len(running) - sum(n in dict(refs) for n in running) < a.parallel:
             name, args = queue.pop(0)
             stop_at = min(time.monotonic() + slice_s, deadline)
-            if stop_at - time.monotonic() < a.measure_s + 30:
+            if stop_at - time.monotonic() < MIN_RUN_S:
                 status[name] = "not started: budget"
                 continue
-            running[name] = (_launch(a, name, args, stop_at - a.measure_s - time.monotonic()), stop_at)
+            running[name] = (_launch(a, name, args, stop_at - time.monotonic()), stop_at)
         for name, (proc, stop_at) in list(running.items()):
             late = time.monotonic() > stop_at + GRACE_S
             if proc.poll() is None and not late:
@@ -170,10 +177,10 @@ def run_all(a, runs: list[tuple[str, list[str]]], deadline: float) -> dict[str, 
     return status
 
 
-def _launch(a, name: str, args: list[str], serve_s: float | None) -> subprocess.Popen:
-    """run.py in its own process group (stopping the group stops its server and trainer too)."""
-    cmd = [sys.executable, str(HERE / "run.py"), *args, "--wait", "30"]
-    cmd += ["--serve-s", f"{serve_s:.0f}"] if serve_s is not None else []
+def _launch(a, name: str, args: list[str], slice_s: float) -> subprocess.Popen:
+    """run.py in its own process group (stopping the group stops its server and trainer too), its --run-s the slice
+    less the interpreter's start, which its clock does not see."""
+    cmd = [sys.executable, str(HERE / "run.py"), *args, "--wait", "30", "--run-s", f"{max(slice_s - START_S, 1):.0f}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(Path(a.out) / "logs" / f"{name}.log", "w") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -199,19 +206,11 @@ def summarise(a, status: dict) -> dict:
                 run = _load(out, name)
                 row = {"run": name, "family": f, "method": m, "seed": s, "status": status.get(name), "tau_in_domain": tau_in}
                 if run:
-                    v = run["versions"]
-                    start, online = v[0]["tau"], v[-1]["tau"]
-                    gap = None if tau_in is None else tau_in - start
-                    row.update(tau_start=start, tau_online=online, versions=len(v) - 1, newest=v[-1]["version"],
-                               served=run.get("requests_served"), lowest_vs_start=min(x["tau"] for x in v) / start - 1,
-                               identical=all(x["identical"] for x in v),
-                               R=(online - start) / gap if gap and gap > 0 else None,
-                               acceptance_start=v[0]["acceptance_by_position"],
-                               acceptance_online=v[-1]["acceptance_by_position"],
-                               curve=[(x["served"], x["tau"]) for x in v])
+                    row.update(_measured(run, tau_in))
                     if offline:
+                        gap = None if tau_in is None else tau_in - row["tau_start"]
                         row["tau_offline"] = offline["versions"][0]["tau"]
-                        row["R_offline"] = (row["tau_offline"] - start) / gap if gap and gap > 0 else None
+                        row["R_offline"] = (row["tau_offline"] - row["tau_start"]) / gap if gap and gap > 0 else None
                 rows.append(row)
                 if row.get("R") is not None:
                     groups.setdefault((f, m), []).append(row["R"])
@@ -220,12 +219,28 @@ def summarise(a, status: dict) -> dict:
     return {"runs": rows, "mean_R": means, "status": status}
 
 
+def _measured(run: dict, tau_in: float | None) -> dict:
+    """One run's columns from its protocol.json: the start's always; the newest version's, and R, once the traffic
+    ended, some request was served and the version serving then (the newest; v0 if none was published) was measured."""
+    v = run["versions"]
+    start = v[0]["tau"]
+    out = {"tau_start": start, "served": run.get("requests_served"), "versions": run.get("newest"),
+           "lowest_vs_start": min(x["tau"] for x in v) / start - 1, "identical": all(x["identical"] for x in v),
+           "acceptance_start": v[0]["acceptance_by_position"], "curve": [(x["served"], x["tau"]) for x in v]}
+    newest = next((x for x in v if x["version"] == run.get("newest")), None)
+    if newest is not None and run.get("requests_served"):
+        gap = None if tau_in is None else tau_in - start
+        out.update(tau_online=newest["tau"], acceptance_online=newest["acceptance_by_position"],
+                   R=(newest["tau"] - start) / gap if gap and gap > 0 else None)
+    return out
+
+
 def markdown(a, result: dict) -> str:
     lines = [f"`{result['command']}`", "", f"{result['date']}, {result['device']}", "",
              "| family | method | seed | requests served | versions | tau start | tau newest | tau in-domain (twin) | R | "
              "R offline | lowest vs start | identical | status |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
-        lines.append(f"| {r['family']} | {r['method']} | {r['seed']} | {r.get('served', '-')} | {r.get('versions', '-')} | "
+        lines.append(f"| {r['family']} | {r['method']} | {r['seed']} | {_v(r.get('served'))} | {_v(r.get('versions'))} | "
                      f"{_f(r.get('tau_start'))} | {_f(r.get('tau_online'))} | {_f(r.get('tau_in_domain'))} | "
                      f"{_f(r.get('R'))} | {_f(r.get('R_offline'))} | {_pct(r.get('lowest_vs_start'))} | "
                      f"{r.get('identical', '-')} | {r['status']} |")
@@ -234,7 +249,7 @@ def markdown(a, result: dict) -> str:
     for key, g in result["mean_R"].items():
         f, m = key.split("/")
         lines.append(f"| {f} | {m} | {g['mean_R']:.3f} | {_f(g['sd'])} | {g['seeds']} |")
-    first = next((r for r in result["runs"] if r["method"] == "opd" and r.get("acceptance_start")), None)
+    first = next((r for r in result["runs"] if r["method"] == "opd" and r.get("acceptance_online")), None)
     if first is not None:
         lines += ["", f"Acceptance per draft position, {first['run']}: start -> newest version (first and last verified "
                   "positions are the paper's panel)", "", "| position | " + " | ".join(
@@ -268,7 +283,8 @@ def plot(a, result: dict) -> None:
             if tau is not None:
                 ax.axhline(tau, ls=style, color="k", lw=1, label=label)
         ax.set(title=f, xlabel="requests served", ylabel="held-out tau")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a family whose runs measured nothing has no line to name
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(Path(a.out) / "recovery.png", dpi=120)
     plt.close(fig)
@@ -276,6 +292,10 @@ def plot(a, result: dict) -> None:
 
 def _f(x) -> str:
     return "-" if x is None else f"{x:.3f}"
+
+
+def _v(x) -> str:
+    return "-" if x is None else str(x)
 
 
 def _pct(x) -> str:
@@ -304,7 +324,12 @@ def main(argv=None) -> int:
     return 0 if result["runs"] and all(r.get("identical", False) for r in result["runs"]) else 1
 
 
-GRACE_S = 15
+GRACE_S = 15  # a run past its slice by this much is stopped
+START_S = 10  # a run's interpreter start and imports, before its own clock (run.py's --run-s) starts
+MIN_RUN_S = 60  # a run given less may not even measure its start
+# a slice below this leaves little traffic after loading, the references, the start's measurement, the server's start
+# (about 40 s on one H100 shared by eight runs) and what is kept for the newest version
+MIN_SLICE_S = 240
 STARTED = time.monotonic()
 
 if __name__ == "__main__":
