@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The leave-domain-out protocol on one GPU machine, in two device calls on the SAME machine (a warm machine keeps /tmp;
 # the drafters, ~7 MB each, come back from call 1 but do not fit beside the checkout in a second call's carry):
-#   bash examples/online_protocol/gpu.sh drafters [leave_out.py flags]   # call 1: regeneration, twin, no-math, no-code
+#   bash examples/online_protocol/gpu.sh drafters [leave_out.py flags]   # call 1: regeneration, twin, no-FAMILY each
 #   bash examples/online_protocol/gpu.sh recovery [recovery.py flags]    # call 2: the protocol on call 1's drafters
-# Each driver's --budget-s bounds its command (defaults sized for one 600 s call). In call 2 every run's slice of the
+# Each driver's --budget-s bounds its command (in a 600 s call: drafters --leave-out math,code --budget-s 550;
+# the three families need a longer call or a third one). In call 2 every run's slice of the
 # budget is its whole wall clock: it measures its start drafter before any traffic, stops the traffic in time for its
 # newest version's measurement (timed from the start's), so a run cut by its slice still reports tau at the start.
-# Carried beside the checkout: .slimwhl (transformers), .whl (the server's wheels: fastapi, starlette, pydantic,
-# pydantic_core, annotated_types, annotated_doc, typing_extensions, typing_inspection, opentelemetry_api, uvicorn) and
-# .evaldata/data.tar.gz (the shared data). Call 1 also checks that the server imports, so call 2 cannot fail on it.
+# Carried beside the checkout: .slimwhl (transformers), .whl (the server's wheels, for the device's CPython 3.12:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl fastapi \
+#     starlette pydantic pydantic_core annotated_types annotated_doc typing_extensions typing_inspection uvicorn h11 \
+#     click anyio sniffio idna opentelemetry-api importlib_metadata zipp prometheus_client)
+# and .evaldata/data.tar.gz (the shared data). Call 1 also checks that the server imports, so call 2 cannot fail on it.
 #   bash examples/online_protocol/gpu.sh all                             # both in one call, smaller (MINUTES, SEEDS)
 # Outputs in $OUT: leave_out.tar (table, json, logs) and drafter_NAME.tar (weights, bf16), or recovery.tar (table,
 # json, plot, every run's protocol.json and logs; no weights), the driver's log and gpu_usage.csv.

@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafters", required=True, help="leave_out.py's OUT/drafters (twin, no-math, ...)")
     p.add_argument("--out", required=True)
     p.add_argument("--target", default=REFERENCE_TARGET)
-    p.add_argument("--families", default="math,code", help="families left out (leave_out.py's default: math,code)")
+    p.add_argument("--families", default="math,code,chat", help="families left out (leave_out.py's --leave-out)")
     p.add_argument("--methods", default="opd,osd")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (0: the split's file order)")
     p.add_argument("--requests", type=int, default=2000, help="requests per run (the stream)")
