@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from adaflash_hf.loading import load_models
+from adaflash_hf.loading import load_models, resolve_device_dtype
 from adaflash_hf.modeling import AdaFlashDrafter
 from adaflash_hf.online import list_versions
 from adaflash_hf.online.versions import METADATA_FILE, write_text_atomic
@@ -116,6 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight (and the server's --max-slots)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--device", default="auto", help="where the held-out measurements run (auto: CUDA when available)")
     p.add_argument("--out", default=None, help="output folder (default: runs/online_protocol/FAMILY-METHOD-sSEED)")
     a = p.parse_args(argv)
     if a.smoke:
@@ -407,7 +408,8 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     command = "python examples/online_protocol/run.py " + " ".join(sys.argv[1:] if argv is None else argv)
     end = None if a.run_s is None else STARTED + a.run_s
-    target, drafter, tok, _ = load_models(a.target, a.drafter, reference=a.reference, need_drafter=True,
+    device, _ = resolve_device_dtype(a.device, "fp32")  # not the loader's default, the CPU
+    target, drafter, tok, _ = load_models(a.target, a.drafter, reference=a.reference, need_drafter=True, device=device,
                                           dtype=torch.float32)
     traffic, held_prompts = traffic_and_held_out(a, tok)
     print(f"[protocol] {a.family}: {len(traffic)} requests to serve, {len(held_prompts)} held out, method {a.method}",
