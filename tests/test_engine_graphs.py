@@ -383,3 +383,13 @@ def test_engine_stretch_runs_to_the_longest_request_within_every_slot(pair, firs
     engine.run_until_idle()
     assert [h.result().token_ids for h in handles] == [plain_greedy_ids(target, p, m) for p, m in zip(prompts, (3, second_new))]
     assert engine.cache.num_free == 2
+
+
+@pytest.mark.parametrize("graphs,policy,plain_steps", [(True, "cost", 8), (False, "cost", 1), (True, "adaptive", 1)])
+def test_the_planner_prices_plain_rounds_as_the_engine_runs_them(pair, graphs, policy, plain_steps):
+    """The cost planner's plain rounds run in stretches of ``decode_steps`` behind one read on the static path (one
+    read each without it, or under another policy), and it prices them so."""
+    target, drafter = pair
+    engine = Engine(target, drafter, length_policy=policy, max_slots=2, max_len=64, token_budget=64, cuda_graphs=graphs,
+                    decode_steps=8)
+    assert engine.planner.plain_steps == engine.decode_steps == plain_steps

@@ -88,3 +88,23 @@ def test_a_plain_stretch_lasts_until_the_row_with_the_most_left_is_done(remainin
     rows = [RowState(remaining=n) for n in remaining]
     planner.lengths(rows, torch.tensor([0.2] * len(rows)))  # a drafted round said plain
     assert planner.plain_stretch(rows, most) == want
+
+
+# a drafting round costs 3 steps (verify, body, overhead), a plain round 2 when it reads alone
+READS = RoundCost.flat(draft_fraction=1.0, spec_overhead=1.0, plain_overhead=1.0)
+
+
+@pytest.mark.parametrize("ratio,plain_steps,plain", [
+    (0.3, 1, False),  # a plain round that reads alone: drafting at this acceptance pays
+    (0.3, 8, True),  # eight plain rounds share a read: it does not
+    (0.5, 8, False),  # unless the acceptance is higher
+    (0.1, 1, True),  # control: too low to pay against either
+])
+def test_plain_rounds_are_priced_as_the_stretches_that_run_them(ratio, plain_steps, plain):
+    """A loop whose plain rounds run ``plain_steps`` behind one read (the engine's stretches) pays that share of a plain
+    round's overhead: the cost rule weighs drafting against that, and the probes of a plain run wait longer."""
+    planner = LengthPlanner(COST, 8, READS, plain_steps=plain_steps)
+    k = planner.guessed_lengths([RowState(remaining=40, head_ratio=ratio)], unread_whole=False)
+    assert bool((k <= 1).all()) == plain
+    alone = LengthPlanner(COST, 8, READS).probe_holds(1)
+    assert (planner.probe_holds(1) > alone) == (plain_steps > 1) and all(a >= b for a, b in zip(planner.probe_holds(1), alone))

@@ -136,7 +136,8 @@ class Engine:
         self.hidden_layers = list(drafter.config.target_layer_ids) if drafter is not None else None
         self.cuda_graphs = self.device.type == "cuda" if config.cuda_graphs is None else bool(config.cuda_graphs)
         # several plain steps per read: `off`, and the cost policy's plain stretches (both need the graphs' static path)
-        self.decode_steps = config.decode_steps if self.cuda_graphs and (layout == "off" or self.policy is LengthPolicy.COST) else 1
+        self.decode_steps = self.planner.plain_steps = (  # a plain round the planner chooses runs in such a stretch
+            config.decode_steps if self.cuda_graphs and (layout == "off" or self.policy is LengthPolicy.COST) else 1)
         self.fused, self.fusion_note = FusedTarget.build(target) if config.fused_kernels else (None, "fused_kernels=False")
         if config.fused_kernels and self.fused is None:  # asked for and refused: never silently at half speed
             warnings.warn(f"Engine: fused kernels off, the target's layers run through its modules: {self.fusion_note}",
@@ -338,9 +339,8 @@ class Engine:
         return True
 
     def _greedy_steps(self, running) -> int:
-        """Plain greedy steps queued before the next read (0: a normal round; static graphs, an empty queue, greedy
-        requests only) until the request with the most left ends or a slot fills: one ending inside drops its later
-        steps, as after an EOS."""
+        """Plain greedy steps before the next read (0: a normal round; static graphs, empty queue, greedy requests), until
+        the request with the most left ends or a slot fills (one ending inside drops its later steps, as after an EOS)."""
         if self.graphs is None or not running or self._queue or not all(r.params.greedy and r.params.raw_rows for r in running):
             return 0
         most = min(self.decode_steps, self.cache.max_len - max(self.cache.length(r.slot) for r in running))

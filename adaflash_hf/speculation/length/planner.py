@@ -33,7 +33,7 @@ generate's :class:`RowState`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -87,6 +87,7 @@ class LengthPlanner:
         block_size: the drafter's block.
         round_cost: what the ``cost`` rule weighs (default :class:`~.cost.RoundCost`).
         layout: the engine's round layout (``packed``, ``rectangular``, ``fixed``); generate's loop is ``packed``.
+        plain_steps: how many plain rounds share one device read (:attr:`plain_steps`; the engine's ``decode_steps``).
 
     ``whole_block_stretches`` (default on) lets ``cost`` rounds skip their mid-round read when whole; ``traffic_seen``
     is what the traffic's rounds accepted (a decayed sum and its weight), the prior of every guess: a planner that
@@ -100,12 +101,12 @@ class LengthPlanner:
     """
 
     def __init__(self, settings: LengthSettings, block_size: int, round_cost: RoundCost | None = None,
-                 layout: str = "packed"):
+                 layout: str = "packed", plain_steps: int = 1):
         self.block_size, self.layout = block_size, layout
         self.whole_block_stretches = True
         self._settings, self._cost = settings, round_cost if round_cost is not None else RoundCost()
-        self._rule = make_rule(settings, self._cost) if settings.policy is not None else FixedRule()
         self.reset()
+        self.plain_steps = plain_steps  # prices the cost and makes the rule
 
     # ------------------------------------------------------------------ settings
     @property
@@ -114,8 +115,8 @@ class LengthPlanner:
 
     @settings.setter
     def settings(self, value: LengthSettings) -> None:
-        self._settings, self._rule = value, make_rule(value, self._cost)
-        self._epoch += 1
+        self._settings = value
+        self._reprice()
 
     @property
     def round_cost(self) -> RoundCost:
@@ -123,7 +124,25 @@ class LengthPlanner:
 
     @round_cost.setter
     def round_cost(self, value: RoundCost) -> None:
-        self._cost, self._rule = value, make_rule(self._settings, value)
+        self._cost = value
+        self._reprice()
+
+    @property
+    def plain_steps(self) -> int:
+        """How many plain rounds share one device read (the engine's plain stretches, its ``decode_steps``; 1 for a
+        loop that reads every round): a plain round is priced with that share of the cost's ``plain_overhead``."""
+        return self._plain_steps
+
+    @plain_steps.setter
+    def plain_steps(self, value: int) -> None:
+        self._plain_steps = max(1, int(value))
+        self._reprice()
+
+    def _reprice(self) -> None:
+        """The cost as this loop's plain rounds pay it, and the rule made with it; every verdict is asked again."""
+        c = self._cost
+        self._priced = replace(c, plain_overhead=tuple(o / self._plain_steps for o in c.plain_overhead))
+        self._rule = make_rule(self._settings, self._priced) if self._settings.policy is not None else FixedRule()
         self._epoch += 1
 
     @property
@@ -303,7 +322,7 @@ class LengthPlanner:
             >>> LengthPlanner(LengthSettings("cost", 1.0, 1), 16, RoundCost.flat()).probe_holds(8)
             (1, 8)
         """
-        c = self._cost
+        c = self._priced
         extra = c.draft_time(n, self.block_size) + c.overhead(n, True) - c.overhead(n, False)
         plain = c.verify_time(n, n) + c.overhead(n, False)
         cap = int(min(max(PLAIN_PROBE_ROUNDS, math.ceil(extra / (PROBE_SHARE * plain))), PROBE_CAP))
