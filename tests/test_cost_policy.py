@@ -23,7 +23,8 @@ from generation_helpers import delay_drafting_rounds, engine_prompts, force_leng
 FLAT = RoundCost.flat()
 STEEP = RoundCost(rows=(1,), tokens_per_row=(1, 16), verify=((1.0, 5.5),), draft_fraction=0.0)  # a token 0.3 of a step
 TOKEN_A_STEP = RoundCost(rows=(1,), tokens_per_row=(1, 16), verify=((1.0, 16.0),), draft_fraction=0.0)
-HEAVY_DRAFT = RoundCost.flat(draft_fraction=50.0)
+HEAVY_DRAFT = RoundCost.flat(draft_fraction=50.0)  # not even a block of accepted drafts pays: no round drafts
+SURE_ONLY = RoundCost.flat(draft_fraction=6.5)  # a block of 8 pays only when nearly sure (ratio ~0.95 up): probes
 SPEC_COST = RoundCost()
 
 # (name, ratios, block, cost, expected k_hat): the issue's properties, each a row
@@ -175,10 +176,13 @@ def test_generate_and_the_engine_plan_the_same_lengths(name, cost, rounds):
         assert (gen.planner.drafted_plain, gen.planner.plain_limit) == (eng.planner.drafted_plain, eng.planner.plain_limit)
 
 
-@pytest.mark.parametrize("cost,plain", [(HEAVY_DRAFT, True), (FLAT, False)], ids=["drafting cannot pay", "control: flat"])
-def test_generate_plain_plans_skip_the_drafter(cost, plain, monkeypatch):
-    """The eager loop follows the planner: where drafting cannot pay it decodes plain rounds without the drafter
-    (probes aside), its output plain greedy decoding's; the control (a flat cost) drafts every round."""
+@pytest.mark.parametrize("cost,ratio_high,drafts", [(HEAVY_DRAFT, True, "never"), (SURE_ONLY, False, "probes"),
+                                                    (FLAT, True, "always")],
+                         ids=["no acceptance pays", "only sure drafts pay", "control: flat"])
+def test_generate_plain_plans_skip_the_drafter(cost, ratio_high, drafts, monkeypatch):
+    """The eager loop follows the planner: where no acceptance could pay it never runs the drafter; where only sure
+    drafts pay and the head is unsure, it decodes plain rounds without the drafter but for its first round and the
+    probes; output plain greedy decoding's either way. The control (a flat cost) drafts every round."""
     import adaflash_hf.generation.drafting as drafting_mod
     from adaflash_hf import speculative_generate
 
@@ -195,12 +199,14 @@ def test_generate_plain_plans_skip_the_drafter(cost, plain, monkeypatch):
     monkeypatch.setattr(drafting_mod.AdaFlashCandidateGenerator, "__init__", init)
     target = make_target("qwen3")
     drafter = make_drafter(target, block_size=8)
-    force_length_head(drafter, ratio_high=True)
+    force_length_head(drafter, ratio_high=ratio_high)
     prompt = engine_prompts([5], seed=3)[0]
     out, stats = speculative_generate(target, drafter, torch.tensor([prompt]), length_policy="cost", max_new_tokens=24,
                                       fast_path=False, return_stats=True, prompt_ngrams=0)
     assert out[0, len(prompt):].tolist() == plain_greedy_ids(target, prompt, 24)
-    if plain:
+    if drafts == "never":
+        assert calls == [] and stats.verify_lengths.count(1) == stats.rounds
+    elif drafts == "probes":
         assert 0 < len(calls) < stats.rounds // 2 and stats.verify_lengths.count(1) >= stats.rounds - len(calls)
     else:
         assert len(calls) >= stats.rounds - 1 and max(stats.verify_lengths) == 8  # the last token: nothing to draft
@@ -363,13 +369,15 @@ def pair():
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-@pytest.mark.parametrize("cost,plain", [(HEAVY_DRAFT, True), (RoundCost.flat(spec_overhead=50.0), True), (FLAT, False)])
-def test_engine_plain_rounds_skip_the_drafter_body(pair, monkeypatch, graphs, cost, plain):
-    """A drafter too dear to pay: every round decodes plainly and the body runs only on probes, which, their body
-    spent, verify the whole block the head rates high; a flat cost (the negative control): the body runs every round
-    and whole blocks are verified. Output identical either way."""
+@pytest.mark.parametrize("cost,ratio_high,drafts", [(HEAVY_DRAFT, True, "never"), (RoundCost.flat(spec_overhead=50.0), True, "never"),
+                                                    (SURE_ONLY, False, "probes"), (FLAT, True, "always")])
+def test_engine_plain_rounds_skip_the_drafter_body(pair, monkeypatch, graphs, cost, ratio_high, drafts):
+    """A drafter that no acceptance could pay for never runs its body (every round after the prefill plain); one that
+    only sure drafts pay for, with an unsure head: every round decodes plainly and the body runs only on the first
+    round and the probes, which, their body spent, verify the whole block (a flat verify costs nothing more); a flat
+    cost (the negative control): the body runs every round and whole blocks are verified. Output identical."""
     target, drafter = pair
-    force_length_head(drafter, ratio_high=True)
+    force_length_head(drafter, ratio_high=ratio_high)
     bodies = []
     if graphs:
         real = engine_mod.DraftGraphs.run_body
@@ -386,9 +394,12 @@ def test_engine_plain_rounds_skip_the_drafter_body(pair, monkeypatch, graphs, co
         assert o.token_ids == plain_greedy_ids(target, p, 30)
     lens = [v for o in outs for v in o.verify_lengths]
     ran = sum(bodies)
-    if plain:
+    if drafts == "never":
+        assert ran == 0 and set(lens) == {1} and eng.skipped_drafts == eng.num_steps - 1  # all but the prefill round
+    elif drafts == "probes":
         assert eng.skipped_drafts == eng.num_steps - 1 - ran  # all but the prefill round and the probes
-        assert sorted(set(lens)) == [1, 8] and lens.count(8) == ran * len(prompts)  # probes verify, the rest plain
+        drafted = [v for v in lens if v > 1]  # probes verify whole blocks (or what a row has left), the rest plain
+        assert max(lens) == 8 and 0 < len(drafted) <= ran * len(prompts)
         ramp = PLAIN_PROBE_ROUNDS.bit_length() - 1  # probes after 1, 2, 4 plain rounds before the steady cadence
         assert 0 < ran <= ramp + eng.num_steps // (PLAIN_PROBE_ROUNDS + 1) + 1  # probes only
     else:
@@ -431,7 +442,11 @@ def test_engine_whole_block_rounds_read_their_ratios_at_the_end(pair, graphs, bi
         assert any(1 < v < 8 for v in lens[0]) and eng.whole_rounds <= drafting // 2
 
 
-@pytest.mark.parametrize("cost,stretches", [(HEAVY_DRAFT, True), (FLAT, False)])
+# a block of 8 pays from ratio ~0.7; the first probe after 16 plain rounds (4x its extra 4 steps): two whole stretches
+PROBE_AT_16 = RoundCost.flat(draft_fraction=4.0)
+
+
+@pytest.mark.parametrize("cost,stretches", [(PROBE_AT_16, True), (FLAT, False)])
 def test_engine_plain_stretches_queue_steps_behind_one_read(monkeypatch, cost, stretches):
     """Where drafting does not pay, plain rounds run as ``decode_steps`` greedy steps behind one read, as ``off``
     does (only probes verify drafts): fewer device reads than one round at a time, the same outputs and verify

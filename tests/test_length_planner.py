@@ -10,6 +10,8 @@ COST = LengthSettings("cost", 1.0, 1)
 FLAT = RoundCost.flat()
 STEEP = RoundCost(rows=(1,), tokens_per_row=(1, 16), verify=((1.0, 5.5),), draft_fraction=0.0)
 DEAR = RoundCost.flat(draft_fraction=0.5)  # a drafting round costs 1.5 steps: it pays from about 2 tokens a round
+SURE_ONLY = RoundCost.flat(draft_fraction=5.0)  # 6 steps a drafting round: only sure drafts (ratio ~0.8 up) pay
+NEVER = RoundCost.flat(draft_fraction=50.0)  # 51 steps: not even a block of 8 accepted drafts pays
 
 
 def _run(planner, rows, ratio_of_round, rounds: int) -> list[str]:
@@ -65,14 +67,14 @@ def test_plain_plans_where_drafting_cannot_pay_and_back_to_drafting_when_accepta
 def test_plain_verdicts_are_kept_until_a_guess_may_change(monkeypatch):
     """A run of plain rounds runs the cost rule once: the verdict is kept for the same rows until a ratio is read or a
     round observed (then asked again)."""
-    planner = LengthPlanner(COST, 8, RoundCost.flat(draft_fraction=50.0))
+    planner = LengthPlanner(COST, 8, SURE_ONLY)
     rows = [RowState(remaining=100)]
     planner.lengths(rows, torch.tensor([0.2]))  # a drafted round said plain
     calls = []
     real = planner.guessed_lengths
     monkeypatch.setattr(planner, "guessed_lengths", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     assert all(planner.plan(rows).plain for _ in range(5)) and len(calls) == 1
-    planner.observe(rows[0], 7, 8)  # a guess may change: asked again
+    planner.observe(rows[0], 1, 8)  # a guess may change: asked again (still plain)
     planner.plan(rows)
     assert len(calls) == 2
     other = [RowState(remaining=100, head_ratio=0.2)]  # other rows: asked again
@@ -84,7 +86,7 @@ def test_plain_verdicts_are_kept_until_a_guess_may_change(monkeypatch):
 def test_a_plain_stretch_lasts_until_the_row_with_the_most_left_is_done(remaining, most, want):
     """A plain stretch is not cut short for a row that ends inside it (the loop drops that row's later steps): it
     runs ``most`` steps, or what the row with the most left still needs."""
-    planner = LengthPlanner(COST, 8, RoundCost.flat(draft_fraction=50.0))
+    planner = LengthPlanner(COST, 8, SURE_ONLY)
     rows = [RowState(remaining=n) for n in remaining]
     planner.lengths(rows, torch.tensor([0.2] * len(rows)))  # a drafted round said plain
     assert planner.plain_stretch(rows, most) == want
@@ -108,3 +110,22 @@ def test_plain_rounds_are_priced_as_the_stretches_that_run_them(ratio, plain_ste
     assert bool((k <= 1).all()) == plain
     alone = LengthPlanner(COST, 8, READS).probe_holds(1)
     assert (planner.probe_holds(1) > alone) == (plain_steps > 1) and all(a >= b for a, b in zip(planner.probe_holds(1), alone))
+
+
+@pytest.mark.parametrize("cost,rows,never", [
+    (NEVER, 1, True),  # a whole block of accepted drafts does not pay for the round
+    (SURE_ONLY, 1, False),  # it does: probes may find such text
+    (RoundCost(rows=(1, 8), tokens_per_row=(1, 8), verify=((1.0, 1.0), (1.0, 9.0)), draft_fraction=0.5), 8, True),
+    (RoundCost(rows=(1, 8), tokens_per_row=(1, 8), verify=((1.0, 1.0), (1.0, 9.0)), draft_fraction=0.5), 1, False),
+])
+def test_where_no_acceptance_pays_no_round_drafts_not_even_a_probe(cost, rows, never):
+    """Where even every draft accepted would not pay for a drafting round at this batch, the planner plans plain rounds
+    from the first on and never probes (acceptance cannot rise above all), and every plain round may join a stretch;
+    where some acceptance would pay (the controls: a cheaper round, a smaller batch on a verify that grows with the
+    batch's tokens), the first round drafts, as a row yet to draft is guessed to accept everything."""
+    planner = LengthPlanner(COST, 8, cost)
+    state = [RowState(remaining=100) for _ in range(rows)]
+    assert planner.never_pays(rows) == never
+    plans = [planner.plan(state).plain for _ in range(50)]
+    assert all(plans) == never and any(plans) == never  # the control's first round drafts
+    assert (planner.plain_stretch(state, 8) == 8) == never  # the control has no plain verdict yet

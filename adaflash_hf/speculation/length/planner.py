@@ -12,7 +12,10 @@ four times what a probe adds (``FIRST_PROBE_SHARE``: probing takes at most a fif
 decision on), then twice as many, ... doubling while the probes keep saying plain (one low ratio amid drafting text
 costs one plain round, not eight), up to the cap of :meth:`LengthPlanner.probe_holds`: at least
 ``PLAIN_PROBE_ROUNDS``, and as many as keep the probes' extra time (the drafter's body and a drafting round's
-overhead, by the round cost at this batch) within ``PROBE_SHARE`` of the plain rounds' between them.
+overhead, by the round cost at this batch) within ``PROBE_SHARE`` of the plain rounds' between them. Where even a
+round whose every draft were accepted would not pay (:meth:`LengthPlanner.never_pays`: a small pair on a fast GPU),
+no round drafts at that batch, not the first nor a probe: nothing the text does could make drafting pay. A plain round
+is priced as the loop runs it: in the engine's stretches, ``plain_steps`` rounds share one read.
 
 The mirror case, **whole-block plans** (:attr:`Plan.whole`): when the guesses say every row verifies its whole block
 (a flat cost, at small batches), the round does not wait for this round's ratios in the middle (a device read between
@@ -143,6 +146,7 @@ class LengthPlanner:
         c = self._cost
         self._priced = replace(c, plain_overhead=tuple(o / self._plain_steps for o in c.plain_overhead))
         self._rule = make_rule(self._settings, self._priced) if self._settings.policy is not None else FixedRule()
+        self._never = {}  # never_pays by row count
         self._epoch += 1
 
     @property
@@ -211,6 +215,17 @@ class LengthPlanner:
         return (self.whole_block_stretches and self.cost_rule and self.layout == "packed" and not sink
                 and all(r.head_ratio is not None for r in rows))
 
+    def never_pays(self, n: int) -> bool:
+        """Whether the cost rule decodes ``n`` rows plainly even if every draft were accepted (each ratio 1, whole
+        blocks): on this round cost no drafter pays for a round at this batch, so no round drafts, not even a first
+        round or a probe (acceptance cannot rise above all)."""
+        never = self._never.get(n)
+        if never is None:
+            rows = [RowState(remaining=self.block_size) for _ in range(n)]
+            k_hat = self._choose(rows, torch.ones(n), unread_whole=self.whole_block_stretches and self.layout == "packed")
+            never = self._never[n] = bool((k_hat <= 1).all())
+        return never
+
     def plain_by_guess(self, rows, sink: bool = False) -> bool:
         """Whether the cost rule, on the rows' guesses, decodes every row plainly. The verdict is kept for the same rows
         until a guess may change (a ratio read, a round observed, new settings) or a row's tokens left fall below its
@@ -233,15 +248,18 @@ class LengthPlanner:
 
     def plain_stretch(self, rows, most: int, sink: bool = False) -> int:
         """How many plain rounds in a row the ``cost`` policy decodes next behind one read, as ``off`` does (``most`` at
-        most; 0: the next round is not plain by this test, the loop asks :meth:`plan`): its last drafted round's ratios
-        said plain (priced with the body), the guesses say so, and a probe is not due. A stretch is never cut short
+        most; 0: the next round is not plain by this test, the loop asks :meth:`plan`): drafting never pays at this
+        batch (:meth:`never_pays`), or its last drafted round's ratios said plain (priced with the body), the guesses
+        say so, and a probe is not due. A stretch is never cut short
         for a probe due inside it (a short stretch costs a whole read): the probe waits for its end, nor for a row
         that ends inside it (the loop discards that row's steps past its end): it lasts until the row with the most
         left is done. Counts them as plain rounds."""
-        if not self.cost_rule or self.layout != "packed" or sink or not self.drafted_plain or not rows:
+        if not self.cost_rule or self.layout != "packed" or sink or not rows:
             return 0
         steps = min(most, max(r.remaining for r in rows))
-        if self.plain_rounds >= self.plain_limit or not self.plain_by_guess(rows, sink):  # the cheap bound first
+        if self.never_pays(len(rows)):
+            return steps
+        if not self.drafted_plain or self.plain_rounds >= self.plain_limit or not self.plain_by_guess(rows, sink):
             return 0
         self.plain_rounds += steps
         return steps
@@ -267,6 +285,8 @@ class LengthPlanner:
         if self.layout not in ("packed", "rectangular"):
             return False
         if self.cost_rule:
+            if self.never_pays(len(rows)):
+                return True
             if not self.drafted_plain:  # the last round's own ratios asked for drafts: no need to guess again
                 return False
             plain = self.plain_by_guess(rows, sink)
