@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import gzip
+import json
 import os
 import shutil
 import statistics
@@ -24,6 +25,17 @@ FALLBACK_QUESTIONS = [  # used only if the shared gsm8k data is not reachable
     "Ken created a care package to send to his brother, who was away at boarding school. What was the final weight?",
     "Alexis is applying for a new job and bought a new set of business clothes to wear to the interview. How much did she pay for the shoes?",
 ]
+
+
+def write_report(out, stem: str, res: dict, lines: list[str]) -> None:
+    """A probe's results into ``out``: ``stem.json`` (``res``) and ``stem.md`` (``lines``), also printed."""
+    from pathlib import Path
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def log(msg: str) -> None:

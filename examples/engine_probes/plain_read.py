@@ -21,7 +21,6 @@ Writes ``plain_read.json`` and ``plain_read.md``. ``--smoke``: CPU, tiny, the sa
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -118,11 +117,7 @@ def main(argv=None) -> int:
             eng.run_until_idle()
         del eng
         common.free_memory()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plain_read.json").write_text(json.dumps(res, indent=1))
-    (out / "plain_read.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    common.write_report(args.out, "plain_read", res, lines)
     return 0
 
 

@@ -118,9 +118,7 @@ def main(argv=None) -> int:
             lines.append("")
         del eng
         common.free_memory()
-    (out / "plan_trace.json").write_text(json.dumps(res, indent=1))
-    (out / "plan_trace.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    common.write_report(out, "plan_trace", res, lines)
     return 0
 
 
