@@ -15,7 +15,8 @@ drafts, so OPD learns from served rounds whatever the drafter's tau).
 A measurement is greedy decoding of every held-out prompt at once through the engine: tau, acceptance per draft
 position, the length head's error, and whether every output is plain greedy decoding's. Plain greedy decoding's
 outputs are computed once and their engine freed; the start drafter (v0) and every version are measured through one
-speculative engine (a version's weights are copied into the drafter in place). Order: before the traffic (while the
+speculative engine (a version's weights are copied into the drafter in place), freed while the traffic runs (runs side
+by side fill the GPU) and built again after it. Order: before the traffic (while the
 server starts), the references and v0, and OUT/protocol.json is written at once (a run stopped later still reports tau
 at the start); after the traffic, the newest version, then the others. OUT/protocol.json and OUT/protocol.md (the
 table) are rewritten after every measurement, OUT/tau.png (held-out tau against requests served) at the end, beside
@@ -23,8 +24,9 @@ OUT/versions (the server's versions) and OUT/serve.log (its log lines).
 
 --run-s bounds the whole run (from its start, loading included): the traffic stops early enough that the update it
 owes (at most --wait), the server's exit and the newest version's measurement end by then. That measurement decodes
-the same prompts through the same engine as v0's, so v0's measured time says what it takes (`Reserve`); the
-intermediate versions are measured while the same estimate fits, and those left are listed as unmeasured. In
+the same prompts through the same engine as v0's, so v0's measured time, with the engine's build, says what it takes
+(`Reserve`); the intermediate versions are measured while the same estimate fits, and those left are listed as
+unmeasured. In
 protocol.json, "newest" is the newest version when the traffic ended (null while it runs: a run stopped during its
 traffic has v0 alone), and "timings" what each phase took.
 """
@@ -131,7 +133,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 class HeldOut:
     """The held-out slice's measurements: plain greedy decoding's outputs once (their engine freed after), then the
-    drafter's, every prompt at once, through one speculative engine built here and kept for every version."""
+    drafter's, every prompt at once, through one speculative engine for every version (freed while the traffic runs:
+    :meth:`release`)."""
 
     def __init__(self, a, target, drafter, tok, prompts: list[list[int]]):
         self.prompts, self.drafter = prompts, drafter
@@ -144,12 +147,23 @@ class HeldOut:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         self.references_s = time.monotonic() - t
+        self.target, self.engine = target, None
+        self.engine_s = self._build()
+
+    def _build(self) -> float:
+        """The measuring engine (its build's seconds). The round sink (HeadError, for the length head's error) also
+        keeps the prompt n-gram rule off: tau is the drafter's own."""
         t = time.monotonic()
-        # the round sink (HeadError, for the length head's error) also keeps the prompt n-gram rule off: tau is the
-        # drafter's own
         self.router = RoundRouter()
-        self.engine = serving_engine(target, drafter, self.settings, self.router)
-        self.engine_s = time.monotonic() - t
+        self.engine = serving_engine(self.target, self.drafter, self.settings, self.router)
+        return time.monotonic() - t
+
+    def release(self) -> None:
+        """Free the engine's device memory while the server's traffic runs (runs side by side fill a GPU); the next
+        :meth:`measure` builds it again, in about ``engine_s``."""
+        self.engine = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def measure(self, version: Path | None = None) -> tuple[dict, float]:
         """The held-out measurement of ``version`` (None: the drafter as it is now), and the seconds it took to
@@ -158,6 +172,8 @@ class HeldOut:
         if version is not None:
             loaded = AdaFlashDrafter.from_pretrained(str(version), dtype=next(self.drafter.parameters()).dtype)
             self.drafter.load_state_dict(loaded.state_dict())
+        if self.engine is None:
+            self._build()
         t = time.monotonic()
         point = measure_held_out(self.engine, self.router, self.prompts, self.references, self.settings, self.eos)
         return point, time.monotonic() - t
@@ -426,7 +442,8 @@ def main(argv=None) -> int:
             report.served, report.newest = 0, 0
         else:
             t = time.monotonic()
-            seen, report.served, report.failed, report.traffic_end = serve(a, proc, traffic, end, v0_s)
+            held.release()  # rebuilt for the newest version: its reserve counts the build
+            seen, report.served, report.failed, report.traffic_end = serve(a, proc, traffic, end, v0_s + held.engine_s)
             report.timings["traffic_s"] = time.monotonic() - t
             measure_versions(a, held, report, seen, end)
     finally:
