@@ -339,8 +339,7 @@ class Engine:
         return True
 
     def _greedy_steps(self, running) -> int:
-        """Plain greedy steps before the next read (0: a normal round; static graphs, empty queue, greedy requests), until
-        the request with the most left ends or a slot fills (one ending inside drops its later steps, as after an EOS)."""
+        """Plain greedy steps before the next read (0: a normal round), until the longest request ends or a slot fills."""
         if self.graphs is None or not running or self._queue or not all(r.params.greedy and r.params.raw_rows for r in running):
             return 0
         most = min(self.decode_steps, self.cache.max_len - max(self.cache.length(r.slot) for r in running))

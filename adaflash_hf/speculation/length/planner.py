@@ -250,10 +250,10 @@ class LengthPlanner:
         """How many plain rounds in a row the ``cost`` policy decodes next behind one read, as ``off`` does (``most`` at
         most; 0: the next round is not plain by this test, the loop asks :meth:`plan`): drafting never pays at this
         batch (:meth:`never_pays`), or its last drafted round's ratios said plain (priced with the body), the guesses
-        say so, and a probe is not due. A stretch is never cut short
-        for a probe due inside it (a short stretch costs a whole read): the probe waits for its end, nor for a row
-        that ends inside it (the loop discards that row's steps past its end): it lasts until the row with the most
-        left is done. Counts them as plain rounds."""
+        say so, and a probe is not due. A stretch is never cut short for a probe due inside it (a short stretch costs a
+        whole read): the probe waits for its end; nor for a row that ends inside it (the loop drops that row's steps
+        past its end): it lasts until the row with the most left is done. Counts them toward the next probe (none where
+        drafting never pays)."""
         if not self.cost_rule or self.layout != "packed" or sink or not rows:
             return 0
         steps = min(most, max(r.remaining for r in rows))
