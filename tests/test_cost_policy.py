@@ -567,3 +567,17 @@ def test_the_dispatch_reads_the_head_ratio_as_its_label_not_scaled_by_the_floor_
         k = make_rule(LengthSettings("cost", rate, 1), SPEC_COST).lengths(RoundInputs(128, 16, ratio))
         assert torch.equal(k, cost_aware_verify_length(ratio, 16, SPEC_COST)), rate
     assert not torch.equal(cost_aware_verify_length(ratio * 2, 16, SPEC_COST), cost_aware_verify_length(ratio, 16, SPEC_COST))
+
+
+@pytest.mark.parametrize("ms, want", [
+    ([[1.0, 2.0], [3.0, 4.0]], [[1.0, 2.0], [3.0, 4.0]]),  # already monotone: unchanged
+    ([[1.0, 3.4], [2.0, 2.1]], [[1.0, 2.1], [2.0, 2.1]]),  # a spike below a larger shape's time: lowered to it
+    ([[1.0, 2.0, 9.0, 4.0]], [[1.0, 2.0, 4.0, 4.0]]),  # along tokens per row
+    ([[5.0], [2.0], [3.0]], [[2.0], [2.0], [3.0]]),  # along rows, down to the first entry (the unit)
+])
+def test_monotone_table_lowers_every_entry_to_the_larger_shapes_least(ms, want):
+    """A measured verify table is made monotone from the larger shapes down: a timing spike cannot make a larger
+    verify look cheaper to the cost rule."""
+    from adaflash_hf.engine.warmup import monotone_table
+
+    assert monotone_table(ms) == want

@@ -24,7 +24,7 @@ from .graphs import pick_bucket
 from .round_overhead import measure_overheads, quiet
 from .target import PackedLayout
 
-__all__ = ["measure_round_cost", "warmup", "workload_buckets"]
+__all__ = ["measure_round_cost", "monotone_table", "warmup", "workload_buckets"]
 
 
 def _target_buckets(engine, concurrency: int) -> set[tuple]:
@@ -116,11 +116,31 @@ def _time_replays(runner, bucket: tuple, device, reps: int) -> float:
     return statistics.median(times)
 
 
+def monotone_table(ms) -> list[list[float]]:
+    """``ms`` (rows x tokens per row, both ascending) with each entry lowered to the least of it and every entry at as
+    many or more rows and tokens: a verify cannot cost more than a larger one, so an entry above a larger shape's is a
+    timing spike (a GPU's noise is mostly upward), and a rule that believed it would find a larger verify cheaper.
+
+    Example:
+        >>> monotone_table([[1.0, 3.4], [2.0, 2.1]])
+        [[1.0, 2.1], [2.0, 2.1]]
+    """
+    out = [list(map(float, r)) for r in ms]
+    for i in reversed(range(len(out))):
+        for j in reversed(range(len(out[i]))):
+            if i + 1 < len(out):
+                out[i][j] = min(out[i][j], out[i + 1][j])
+            if j + 1 < len(out[i]):
+                out[i][j] = min(out[i][j], out[i][j + 1])
+    return out
+
+
 def measure_round_cost(engine, rows: Sequence[int] | None = None, tokens_per_row: Sequence[int] | None = None,
                        context: int = 256, reps: int = 5) -> RoundCost:
     """This engine's own :class:`RoundCost`: its decode forward (the CUDA graph of each bucket; eager off CUDA) timed
     for ``rows`` requests x ``tokens_per_row`` tokens each over ``context`` cached tokens (CUDA events), the
-    drafter's body + head at each row count against the whole-block verify (the median ratio is ``draft_fraction``),
+    drafter's body + head at each row count against the whole-block verify (the median ratio is ``draft_fraction``;
+    the table made monotone: :func:`monotone_table`),
     and, at each row count, real engine rounds timed end to end, a plain one and one verifying whole blocks (with and
     without the mid-round read of its ratios), less what those graphs account for: the overheads
     (:func:`.round_overhead.measure_overheads`, ``reps`` rounds each).
@@ -169,6 +189,7 @@ def measure_round_cost(engine, rows: Sequence[int] | None = None, tokens_per_row
         for s in slots:
             engine.cache.free(s)
             engine.dcache.free(s)
+    ms = monotone_table(ms)
     cost = RoundCost.from_ms(rows, tokens_per_row, ms, draft_fraction=statistics.median(fractions))
     spec, plain, read = measure_overheads(engine, cost, ms[0][0], context, reps)
     return dataclasses.replace(cost, spec_overhead=spec, plain_overhead=plain, read_overhead=read, unit_ms=ms[0][0] * 1e3)
