@@ -129,3 +129,19 @@ def test_where_no_acceptance_pays_no_round_drafts_not_even_a_probe(cost, rows, n
     plans = [planner.plan(state).plain for _ in range(50)]
     assert all(plans) == never and any(plans) == never  # the control's first round drafts
     assert (planner.plain_stretch(state, 8) == 8) == never  # the control has no plain verdict yet
+
+
+@pytest.mark.parametrize("traffic,at_cap", [
+    (0.125, True),  # the traffic's acceptance decodes plainly here: plain is the norm, the probes wait the cap at once
+    (1.0, False),  # control: the traffic drafts, so this plain decision is a dip: the short first hold, then doubling
+])
+def test_probes_wait_the_cap_where_the_traffics_own_acceptance_is_plain(traffic, at_cap):
+    planner = LengthPlanner(COST, 8, DEAR)
+    rows = [RowState(remaining=100), RowState(remaining=100)]
+    for _ in range(20):
+        planner.observe(rows[0], round(traffic * 8) - 1, 8)
+    assert planner.traffic_plain(2) is (traffic < 0.5)
+    first, cap = planner.probe_holds(2)
+    planner.lengths(rows, torch.tensor([0.05, 0.05]))  # this round's ratios say plain
+    assert planner.drafted_plain and first < cap
+    assert planner.plain_limit == (cap if at_cap else first)

@@ -12,7 +12,9 @@ four times what a probe adds (``FIRST_PROBE_SHARE``: probing takes at most a fif
 decision on), then twice as many, ... doubling while the probes keep saying plain (one low ratio amid drafting text
 costs one plain round, not eight), up to the cap of :meth:`LengthPlanner.probe_holds`: at least
 ``PLAIN_PROBE_ROUNDS``, and as many as keep the probes' extra time (the drafter's body and a drafting round's
-overhead, by the round cost at this batch) within ``PROBE_SHARE`` of the plain rounds' between them. Where even a
+overhead, by the round cost at this batch) within ``PROBE_SHARE`` of the plain rounds' between them. Where the
+traffic's own mean acceptance decodes this batch plainly (:meth:`LengthPlanner.traffic_plain`: plain is the norm, not
+a dip), the probes wait the cap from the first. Where even a
 round whose every draft were accepted would not pay (:meth:`LengthPlanner.never_pays`: a small pair on a fast GPU),
 no round drafts at that batch, not the first nor a probe: nothing the text does could make drafting pay. A plain round
 is priced as the loop runs it: in the engine's stretches, ``plain_steps`` rounds share one read.
@@ -315,10 +317,20 @@ class LengthPlanner:
             if self.drafted_plain:  # plain rounds before the next probe: the first hold, then doubling up to the cap
                 k_hat = self._choose(rows, ratio, drafted=True)  # this round's body is spent: verify what pays all the same
                 first, cap = self.probe_holds(n)
-                self.plain_limit = min(max(first, 2 * self.plain_limit), cap)
+                self.plain_limit = cap if self.traffic_plain(n) else min(max(first, 2 * self.plain_limit), cap)
             else:
                 self.plain_limit = 0
         return k_hat
+
+    def traffic_plain(self, n: int) -> bool:
+        """Whether ``n`` rows accepting the traffic's mean (none seen yet: False) decode plainly by the cost rule: a
+        plain decision then is the traffic's norm at this batch, not a dip in drafting text, and its probes wait the
+        cap of :meth:`probe_holds` from the first (a short first hold pays for a dip's quick return)."""
+        if self.traffic_seen[1] == 0:
+            return False
+        prior = self.traffic_seen[0] / self.traffic_seen[1]
+        rows = [RowState(remaining=self.block_size) for _ in range(n)]
+        return bool((self._choose(rows, torch.full((n,), prior), unread_whole=self.may_skip_read(rows)) <= 1).all())
 
     def note_ratios(self, rows, ratio) -> None:
         """The rows' last ratios (read with the round, or at its end after a whole-block plan)."""
