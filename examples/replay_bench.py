@@ -72,7 +72,7 @@ from replay_tables import markdown  # noqa: E402
 
 from adaflash_hf.bench.arrivals import poisson_arrivals, run_open_loop  # noqa: E402
 from adaflash_hf.bench.replay import DraftReplay, RecordedTrace, paper_dflash_trace  # noqa: E402
-from adaflash_hf.engine import LAYOUTS, Engine, layout_args, round_layout  # noqa: E402
+from adaflash_hf.engine import LAYOUTS, Engine, EngineConfig, layout_args, round_layout  # noqa: E402
 from adaflash_hf.engine.round_overhead import measure_room  # noqa: E402
 from adaflash_hf.engine.warmup import measure_round_cost  # noqa: E402
 from adaflash_hf.speculation.rounds import mean_tokens_per_round  # noqa: E402
@@ -158,7 +158,7 @@ def measure_cost(target, drafter, kw: dict, context: int) -> tuple:
     graphs and its real rounds' overheads (:func:`measure_round_cost`)."""
     t = time.perf_counter()
     # a prompt, and the timed rounds of each kind after it (--smoke's slots are short)
-    steps = kw.get("decode_steps", inspect.signature(Engine).parameters["decode_steps"].default)
+    steps = kw.get("decode_steps", EngineConfig().decode_steps)
     room = context + measure_room(drafter.config.block_size, steps)
     probe = Engine(target, **layout_args(drafter, "packed"), **{**kw, "max_len": max(kw["max_len"], room)})
     cost = measure_round_cost(probe, context=context)
