@@ -4,7 +4,8 @@
 # to the same CPU core (taskset), timed passes only (no profiler), PASSES passes a run (each run's wall: their median).
 #
 #   bash examples/engine_probes/ab_rounds.sh OUT TREE_A TREE_B [round_trace flags]
-#   e.g. bash examples/engine_probes/ab_rounds.sh $OUT/ab .evaldata/trees/before .evaldata/trees/after --modes off,fixed
+#   e.g. bash examples/engine_probes/ab_rounds.sh $OUT/ab .evaldata/trees/before .evaldata/trees/after --modes off,fixed \
+#          --concurrency 1,32 --steps 12 --max-new-tokens 2048    (5 passes of 12 rounds need room: round_trace says)
 #
 # A tree is a folder holding adaflash_hf (git archive COMMIT adaflash_hf | tar -x -C TREE; its reference weights may be
 # left out: they are linked from this checkout). Writes OUT/{a,b}_K/round_trace.{json,md} and OUT/ab.md (each cell's

@@ -185,6 +185,10 @@ def main(argv=None) -> int:
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     if args.smoke:
         args.steps, args.max_new_tokens, args.concurrency = 2, 64, [1, 2]
+    rounds = 3 + args.steps * (args.passes + (0 if args.no_profile else 2))  # run(): 3 untimed, then the passes
+    if 16 * rounds > args.max_new_tokens:  # a round commits up to a block (16 tokens) a request: none may end inside
+        ap.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for {rounds} rounds of up to 16 tokens a "
+                 f"request: give at least {16 * rounds}, or fewer --steps / --passes")
     res = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
