@@ -65,8 +65,7 @@ def add_arguments(ap: argparse.ArgumentParser, require_target: bool = True) -> a
     ap.add_argument("--max-anchors", type=int, default=512)
     ap.add_argument("--block-attention", default="dense", choices=("dense", "flex"),
                     help="the blocks' attention rule as a dense mask or a sparse flex-attention mask (CUDA only: faster "
-                         "per step for long answers, 1.6x at 512 anchors; slower on the reference pair's answers of <= 160 "
-                         "tokens, BENCHMARKS.md section 1)")
+                         "per step for long answers and many anchors, slower for short answers)")
     ap.add_argument("--gamma", type=float, default=None, help="position-weight decay (default from block size)")
     ap.add_argument("--length-head-weight", type=float, default=1.0)
     ap.add_argument("--length-head-steps", type=int, default=0, help="extra offline length-head steps, frozen drafter")
@@ -89,8 +88,7 @@ def add_arguments(ap: argparse.ArgumentParser, require_target: bool = True) -> a
     ap.add_argument("--num-workers", type=int, default=0)
     ap.add_argument("--train-sampling-strategy", default="group_by_length", choices=("random", "group_by_length"),
                     help="transformers' batch sampler: group_by_length (default) batches samples of similar length, "
-                         "which cut the padded blocks of the reference pair's answers from 22%% to 16%% and the padded "
-                         "context from 55%% to 14%% at batch 128 (BENCHMARKS section 1)")
+                         "which pads fewer blocks and less context than random batches")
     # outputs / eval
     ap.add_argument("--eval-per-domain", type=int, default=32, help="held-out prompts per domain for the acceptance proxy")
     ap.add_argument("--eval-domains", default="math,code,chat,prose")
