@@ -139,6 +139,28 @@ def test_engine_spares_the_read_with_whole_blocks_where_it_pays(pair, graphs, mo
     assert eng.host_syncs < ctl.host_syncs
 
 
+def test_the_whole_block_decision_is_made_while_the_drafters_body_runs(pair, monkeypatch):
+    """On the graph path the round launches its drafter's body first and decides whole blocks after (the planner's host
+    time overlaps the body's device time): in every drafting round ``whole_blocks`` comes after ``run_body``, and the
+    output is plain greedy's. The control: the rounds the planner made plain ask ``whole_blocks`` nothing."""
+    monkeypatch.setattr(vl, "GUESS_PRIOR_ROUNDS", 0.0)
+    target, drafter = pair
+    prompts = engine_prompts([5, 7], seed=11)
+    events = []
+    with kept_length_head(drafter):
+        _head_says(drafter, 0.4)
+        eng = Engine(target, drafter, length_policy="cost", round_cost=dataclasses.replace(BLOCK8, read_overhead=0.5),
+                     max_slots=2, max_len=64, token_budget=64, cuda_graphs=True, prompt_ngrams=0)
+        body, whole = eng.draft_graphs.run_body, eng.planner.whole_blocks
+        monkeypatch.setattr(eng.draft_graphs, "run_body",
+                            lambda s, c, b: (events.append("body" if b is not None else "context"), body(s, c, b))[1])
+        monkeypatch.setattr(eng.planner, "whole_blocks", lambda *a, **k: (events.append("whole"), whole(*a, **k))[1])
+        outs = eng.generate(prompts, max_new_tokens=30)
+    assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 30) for p in prompts]
+    assert events.count("body") >= 3 and events.count("whole") == events.count("body")
+    assert all(i > 0 and events[i - 1] == "body" for i, e in enumerate(events) if e == "whole")
+
+
 DELAY_S = 0.2
 
 

@@ -543,13 +543,13 @@ class Engine:
         logits and offsets ``None`` when nothing is drafted), draft lengths ``[n]`` (host). The body runs first
         (the length head needs it), the verify lengths are read back, then the LM head runs on the positions each
         request verifies (the longest draft's width for all in the rectangular layout), and not at all when every
-        ``k_hat`` is 1. When the planner's plan is plain (:meth:`.LengthPlanner.plan`), the body is skipped too:
+        ``k_hat`` is 1. When the planner's plan is plain (:meth:`.LengthPlanner.drafts`), the body is skipped too:
         context only. Sets ``_late`` when the round verifies whole blocks chosen before its ratios (read at its end)."""
         d, stats, source = self.drafter, self.stats, self.draft_source
         B = self.block_size
         n = len(running)
-        plan = self.planner.plan(running, sink=self.on_round is not None)
-        skip, late = plan.plain, False
+        sink = self.on_round is not None
+        skip, late = not self.planner.drafts(running, sink), False  # the plan's first half; its second while the body runs
         slots, ctx = [r.slot for r in running], [r.pending_ctx for r in running]
         bonus = None if skip else [r.bonus for r in running]
         hidden = ratio = None
@@ -565,12 +565,12 @@ class Engine:
                 r.pending_ctx = None
             draft_len = torch.zeros(n, dtype=torch.long)
             if not skip:
-                remaining = torch.tensor([r.remaining for r in running])
                 adaptive = self.layout != "fixed" and ratio is not None
+                # whole blocks on the last ratios (this round's read with the round's one read), decided as the body runs
+                self._late = late = adaptive and self.planner.whole_blocks(running, sink)
+                remaining = torch.tensor([r.remaining for r in running])
                 if adaptive:
                     ratio = source.ratios(running, ratio, B)
-                # whole blocks chosen on the last ratios: this round's come with its one read instead of in between
-                self._late = late = adaptive and plan.whole
                 k_hat = self.planner.lengths(running, ratio if adaptive and not late else None)  # read 1 when adaptive
                 stats.host_syncs += int(adaptive and not late)
                 stats.whole_rounds += int(late)

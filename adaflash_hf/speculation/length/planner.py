@@ -243,10 +243,15 @@ class LengthPlanner:
     # ------------------------------------------------------------------ the plan
     def plan(self, rows, sink: bool = False) -> Plan:
         """The round's plan before its drafter runs (``sink``: a round sink is attached, promised every round's
-        prediction: the round always drafts and reads its ratios)."""
-        if self._skip_drafting(rows, sink):
+        prediction: the round always drafts and reads its ratios): :meth:`drafts`, then :meth:`whole_blocks`."""
+        if not self.drafts(rows, sink):
             return Plan(draft=False)
-        return Plan(draft=True, whole=self._whole_blocks(rows, sink))
+        return Plan(draft=True, whole=self.whole_blocks(rows, sink))
+
+    def drafts(self, rows, sink: bool = False) -> bool:
+        """The plan's first half: whether the round runs the drafter's body (a loop that launches the body
+        asynchronously asks :meth:`whole_blocks` while it runs: nothing the body does changes that answer)."""
+        return not self._skip_drafting(rows, sink)
 
     def plain_stretch(self, rows, most: int, sink: bool = False) -> int:
         """How many plain rounds in a row the ``cost`` policy decodes next behind one read, as ``off`` does (``most`` at
@@ -266,8 +271,9 @@ class LengthPlanner:
         self.plain_rounds += steps
         return steps
 
-    def _whole_blocks(self, rows, sink: bool) -> bool:
-        """True when this drafting round verifies whole blocks without reading its ratios first: it may
+    def whole_blocks(self, rows, sink: bool = False) -> bool:
+        """The plan's second half, for a round that drafts: True when it verifies whole blocks without reading its
+        ratios first: it may
         (:meth:`may_skip_read`), and the cost rule on the rows' guesses, counting the read this saves, chooses every
         row's whole block, or all it has left."""
         if not self.may_skip_read(rows, sink):
