@@ -48,8 +48,19 @@ class PlainDecoder:
         self.kept = None  # the requests and step count whose features plain steps keep
 
     def forget(self) -> None:
-        """A drafting round's body stores what the last stretch kept: the next stretch starts its rows afresh."""
+        """A drafting round's body stores what the last stretches kept (handed over first: :meth:`_hand_over`): the
+        next stretch starts its rows afresh."""
+        self._hand_over()
         self.kept = None
+
+    def _hand_over(self) -> None:
+        """The kept features made the running requests' pending drafter context, one view each (one ``unbind``). Done
+        when something is about to store them, not after every stretch: a batch that stays plain never pays for it."""
+        if self.kept is not None:
+            rows, k = self.kept
+            for r, ctx in zip(rows, self.graphs.step_hidden[:k, : len(rows)].unbind(1)):
+                if r.state == "running":  # a request that ended dropped its context
+                    r.pending_ctx = ctx
 
     def _kept_offset(self, running, steps: int) -> int:
         """Where this stretch's features go in ``step_hidden``: after the last stretch's, when it ran the same requests
@@ -60,6 +71,7 @@ class PlainDecoder:
             offset = kept[1]
             if offset + steps <= self.graphs.kept_steps and (offset + steps) * len(running) <= self.draft_graphs.ctx_buckets[-1]:
                 return offset
+        self._hand_over()
         self._store_pending_context(running)
         return 0
 
@@ -88,10 +100,10 @@ class PlainDecoder:
         if event is not None:  # the host would only wait for the read: index n-grams meanwhile
             event.record()
             index_while(self.prompt_ngrams, running, lambda: not event.query())
-        feats = graphs.step_hidden
-        if feats is None and graphs.hidden is not None:  # one step without kept rows: the plain bucket's
-            feats = graphs.hidden[:n][None]
-        self.kept = (list(running), offset + steps) if graphs.step_hidden is not None else None
+        self.kept = (list(running), offset + steps) if graphs.step_hidden is not None else None  # handed over later
+        ctx = None  # one step without kept rows: the plain bucket's features, the requests' context now
+        if graphs.step_hidden is None and graphs.hidden is not None:
+            ctx = graphs.hidden[:n].unbind(0)
         stats.forward_tokens.extend([n] * steps)
         stats.num_steps += steps
         mark("target")
@@ -99,12 +111,10 @@ class PlainDecoder:
         stats.host_syncs += 1
         mark("accept")
         commit, fail, advance = self.lifecycle.commit, self.lifecycle.fail, self.cache.advance
-        # the fed tokens' features (bonus, then each step's token): the drafter's context, one view per request
-        ctx = feats[: offset + steps, :n].unbind(1) if feats is not None else None  # one call, not one slice each
         for i, r in enumerate(running):
             advance(r.slot, steps)  # a request that ends inside frees its slot (length reset) on commit
             if ctx is not None:
-                r.pending_ctx = ctx[i]
+                r.pending_ctx = ctx[i][None]
             for s in range(steps):
                 if rows[s][i] < 0:  # non-finite logits at this step: this request fails, the others go on
                     fail(r, NON_FINITE)

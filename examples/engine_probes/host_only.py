@@ -39,7 +39,8 @@ def host_steps(target, drafter, prompts, mode: str, c: int, steps: int, profile:
     for _ in range(3):  # into the plain stretches
         eng.step()
     g = eng.graphs
-    g.replay = lambda bucket: g.step_tokens.fill_(5)  # every step decodes token 5: never EOS for this pair
+    g.step_tokens.fill_(5)  # every step decodes token 5 (never EOS for this pair), filled once: a replay does nothing
+    g.replay = lambda bucket: None
     if eng.draft_graphs is not None:
         eng.draft_graphs.run_body = lambda *a, **k: None
     prof = cProfile.Profile() if profile else None
