@@ -1,10 +1,12 @@
 """The demo's speedups (plain time / speculative time, each run's own) per pair, and cost's as a share of fixed's.
-`python docs/logs/length_home_cpu_1206/demo_table.py > docs/logs/length_home_cpu_1206/demo_table.md`"""
+`python docs/logs/length_home_cpu_1206/demo_table.py [RUNS_DIR] > .../demo_table.md` (RUNS_DIR: default demo/ here)"""
 import os
 import re
 import statistics
+import sys
 
-here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
+# the runs' folder: the first argument, else this folder's demo/
+here = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 
 
 def read(policy, i):
