@@ -39,7 +39,7 @@ def test_every_example_is_covered():
 
 # flags beside --smoke: the engine check on a tiny pair (the reference pair runs through the engine in
 # tests/test_fresh_checkout.py, `bench --reference` with engine_fixed)
-EXTRA_FLAGS = {"engine_gpu_check.py": ["--tiny"]}
+EXTRA_FLAGS = {"engine_gpu_check.py": ["--tiny"], "replay_bench.py": ["--measure-cost"]}  # the GPU runs' cost path too
 LONGEST = ("engine_gpu_check.py", "fast_generate_gpu.py", "sampling_distribution_check.py", "train_with_trainer.py")
 # one thread each (OMP_NUM_THREADS=1): the distribution check's smoke (plain, three samplers and two controls x 100
 # rows, permutation tests) took 170 s on two cores loaded by other work (at 100 engine slots it ran past 240 s)
