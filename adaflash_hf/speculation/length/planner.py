@@ -273,9 +273,8 @@ class LengthPlanner:
 
     def whole_blocks(self, rows, sink: bool = False) -> bool:
         """The plan's second half, for a round that drafts: True when it verifies whole blocks without reading its
-        ratios first: it may
-        (:meth:`may_skip_read`), and the cost rule on the rows' guesses, counting the read this saves, chooses every
-        row's whole block, or all it has left."""
+        ratios first: it may (:meth:`may_skip_read`), and the cost rule on the rows' guesses, counting the read this
+        saves, chooses every row's whole block, or all it has left."""
         if not self.may_skip_read(rows, sink):
             return False
         whole = torch.tensor([min(self.block_size, r.remaining) for r in rows])
@@ -336,7 +335,8 @@ class LengthPlanner:
             return False
         prior = self.traffic_seen[0] / self.traffic_seen[1]
         rows = [RowState(remaining=self.block_size) for _ in range(n)]
-        return bool((self._choose(rows, torch.full((n,), prior), unread_whole=self.may_skip_read(rows)) <= 1).all())
+        unread = self.whole_block_stretches and self.layout == "packed"  # as never_pays: such rows would have drafted
+        return bool((self._choose(rows, torch.full((n,), prior), unread_whole=unread) <= 1).all())
 
     def note_ratios(self, rows, ratio) -> None:
         """The rows' last ratios (read with the round, or at its end after a whole-block plan)."""
