@@ -223,10 +223,15 @@ class LengthPlanner:
         round or a probe (acceptance cannot rise above all)."""
         never = self._never.get(n)
         if never is None:
-            rows = [RowState(remaining=self.block_size) for _ in range(n)]
-            k_hat = self._choose(rows, torch.ones(n), unread_whole=self.whole_block_stretches and self.layout == "packed")
-            never = self._never[n] = bool((k_hat <= 1).all())
+            never = self._never[n] = self._plain_at(n, 1.0)
         return never
+
+    def _plain_at(self, n: int, ratio: float) -> bool:
+        """Whether the cost rule decodes ``n`` rows plainly, each with a whole block left and this acceptance ratio, as
+        rows that drafted before (a whole block may spare its read)."""
+        rows = [RowState(remaining=self.block_size) for _ in range(n)]
+        unread = self.whole_block_stretches and self.layout == "packed"
+        return bool((self._choose(rows, torch.full((n,), float(ratio)), unread_whole=unread) <= 1).all())
 
     def plain_by_guess(self, rows, sink: bool = False) -> bool:
         """Whether the cost rule, on the rows' guesses, decodes every row plainly. The verdict is kept for the same rows
@@ -331,12 +336,7 @@ class LengthPlanner:
         """Whether ``n`` rows accepting the traffic's mean (none seen yet: False) decode plainly by the cost rule: a
         plain decision then is the traffic's norm at this batch, not a dip in drafting text, and its probes wait the
         cap of :meth:`probe_holds` from the first (a short first hold pays for a dip's quick return)."""
-        if self.traffic_seen[1] == 0:
-            return False
-        prior = self.traffic_seen[0] / self.traffic_seen[1]
-        rows = [RowState(remaining=self.block_size) for _ in range(n)]
-        unread = self.whole_block_stretches and self.layout == "packed"  # as never_pays: such rows would have drafted
-        return bool((self._choose(rows, torch.full((n,), prior), unread_whole=unread) <= 1).all())
+        return self.traffic_seen[1] > 0 and self._plain_at(n, self.traffic_seen[0] / self.traffic_seen[1])
 
     def note_ratios(self, rows, ratio) -> None:
         """The rows' last ratios (read with the round, or at its end after a whole-block plan)."""
