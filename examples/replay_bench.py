@@ -340,7 +340,7 @@ def parse(argv):
     ap.add_argument("--out", default=os.environ.get("OUT", "replay_bench_out"))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, every step")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--concurrency", default="1,8,32,64,128")
+    ap.add_argument("--concurrency", default="1,8,32,64,128", help="the 8B-shaped replay's ('' for none: real runs only)")
     ap.add_argument("--traces", default="paper,paper_ref,gsm8k,alpaca_eval,humaneval",
                     help="paper, paper_ref and sets of the reference pair's own rounds")
     ap.add_argument("--ratio-set", default=None, help="the set whose recorded head ratios paper_ref uses (default: "
