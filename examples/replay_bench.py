@@ -175,6 +175,7 @@ def reference_pair_phase(res, row, device, sets, args, smoke):
     """Per set: the reference pair (float32) records its whole-block rounds (the replay's traces, with the pair's
     policy) and runs for real at ``res['meta']['real_concurrency']`` in every mode; returns ``{set: RecordedTrace}``."""
     traces, conc = {}, res["meta"]["real_concurrency"]
+    profile_at = {int(c) for c in args.profile_at.split(",") if c}
     n_rec, max_new = (2, 24) if smoke else (args.record_prompts, args.max_new_tokens)
     for name in sets:
         t = time.perf_counter()
@@ -201,7 +202,8 @@ def reference_pair_phase(res, row, device, sets, args, smoke):
             for mode in [m for m in modes if m == "off"] + [m for m in modes if m != "off"]:  # off's engine first: alive
                 eng, _, key = engines.get(mode, rec.policy)
                 row(dict(kind="real", mode=mode, trace=name, concurrency=c, arrival="closed"),
-                    lambda: run_row(eng, None, prompts[:c], refs, max_new, device, args.reps, True, eos=eos), key)
+                    lambda: run_row(eng, None, prompts[:c], refs, max_new, device, args.reps, True,
+                                    profile=c in profile_at, eos=eos), key)
         engines.free()
         del engines, target, drafter
         common.free_memory()
@@ -359,7 +361,8 @@ def parse(argv):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--poisson-min-requests", type=int, default=4, help="a Poisson row sends max(c, this) requests")
     ap.add_argument("--reps", type=int, default=1, help="timed closed-batch runs per row after the warm-up (median)")
-    ap.add_argument("--profile-at", default="", help="concurrencies whose closed rows (every trace) also get a profiled run")
+    ap.add_argument("--profile-at", default="", help="concurrencies whose closed rows (every trace, and the real runs) "
+                    "also get a profiled run")
     ap.add_argument("--kernels-at", default="", help="concurrencies whose off and paper-trace closed rows also get a "
                     "device-kernel profile (mid-run target forwards, by kind)")
     ap.add_argument("--budget-s", type=float, default=500.0, help="rows that would start after this are skipped")
