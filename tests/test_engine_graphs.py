@@ -291,6 +291,36 @@ def test_run_greedy_equals_single_steps(pair, steps):
     assert multi.run_greedy([3, 7, 11], layout, steps).tolist() == expected  # prepare() resets what the steps advanced
 
 
+@pytest.mark.parametrize("prompt_lens,kept_steps", [([5], 16), ([5, 1, 9], 4)], ids=["1 request", "3 requests"])
+def test_run_greedy_keeps_features_across_calls(pair, prompt_lens, kept_steps):
+    """Each step's features land in the flat kept buffer at ``offset + s``, equal to a single step's, and earlier
+    calls' steps stay: few requests keep more steps (16 rows: 16 steps of one request, 4 of three, bucket 4)."""
+    target, _ = pair
+    prompts = engine_prompts(prompt_lens, seed=5)
+    n, layers = len(prompts), [0, 1]
+    ref_cache, slots = prefilled_cache(target, prompts, 4, 32)
+    cache, _ = prefilled_cache(target, prompts, 4, 32)
+    single = DecodeGraphs(target, ref_cache, layers, max_tokens=4, max_q=1)
+    multi = DecodeGraphs(target, cache, layers, max_tokens=4, max_q=1, max_steps=2, kept_tokens=16)
+    assert multi.kept_steps(n) == kept_steps and multi.kept_steps(2) == 8
+    current, want = list(range(3, 3 + n)), []
+    for _ in range(4):
+        logits, hidden = single.run(current, PackedLayout.from_cache(ref_cache, slots, [1] * n))
+        want.append(hidden[:n].clone())
+        current = logits.argmax(dim=-1).tolist()
+        for s in slots:
+            ref_cache.advance(s, 1)
+    tokens = list(range(3, 3 + n))
+    for offset in (0, 2):
+        new = multi.run_greedy(tokens, PackedLayout.from_cache(cache, slots, [1] * n), 2, offset)
+        tokens = new[-1].tolist()
+        for s in slots:
+            cache.advance(s, 2)
+    torch.testing.assert_close(multi.kept_features(n, 4), torch.stack(want), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="offset \\+ steps at most"):
+        multi.run_greedy(tokens, PackedLayout.from_cache(cache, slots, [1] * n), 2, kept_steps - 1)
+
+
 def test_run_greedy_refuses_what_it_cannot_do(pair):
     target, drafter = pair
     cache, slots = prefilled_cache(target, engine_prompts([4, 30], seed=1), 3, 32)

@@ -3,7 +3,7 @@ and the one a ``cost`` round the planner makes plain runs (rounds where drafting
 :meth:`~adaflash_hf.speculation.length.planner.LengthPlanner.plain_stretch`): the same function, so a plain plan does
 the work of ``off``'s step, plus what resuming drafting needs (module doc of the planner): the target's features of the
 decoded tokens are kept for the drafter, and the drafter's context is stored only when drafting resumes (or the
-rows change, or :attr:`.DecodeGraphs.kept_steps` is reached), not per step nor per stretch.
+rows change, or :meth:`.DecodeGraphs.kept_steps` is reached), not per step nor per stretch.
 
 While nothing waits for admission and every running request is greedy, up to ``decode_steps`` decode steps are queued
 back to back (one graph replay each, launched while the previous runs) and read back once
@@ -58,7 +58,7 @@ class PlainDecoder:
         when something is about to store them, not after every stretch: a batch that stays plain never pays for it."""
         if self.kept is not None:
             rows, k = self.kept
-            for r, ctx in zip(rows, self.graphs.step_hidden[:k, : len(rows)].unbind(1)):
+            for r, ctx in zip(rows, self.graphs.kept_features(len(rows), k).unbind(1)):
                 if r.state == "running":  # a request that ended dropped its context
                     r.pending_ctx = ctx
 
@@ -69,7 +69,8 @@ class PlainDecoder:
         kept = self.kept
         if kept is not None and len(kept[0]) == len(running) and all(a is b for a, b in zip(kept[0], running)):
             offset = kept[1]
-            if offset + steps <= self.graphs.kept_steps and (offset + steps) * len(running) <= self.draft_graphs.ctx_buckets[-1]:
+            n = len(running)
+            if offset + steps <= self.graphs.kept_steps(n) and (offset + steps) * n <= self.draft_graphs.ctx_buckets[-1]:
                 return offset
         self._hand_over()
         self._store_pending_context(running)

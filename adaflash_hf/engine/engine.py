@@ -200,7 +200,7 @@ class Engine:
                                        max_tokens=min(token_budget, max_slots * self.max_q), max_q=self.max_q,
                                        use_graphs=self.device.type == "cuda", fused=self.fused,
                                        max_steps=self.decode_steps,
-                                       kept_steps=min(8 * self.decode_steps, token_budget // max_slots))
+                                       kept_tokens=token_budget)
         else:
             self.cache, self.graphs = make_target_cache(self.target, max_slots, max_len), None
         self.dcache, self.draft_graphs = None, None

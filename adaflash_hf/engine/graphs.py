@@ -232,8 +232,9 @@ class DecodeGraphs(GraphRunner):
         use_graphs: capture and replay CUDA graphs (default: on CUDA). Off, the same static forward
             runs eagerly.
         max_steps: most greedy decode steps one :meth:`run_greedy` call may run (1: none).
-        kept_steps: with hidden layers, the most steps whose features :meth:`run_greedy` keeps in
-            :attr:`step_hidden` across calls (its ``offset``; default ``max_steps``).
+        kept_tokens: with hidden layers, the feature rows :meth:`run_greedy` keeps in :attr:`step_hidden` across
+            calls (its ``offset``): a step of ``n`` requests takes a bucket of ``n`` rows, so few requests keep
+            many steps (:meth:`kept_steps`; default: ``max_steps`` steps of every slot).
         fused: run the layers through this :class:`~.kernels.fused.FusedTarget` of ``model`` (default: the
             HF modules).
         attention: one of :data:`~.kernels.attention.BACKENDS` (default: :func:`~.kernels.attention.default_backend`). If
@@ -243,7 +244,7 @@ class DecodeGraphs(GraphRunner):
 
     def __init__(self, model, cache: SlotKVCache, hidden_layers: list[int] | None, max_tokens: int, max_q: int,
                  use_graphs: bool | None = None, attention: str | None = None, fused: FusedTarget | None = None,
-                 max_steps: int = 1, kept_steps: int | None = None):
+                 max_steps: int = 1, kept_tokens: int | None = None):
         device = cache.k.device
         use_graphs = self._init_graphs(cache, use_graphs)
         self.model, self.cache, self.hidden_layers = model, cache, list(hidden_layers) if hidden_layers else None
@@ -270,16 +271,18 @@ class DecodeGraphs(GraphRunner):
         hsize = model.config.get_text_config(decoder=True).hidden_size
         self.hidden = torch.zeros(T, len(self.hidden_layers) * hsize, dtype=param.dtype, device=device) if self.hidden_layers else None
         self.max_steps = max_steps
-        self.kept_steps = max(max_steps, kept_steps or 0) if self.hidden is not None and max_steps > 1 else max_steps
         self._q_out: dict[tuple[int, int], torch.Tensor] = {}
         self._layer_ids = torch.arange(cache.num_layers, device=device)
-        self.step_tokens = torch.zeros(self.kept_steps, T, dtype=torch.long, device=device)  # run_greedy's output
-        # and, with hidden layers, each step's features (the drafting engine's plain stretches store them as the
-        # drafter's context); rows: a step's tokens, one per request (the token bucket of the slot count)
-        rows = pick_bucket(self.token_buckets, min(cache.num_slots, T))
-        self.step_hidden = (torch.zeros(self.kept_steps, rows, self.hidden.shape[1], dtype=param.dtype, device=device)
-                            if self.hidden is not None and max_steps > 1 else None)
+        self.step_tokens = torch.zeros(max_steps, T, dtype=torch.long, device=device)  # run_greedy's output
         self.step_index = torch.zeros(1, dtype=torch.long, device=device)  # its row for the next greedy step
+        # With hidden layers, each step's features (the drafting engine's plain stretches store them as the drafter's
+        # context), one flat buffer: a step of bucket Tb writes Tb rows at row ``kept_index`` of its [K // Tb, Tb]
+        # view (:meth:`_kept_rows`), so one request keeps K steps where a full batch keeps K / slots.
+        rows = pick_bucket(self.token_buckets, min(cache.num_slots, T))  # the most rows a step writes
+        K = -(-max(kept_tokens or 0, rows * max_steps) // rows) * rows
+        self.step_hidden = (torch.zeros(K, self.hidden.shape[1], dtype=param.dtype, device=device)
+                            if self.hidden is not None and max_steps > 1 else None)
+        self.kept_index = torch.zeros(1, dtype=torch.long, device=device)  # the step row for the next step's features
         self.padded_tokens = 0
 
     # ------------------------------------------------------------------ buckets and inputs
@@ -341,7 +344,8 @@ class DecodeGraphs(GraphRunner):
         tokens, positions = self.inputs[0, :Tb], self.inputs[1, :Tb]
         logits, hidden = self._forward_once(Tb, qb, Rb, keep=False)
         if self.step_hidden is not None:
-            self.step_hidden[:, :Tb].index_copy_(0, self.step_index, hidden[None])
+            self._kept_rows(Tb).index_copy_(0, self.kept_index, hidden[None])
+            self.kept_index.add_(1)
         nxt = logits.argmax(dim=-1)
         self.step_tokens[:, :Tb].index_copy_(0, self.step_index, _flag_non_finite(logits, nxt)[None])
         tokens.copy_(nxt)  # a valid id even for a flagged row: the next step must not index the embedding with -1
@@ -369,11 +373,27 @@ class DecodeGraphs(GraphRunner):
         self.verdict[: 4 * bins + Tb].copy_(torch.cat([accepted, nxt, bad, self.verify_len, tokens]))
 
     def _input_state(self) -> tuple:
-        return self.inputs.clone(), self.attention.start.clone(), self.step_index.clone()
+        return self.inputs.clone(), self.attention.start.clone(), self.step_index.clone(), self.kept_index.clone()
 
     def _restore_inputs(self, state: tuple) -> None:
-        for buf, saved in zip((self.inputs, self.attention.start, self.step_index), state):
+        for buf, saved in zip((self.inputs, self.attention.start, self.step_index, self.kept_index), state):
             buf.copy_(saved)
+
+    # ------------------------------------------------------------------ kept features of greedy steps
+    def _kept_rows(self, Tb: int) -> torch.Tensor:
+        """:attr:`step_hidden` as ``[steps, Tb, F]``: the steps of bucket ``Tb`` it holds."""
+        K = self.step_hidden.shape[0] // Tb
+        return self.step_hidden[: K * Tb].view(K, Tb, -1)
+
+    def kept_steps(self, num_requests: int) -> int:
+        """How many greedy steps of ``num_requests`` requests :attr:`step_hidden` holds (``max_steps`` without it)."""
+        if self.step_hidden is None:
+            return self.max_steps
+        return self.step_hidden.shape[0] // pick_bucket(self.token_buckets, num_requests)
+
+    def kept_features(self, num_requests: int, steps: int) -> torch.Tensor:
+        """The features the last ``steps`` kept steps of ``num_requests`` requests wrote: ``[steps, n, F]`` (a view)."""
+        return self._kept_rows(pick_bucket(self.token_buckets, num_requests))[:steps, :num_requests]
 
     def _forward_once(self, Tb: int, qb: int, Rb: int | None, keep: bool = True):
         tokens, positions, slots, rows, qslots = self.inputs[:5, :Tb]
@@ -456,18 +476,18 @@ class DecodeGraphs(GraphRunner):
         without a host synchronisation: ``[steps, T]`` next tokens on the device (a view of a static buffer,
         valid until the next replay); ``-1`` where that step's logits were not finite. Step ``s`` feeds back step ``s - 1``'s argmax; each step writes its
         input token's K/V. With :attr:`step_hidden` (hidden layers and ``max_steps > 1``), step ``s``'s features are
-        ``step_hidden[offset + s, :T]``, the rows before ``offset`` left as earlier calls wrote them (a caller that keeps
-        the features of several calls for the drafter gives each the next offset, up to ``kept_steps``); without it,
+        ``kept_features(T, offset + steps)[offset + s]``, the steps before ``offset`` left as earlier calls wrote them (a
+        caller that keeps the features of several calls for the drafter gives each the next offset, up to
+        :meth:`kept_steps`); without it,
         one step's are ``hidden[:T]``.
         Cache lengths are not changed (the caller advances them by what it keeps). Equal to ``steps``
         calls of :meth:`run` with the argmax fed back (``tests/test_engine_graphs.py``)."""
-        if not 1 <= steps <= self.max_steps or not 0 <= offset <= self.kept_steps - steps:
-            raise ValueError(f"steps must be in [1, {self.max_steps}] and offset + steps at most {self.kept_steps}, "
+        room = self.kept_steps(layout.num_tokens)
+        if not 1 <= steps <= self.max_steps or not 0 <= offset <= room - steps:
+            raise ValueError(f"steps must be in [1, {self.max_steps}] and offset + steps at most {room}, "
                              f"got {steps} at {offset}")
         if max(layout.q_lens) != 1:
             raise ValueError("run_greedy decodes one token per request (plain decoding)")
-        if self.step_hidden is not None and layout.num_tokens > self.step_hidden.shape[1]:
-            raise ValueError(f"{layout.num_tokens} requests exceed the {self.step_hidden.shape[1]} rows of step_hidden")
         if max(p + steps for p in layout.prefix_lens) > self.cache.max_len:
             raise ValueError(f"write past max_len {self.cache.max_len}")
         bucket = self.prepare(tokens, layout)
@@ -477,7 +497,8 @@ class DecodeGraphs(GraphRunner):
             return _flag_non_finite(logits, logits.argmax(dim=-1))[None]
         # One graph per step, replayed back to back: a replay is launched while the previous one runs, so
         # only the first launch is exposed (one graph of all the steps took ~1 ms to launch per replay).
-        self.step_index.fill_(offset)
+        self.step_index.zero_()
+        self.kept_index.fill_(offset)
         for _ in range(steps):
             self.replay(bucket + ("greedy",))
-        return self.step_tokens[offset : offset + steps, : layout.num_tokens]
+        return self.step_tokens[:steps, : layout.num_tokens]
