@@ -274,7 +274,10 @@ class DecodeGraphs(GraphRunner):
         self._q_out: dict[tuple[int, int], torch.Tensor] = {}
         self._layer_ids = torch.arange(cache.num_layers, device=device)
         self.step_tokens = torch.zeros(max_steps, T, dtype=torch.long, device=device)  # run_greedy's output
-        self.step_index = torch.zeros(1, dtype=torch.long, device=device)  # its row for the next greedy step
+        # The next greedy step's rows, advanced together (one kernel a step): ``step_index`` of step_tokens,
+        # ``kept_index`` of the kept features (below)
+        self.step_rows = torch.zeros(2, dtype=torch.long, device=device)
+        self.step_index, self.kept_index = self.step_rows[:1], self.step_rows[1:]
         # With hidden layers, each step's features (the drafting engine's plain stretches store them as the drafter's
         # context), one flat buffer: a step of bucket Tb writes Tb rows at row ``kept_index`` of its [K // Tb, Tb]
         # view (:meth:`_kept_rows`), so one request keeps K steps where a full batch keeps K / slots.
@@ -282,7 +285,6 @@ class DecodeGraphs(GraphRunner):
         K = -(-max(kept_tokens or 0, rows * max_steps) // rows) * rows
         self.step_hidden = (torch.zeros(K, self.hidden.shape[1], dtype=param.dtype, device=device)
                             if self.hidden is not None and max_steps > 1 else None)
-        self.kept_index = torch.zeros(1, dtype=torch.long, device=device)  # the step row for the next step's features
         self.padded_tokens = 0
 
     # ------------------------------------------------------------------ buckets and inputs
@@ -345,13 +347,12 @@ class DecodeGraphs(GraphRunner):
         logits, hidden = self._forward_once(Tb, qb, Rb, keep=False)
         if self.step_hidden is not None:
             self._kept_rows(Tb).index_copy_(0, self.kept_index, hidden[None])
-            self.kept_index.add_(1)
         nxt = logits.argmax(dim=-1)
         self.step_tokens[:, :Tb].index_copy_(0, self.step_index, _flag_non_finite(logits, nxt)[None])
         tokens.copy_(nxt)  # a valid id even for a flagged row: the next step must not index the embedding with -1
         positions.add_(1)
         self.attention.start.add_(1)  # INACTIVE rows stay far below every key position
-        self.step_index.add_(1)
+        self.step_rows.add_(1)
 
     def _accept(self, logits: torch.Tensor, Tb: int) -> None:
         """Greedy acceptance of every request of the forward, on the packed rows (static shapes: it is captured with
@@ -373,10 +374,10 @@ class DecodeGraphs(GraphRunner):
         self.verdict[: 4 * bins + Tb].copy_(torch.cat([accepted, nxt, bad, self.verify_len, tokens]))
 
     def _input_state(self) -> tuple:
-        return self.inputs.clone(), self.attention.start.clone(), self.step_index.clone(), self.kept_index.clone()
+        return self.inputs.clone(), self.attention.start.clone(), self.step_rows.clone()
 
     def _restore_inputs(self, state: tuple) -> None:
-        for buf, saved in zip((self.inputs, self.attention.start, self.step_index, self.kept_index), state):
+        for buf, saved in zip((self.inputs, self.attention.start, self.step_rows), state):
             buf.copy_(saved)
 
     # ------------------------------------------------------------------ kept features of greedy steps
@@ -497,7 +498,7 @@ class DecodeGraphs(GraphRunner):
             return _flag_non_finite(logits, logits.argmax(dim=-1))[None]
         # One graph per step, replayed back to back: a replay is launched while the previous one runs, so
         # only the first launch is exposed (one graph of all the steps took ~1 ms to launch per replay).
-        self.step_index.zero_()
+        self.step_rows.zero_()
         self.kept_index.fill_(offset)
         for _ in range(steps):
             self.replay(bucket + ("greedy",))
