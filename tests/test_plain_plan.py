@@ -6,6 +6,7 @@ import torch
 
 import adaflash_hf.engine.engine as engine_mod
 from adaflash_hf.engine import Engine
+from adaflash_hf.engine.decode_steps import PlainDecoder
 from adaflash_hf.speculation.length import RoundCost
 
 from generation_helpers import engine_prompts, force_length_head, kept_length_head, make_drafter, make_target, plain_greedy_ids
@@ -82,3 +83,36 @@ def test_kept_features_equal_stored_ones_step_by_step():
     assert lens == stored_lens and len(kept) == len(stored) > 2
     for a, b in zip(kept, stored):
         assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, atol=1e-5))
+
+
+def test_kept_features_survive_a_request_ending(monkeypatch):
+    """A request that ends inside plain stretches leaves the others' kept features in place (their rows close up on
+    the device, no context-only drafter store), and when drafting resumes the survivor's drafter sees exactly the
+    context that storing every step gives it: the same ratios as an engine of one-step reads."""
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=8, seed=5)  # the random head reads the drafter's context
+    prompts, max_new = engine_prompts([6, 4], seed=19), (12, 40)
+    stores, ratios = [], {}
+    _spy(monkeypatch, PlainDecoder, "_store_pending_context", stores,
+         lambda self, running: (self, sum(r.pending_ctx is not None for r in running)))
+    for steps in (8, 1):
+        eng = Engine(target, drafter, length_policy="cost", round_cost=RoundCost.flat(spec_overhead=1e9), max_slots=2,
+                     max_len=96, token_budget=128, cuda_graphs=True, decode_steps=steps, prompt_ngrams=0)
+        handles = [eng.submit(p, n) for p, n in zip(prompts, max_new)]
+        while len(handles[1].token_ids) < 25:  # plain only (drafting never pays); the first request ends at 12
+            eng.step()
+        assert eng.num_running == 1 and len(handles[1].token_ids) == 25
+        eng.round_cost = RoundCost.flat()  # now drafting pays: the survivor's kept features are stored, then drafts
+        seen = []
+        real = eng.planner.lengths
+        eng.planner.lengths = lambda rows, ratio, draft_logits=None: (
+            seen.append(None if ratio is None else ratio.clone()), real(rows, ratio, draft_logits))[1]
+        eng.run_until_idle()
+        assert [h.result().token_ids for h in handles] == [plain_greedy_ids(target, p, n) for p, n in zip(prompts, max_new)]
+        ratios[steps] = [r for r in seen if r is not None]
+        if steps == 8:
+            # the prefill round's features, stored by the first stretch; nothing when a row ended
+            assert [n for decoder, n in stores if decoder is eng.plain and n] == [2]
+    assert len(ratios[8]) == len(ratios[1]) >= 1  # the first drafting round reads its ratios (then whole blocks)
+    for a, b in zip(ratios[8], ratios[1]):
+        assert torch.allclose(a, b, atol=1e-5)

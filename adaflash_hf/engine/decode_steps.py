@@ -2,8 +2,8 @@
 and the one a ``cost`` round the planner makes plain runs (rounds where drafting does not pay,
 :meth:`~adaflash_hf.speculation.length.planner.LengthPlanner.plain_stretch`): the same function, so a plain plan does
 the work of ``off``'s step, plus what resuming drafting needs (module doc of the planner): the target's features of the
-decoded tokens are kept for the drafter, and the drafter's context is stored only when drafting resumes (or the
-rows change, or :meth:`.DecodeGraphs.kept_steps` is reached), not per step nor per stretch.
+decoded tokens are kept for the drafter, and the drafter's context is stored only when drafting resumes (or a request
+joins, or :meth:`.DecodeGraphs.kept_steps` is reached), not per step, per stretch nor when a request ends.
 
 While nothing waits for admission and every running request is greedy, up to ``decode_steps`` decode steps are queued
 back to back (one graph replay each, launched while the previous runs) and read back once
@@ -63,15 +63,20 @@ class PlainDecoder:
                     r.pending_ctx = ctx
 
     def _kept_offset(self, running, steps: int) -> int:
-        """Where this stretch's features go in ``step_hidden``: after the last stretch's, when it ran the same requests
-        in the same order, no round came between, and ``steps`` more fit the kept rows and the drafter's context
-        buckets (the next body stores them all); else 0, the pending context stored first."""
-        kept = self.kept
-        if kept is not None and len(kept[0]) == len(running) and all(a is b for a, b in zip(kept[0], running)):
-            offset = kept[1]
+        """Where this stretch's features go in ``step_hidden``: after the last stretch's, when it ran these requests (or
+        more: the rows of those that ended are dropped and the rest close up, on the device), no round came between,
+        and ``steps`` more fit the kept rows and the drafter's context buckets (the next body stores them all); else 0,
+        the pending context stored first."""
+        if self.kept is not None:
+            rows, k = self.kept
             n = len(running)
-            if offset + steps <= self.graphs.kept_steps(n) and (offset + steps) * n <= self.draft_graphs.ctx_buckets[-1]:
-                return offset
+            if k + steps <= self.graphs.kept_steps(n) and (k + steps) * n <= self.draft_graphs.ctx_buckets[-1]:
+                place = {id(r): i for i, r in enumerate(rows)}
+                idx = [place.get(id(r)) for r in running]
+                if None not in idx:
+                    if idx != list(range(len(rows))):
+                        self.graphs.keep_rows(len(rows), k, idx)
+                    return k
         self._hand_over()
         self._store_pending_context(running)
         return 0

@@ -396,6 +396,13 @@ class DecodeGraphs(GraphRunner):
         """The features the last ``steps`` kept steps of ``num_requests`` requests wrote: ``[steps, n, F]`` (a view)."""
         return self._kept_rows(pick_bucket(self.token_buckets, num_requests))[:steps, :num_requests]
 
+    def keep_rows(self, num_requests: int, steps: int, rows: list[int]) -> None:
+        """Narrow the kept features of ``steps`` steps of ``num_requests`` requests to ``rows`` (their indices, in the
+        order of the next call's requests), laid out as :meth:`kept_features` of ``len(rows)`` requests: requests that
+        ended leave the kept steps without a drafter store (one gather and one copy on the device)."""
+        picked = self.kept_features(num_requests, steps).index_select(1, torch.tensor(rows, device=self.step_hidden.device))
+        self.kept_features(len(rows), steps).copy_(picked)
+
     def _forward_once(self, Tb: int, qb: int, Rb: int | None, keep: bool = True):
         tokens, positions, slots, rows, qslots = self.inputs[:5, :Tb]
         A = (self.cache.num_slots if Rb is None else Rb) + 1  # slot rows attention runs over
