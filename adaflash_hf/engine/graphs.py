@@ -273,7 +273,9 @@ class DecodeGraphs(GraphRunner):
         self.max_steps = max_steps
         self._q_out: dict[tuple[int, int], torch.Tensor] = {}
         self._layer_ids = torch.arange(cache.num_layers, device=device)
-        self.step_tokens = torch.zeros(max_steps, T, dtype=torch.long, device=device)  # run_greedy's output
+        # run_greedy's output, flat: a call of bucket Tb writes its [max_steps, Tb] view (:meth:`_step_token_rows`), so
+        # its one device read is of contiguous memory
+        self.step_tokens = torch.zeros(max_steps * T, dtype=torch.long, device=device)
         # The next greedy step's rows, advanced together (one kernel a step): ``step_index`` of step_tokens,
         # ``kept_index`` of the kept features (below)
         self.step_rows = torch.zeros(2, dtype=torch.long, device=device)
@@ -348,7 +350,7 @@ class DecodeGraphs(GraphRunner):
         if self.step_hidden is not None:
             self._kept_rows(Tb).index_copy_(0, self.kept_index, hidden[None])
         nxt = logits.argmax(dim=-1)
-        self.step_tokens[:, :Tb].index_copy_(0, self.step_index, _flag_non_finite(logits, nxt)[None])
+        self._step_token_rows(Tb).index_copy_(0, self.step_index, _flag_non_finite(logits, nxt)[None])
         tokens.copy_(nxt)  # a valid id even for a flagged row: the next step must not index the embedding with -1
         positions.add_(1)
         self.attention.start.add_(1)  # INACTIVE rows stay far below every key position
@@ -379,6 +381,10 @@ class DecodeGraphs(GraphRunner):
     def _restore_inputs(self, state: tuple) -> None:
         for buf, saved in zip((self.inputs, self.attention.start, self.step_rows), state):
             buf.copy_(saved)
+
+    def _step_token_rows(self, Tb: int) -> torch.Tensor:
+        """:attr:`step_tokens` as ``[max_steps, Tb]``: the next tokens of each greedy step of bucket ``Tb``."""
+        return self.step_tokens[: self.max_steps * Tb].view(self.max_steps, Tb)
 
     # ------------------------------------------------------------------ kept features of greedy steps
     def _kept_rows(self, Tb: int) -> torch.Tensor:
@@ -481,8 +487,9 @@ class DecodeGraphs(GraphRunner):
     @torch.no_grad()
     def run_greedy(self, tokens, layout: PackedLayout, steps: int, offset: int = 0) -> torch.Tensor:
         """``steps`` greedy plain-decoding steps of every request in ``layout`` (one token each), queued
-        without a host synchronisation: ``[steps, T]`` next tokens on the device (a view of a static buffer,
-        valid until the next replay); ``-1`` where that step's logits were not finite. Step ``s`` feeds back step ``s - 1``'s argmax; each step writes its
+        without a host synchronisation: ``[steps, T_b]`` next tokens on the device, request ``i``'s in column ``i``
+        (``T_b``: the token bucket; the columns past ``T`` are padding; a contiguous view of a static buffer, valid until
+        the next replay); ``-1`` where that step's logits were not finite. Step ``s`` feeds back step ``s - 1``'s argmax; each step writes its
         input token's K/V. With :attr:`step_hidden` (hidden layers and ``max_steps > 1``), step ``s``'s features are
         ``kept_features(T, offset + steps)[offset + s]``, the steps before ``offset`` left as earlier calls wrote them (a
         caller that keeps the features of several calls for the drafter gives each the next offset, up to
@@ -509,4 +516,4 @@ class DecodeGraphs(GraphRunner):
         self.kept_index.fill_(offset)
         for _ in range(steps):
             self.replay(bucket + ("greedy",))
-        return self.step_tokens[:steps, : layout.num_tokens]
+        return self._step_token_rows(bucket[0])[:steps]

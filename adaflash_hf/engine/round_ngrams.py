@@ -17,7 +17,7 @@ from .sampled_rows import agree_sampled
 
 __all__ = ["INDEX_CHUNK", "PROBE_LAG", "apply_prompt_ngrams", "index_while", "round_candidates", "wide_capacity"]
 
-INDEX_CHUNK = 64  # tokens a request's index takes per turn while the device runs (a few tens of microseconds)
+INDEX_CHUNK = 32  # tokens a request's index takes per turn while the device runs: the last turn, past the device's end, is short
 PROBE_LAG = 64  # the most tokens a probe round catches up on for a request's candidates (round_candidates)
 
 
