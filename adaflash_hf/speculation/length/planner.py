@@ -44,7 +44,7 @@ import torch
 
 from .cost import RoundCost
 from .names import LengthPolicy, LengthSettings
-from .rules import FixedRule, RoundInputs, make_rule
+from .rules import CostRule, FixedRule, RoundInputs, make_rule
 
 __all__ = ["FIRST_PROBE_SHARE", "GUESS_PRIOR_ROUNDS", "LengthPlanner", "PLAIN_PROBE_ROUNDS", "PROBE_SHARE", "Plan",
            "RowState", "TRAFFIC_DECAY"]
@@ -163,7 +163,7 @@ class LengthPlanner:
     @property
     def cost_rule(self) -> bool:
         """Whether this planner's rule is ``cost`` (the only one with guesses, probes and whole-block plans)."""
-        return self.policy is LengthPolicy.COST
+        return isinstance(self._rule, CostRule)  # asked for every plain round: no enum lookup
 
     def reset(self) -> None:
         """The state between rounds, as a new loop has it."""
