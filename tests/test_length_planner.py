@@ -49,9 +49,9 @@ def test_plain_plans_where_drafting_cannot_pay_and_back_to_drafting_when_accepta
     """Low acceptance on a dear drafter: after the first drafted round the planner's rounds are plain, with probes
     growing apart; once the text turns draftable (ratio 1.0), the next probe says so and every round drafts again.
     The control, acceptance that stays low, stays plain."""
-    rise_at = 60  # three probes before it (the first two holds, then the cap: the traffic's acceptance is plain)
+    rise_at = 40
     rows = [RowState(), RowState()]
-    seen = _run(LengthPlanner(COST, 8, DEAR), rows, lambda t: 0.125 if t < rise_at else 1.0, 180)
+    seen = _run(LengthPlanner(COST, 8, DEAR), rows, lambda t: 0.125 if t < rise_at else 1.0, 120)
     before, after = seen[:rise_at], seen[rise_at:]
     probes = [t for t, s in enumerate(before) if s != "plain"]
     assert before[0] != "plain" and before.count("plain") > 0.8 * rise_at and len(probes) >= 3
@@ -60,7 +60,7 @@ def test_plain_plans_where_drafting_cannot_pay_and_back_to_drafting_when_accepta
     back = next(t for t, s in enumerate(after) if s != "plain")
     assert all(s != "plain" for s in after[back:])  # drafting again from the first probe that saw it pay
     assert back <= LengthPlanner(COST, 8, DEAR).probe_holds(2)[1] + 1  # found by the next probe, at most a cap away
-    control = _run(LengthPlanner(COST, 8, DEAR), [RowState(), RowState()], lambda t: 0.125, 180)[rise_at:]
+    control = _run(LengthPlanner(COST, 8, DEAR), [RowState(), RowState()], lambda t: 0.125, 120)[rise_at:]
     assert control.count("plain") > 0.9 * len(control)
 
 

@@ -50,7 +50,7 @@ __all__ = ["FIRST_PROBE_SHARE", "GUESS_PRIOR_ROUNDS", "LengthPlanner", "PLAIN_PR
            "RowState", "TRAFFIC_DECAY"]
 
 PLAIN_PROBE_ROUNDS = 8  # the fewest plain rounds between probes once the back-off has grown
-PROBE_SHARE = 0.01  # the most of the plain rounds' time that probing them may add (plain rounds are within 3% of `off`)
+PROBE_SHARE = 0.02  # the most of the plain rounds' time that probing them may add
 FIRST_PROBE_SHARE = 0.25  # the first probe after a plain decision waits until the plain rounds have cost 4x what it adds
 PROBE_CAP = 1024  # the most plain rounds between probes whatever the cost (text can turn draftable)
 GUESS_PRIOR_ROUNDS = 8.0  # the guess before a round: a row's mean acceptance, shrunk by this many traffic rounds
