@@ -25,6 +25,15 @@ def _spy(monkeypatch, cls, name, calls, key):
     monkeypatch.setattr(cls, name, spy)
 
 
+def _record_ratios(eng) -> list:
+    """The length-head ratios each of ``eng``'s drafting rounds hands its planner (``None``: a whole-block round's), in
+    a list that fills as the engine runs."""
+    seen, real = [], eng.planner.lengths
+    eng.planner.lengths = lambda rows, ratio, draft_logits=None: (
+        seen.append(None if ratio is None else ratio.clone()), real(rows, ratio, draft_logits))[1]
+    return seen
+
+
 @pytest.mark.parametrize("ratio_high", [False, True], ids=["drafting cannot pay", "control: drafts pay"])
 def test_a_plain_plan_runs_the_off_engines_step(monkeypatch, ratio_high):
     target = make_target("qwen3")
@@ -72,10 +81,7 @@ def test_kept_features_equal_stored_ones_step_by_step():
     for steps in (8, 1):
         eng = Engine(target, drafter, length_policy="cost", round_cost=PROBED, max_slots=2, max_len=96, token_budget=64,
                      cuda_graphs=True, decode_steps=steps, prompt_ngrams=0)
-        seen = []
-        real = eng.planner.lengths
-        eng.planner.lengths = lambda rows, ratio, draft_logits=None: (
-            seen.append(None if ratio is None else ratio.clone()), real(rows, ratio, draft_logits))[1]
+        seen = _record_ratios(eng)
         outs = eng.generate(prompts, max_new_tokens=40)
         assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 40) for p in prompts]
         ratios[steps] = (seen, [o.verify_lengths for o in outs])
@@ -103,10 +109,7 @@ def test_kept_features_survive_a_request_ending(monkeypatch):
             eng.step()
         assert eng.num_running == 1 and len(handles[1].token_ids) == 25
         eng.round_cost = RoundCost.flat()  # now drafting pays: the survivor's kept features are stored, then drafts
-        seen = []
-        real = eng.planner.lengths
-        eng.planner.lengths = lambda rows, ratio, draft_logits=None: (
-            seen.append(None if ratio is None else ratio.clone()), real(rows, ratio, draft_logits))[1]
+        seen = _record_ratios(eng)
         eng.run_until_idle()
         assert [h.result().token_ids for h in handles] == [plain_greedy_ids(target, p, n) for p, n in zip(prompts, max_new)]
         ratios[steps] = [r for r in seen if r is not None]
