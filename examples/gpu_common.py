@@ -86,6 +86,60 @@ def phase_breakdown(eng, fn) -> dict:
     return out
 
 
+def step_kind(eng, steps: int, skipped: int) -> str:
+    """What one ``Engine.step`` was, from its decode steps and skipped drafter bodies: a plain stretch, a drafting round,
+    or a mix."""
+    if eng.drafter is None or (steps > 1 and skipped == steps):
+        return f"plain x{steps}"
+    if skipped and steps == 1:
+        return "plain x1 (round)"
+    return "drafting" if steps == 1 else f"mixed x{steps}"
+
+
+def round_timeline(eng, prompts, max_new, device, eos=None, cost=None) -> dict:
+    """One closed-batch run of ``prompts`` with every ``Engine.step`` timed (device synchronised before and after) and
+    classified (:func:`step_kind`; ``prefill`` until every request has its first token). Each row: ``kind``, ``ms``,
+    ``tokens`` committed, ``rows`` running before it, ``forward`` tokens per target forward, the planner's state, and,
+    given ``cost`` (the engine's :class:`~adaflash_hf.speculation.length.cost.RoundCost`), ``model_ms``: what the
+    cost rule priced that step at. Returns ``{"by_kind", "decode_tok_per_s", "rows"}`` (``by_kind``: rounds, ms,
+    modelled ms and tokens per kind, prefill apart)."""
+    from collections import defaultdict
+
+    handles = [eng.submit(p, max_new, eos_token_id=eos) for p in prompts]
+    rows = []
+    while not all(h.done for h in handles):
+        n, steps0, skipped0, fwd0 = eng.num_running, eng.num_steps, eng.skipped_drafts, len(eng.forward_tokens)
+        tokens0 = sum(len(h.token_ids) for h in handles)
+        sync(device)
+        t = time.perf_counter()
+        eng.step()
+        sync(device)
+        ms = 1e3 * (time.perf_counter() - t)
+        steps, skipped = eng.num_steps - steps0, eng.skipped_drafts - skipped0
+        fwd = list(eng.forward_tokens[fwd0:])
+        kind = step_kind(eng, steps, skipped) if tokens0 >= len(handles) else "prefill"
+        p = getattr(eng, "planner", None)
+        row = {"kind": kind, "ms": ms, "tokens": sum(len(h.token_ids) for h in handles) - tokens0, "rows": n,
+               "forward": fwd}
+        if p is not None and eng.drafter is not None:
+            row.update(plain_rounds=p.plain_rounds, plain_limit=p.plain_limit, drafted_plain=p.drafted_plain,
+                       traffic=(p.traffic_seen[0] / p.traffic_seen[1]) if p.traffic_seen[1] else None)
+        if cost is not None and cost.unit_ms and kind != "prefill" and n:
+            plain = kind.startswith("plain") or eng.drafter is None
+            units = (sum(cost.verify_time(n, n) + cost.overhead(n, False) for _ in fwd) if plain
+                     else cost.round_time(n, fwd[-1], eng.block_size))
+            row["model_ms"] = float(units) * cost.unit_ms
+        rows.append(row)
+    by = defaultdict(lambda: {"n": 0, "ms": 0.0, "model_ms": 0.0, "tokens": 0})
+    for r in rows:
+        b = by[r["kind"]]
+        b["n"], b["ms"], b["tokens"] = b["n"] + 1, b["ms"] + r["ms"], b["tokens"] + r["tokens"]
+        b["model_ms"] += r.get("model_ms", 0.0)
+    decode = [r for r in rows if r["kind"] != "prefill"]
+    tok, ms = sum(r["tokens"] for r in decode), sum(r["ms"] for r in decode)
+    return {"by_kind": dict(by), "decode_tok_per_s": 1e3 * tok / ms if ms else None, "rows": rows}
+
+
 def fmt_phases(ph: dict) -> str:
     keys = [k for k in ("draft_ms", "target_ms", "accept_ms", "host_ms") if k in ph]
     return " + ".join(f"{k[:-3]} {ph[k]:.2f}" for k in keys) + f" = {ph.get('step_ms', 0):.2f} ms/step"

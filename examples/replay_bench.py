@@ -76,6 +76,7 @@ from adaflash_hf.engine import LAYOUTS, Engine, EngineConfig, layout_args, round
 from adaflash_hf.engine.round_overhead import measure_room  # noqa: E402
 from adaflash_hf.engine.warmup import measure_round_cost  # noqa: E402
 from adaflash_hf.speculation.rounds import mean_tokens_per_round  # noqa: E402
+from adaflash_hf.speculation.length.cost import RoundCost  # noqa: E402
 
 log = common.log
 BLOCK = 16
@@ -171,6 +172,15 @@ def measure_cost(target, drafter, kw: dict, context: int) -> tuple:
     return cost, rec
 
 
+def timeline_cost(eng, engines, c: int, args):
+    """The round cost a ``--timeline-at`` row prices its steps with (``None``: no timeline at ``c``): the engine's own,
+    else the one the engines were given (an ``off`` engine prices its plain steps as the default's planner would)."""
+    if c not in {int(x) for x in args.timeline_at.split(",") if x}:
+        return None
+    own = eng.round_cost if eng.drafter is not None else None
+    return own or engines.round_cost or RoundCost()
+
+
 def reference_pair_phase(res, row, device, sets, args, smoke):
     """Per set: the reference pair (float32) records its whole-block rounds (the replay's traces, with the pair's
     policy) and runs for real at ``res['meta']['real_concurrency']`` in every mode; returns ``{set: RecordedTrace}``."""
@@ -203,7 +213,7 @@ def reference_pair_phase(res, row, device, sets, args, smoke):
                 eng, _, key = engines.get(mode, rec.policy)
                 row(dict(kind="real", mode=mode, trace=name, concurrency=c, arrival="closed"),
                     lambda: run_row(eng, None, prompts[:c], refs, max_new, device, args.reps, True,
-                                    profile=c in profile_at, eos=eos), key)
+                                    profile=c in profile_at, eos=eos, timeline=timeline_cost(eng, engines, c, args)), key)
         engines.free()
         del engines, target, drafter
         common.free_memory()
@@ -275,10 +285,12 @@ def timed_run(eng, prompts, max_new, device, eos=None) -> dict:
             "full": (tok2 - tok1) / span(t1, t2, c1, c2) if rounds else None, "rounds": rounds, "outputs": outs}
 
 
-def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile=False, kernels=False, out_dir=None, eos=None):
+def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile=False, kernels=False, out_dir=None, eos=None,
+            timeline=None):
     """One closed-batch (mode, trace, concurrency) row: warm-up if asked, timed runs, identity and trace checks,
-    optionally the profiled per-step phases and the device kernels of mid-run forwards (with a host + device
-    trace written into ``out_dir``)."""
+    optionally the profiled per-step phases, the device kernels of mid-run forwards (with a host + device
+    trace written into ``out_dir``) and (``timeline``: the round cost to price each step with) one more run with every
+    step timed (:func:`gpu_common.round_timeline`)."""
     if warm:
         eng.generate(prompts, max_new_tokens=max_new, eos_token_id=eos)
     steps0, fwd0, reads0, whole0 = eng.num_steps, len(eng.forward_tokens), eng.host_syncs, eng.whole_rounds
@@ -304,6 +316,10 @@ def run_row(eng, replay, prompts, refs, max_new, device, reps, warm, profile=Fal
         row["trace_followed"] = f"{ok}/{total}"
     if profile:
         row["phases"] = common.phase_breakdown(eng, lambda: eng.generate(prompts, max_new_tokens=max_new))
+    if timeline is not None:
+        tl = row["timeline"] = common.round_timeline(eng, prompts, max_new, device, eos, cost=timeline)
+        log(f"timeline c={len(prompts)}: decode {tl['decode_tok_per_s']:.0f} tok/s; " + "; ".join(
+            f"{k} {b['n']}x {b['ms']:.1f} ms (model {b['model_ms']:.1f}) {b['tokens']} tok" for k, b in sorted(tl["by_kind"].items())))
     if kernels:
         trace = os.path.join(out_dir, f"trace_{eng.layout}_c{len(prompts)}.json.gz") if out_dir else None
         row["kernels"] = decode_kernels(eng, prompts, max_new, device, trace=trace)
@@ -363,6 +379,8 @@ def parse(argv):
     ap.add_argument("--reps", type=int, default=1, help="timed closed-batch runs per row after the warm-up (median)")
     ap.add_argument("--profile-at", default="", help="concurrencies whose closed rows (every trace, and the real runs) "
                     "also get a profiled run")
+    ap.add_argument("--timeline-at", default="", help="concurrencies whose closed replay rows also get a run with every "
+                    "engine step timed and priced by the round cost (where the default's time goes against off's)")
     ap.add_argument("--kernels-at", default="", help="concurrencies whose off and paper-trace closed rows also get a "
                     "device-kernel profile (mid-run target forwards, by kind)")
     ap.add_argument("--budget-s", type=float, default=500.0, help="rows that would start after this are skipped")
@@ -377,8 +395,8 @@ def parse(argv):
                          f"{', '.join(LAYOUTS)}, off among them (the ratios' reference)")
     args.conc, args.real_conc = ([1, 3] if args.concurrency else [], [1, 3]) if args.smoke else (
         ints(args.concurrency), ints(args.real_concurrency))
-    if args.smoke:  # one Poisson load is enough to run its path
-        arrivals = ["closed", "poisson:0.9"]
+    if args.smoke:  # one Poisson load is enough to run its path; one timeline too
+        arrivals, args.timeline_at = ["closed", "poisson:0.9"], "3"
     args.arrival_list, args.mode_list = arrivals, modes + ["default"]
     return args
 
@@ -526,7 +544,8 @@ def replay_rows(results: Results, args, engines, traces: dict, prompts, device, 
                     first = name in (None, "paper")
                     fn = lambda eng=eng, replay=replay, warm=warm, first=first, c=c: run_row(
                         eng, replay, prompts[:c], refs, max_new, device, args.reps, warm, c in profile_at,
-                        first and c in kernels_at, results.out_dir)
+                        first and c in kernels_at, results.out_dir,
+                        timeline=timeline_cost(eng, engines, c, args))
                 else:
                     off_row = next((r for r in rows if r["kind"] == "replay" and r["mode"] == "off"
                                     and r["concurrency"] == c and r["arrival"] == "closed" and "end_to_end_tok_per_s" in r), None)

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -28,43 +26,9 @@ from adaflash_hf.speculation.length.cost import RoundCost  # noqa: E402
 from adaflash_hf.speculation.length.names import layout_args  # noqa: E402
 
 
-def classify(eng, before: dict) -> str:
-    steps = eng.num_steps - before["num_steps"]
-    skipped = eng.skipped_drafts - before["skipped"]
-    if eng.drafter is None or (steps > 1 and skipped == steps):
-        return f"plain x{steps}"
-    if skipped and steps == 1:
-        return "plain x1 (round)"
-    return "drafting" if steps == 1 else f"mixed x{steps}"
-
-
 def run(eng, prompts, max_new, device, eos) -> dict:
     eng.generate(prompts, max_new_tokens=max_new, eos_token_id=eos)  # warm, as replay_bench's rows
-    handles = [eng.submit(p, max_new, eos_token_id=eos) for p in prompts]
-    rows, t_start = [], None
-    while not all(h.done for h in handles):
-        before = {"num_steps": eng.num_steps, "skipped": eng.skipped_drafts,
-                  "tokens": sum(len(h.token_ids) for h in handles)}
-        common.sync(device)
-        t = time.perf_counter()
-        eng.step()
-        common.sync(device)
-        dt = time.perf_counter() - t
-        prefilled = all(h.token_ids or h.done for h in handles)
-        kind = classify(eng, before) if before["tokens"] >= len(handles) else "prefill"
-        p = eng.planner
-        rows.append({"kind": kind, "ms": 1e3 * dt, "tokens": sum(len(h.token_ids) for h in handles) - before["tokens"],
-                     "plain_rounds": p.plain_rounds, "plain_limit": p.plain_limit, "drafted_plain": p.drafted_plain,
-                     "traffic": (p.traffic_seen[0] / p.traffic_seen[1]) if p.traffic_seen[1] else None,
-                     "prefilled": prefilled})
-        t_start = t_start or t
-    by = defaultdict(lambda: {"n": 0, "ms": 0.0, "tokens": 0})
-    for r in rows:
-        b = by[r["kind"]]
-        b["n"], b["ms"], b["tokens"] = b["n"] + 1, b["ms"] + r["ms"], b["tokens"] + r["tokens"]
-    decode = [r for r in rows if r["kind"] != "prefill"]
-    tok, ms = sum(r["tokens"] for r in decode), sum(r["ms"] for r in decode)
-    return {"by_kind": dict(by), "decode_tok_per_s": 1e3 * tok / ms if ms else None, "rows": rows}
+    return common.round_timeline(eng, prompts, max_new, device, eos)
 
 
 def main(argv=None) -> int:
