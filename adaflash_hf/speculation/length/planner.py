@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .calibration import HeadCalibration
 from .cost import RoundCost
 from .names import LengthPolicy, LengthSettings
 from .rules import CostRule, FixedRule, RoundInputs, make_rule
@@ -173,6 +174,7 @@ class LengthPlanner:
         self.traffic_seen = (0.0, 0.0)  # the traffic's acceptance: decayed sum and count of rounds that verified drafts
         self._epoch = 0  # bumped whenever a guess may change: ratios read, rounds observed, settings or cost set
         self._verdict = None  # the last plain-by-guess verdict, for the same rows and epoch (plain rounds repeat it)
+        self.calibration = HeadCalibration(self.block_size, TRAFFIC_DECAY)  # the head against the traffic's trials
 
     # ------------------------------------------------------------------ guesses
     def guess(self, r) -> float:
@@ -195,8 +197,10 @@ class LengthPlanner:
         if verify_len <= 1 or not self.cost_rule:  # the cheap test first: plain steps call this for every token
             return
         seen = (accepted + 1) / self.block_size
-        if accepted >= verify_len - 1 and verify_len < self.block_size and r.head_ratio is not None:
-            seen = max(seen, r.head_ratio)
+        if r.head_ratio is not None:
+            self.calibration.add(r.head_ratio, accepted, verify_len - 1)
+            if accepted >= verify_len - 1 and verify_len < self.block_size:
+                seen = max(seen, self.calibration.ratio(r.head_ratio))
         r.seen = (r.seen[0] + seen, r.seen[1] + 1)
         self.traffic_seen = (TRAFFIC_DECAY * self.traffic_seen[0] + seen, TRAFFIC_DECAY * self.traffic_seen[1] + 1)
         self._epoch += 1
@@ -320,12 +324,13 @@ class LengthPlanner:
             return FixedRule().lengths(RoundInputs(n, B))
         if ratio is not None:
             ratio = ratio.float().cpu().view(-1)  # the rules run on the host
-        k_hat = self._choose(rows, ratio, draft_logits=draft_logits)
+        read = self.calibration.ratios(ratio) if self.cost_rule and ratio is not None else ratio
+        k_hat = self._choose(rows, read, draft_logits=draft_logits)
         if self.cost_rule:
-            self.note_ratios(rows, ratio)
+            self.note_ratios(rows, ratio)  # the head's own: the calibration bins the trials by them
             self.drafted_plain = bool((k_hat <= 1).all())
             if self.drafted_plain:  # plain rounds before the next probe: the first hold, then doubling up to the cap
-                k_hat = self._choose(rows, ratio, drafted=True)  # this round's body is spent: verify what pays all the same
+                k_hat = self._choose(rows, read, drafted=True)  # this round's body is spent: verify what pays all the same
                 first, cap = self.probe_holds(n)
                 self.plain_limit = cap if self.traffic_plain(n) else min(max(first, 2 * self.plain_limit), cap)
             else:

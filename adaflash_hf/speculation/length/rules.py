@@ -28,10 +28,12 @@ __all__ = [
     "RoundInputs",
     "adaptive_verify_length",
     "cost_aware_verify_length",
+    "draft_acceptance",
     "expected_gain_verify_length",
     "fixed_verify_length",
     "load_scaled_rate",
     "make_rule",
+    "ratio_of_acceptance",
     "survival_curve",
 ]
 
@@ -225,12 +227,36 @@ def survival_curve(accept_ratio, block_size: int, rate: float = 1.0) -> np.ndarr
         >>> survival_curve(torch.tensor([0.0, 1.0]), block_size=4).tolist()
         [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
     """
+    p = draft_acceptance(accept_ratio, block_size, rate)
+    return p[:, None] ** np.arange(1, block_size)[None, :]
+
+
+def draft_acceptance(accept_ratio, block_size: int, rate: float = 1.0) -> np.ndarray:
+    """The per-draft acceptance ``p`` of :func:`survival_curve`'s model, per row (``[b]``): the conditional probability
+    that a draft is accepted after the ones before it were, ``sum_{m=1..B-1} p^m`` being the accepted length the
+    ratio predicts. :func:`ratio_of_acceptance` is its inverse.
+
+    Example:
+        >>> draft_acceptance([1 / 16, 1.0], 16).tolist()
+        [0.0, 1.0]
+    """
     width = block_size - 1
     a = np.asarray(accept_ratio, dtype=np.float64).reshape(-1)
     target = np.minimum(np.maximum(np.where(np.isnan(a), 0.0, a) * (block_size * rate) - 1.0, 0.0), width)
     p_grid, f_grid = _power_sum_table(width)
-    p = np.interp(target, f_grid, p_grid)
-    return p[:, None] ** np.arange(1, width + 1)[None, :]
+    return np.interp(target, f_grid, p_grid)
+
+
+def ratio_of_acceptance(p, block_size: int) -> np.ndarray:
+    """The ratio ``(1 + sum_{m=1..B-1} p^m) / B`` a row of per-draft acceptance ``p`` expects: the inverse of
+    :func:`draft_acceptance` at rate 1.
+
+    Example:
+        >>> ratio_of_acceptance([0.0, 1.0], 16).tolist()
+        [0.0625, 1.0]
+    """
+    p = np.asarray(p, dtype=np.float64).reshape(-1)
+    return (1.0 + (p[:, None] ** np.arange(1, block_size)[None, :]).sum(axis=1)) / block_size
 
 
 def cost_aware_verify_length(
