@@ -113,7 +113,8 @@ def test_engine_spares_the_read_with_whole_blocks_where_it_pays(pair, graphs, mo
     blocks sparing the read pay more, so every drafting round after the first is a whole-block stretch (one device
     read instead of two); without a read to spare (the control) the rounds stay packed at 6. Plain greedy output
     either way. The guess before a round is the head's last ratio here (the random drafter's rejections would
-    otherwise say drafting seldom pays: ``test_next_round_guess``)."""
+    otherwise say drafting seldom pays: ``test_next_round_guess``), and the head's ratios are read as they are (the
+    traffic's trials would calibrate them down: ``test_length_calibration``)."""
     monkeypatch.setattr(vl, "GUESS_PRIOR_ROUNDS", 0.0)
     target, drafter = pair
     prompts = engine_prompts([5, 7], seed=11)
@@ -123,6 +124,7 @@ def test_engine_spares_the_read_with_whole_blocks_where_it_pays(pair, graphs, mo
         for read in (0.5, 0.0):
             eng = Engine(target, drafter, length_policy="cost", round_cost=dataclasses.replace(BLOCK8, read_overhead=read),
                          max_slots=2, max_len=64, token_budget=64, cuda_graphs=graphs, prompt_ngrams=0)
+            eng.planner.calibrate_head = False
             outs = eng.generate(prompts, max_new_tokens=30)
             assert [o.token_ids for o in outs] == [plain_greedy_ids(target, p, 30) for p in prompts]
             runs[read] = (eng, [(o.verify_lengths, _left(o, 30)) for o in outs])

@@ -1,5 +1,6 @@
 """How many drafts a round verifies, in one place: the policy names and settings (:mod:`.names`, torch-free), one
-rule per policy with only its own knobs (:mod:`.rules`), what a round costs (:mod:`.cost`) and the planner that
+rule per policy with only its own knobs (:mod:`.rules`), what a round costs (:mod:`.cost`), the head's ratios
+calibrated by the traffic's acceptance (:mod:`.calibration`) and the planner that
 generate's loop and the engine both ask each round (:mod:`.planner`). Names are imported on first use, so that the
 CLI reads :mod:`.names` without torch.
 
@@ -16,6 +17,7 @@ _HOME = {
     **dict.fromkeys(("ENGINE_POLICIES", "HEAD_POLICIES", "LAYOUTS", "POLICY_NAMES", "LengthPolicy", "LengthSettings",
                      "default_policy", "layout_args", "resolve_policy", "round_layout"), "names"),
     "RoundCost": "cost",
+    "HeadCalibration": "calibration",
     **dict.fromkeys(("LengthPlanner", "Plan", "RowState"), "planner"),
     **dict.fromkeys(("CostRule", "ExpectedGainRule", "FixedRule", "FloorRule", "RoundInputs", "make_rule"), "rules"),
 }

@@ -30,6 +30,12 @@ body by the time the ratios are read: the plain decision holds for the rounds af
 round itself verifies what pays with the body spent (``drafted=True``), so a probe commits the drafts the head
 under-rated and its rounds' acceptance reaches the guess.
 
+The ``cost`` rule reads the head's ratios as the traffic **calibrates** them (:class:`~.calibration.HeadCalibration`):
+every verified draft up to the first rejection is a trial, censored rounds included, and one shift of the head's
+per-draft acceptance is fitted to them. A head that under-rates this traffic (trained on other text) would otherwise
+keep the planner plain for good: its probes verify what the head asks for, and a round that accepts all of it says no
+more than the head did.
+
 Rows are any objects with ``head_ratio`` (the last ratio read, ``None`` before the first), ``seen`` (sum and count of
 the acceptance ratios its drafting rounds showed) and ``remaining`` (tokens it may still emit): the engine's requests,
 generate's :class:`RowState`.
@@ -95,7 +101,9 @@ class LengthPlanner:
         layout: the engine's round layout (``packed``, ``rectangular``, ``fixed``); generate's loop is ``packed``.
         plain_steps: how many plain rounds share one device read (:attr:`plain_steps`; the engine's ``decode_steps``).
 
-    ``whole_block_stretches`` (default on) lets ``cost`` rounds skip their mid-round read when whole; ``traffic_seen``
+    ``whole_block_stretches`` (default on) lets ``cost`` rounds skip their mid-round read when whole; ``calibrate_head``
+    (default on) makes the ``cost`` rule read the head's ratios as the traffic's trials calibrate them
+    (:attr:`calibration`, :mod:`.calibration`); ``traffic_seen``
     is what the traffic's rounds accepted (a decayed sum and its weight), the prior of every guess: a planner that
     replaces another for the same pair may start from it.
 
@@ -110,6 +118,7 @@ class LengthPlanner:
                  layout: str = "packed", plain_steps: int = 1):
         self.block_size, self.layout = block_size, layout
         self.whole_block_stretches = True
+        self.calibrate_head = True
         self._settings, self._cost = settings, round_cost if round_cost is not None else RoundCost()
         self.reset()
         self.plain_steps = plain_steps  # prices the cost and makes the rule
@@ -198,9 +207,12 @@ class LengthPlanner:
             return
         seen = (accepted + 1) / self.block_size
         if r.head_ratio is not None:
-            self.calibration.add(r.head_ratio, accepted, verify_len - 1)
+            calibrated = r.head_ratio
+            if self.calibrate_head:
+                self.calibration.add(r.head_ratio, accepted, verify_len - 1)
+                calibrated = self.calibration.ratio(r.head_ratio)
             if accepted >= verify_len - 1 and verify_len < self.block_size:
-                seen = max(seen, self.calibration.ratio(r.head_ratio))
+                seen = max(seen, calibrated)
         r.seen = (r.seen[0] + seen, r.seen[1] + 1)
         self.traffic_seen = (TRAFFIC_DECAY * self.traffic_seen[0] + seen, TRAFFIC_DECAY * self.traffic_seen[1] + 1)
         self._epoch += 1
@@ -324,7 +336,7 @@ class LengthPlanner:
             return FixedRule().lengths(RoundInputs(n, B))
         if ratio is not None:
             ratio = ratio.float().cpu().view(-1)  # the rules run on the host
-        read = self.calibration.ratios(ratio) if self.cost_rule and ratio is not None else ratio
+        read = self.calibration.ratios(ratio) if self.calibrate_head and self.cost_rule and ratio is not None else ratio
         k_hat = self._choose(rows, read, draft_logits=draft_logits)
         if self.cost_rule:
             self.note_ratios(rows, ratio)  # the head's own: the calibration bins the trials by them
