@@ -24,6 +24,15 @@ def _rounds(cal, ratio: float, p_true: float, verify: int, n: int, seed: int = 0
         cal.add(ratio, accepted, drafts)
 
 
+def test_a_rows_ratio_waits_for_the_rounds_fit():
+    """Rows add trials one by one; the fit runs once a round (:meth:`ratios`), not for every row."""
+    cal = HeadCalibration(B)
+    _rounds(cal, 0.15, 0.95, 4, 50)
+    assert cal.ratio(0.15) == 0.15  # not fitted yet
+    after = cal.ratios(torch.tensor([0.15])).item()
+    assert after > 0.2 and cal.ratio(0.15) == pytest.approx(after, abs=2e-3)
+
+
 def test_no_trials_leaves_the_heads_ratios_as_they_are():
     cal = HeadCalibration(B)
     ratio = torch.tensor([0.0, 0.13, 0.5, 1.0])
@@ -41,7 +50,7 @@ def test_the_shift_follows_the_traffic_and_leaves_a_right_head_alone(ratio, p_tr
     cal = HeadCalibration(B)
     p_head = float(draft_acceptance([ratio], B)[0])
     _rounds(cal, ratio, p_head if p_true is None else p_true, verify, 1500)
-    moved = cal.ratio(ratio) - ratio
+    moved = cal.ratios(torch.tensor([ratio])).item() - ratio
     if direction == 0:
         assert abs(cal.shift) < 0.35 and abs(moved) < 0.05
     else:

@@ -11,8 +11,9 @@ shows is not capped by what the head asked to verify.
 :class:`HeadCalibration` fits one shift ``delta`` of the head's per-draft acceptance on the logit scale,
 ``p' = sigmoid(logit(p) + delta)``, at the maximum of the trials' likelihood under a normal prior on ``delta`` worth
 ``PRIOR_TRIALS`` trials (a few rounds say little). The trials are kept in bins of the head's ratio and decay like the
-traffic's mean acceptance (one factor per verified row). :meth:`HeadCalibration.ratios` gives the ratio of ``p'``
-(:func:`.rules.ratio_of_acceptance`), which the cost rule then reads: until a trial is seen, the head's own ratio.
+traffic's mean acceptance (one factor per verified row); they are folded in and the shift refitted when a round's
+ratios are asked for (:meth:`HeadCalibration.ratios`: the ratio of ``p'``, :func:`.rules.ratio_of_acceptance`,
+which the cost rule then reads; until a trial is seen, the head's own ratio), not for every row a round verifies.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ __all__ = ["BINS", "HeadCalibration", "PRIOR_TRIALS"]
 
 BINS = 64  # bins of the head's ratio the trials are kept in
 PRIOR_TRIALS = 64.0  # the prior's weight: a shift needs about this many trials to move halfway to what they say
-GRID = 1024  # the calibrated ratio is looked up on this many steps of the head's ratio
+GRID = 512  # the calibrated ratio is looked up on this many steps of the head's ratio
 _CLIP = 1e-3  # per-draft acceptance kept off 0 and 1, where the logit is infinite
+REFIT_SHARE = 1 / 32  # the fit waits until the rows added since make this share of the rows it rests on
 
 
 class HeadCalibration:
@@ -41,8 +43,8 @@ class HeadCalibration:
         >>> cal = HeadCalibration(16)
         >>> for _ in range(50):  # the head says 0.125 (about one draft); every round accepts all 7 it verified
         ...     cal.add(0.125, accepted=7, drafts=7)
-        >>> cal.shift > 1.0, cal.ratios(torch.tensor([0.125])).item() > 0.3
-        (True, True)
+        >>> cal.ratios(torch.tensor([0.125])).item() > 0.3, cal.shift > 1.0, cal.ratio(0.125) > 0.3
+        (True, True, True)
     """
 
     def __init__(self, block_size: int, decay: float = 0.999):
@@ -59,7 +61,7 @@ class HeadCalibration:
         """No trials: every ratio is the head's own."""
         self._trials, self._accepted = np.zeros(BINS), np.zeros(BINS)
         self._new_trials, self._new_accepted, self._pending = [0.0] * BINS, [0.0] * BINS, 0
-        self._shift, self._table = 0.0, None
+        self._shift, self._table, self._rows = 0.0, None, 0.0
 
     def add(self, ratio: float, accepted: int, drafts: int) -> None:
         """One verified row: the head's ``ratio`` for its round, ``drafts`` drafts verified, the first ``accepted`` of
@@ -74,13 +76,13 @@ class HeadCalibration:
     @property
     def trials(self) -> float:
         """The decayed number of trials the shift rests on."""
-        self._fold()
+        self._fold(force=True)
         return float(self._trials.sum())
 
     @property
     def shift(self) -> float:
         """``delta``: how far the traffic's per-draft acceptance lies above the head's, on the logit scale."""
-        self._fold()
+        self._fold(force=True)
         return self._shift
 
     def ratios(self, ratio: torch.Tensor) -> torch.Tensor:
@@ -94,17 +96,20 @@ class HeadCalibration:
         return torch.from_numpy(out.astype(np.float32)).reshape(ratio.shape).to(ratio.device)
 
     def ratio(self, ratio: float) -> float:
-        """:meth:`ratios` of one ratio (host float)."""
-        self._fold()
+        """:meth:`ratios` of one ratio (host float) as the last fit has it: the trials added since wait for the next
+        :meth:`ratios` (once a round), not refitted for every verified row."""
         if self._table is None or not ratio >= 0.0:
             return ratio
         return float(self._table[min(int(round(ratio * GRID)), GRID)])
 
-    def _fold(self) -> None:
-        """The rows added since the last fit into the decayed bins, and the shift fitted again."""
-        if not self._pending:
+    def _fold(self, force: bool = False) -> None:
+        """The rows added since the last fit into the decayed bins, and the shift fitted again: once they make
+        ``REFIT_SHARE`` of the rows the fit rests on (a round of one row refits every few dozen rounds, a round of many
+        every round), or ``force``."""
+        if not self._pending or (not force and self._pending < REFIT_SHARE * self._rows):
             return
         f = self.decay ** self._pending
+        self._rows = self._rows * f + self._pending
         self._trials = self._trials * f + np.asarray(self._new_trials)
         self._accepted = self._accepted * f + np.asarray(self._new_accepted)
         self._new_trials, self._new_accepted, self._pending = [0.0] * BINS, [0.0] * BINS, 0

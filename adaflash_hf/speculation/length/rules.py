@@ -256,7 +256,10 @@ def ratio_of_acceptance(p, block_size: int) -> np.ndarray:
         [0.0625, 1.0]
     """
     p = np.asarray(p, dtype=np.float64).reshape(-1)
-    return (1.0 + (p[:, None] ** np.arange(1, block_size)[None, :]).sum(axis=1)) / block_size
+    width = block_size - 1
+    q = np.minimum(p, 1.0 - 1e-12)  # the geometric sum in closed form; p = 1 is its limit, width
+    length = np.where(p >= 1.0, float(width), q * (1.0 - q**width) / (1.0 - q))
+    return (1.0 + length) / block_size
 
 
 def cost_aware_verify_length(
