@@ -96,9 +96,15 @@ def step_kind(eng, steps: int, skipped: int) -> str:
     return "drafting" if steps == 1 else f"mixed x{steps}"
 
 
+def captured(eng) -> float:
+    """Seconds the engine's graph runners have spent capturing so far (timed runs subtract it)."""
+    dg = getattr(eng, "draft_graphs", None)
+    return (eng.graphs.capture_seconds if eng.graphs is not None else 0.0) + (dg.capture_seconds if dg is not None else 0.0)
+
+
 def round_timeline(eng, prompts, max_new, device, eos=None, cost=None) -> dict:
-    """One closed-batch run of ``prompts`` with every ``Engine.step`` timed (device synchronised before and after) and
-    classified (:func:`step_kind`; ``prefill`` until every request has its first token). Each row: ``kind``, ``ms``,
+    """One closed-batch run of ``prompts`` with every ``Engine.step`` timed (device synchronised before and after; graph
+    captures inside it subtracted, as ``capture_ms``) and classified (:func:`step_kind`; ``prefill`` until every request has its first token). Each row: ``kind``, ``ms``,
     ``tokens`` committed, ``rows`` running before it, ``forward`` tokens per target forward, the planner's state, and,
     given ``cost`` (the engine's :class:`~adaflash_hf.speculation.length.cost.RoundCost`), ``model_ms``: what the
     cost rule priced that step at. Returns ``{"by_kind", "decode_tok_per_s", "rows"}`` (``by_kind``: rounds, ms,
@@ -111,16 +117,17 @@ def round_timeline(eng, prompts, max_new, device, eos=None, cost=None) -> dict:
         n, steps0, skipped0, fwd0 = eng.num_running, eng.num_steps, eng.skipped_drafts, len(eng.forward_tokens)
         tokens0 = sum(len(h.token_ids) for h in handles)
         sync(device)
-        t = time.perf_counter()
+        t, c0 = time.perf_counter(), captured(eng)
         eng.step()
         sync(device)
-        ms = 1e3 * (time.perf_counter() - t)
+        capture_ms = 1e3 * (captured(eng) - c0)
+        ms = 1e3 * (time.perf_counter() - t) - capture_ms
         steps, skipped = eng.num_steps - steps0, eng.skipped_drafts - skipped0
         fwd = list(eng.forward_tokens[fwd0:])
         kind = step_kind(eng, steps, skipped) if tokens0 >= len(handles) else "prefill"
         p = getattr(eng, "planner", None)
         row = {"kind": kind, "ms": ms, "tokens": sum(len(h.token_ids) for h in handles) - tokens0, "rows": n,
-               "forward": fwd}
+               "forward": fwd, "capture_ms": capture_ms}
         if p is not None and eng.drafter is not None:
             row.update(plain_rounds=p.plain_rounds, plain_limit=p.plain_limit, drafted_plain=p.drafted_plain,
                        traffic=(p.traffic_seen[0] / p.traffic_seen[1]) if p.traffic_seen[1] else None)

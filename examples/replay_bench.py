@@ -261,12 +261,9 @@ def timed_run(eng, prompts, max_new, device, eos=None) -> dict:
     the requests whose draws accepted least run on at a small batch, included); ``full``, the same up to the round
     in which the first request finishes (every request of the concurrency running: the throughput at this
     concurrency; ``None`` when that is the first round). Also ``rounds`` (of that window) and ``outputs``."""
-    dg = getattr(eng, "draft_graphs", None)
-    captures = lambda: eng.graphs.capture_seconds + (dg.capture_seconds if dg is not None else 0.0)  # noqa: E731
-
     def mark():
         common.sync(device)
-        return time.perf_counter(), captures()
+        return time.perf_counter(), common.captured(eng)
 
     t0, c0 = mark()
     handles = submit_and_prefill(eng, prompts, max_new, eos)
