@@ -116,6 +116,7 @@ def round_timeline(eng, prompts, max_new, device, eos=None, cost=None) -> dict:
     while not all(h.done for h in handles):
         n, steps0, skipped0, fwd0 = eng.num_running, eng.num_steps, eng.skipped_drafts, len(eng.forward_tokens)
         tokens0 = sum(len(h.token_ids) for h in handles)
+        decoding = all(h.token_ids or h.done for h in handles)  # every request past its prefill
         sync(device)
         t, c0 = time.perf_counter(), captured(eng)
         eng.step()
@@ -124,7 +125,7 @@ def round_timeline(eng, prompts, max_new, device, eos=None, cost=None) -> dict:
         ms = 1e3 * (time.perf_counter() - t) - capture_ms
         steps, skipped = eng.num_steps - steps0, eng.skipped_drafts - skipped0
         fwd = list(eng.forward_tokens[fwd0:])
-        kind = step_kind(eng, steps, skipped) if tokens0 >= len(handles) else "prefill"
+        kind = step_kind(eng, steps, skipped) if decoding else "prefill"
         p = getattr(eng, "planner", None)
         row = {"kind": kind, "ms": ms, "tokens": sum(len(h.token_ids) for h in handles) - tokens0, "rows": n,
                "forward": fwd, "capture_ms": capture_ms}
