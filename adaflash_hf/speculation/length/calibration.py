@@ -13,7 +13,8 @@ shows is not capped by what the head asked to verify.
 ``PRIOR_TRIALS`` trials (a few rounds say little). The trials are kept in bins of the head's ratio and decay like the
 traffic's mean acceptance (one factor per verified row); they are folded in and the shift refitted when a round's
 ratios are asked for (:meth:`HeadCalibration.ratios`: the ratio of ``p'``, :func:`.rules.ratio_of_acceptance`,
-which the cost rule then reads; until a trial is seen, the head's own ratio), not for every row a round verifies.
+which the cost rule then reads; until a trial is seen, the head's own ratio) and the rows added since make
+``REFIT_SHARE`` of those the fit rests on: at most once a round, never for every row a round verifies.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from .rules import draft_acceptance, ratio_of_acceptance
 
-__all__ = ["BINS", "HeadCalibration", "PRIOR_TRIALS"]
+__all__ = ["BINS", "HeadCalibration", "PRIOR_TRIALS", "REFIT_SHARE"]
 
 BINS = 64  # bins of the head's ratio the trials are kept in
 PRIOR_TRIALS = 64.0  # the prior's weight: a shift needs about this many trials to move halfway to what they say
