@@ -101,3 +101,36 @@ def test_a_head_that_under_rates_the_traffic_no_longer_keeps_the_planner_plain(p
             planner.observe(r, accepted, n)
     planner.lengths(rows, ratio)
     assert planner.drafted_plain is not drafts_again and planner.traffic_plain(4) is not drafts_again
+
+
+STEEP = RoundCost(rows=(1,), tokens_per_row=(1, 16), verify=((1.0, 5.5),), draft_fraction=0.0)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_an_engine_reading_calibrated_ratios_decodes_as_plain_greedy(graphs):
+    """The head says 0.5 of every block; the random drafter's drafts are nearly all rejected, so the traffic's trials
+    calibrate the head down and the engine verifies fewer drafts than it does with the head as it is (the control).
+    Both decode exactly what plain greedy does."""
+    from adaflash_hf.engine import Engine
+    from generation_helpers import engine_prompts, kept_length_head, make_drafter, make_target, plain_greedy_ids
+
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=8)
+    prompts = engine_prompts([5, 7], seed=3)
+    want = [plain_greedy_ids(target, p, 24) for p in prompts]
+    runs = {}
+    with kept_length_head(drafter):
+        with torch.no_grad():
+            drafter.length_head.out.weight.zero_()
+            drafter.length_head.out.bias.fill_(0.0)  # sigmoid(0): the head says 0.5
+        for calibrate in (True, False):
+            eng = Engine(target, drafter, length_policy="cost", round_cost=STEEP, max_slots=2, max_len=64,
+                         token_budget=64, cuda_graphs=graphs, prompt_ngrams=0)
+            eng.planner.calibrate_head = calibrate
+            outs = eng.generate(prompts, max_new_tokens=24)
+            assert [o.token_ids for o in outs] == want
+            lens = [v for o in outs for v in o.verify_lengths]
+            runs[calibrate] = (sum(lens) / len(lens), eng.planner.calibration)
+    (calibrated, cal), (control, ctl) = runs[True], runs[False]
+    assert cal.trials > 0 and cal.shift < 0 and ctl.trials == 0
+    assert calibrated < control, (calibrated, control)
