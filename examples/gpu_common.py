@@ -87,8 +87,8 @@ def phase_breakdown(eng, fn) -> dict:
 
 
 def step_kind(eng, steps: int, skipped: int) -> str:
-    """What one ``Engine.step`` was, from its decode steps and skipped drafter bodies: a plain stretch, a drafting round,
-    or a mix."""
+    """What one ``Engine.step`` was, from its decode steps and skipped drafter bodies: a plain stretch, a drafting
+    round, or a mix."""
     if eng.drafter is None or (steps > 1 and skipped == steps):
         return f"plain x{steps}"
     if skipped and steps == 1:
@@ -98,13 +98,14 @@ def step_kind(eng, steps: int, skipped: int) -> str:
 
 def captured(eng) -> float:
     """Seconds the engine's graph runners have spent capturing so far (timed runs subtract it)."""
-    dg = getattr(eng, "draft_graphs", None)
-    return (eng.graphs.capture_seconds if eng.graphs is not None else 0.0) + (dg.capture_seconds if dg is not None else 0.0)
+    runners = (eng.graphs, getattr(eng, "draft_graphs", None))
+    return sum(g.capture_seconds for g in runners if g is not None)
 
 
 def round_timeline(eng, prompts, max_new, device, eos=None, cost=None) -> dict:
     """One closed-batch run of ``prompts`` with every ``Engine.step`` timed (device synchronised before and after; graph
-    captures inside it subtracted, as ``capture_ms``) and classified (:func:`step_kind`; ``prefill`` until every request has its first token). Each row: ``kind``, ``ms``,
+    captures inside it subtracted, as ``capture_ms``) and classified (:func:`step_kind`; ``prefill`` until every
+    request has its first token: the rounds that admit requests, with the others' steps). Each row: ``kind``, ``ms``,
     ``tokens`` committed, ``rows`` running before it, ``forward`` tokens per target forward, the planner's state, and,
     given ``cost`` (the engine's :class:`~adaflash_hf.speculation.length.cost.RoundCost`), ``model_ms``: what the
     cost rule priced that step at. Returns ``{"by_kind", "decode_tok_per_s", "rows"}`` (``by_kind``: rounds, ms,

@@ -376,8 +376,9 @@ def parse(argv):
     ap.add_argument("--reps", type=int, default=1, help="timed closed-batch runs per row after the warm-up (median)")
     ap.add_argument("--profile-at", default="", help="concurrencies whose closed rows (every trace, and the real runs) "
                     "also get a profiled run")
-    ap.add_argument("--timeline-at", default="", help="concurrencies whose closed replay rows also get a run with every "
-                    "engine step timed and priced by the round cost (where the default's time goes against off's)")
+    ap.add_argument("--timeline-at", default="", help="concurrencies whose closed rows (every trace, and the real runs) "
+                    "also get a run with every engine step timed and priced by the round cost (where the default's time "
+                    "goes against off's)")
     ap.add_argument("--kernels-at", default="", help="concurrencies whose off and paper-trace closed rows also get a "
                     "device-kernel profile (mid-run target forwards, by kind)")
     ap.add_argument("--budget-s", type=float, default=500.0, help="rows that would start after this are skipped")

@@ -31,10 +31,10 @@ round itself verifies what pays with the body spent (``drafted=True``), so a pro
 under-rated and its rounds' acceptance reaches the guess.
 
 The ``cost`` rule reads the head's ratios as the traffic **calibrates** them (:class:`~.calibration.HeadCalibration`):
-every verified draft up to the first rejection is a trial, censored rounds included, and one shift of the head's
-per-draft acceptance is fitted to them. A head that under-rates this traffic (trained on other text) would otherwise
-keep the planner plain for good: its probes verify what the head asks for, and a round that accepts all of it says no
-more than the head did.
+every verified draft up to and including the first rejected one is a trial, censored rounds included, and one shift
+of the head's per-draft acceptance is fitted to them. A head that under-rates this traffic (trained on other text)
+would otherwise keep the planner plain for good: its probes verify what the head asks for, and a round that accepts
+all of it says no more than the head did.
 
 Rows are any objects with ``head_ratio`` (the last ratio read, ``None`` before the first), ``seen`` (sum and count of
 the acceptance ratios its drafting rounds showed) and ``remaining`` (tokens it may still emit): the engine's requests,
