@@ -160,7 +160,7 @@ def fmt_kernels(kp: dict, top: int = 8) -> str:
             + "; ".join(f"{k['name'][:50]} {k['us'] / 1e3:.2f}ms x{k['count']}" for k in kp["top"][:top]))
 
 
-def _gzip_trace(prof, path: str) -> None:
+def gzip_trace(prof, path: str) -> None:
     raw = path.removesuffix(".gz")
     prof.export_chrome_trace(raw)
     with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
@@ -188,12 +188,12 @@ def kernel_profile(fn, device, top: int = 12, keep_all: bool = False, trace: str
         sync(device)
         wall_ms = 1e3 * (time.perf_counter() - t)
     if device_trace:
-        _gzip_trace(prof, device_trace)
+        gzip_trace(prof, device_trace)
     if trace:  # a third call, host and device (host ops also carry their kernels' time: kept out of the sums)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as host_prof:
             fn()
             sync(device)
-        _gzip_trace(host_prof, trace)
+        gzip_trace(host_prof, trace)
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)

@@ -75,20 +75,25 @@ def timed_passes(eng, handles, steps: int, passes: int, device) -> tuple[list[fl
     return walls, (sum(len(h.token_ids) for h in handles) - tok0) / (steps * passes)
 
 
-def profile_rounds(eng, handles, steps: int, device, passes: int = 1, profiled: bool = True) -> dict:
+def profile_rounds(eng, handles, steps: int, device, passes: int = 1, profiled: bool = True, trace: str | None = None) -> dict:
     """``passes`` timed passes (``wall_ms``: their median), then one torch.profiler pass and one cProfile pass of
-    ``steps`` rounds each (``profiled=False``: the timed passes only)."""
-    from torch.profiler import ProfilerActivity, profile
+    ``steps`` rounds each (``profiled=False``: the timed passes only). ``trace``: the profiled pass also records Python
+    stacks, marks each round (``record_function("round")``) and is written there as a gzipped Chrome trace
+    (``round_kernels.py`` reads it)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     walls, tokens = timed_passes(eng, handles, steps, passes, device)
     wall_ms = statistics.median(walls)
     if not profiled:
         return {"wall_ms": wall_ms, "wall_passes_ms": walls, "tokens_per_round": tokens}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, with_stack=trace is not None) as prof:
         for _ in range(steps):
-            eng.step()
+            with record_function("round"):
+                eng.step()
         common.sync(device)
+    if trace:
+        common.gzip_trace(prof, trace)
     ev = prof.events()
     rt = runtime_counts(ev)
     dtoh = sum(1 for e in ev if e.device_type == torch.autograd.DeviceType.CUDA and "DtoH" in e.name)
@@ -118,12 +123,29 @@ def engine_for(mode: str, target, drafter, kw: dict):
     return Engine(target, drafter=drafter, length_policy=mode, **kw)
 
 
+def models(args, device):
+    """``(target, drafter, prompts, source)``: the reference pair (float32) and ``--dataset``'s prompts, or the
+    Qwen3-8B-shaped target and a 5-layer drafter (random bf16 weights: drafts are rarely accepted) and random prompts
+    of ``--prompt-len`` tokens."""
+    if args.pair == "ref":
+        target, drafter, prompts, _, source = common.reference_pair(device, torch.float32, args.dataset, max(args.concurrency))
+        return target, drafter, prompts, source
+    import replay_bench
+
+    target = common.qwen3_8b_shape(device, args.smoke)
+    drafter = replay_bench.build_drafter(target, device, args.smoke)
+    vocab = target.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(max(args.concurrency))]
+    return target, drafter, prompts, f"random, {args.prompt_len} tokens"
+
+
 def run(args) -> dict:
     device = "cpu" if args.smoke else "cuda"
-    target, drafter, prompts, eos, source = common.reference_pair(device, torch.float32, args.dataset, max(args.concurrency))
+    target, drafter, prompts, source = models(args, device)
     longest = max(map(len, prompts))
     res = {"meta": {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-                    "prompts": source, "steps": args.steps, "max_new": args.max_new_tokens}, "rows": []}
+                    "pair": args.pair, "prompts": source, "steps": args.steps, "max_new": args.max_new_tokens}, "rows": []}
     for c in args.concurrency:
         kw = dict(max_slots=c, max_len=longest + args.max_new_tokens + 40, token_budget=max(4096, longest + c * 16),
                   cuda_graphs=device == "cuda")
@@ -136,8 +158,10 @@ def run(args) -> dict:
                 eng.step()
             for _ in range(3):
                 eng.step()
+            trace = (str(Path(args.out) / f"trace_{args.pair}_{mode}_c{c}.json.gz")
+                     if f"{mode}:{c}" in args.trace_at and not args.no_profile else None)
             row = {"mode": mode, "concurrency": c, **profile_rounds(eng, handles, args.steps, device, args.passes,
-                                                                            not args.no_profile)}
+                                                                            not args.no_profile, trace)}
             while not all(h.done for h in handles):
                 eng.step()
             common.log(f"{mode:8s} c={c:3d}: wall {row['wall_ms']:.3f} ms (passes "
@@ -179,19 +203,27 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=1, help="timed passes of --steps rounds (wall_ms: their median)")
     ap.add_argument("--no-profile", action="store_true", help="the timed passes only (no profiler, no cProfile)")
     ap.add_argument("--max-new-tokens", type=int, default=1024)
+    ap.add_argument("--pair", choices=("ref", "8b"), default="ref",
+                    help="ref: the reference pair; 8b: the Qwen3-8B-shaped target and a 5-layer drafter, random weights")
+    ap.add_argument("--prompt-len", type=int, default=512, help="--pair 8b: random prompts of this length")
+    ap.add_argument("--trace-at", default="", help="MODE:C,...: write these rows' profiled pass as a gzipped Chrome "
+                    "trace with Python stacks (trace_PAIR_MODE_cC.json.gz in --out; round_kernels.py reads it)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
+    args.trace_at = {t for t in args.trace_at.split(",") if t}
     args.modes = [m for m in args.modes.split(",") if m]
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     if args.smoke:
-        args.steps, args.max_new_tokens, args.concurrency = 2, 64, [1, 2]
+        args.steps, args.concurrency, args.prompt_len = 2, [1, 2], 16
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     rounds = 3 + args.steps * (args.passes + (0 if args.no_profile else 2))  # run(): 3 untimed, then the passes
+    if args.smoke:
+        args.max_new_tokens = 16 * rounds
     if 16 * rounds > args.max_new_tokens:  # a round commits up to a block (16 tokens) a request: none may end inside
         ap.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for {rounds} rounds of up to 16 tokens a "
                  f"request: give at least {16 * rounds}, or fewer --steps / --passes")
     res = run(args)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "round_trace.json").write_text(json.dumps(res, indent=1))
     (out / "round_trace.md").write_text(markdown(res))
     print(markdown(res))
