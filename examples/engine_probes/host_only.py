@@ -1,7 +1,8 @@
 """The host's own work per engine step, the forward taken away: the reference pair's engine on the CPU's static path
 (``cuda_graphs=True``, as on a GPU), its decode replays and drafter body replaced by no-ops, so each step's time is
 the scheduler's, the planner's and the commits' alone. ``off`` against the default (``cost``) made to decode plainly
-(a cost table where drafting never pays), in plain stretches of ``decode_steps`` tokens.
+(a cost table where drafting never pays), in plain stretches of ``decode_steps`` tokens, or a drafting layout
+(``--modes fixed``: every round drafts; its replays repeat the last real round's outputs).
 
     python examples/engine_probes/host_only.py --concurrency 1,32,128
 
@@ -40,9 +41,9 @@ def host_steps(target, drafter, prompts, mode: str, c: int, steps: int, profile:
         eng.step()
     g = eng.graphs
     g.step_tokens.fill_(5)  # every step decodes token 5 (never EOS for this pair), filled once: a replay does nothing
-    g.replay = lambda bucket: None
+    g.replay = lambda bucket: None  # a drafting round reads the last real replay's verdict and drafts again
     if eng.draft_graphs is not None:
-        eng.draft_graphs.run_body = lambda *a, **k: None
+        eng.draft_graphs.replay = lambda bucket: None
     prof = cProfile.Profile() if profile else None
     times = []
     for _ in range(steps):
@@ -72,7 +73,8 @@ def main(argv=None) -> int:
     for c in conc:
         for mode in args.modes.split(","):
             ms = host_steps(target, drafter, prompts, mode, c, args.steps, args.profile)
-            print(f"{mode:8s} c={c:4d}: {ms:.3f} ms a step of {8} tokens a request (median of {args.steps})", flush=True)
+            what = "a round" if mode not in ("off", "default") else f"a step of {8} tokens a request"
+            print(f"{mode:8s} c={c:4d}: {ms:.3f} ms {what} (median of {args.steps})", flush=True)
     return 0
 
 
