@@ -80,6 +80,7 @@ from adaflash_hf.speculation.length.cost import RoundCost  # noqa: E402
 
 log = common.log
 BLOCK = 16
+QUEUED = 8  # the queued mode's rounds behind one read (EngineConfig.spec_rounds)
 EMBED_SCALE = 5e4  # embedding elements ~1000 against a residual update of ~15 RMS over 36 random layers
 
 
@@ -119,6 +120,8 @@ def mode_args(drafter, mode: str, policy) -> dict:
     no policy is asked for (``policy``: its :class:`ReplayPolicy`)."""
     if mode == "default":
         return {"drafter": drafter, "length_policy": policy.length_policy}
+    if mode == "queued":  # fixed rounds, QUEUED of them behind one read (EngineConfig.spec_rounds)
+        return {**layout_args(drafter, "fixed"), "spec_rounds": QUEUED}
     layout, _, rule = mode.partition(":")
     return layout_args(drafter, layout, rule or "cost")
 
@@ -138,7 +141,8 @@ class Engines:
         key are the same run)."""
         args = mode_args(self.drafter, mode, policy)
         key = round_layout(args["drafter"], args.get("length_policy"), args.get("rectangular", False)) + (
-            f":{args['length_policy']}" if "length_policy" in args else "")
+            f":{args['length_policy']}" if "length_policy" in args else "") + (
+            f":queued{args['spec_rounds']}" if "spec_rounds" in args else "")
         if key not in self.built:
             self.free()
             replay = DraftReplay(self.refs, None) if self.refs is not None and args["drafter"] is not None else None
@@ -364,7 +368,8 @@ def parse(argv):
                     help="closed (all at once) and poisson:LOAD (open loop at LOAD x off's closed-batch request rate)")
     ap.add_argument("--modes", default="off,fixed,packed:adaptive",
                     help=f"round layouts of {LAYOUTS} (packed / rectangular: lengths by the cost rule; packed:adaptive: by "
-                    "the paper's floor rule); 'default' (the trace drafter's own policy) is always run")
+                    "the paper's floor rule); queued: fixed rounds, QUEUED of them behind one read (EngineConfig."
+                    "spec_rounds); 'default' (the trace drafter's own policy) is always run")
     ap.add_argument("--measure-cost", action="store_true", help="the cost rule weighs this GPU's measured round cost "
                     "(engine.warmup.measure_round_cost: graphs and each round's overhead; the replay's and each reference "
                     "pair's own) instead of SPEC section 6's table")
@@ -387,7 +392,8 @@ def parse(argv):
     arrivals = [a for a in args.arrivals.split(",") if a]
     modes = [m for m in args.modes.split(",") if m]
     bad = [a for a in arrivals if a != "closed" and not (a.startswith("poisson:") and _load(a) > 0)]
-    bad += [m for m in modes if m.partition(":")[0] not in LAYOUTS or m.partition(":")[2] not in ("", "cost", "adaptive")]
+    bad += [m for m in modes if m != "queued" and (m.partition(":")[0] not in LAYOUTS
+                                                   or m.partition(":")[2] not in ("", "cost", "adaptive"))]
     if bad or not arrivals or "off" not in modes:
         raise SystemExit(f"bad --arrivals / --modes {bad}: arrivals closed or poisson:LOAD (LOAD > 0); modes of "
                          f"{', '.join(LAYOUTS)}, off among them (the ratios' reference)")

@@ -51,6 +51,11 @@ class EngineConfig:
             admission and every running request is greedy (and, under ``cost``, the last ratios say every request
             decodes plainly), queue up to this many decode steps and read them back once (:mod:`.decode_steps`).
             Outputs are unchanged; streaming callbacks and cancellations act at that granularity. 1 turns it off.
+        spec_rounds: the ``fixed`` verify length with graphs: while nothing waits for admission, every running request
+            is greedy and nothing reads the rounds but the acceptance (no penalty, grammar, logprobs or round sink),
+            queue up to this many draft-verify rounds on the device, each built from the last one's verdict there,
+            and read them back once (:mod:`.spec_rounds`). Outputs are unchanged; the prompt n-gram rule sits out the
+            queued rounds. 1 (the default) turns it off.
         profile: time each step's phases (the engine's ``phase_seconds``: draft, target, accept, host), with a
             device synchronisation at every phase boundary (measurement only: it adds syncs; :class:`.stats.PhaseTimer`).
         prompt_ngrams: the prompt n-gram rule beside the drafter, as ``generate``'s
@@ -89,13 +94,14 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     fused_kernels: bool = True
     decode_steps: int = 8
+    spec_rounds: int = 1
     profile: bool = False
     prompt_ngrams: int | PromptNgrams | None = None
     draft_replay: object | None = None
     round_cost: RoundCost | str | None = None
 
     def __post_init__(self):
-        for name in ("max_slots", "max_len", "token_budget", "decode_steps"):
+        for name in ("max_slots", "max_len", "token_budget", "decode_steps", "spec_rounds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig: {name} must be >= 1, got {value!r}")

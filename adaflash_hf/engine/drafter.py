@@ -462,10 +462,23 @@ class DraftGraphs(GraphRunner):
         bucket = self.chain_bucket(n)
         if bucket is None or self.chain_source is None or q.shape != (n,) or not ((q >= 1) & (q <= self.max_q)).all():
             return False
-        _, Cb, Rb = bucket
         starts = np.array([self.cache.length(s) for s in slots], dtype=np.int64)
         if int(starts.max()) + self.max_q + B > self.cache.max_len:
             return False
+        self.lay_chain(slots, q, starts, bucket)
+        self.replay_chain(bucket, accepted, next_tokens)
+        self.note_chain(slots, bucket[2], q.tolist())
+        return True
+
+    def note_chain(self, slots: list[int], rows: int, q_lens: list[int]) -> None:
+        """The body replayed last is chained for ``slots`` (``rows``: its row bucket), whose verifies of ``q_lens``
+        tokens are its context: :meth:`run_body` takes it for those slots and features."""
+        self._chained = (list(slots), rows, list(q_lens), np.concatenate([[0], np.cumsum(q_lens)]).tolist())
+
+    def lay_chain(self, slots: list[int], q: np.ndarray, starts: np.ndarray, bucket: tuple[str, int, int]) -> None:
+        """The static inputs of a chained body (:meth:`run_chain`): request ``i``'s ``q[i]`` verified rows are context
+        at ``starts[i]``, ``starts[i] + 1``, ...; its block starts after its accepted ones (added on the device)."""
+        n, (_, Cb, Rb) = len(slots), bucket
         T = int(q.sum())  # <= n * max_q <= Cb: every verified row is context (the accepted ones first)
         host = np.zeros((5, max(Cb, Rb)), dtype=np.int64)
         host[0, :T] = repeat(starts, q) + segments(q)[1]
@@ -476,12 +489,21 @@ class DraftGraphs(GraphRunner):
         host[3, :n] = starts  # the block starts after the accepted context: added on the device
         host[4, :n] = 1  # live rows (the bonus comes from chain_next)
         copy_to_device(self.inputs[:, : host.shape[1]], torch.from_numpy(host))
+
+    def move_chain(self, starts: torch.Tensor, q: int) -> None:
+        """Move :meth:`lay_chain`'s context of ``len(starts)`` requests that verified ``q`` rows each to ``starts``
+        (device): the next chained body of queued rounds (:mod:`.spec_rounds`), nothing read back."""
+        n = starts.shape[0]
+        self.inputs[0, : n * q].copy_((starts[:, None] + self.block_cols[:q]).flatten())
+        self.inputs[3, :n].copy_(starts)
+
+    def replay_chain(self, bucket: tuple[str, int, int], accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Replay the chained body laid out last with each request's accepted count and next token (device)."""
+        n = accepted.shape[0]
         self.attention.start.fill_(INACTIVE)
         self.chain_acc[:n].copy_(accepted)
         self.chain_next[:n].copy_(next_tokens)
         self.replay(bucket)
-        self._chained = (list(slots), Rb, q.tolist(), np.concatenate([[0], np.cumsum(q)]).tolist())
-        return True
 
     @torch.no_grad()
     def run_head(self, counts: Sequence[int]) -> DraftOutput:

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gpu_common as common  # noqa: E402
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+QUEUED = 8  # --modes queued: fixed rounds behind one read (EngineConfig.spec_rounds)
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
@@ -120,6 +121,8 @@ def engine_for(mode: str, target, drafter, kw: dict):
         return Engine(target, drafter=None, **kw)
     if mode == "default":
         return Engine(target, drafter=drafter, **kw)
+    if mode == "queued":  # fixed rounds, QUEUED of them behind one read: a row's "round" is one step of QUEUED rounds
+        return Engine(target, drafter=drafter, length_policy="fixed", spec_rounds=QUEUED, **kw)
     return Engine(target, drafter=drafter, length_policy=mode, **kw)
 
 
@@ -152,7 +155,7 @@ def run(args) -> dict:
         for mode in args.modes:
             eng = engine_for(mode, target, drafter, kw)
             ps = [prompts[i % len(prompts)] for i in range(c)]
-            eng.generate(ps, max_new_tokens=args.max_new_tokens)  # graphs captured, kernels tuned
+            eng.generate(ps, max_new_tokens=min(args.max_new_tokens, 160))  # graphs captured, kernels tuned
             handles = [eng.submit(p, args.max_new_tokens) for p in ps]
             while not all(h.token_ids for h in handles):
                 eng.step()
@@ -217,6 +220,7 @@ def main(argv=None) -> int:
         args.steps, args.concurrency, args.prompt_len = 2, [1, 2], 16
     Path(args.out).mkdir(parents=True, exist_ok=True)
     rounds = 3 + args.steps * (args.passes + (0 if args.no_profile else 2))  # run(): 3 untimed, then the passes
+    rounds *= QUEUED if "queued" in args.modes else 1  # a queued step is QUEUED rounds
     if args.smoke:
         args.max_new_tokens = 16 * rounds
     if 16 * rounds > args.max_new_tokens:  # a round commits up to a block (16 tokens) a request: none may end inside
