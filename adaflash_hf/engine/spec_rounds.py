@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..speculation.hooks import hooks_for
-from .graphs import pick_bucket
+from .graphs import pick_bucket, to_device
 from .lifecycle import NON_FINITE
 from .target import PackedLayout, leading_rows
 
@@ -76,9 +76,9 @@ class SpecRounds:
             chain = dg.chain_bucket(n)
             dg.lay_chain(slots, np.full(n, B, dtype=np.int64), starts_host, chain)
             head = ("head", pick_bucket(dg.pos_buckets, n * W))
-            starts = torch.from_numpy(starts_host).to(device)
-            slot_rows = torch.tensor(slots, device=device)
-            bonus = torch.tensor([r.bonus for r in running], device=device)
+            # one queued host-to-device copy (a plain one would wait for the chained body still running)
+            starts, slot_rows, bonus = to_device(torch.from_numpy(np.stack(
+                [starts_host, np.asarray(slots), np.asarray([r.bonus for r in running])])), device)
             bins = graphs.requests
             width = 4 * bins + T
             out = torch.empty(rounds, width, dtype=torch.long, device=device)
