@@ -45,9 +45,10 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaL
 
 
 def busy_us(events) -> float:
-    """The union of device activity intervals (us)."""
+    """The union of device activity intervals (us); the round marks' device spans (``--trace-at``) are not activity."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+                   and e.name != "round")
     total, end = 0.0, float("-inf")
     for s, e in spans:
         if e > end:
