@@ -4,13 +4,7 @@
 # tokens, median of REPS). Carried: .slimwhl and .evaldata/data.tar.gz. Everything ends in $OUT/queued.tar and
 # $OUT/real.tar.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; W=$(mktemp -d); SITE=${SITE:-/tmp/site}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE ${WHEELS:-.slimwhl}/*.whl || exit 1
-export PYTHONPATH=$SITE
-mkdir -p .evaldata/x && { [[ -d .evaldata/x/data ]] || tar xzf .evaldata/data.tar.gz -C .evaldata/x; } || exit 1
-export ADAFLASH_DATA="$PWD/.evaldata/x/data"
-python3 -m pip install -q --no-build-isolation --no-deps -e . > /dev/null || exit 1
+source examples/device_setup.sh  # OUT, W, SITE; the carried wheel, this checkout, the datasets
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $W/env.txt
 python3 examples/engine_probes/round_trace.py --pair ref --out $W/ref --modes off,fixed,queued --concurrency 1,32 \
   --steps 10 --max-new-tokens 4224 --trace-at queued:1,queued:32 > $W/ref.log 2>&1; head -10 $W/ref/round_trace.md

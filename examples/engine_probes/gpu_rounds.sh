@@ -4,13 +4,7 @@
 # .evaldata/data.tar.gz. Everything ends in $OUT/rounds.tar (raw JSON, markdown, Chrome traces, log).
 #   bash examples/engine_probes/gpu_rounds.sh            # PAIRS="ref 8b" MODES=off,fixed CONC=1,32 TRACE_AT=...
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; W=$(mktemp -d); SITE=${SITE:-/tmp/site}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE ${WHEELS:-.slimwhl}/*.whl || exit 1
-export PYTHONPATH=$SITE
-mkdir -p .evaldata/x && { [[ -d .evaldata/x/data ]] || tar xzf .evaldata/data.tar.gz -C .evaldata/x; } || exit 1
-export ADAFLASH_DATA="$PWD/.evaldata/x/data"
-python3 -m pip install -q --no-build-isolation --no-deps -e . > /dev/null || exit 1
+source examples/device_setup.sh  # OUT, W, SITE; the carried wheel, this checkout, the datasets
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   git log --oneline -1 2>/dev/null; } | tee $W/env.txt

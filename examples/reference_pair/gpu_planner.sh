@@ -8,13 +8,7 @@
 # stage writes ends in one file, $OUT/STAGE.tar (the device returns at most 8 files).
 set -uo pipefail
 STAGE=${1:?usage: gpu_planner.sh real|replay}; shift
-OUT=${OUT:-/tmp/out}; W=$(mktemp -d); SITE=${SITE:-/tmp/site}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE ${WHEELS:-.slimwhl}/*.whl || exit 1
-export PYTHONPATH=$SITE
-mkdir -p .evaldata/x && { [[ -d .evaldata/x/data ]] || tar xzf .evaldata/data.tar.gz -C .evaldata/x; } || exit 1
-export ADAFLASH_DATA="$PWD/.evaldata/x/data"
-python3 -m pip install -q --no-build-isolation --no-deps -e . > /dev/null || exit 1
+source examples/device_setup.sh  # OUT, W, SITE; the carried wheel, this checkout, the datasets
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $W/gpu.txt
 git log --oneline -1 2>/dev/null | tee -a $W/gpu.txt
 case $STAGE in
