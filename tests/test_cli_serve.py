@@ -49,6 +49,7 @@ def _cases(c, port):
         "bad-length-policy": (["--length-policy", "expected_gain"], ["--length-policy", "expected_gain"]),
         "plain-with-drafter": (["--plain", "--target", c["target"], "--drafter", c["drafter"]], ["--plain serves the target alone"]),
         "zero-decode-steps": (["--decode-steps", "0"], ["--decode-steps", "positive integer"]),
+        "zero-spec-rounds": (["--spec-rounds", "0"], ["--spec-rounds", "positive integer"]),
         "zero-concurrency": (["--max-concurrent-requests", "0"], ["--max-concurrent-requests", "positive integer"]),
         "negative-body-timeout": (["--body-timeout", "-1"], ["--body-timeout", "seconds >= 0"]),
         "negative-header-timeout": (["--header-timeout", "-1"], ["--header-timeout", "seconds >= 0"]),

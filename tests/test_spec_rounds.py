@@ -66,3 +66,28 @@ def test_a_round_that_cannot_fit_its_queue_runs_alone(ref):
     assert engine.healthy, engine.last_error
     assert out.token_ids == plain(target, prompts[0], len(out.token_ids))
     assert engine.spec.rounds_for([]) == 0
+
+
+def test_nothing_is_queued_while_a_request_waits_or_samples(ref, monkeypatch):
+    """Rounds are queued only when no request waits for a slot and every running one is greedy: the queue would hold
+    a waiting request back for its rounds, and sampled rows accept outside the replay. Outputs stay plain greedy."""
+    from adaflash_hf.engine.spec_rounds import SpecRounds
+
+    target, drafter, prompts = ref
+    engine = Engine(target, drafter, length_policy="fixed", max_slots=2, max_len=200, cuda_graphs=True, prompt_ngrams=0,
+                    spec_rounds=4)
+    seen = []
+    run_queue = SpecRounds.run
+
+    def spy(self, running, rounds):
+        seen.append((len(engine.lifecycle.queue), [r.params.greedy for r in running]))
+        return run_queue(self, running, rounds)
+
+    monkeypatch.setattr(SpecRounds, "run", spy)
+    sampled = engine.submit(prompts[0], 8, temperature=1.0, seed=0)
+    handles = [engine.submit(p, 64) for p in prompts]  # the last two wait for a slot
+    engine.run_until_idle()
+    assert engine.healthy, engine.last_error
+    assert [h.result().token_ids for h in handles] == [plain(target, p, 64) for p in prompts]
+    assert len(sampled.result().token_ids) == 8
+    assert seen and all(waiting == 0 and all(greedy) for waiting, greedy in seen)  # queued only once nothing waited

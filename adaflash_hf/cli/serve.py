@@ -86,6 +86,10 @@ def add_arguments(p) -> None:
     g.add_argument("--decode-steps", type=positive_int, default=8,
                    help="--plain on CUDA: greedy decode steps per graph replay while no request waits "
                         "(streaming then arrives in groups of up to this many tokens; 1: one at a time)")
+    g.add_argument("--spec-rounds", type=positive_int, default=1,
+                   help="--length-policy fixed on CUDA: draft-verify rounds queued per device read while no request "
+                        "waits and every request is greedy (streaming then arrives in groups of up to this many "
+                        "rounds; the prompt n-gram rule sits the queued rounds out; 1, the default: one read a round)")
     g = p.add_argument_group("online adaptation (--online)")
     g.add_argument("--online", action="store_true",
                    help="distil the drafter from the target's verification of the traffic while serving: updates train "
@@ -162,7 +166,8 @@ def _service(args, need_drafter: bool):
     token_budget = args.token_budget or max_len
     try:
         config = EngineConfig(length_policy=args.length_policy if need_drafter else None, max_slots=args.max_slots,
-                              max_len=max_len, token_budget=token_budget, decode_steps=args.decode_steps, round_sink=adapter)
+                              max_len=max_len, token_budget=token_budget, decode_steps=args.decode_steps,
+                              spec_rounds=args.spec_rounds, round_sink=adapter)
         engine = Engine(target, drafter if need_drafter else None, config)
     except ValueError as e:
         raise UsageError(f"cannot serve this model: {one_line(e)}", "the engine drives Qwen3 / Llama-family targets") from None
