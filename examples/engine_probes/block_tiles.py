@@ -4,7 +4,9 @@ step) on the same weights, at the Qwen3-8B shape in bf16.
 
 A 16-token verify reads the same weights as a 1-token step, so at full bandwidth both cost the same; this measures how
 far each projection's best 16-row tile is from its best one-row tile. Every projection runs over ``--weights``
-distinct weights (one per layer, no L2 reuse) inside one CUDA graph, median of ``--iters`` replays.
+distinct weights (one per layer, no L2 reuse) inside one CUDA graph, timed as the engine's tuner times its
+candidates (``kernels.fused.graph_ms``: the mean of ``--iters`` replays back to back; the run recorded in
+``docs/logs/round_kernels_h100_1207`` took the median of single replays instead).
 
     python3 examples/engine_probes/block_tiles.py --out $OUT/tiles
 
@@ -17,41 +19,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from adaflash_hf.engine.kernels.fused import graph_ms  # the engine's own tuner times its candidates so
 from adaflash_hf.engine.kernels.skinny_linear import BLOCK_CONFIGS, ROW_CONFIGS, SkinnyConfig, fitting, skinny_linear
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 GRID = [SkinnyConfig(bn, bk, w, s) for bn, bk, w, s in itertools.product((16, 32, 64, 128), (128, 256, 512), (4, 8),
                                                                            (3, 4, 5))]
-
-
-def graph_ms(fn, iters: int) -> float:
-    """Median ms of one replay of a CUDA graph of ``fn()``."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def probe(role: str, shape, layers: int, iters: int, budget_end: float) -> dict:

@@ -54,7 +54,7 @@ from .stock_layers import unsupported_layers
 _MAX_ROWS = 16  # skinny_linear.MAX_ROWS (that module needs Triton, imported only when used)
 _TUNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its tuning (FusedTarget.build)
 
-__all__ = ["FusedTarget", "LayerWeights", "fuse_layer_weights"]
+__all__ = ["FusedTarget", "LayerWeights", "fuse_layer_weights", "graph_ms"]
 
 
 # ------------------------------------------------------------------ compiling (the elementwise math: .elementwise)
@@ -95,9 +95,13 @@ ROW_KINDS = ("cublas", "gemv", "triton")  # one row: cuBLAS, Inductor's tuned re
 BLOCK_KINDS = ("cublas", "triton")  # 2-16 rows
 
 
-def _graph_ms(fn: Callable[[], None], reps: int = 10) -> float:
+def graph_ms(fn: Callable[[], None], reps: int = 10) -> float:
     """Device milliseconds of ``fn`` (a loop of kernel launches), captured as a CUDA graph so that
-    launch overhead does not hide the kernels' own time."""
+    launch overhead does not hide the kernels' own time: the mean of ``reps`` replays back to back.
+
+    Example:
+        >>> graph_ms(lambda: [F.linear(x, w) for w in weights], reps=20)  # doctest: +SKIP
+    """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -372,7 +376,7 @@ class FusedTarget:
 
                     try:
                         run()  # compiled (and tuned) outside the timed graphs, without autograd as the engine runs it
-                        times[name] = _graph_ms(run, reps) / len(weights)
+                        times[name] = graph_ms(run, reps) / len(weights)
                     except Exception as exc:  # noqa: BLE001 - a compiler failure must not stop serving: cuBLAS remains
                         notes.append(f"{role} x{rows} {name}: {type(exc).__name__}: {str(exc)[:120]}")
                 best = min(times, key=times.get)
