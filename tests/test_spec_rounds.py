@@ -91,3 +91,32 @@ def test_nothing_is_queued_while_a_request_waits_or_samples(ref, monkeypatch):
     assert [h.result().token_ids for h in handles] == [plain(target, p, 64) for p in prompts]
     assert len(sampled.result().token_ids) == 8
     assert seen and all(waiting == 0 and all(greedy) for waiting, greedy in seen)  # queued only once nothing waited
+
+
+def test_generate_queues_fixed_rounds_on_the_engine(ref, monkeypatch):
+    """``generate(assistant_model=drafter, spec_rounds=K)``: the engine's fast path queues the rounds (a spy on
+    SpecRounds.run), the output equals plain greedy ``generate``."""
+    from adaflash_hf.engine.spec_rounds import SpecRounds
+
+    target, drafter, prompts = ref
+    calls = []
+    run_queue = SpecRounds.run
+    monkeypatch.setattr(SpecRounds, "run", lambda self, running, rounds: (calls.append(rounds),
+                                                                          run_queue(self, running, rounds))[1])
+    ids = torch.tensor([prompts[0]])
+    out = target.generate(ids, assistant_model=drafter, length_policy="fixed", prompt_ngrams=0, spec_rounds=4,
+                          fast_path=True, do_sample=False, max_new_tokens=48)
+    assert out.tolist() == target.generate(ids, do_sample=False, max_new_tokens=48).tolist()
+    assert calls and max(calls) > 1
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"spec_rounds": 0, "length_policy": "fixed"}, "integer >= 1"),
+    ({"spec_rounds": 4, "length_policy": "cost"}, "length_policy='fixed'"),
+    ({"spec_rounds": 4, "length_policy": "fixed", "fast_path": False}, "eager loop"),
+    ({"spec_rounds": 4, "length_policy": "fixed"}, "eager loop"),  # fast_path "auto" off CUDA: the eager loop
+])
+def test_generate_refuses_spec_rounds_that_cannot_apply(ref, kwargs, message):
+    target, drafter, prompts = ref
+    with pytest.raises(ValueError, match=message):
+        target.generate(torch.tensor([prompts[0]]), assistant_model=drafter, do_sample=False, max_new_tokens=8, **kwargs)

@@ -18,7 +18,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from ..modeling import AdaFlashDrafter
 from ..speculation.hooks import hooks_for, round_callbacks
-from ..speculation.length import LengthSettings, RowState
+from ..speculation.length import LengthPolicy, LengthSettings, RowState
 from ..speculation.prompt_ngrams import NgramIndex, PromptNgrams, agree_wide, agree_with_drafts
 from ..speculation.rounds import RoundSink, VerifiedRound
 from ..speculation.verify import SampledRows, accept_block
@@ -169,6 +169,7 @@ def adaflash_decoding(
     round_sink: RoundSink | None = None,
     fast_path: str | bool = "auto",
     prompt_ngrams: int | PromptNgrams | None = None,
+    spec_rounds: int = 1,
     **model_kwargs,
 ):
     """Speculative decoding with an AdaFlash drafter, as a transformers `custom_generate` method.
@@ -193,6 +194,10 @@ def adaflash_decoding(
     greedy decoding only (``PromptNgrams(4, sampled=True)`` under sampling too). Off while a round sink (an online
     adapter) is attached: it learns from the drafter's own rounds.
 
+    `spec_rounds`: on the engine (`fast_path`) with `length_policy="fixed"`, queue up to this many rounds on the device
+    behind one read (:mod:`adaflash_hf.engine.spec_rounds`: each built from the last one's verdict there; the prompt
+    n-gram rule sits the queued rounds out). Outputs are unchanged; 1 (the default) reads once a round.
+
     Example:
         >>> out = target.generate(ids, custom_generate=adaflash_decoding, drafter=drafter)  # doctest: +SKIP
     """
@@ -202,12 +207,27 @@ def adaflash_decoding(
     length = LengthSettings.of(length_policy if isinstance(length_policy, LengthSettings) else None,
                                length_policy=None if isinstance(length_policy, LengthSettings) else length_policy,
                                length_rate=length_rate, length_min=length_min).resolved(drafter)
+    _check_spec_rounds(spec_rounds, length, fast_path)
     if takes_engine(fast_path, model, drafter, generation_config, logits_processor, model_kwargs, length):
         return engine_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                length=length, return_stats=return_stats, round_sink=round_sink, prompt_ngrams=ngrams,
-                               **model_kwargs)
+                               spec_rounds=spec_rounds, **model_kwargs)
+    if spec_rounds > 1:
+        raise ValueError(f"spec_rounds={spec_rounds} queues the engine's rounds, and this call runs the eager loop "
+                         "(off CUDA pass fast_path=True; a warning above names any other reason)")
     return _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stopping_criteria, generation_config, streamer,
                               length, return_stats, round_sink, ngrams, model_kwargs)
+
+
+def _check_spec_rounds(spec_rounds, length: LengthSettings, fast_path) -> None:
+    """Refuse a ``spec_rounds`` that is not a positive int, or that cannot apply (not ``fixed``, no engine)."""
+    if isinstance(spec_rounds, bool) or not isinstance(spec_rounds, int) or spec_rounds < 1:
+        raise ValueError(f"spec_rounds must be an integer >= 1, got {spec_rounds!r}")
+    if spec_rounds > 1 and length.policy is not LengthPolicy.FIXED:
+        raise ValueError(f"spec_rounds={spec_rounds} queues fixed rounds: pass length_policy='fixed' "
+                         f"(this call's is {length.policy.value!r})")
+    if spec_rounds > 1 and fast_path is False:
+        raise ValueError(f"spec_rounds={spec_rounds} queues the engine's rounds: fast_path=False runs the eager loop")
 
 
 def _draft_verify_loop(model, drafter, input_ids, logits_processor, rows, stopping_criteria, generation_config, streamer,

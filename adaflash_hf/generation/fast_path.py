@@ -139,16 +139,17 @@ def _token_budget(prompt_lens: list[int], block: int, width: int | None = None) 
 
 
 def _engine_for(model, drafter, length: LengthSettings, rows: int, max_len: int, budget: int,
-                width: int | None = None) -> _Cached:
+                width: int | None = None, spec_rounds: int = 1) -> _Cached:
     """The cached engine for these models and verify-length settings (resolved) if it fits the call, else a new one
-    (replacing it); ``width``: the prompt n-gram rule's ``max_width`` the engine must take (its graphs' widest verify)."""
+    (replacing it); ``width``: the prompt n-gram rule's ``max_width`` the engine must take (its graphs' widest verify);
+    ``spec_rounds``: its :class:`~adaflash_hf.engine.EngineConfig`'s."""
     from ..engine import Engine, EngineConfig
 
     def pow2(n: int, floor: int) -> int:
         return max(floor, 1 << max(0, n - 1).bit_length())
 
     p = next(model.parameters())
-    key = (id(model), id(drafter), length, p.device, p.dtype, width)
+    key = (id(model), id(drafter), length, p.device, p.dtype, width, spec_rounds)
     with _LOCK:
         hit = _ENGINES.get(key)
         if hit is not None and (hit.target() is not model or hit.drafter() is not drafter):
@@ -161,7 +162,7 @@ def _engine_for(model, drafter, length: LengthSettings, rows: int, max_len: int,
         with torch.inference_mode(False):  # see engine_decoding: the engine is reused outside this call's mode
             config = EngineConfig(length_policy=length, max_slots=pow2(rows, 1), max_len=pow2(max_len, 256),
                                   token_budget=pow2(budget, 64), cuda_graphs=True,  # off CUDA: the same static bucket forwards, eagerly
-                                  prompt_ngrams=PromptNgrams(max_width=width))
+                                  prompt_ngrams=PromptNgrams(max_width=width), spec_rounds=spec_rounds)
             engine = Engine(model, drafter, config)
         if hit is not None:  # a bigger engine for the same pair: it keeps what the traffic's rounds accepted (a fresh
             # one guesses each request's next round from its last head ratio, which says little: on Spec-Bench
@@ -174,11 +175,12 @@ def _engine_for(model, drafter, length: LengthSettings, rows: int, max_len: int,
 
 
 def warmup(target, drafter, batch_size: int = 1, prompt_len: int = 512, max_new_tokens: int = 128,
-           length_policy: str | None = None, length_rate=None, length_min=None, prompt_ngrams=None) -> float:
+           length_policy: str | None = None, length_rate=None, length_min=None, prompt_ngrams=None,
+           spec_rounds: int = 1) -> float:
     """Build (or find) the engine that ``generate(assistant_model=drafter)`` will use for batches of up to
     ``batch_size`` prompts of ``prompt_len`` tokens and capture the graphs it needs
-    (:meth:`~adaflash_hf.engine.Engine.warmup`); returns the seconds it took. ``prompt_ngrams``: the call's, as
-    generate takes it (its ``max_width`` sets the widest verify).
+    (:meth:`~adaflash_hf.engine.Engine.warmup`); returns the seconds it took. ``prompt_ngrams``, ``spec_rounds``:
+    the call's, as generate takes them (``max_width`` sets the widest verify).
 
     Example:
         >>> warmup(target, drafter, batch_size=1, prompt_len=512, max_new_tokens=128)  # doctest: +SKIP
@@ -190,7 +192,7 @@ def warmup(target, drafter, batch_size: int = 1, prompt_len: int = 512, max_new_
         drafter.bind_target(target)
     width = _wide(PromptNgrams.of(prompt_ngrams), do_sample=False)
     cached = _engine_for(target, drafter, length, batch_size, prompt_len + max_new_tokens + block,
-                         _token_budget([prompt_len] * batch_size, block, width), width)
+                         _token_budget([prompt_len] * batch_size, block, width), width, spec_rounds)
     with cached.lock, torch.inference_mode(False), torch.no_grad():
         cached.engine.warmup(concurrency=min(batch_size, cached.engine.max_slots), prompt_lens=[prompt_len])
     return time.perf_counter() - t0
@@ -215,7 +217,7 @@ def _split_criteria(stopping_criteria):
 
 
 def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer, *,
-                    length=None, return_stats=False, round_sink=None, prompt_ngrams=None, **model_kwargs):
+                    length=None, return_stats=False, round_sink=None, prompt_ngrams=None, spec_rounds=1, **model_kwargs):
     """The body of :func:`~.decoding.adaflash_decoding` on the engine (after :func:`fast_path_refusal` said
     it can): same arguments (``length``: the verify-length settings), same return value."""
     from ..engine import SamplingParams
@@ -236,7 +238,7 @@ def engine_decoding(model, drafter, input_ids, logits_processor, stopping_criter
     ngrams = PromptNgrams.of(prompt_ngrams)
     width = _wide(ngrams, generation_config.do_sample)
     cached = _engine_for(model, drafter, length, len(prompts), max(map(len, prompts)) + max_new + block,
-                         _token_budget(list(map(len, prompts)), block, width), width)
+                         _token_budget(list(map(len, prompts)), block, width), width, spec_rounds)
     engine = cached.engine
     stats = GenerationStats(block_size=block, policy=length.policy.value)
     output = Output.for_config(generation_config, stopping_criteria, streamer)

@@ -29,7 +29,8 @@ from .decoding import adaflash_decoding
 from .drafting import AdaFlashCandidateGenerator
 
 TESTED_TRANSFORMERS = ((5, 23),)
-_OPTIONS = ("length_policy", "length_rate", "length_min", "return_stats", "round_sink", "fast_path", "prompt_ngrams")
+_OPTIONS = ("length_policy", "length_rate", "length_min", "return_stats", "round_sink", "fast_path", "prompt_ngrams",
+            "spec_rounds")
 _POLICY_OPTIONS = ("length_policy", "length_rate", "length_min")  # what transformers' own loop can use too
 ADAFLASH_SPECULATION = "adaflash"
 # `generate` has no way to hand call options to `_get_candidate_generator`; the hook sets them for
