@@ -255,6 +255,7 @@ class DraftGraphs(GraphRunner):
         self._chained: tuple | None = None  # (slots, R_b, verify lengths, their offsets) of the chained body not yet taken
         self.padded_tokens = 0
         self._rows = 0  # R_b of the last body run (the head reads its block states)
+        self._head_key: tuple[str, int] | None = None  # the last run_head's graph key (replay_head)
         self.fused, self.fusion_note = None, "no fused target" if fused is None else ""
         if fused is not None:
             self.fusion_note = unsupported_drafter_layers(drafter, fused.model) or ""
@@ -490,12 +491,11 @@ class DraftGraphs(GraphRunner):
         host[4, :n] = 1  # live rows (the bonus comes from chain_next)
         copy_to_device(self.inputs[:, : host.shape[1]], torch.from_numpy(host))
 
-    def move_chain(self, starts: torch.Tensor, q: int) -> None:
-        """Move :meth:`lay_chain`'s context of ``len(starts)`` requests that verified ``q`` rows each to ``starts``
-        (device): the next chained body of queued rounds (:mod:`.spec_rounds`), nothing read back."""
-        n = starts.shape[0]
-        self.inputs[0, : n * q].copy_((starts[:, None] + self.block_cols[:q]).flatten())
-        self.inputs[3, :n].copy_(starts)
+    def move_chain(self, positions: torch.Tensor, starts: torch.Tensor) -> None:
+        """Move :meth:`lay_chain`'s context to ``positions`` and its requests' block starts to ``starts`` (device):
+        the next chained body of queued rounds (:mod:`.spec_rounds`), nothing read back."""
+        self.inputs[0, : positions.shape[0]].copy_(positions)
+        self.inputs[3, : starts.shape[0]].copy_(starts)
 
     def replay_chain(self, bucket: tuple[str, int, int], accepted: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Replay the chained body laid out last with each request's accepted count and next token (device)."""
@@ -517,10 +517,16 @@ class DraftGraphs(GraphRunner):
         P = idx.shape[0]
         Pb = pick_bucket(self.pos_buckets, P)
         copy_to_device(self.head_idx[:Pb], torch.cat([idx, torch.ones(Pb - P, dtype=torch.long)]))
-        self.replay(("head", Pb))
+        self._head_key = ("head", Pb)
+        self.replay(self._head_key)
         offsets = [0, *itertools.accumulate(counts)]
         return DraftOutput(self.tokens[:P], self.logits[:P], self.ratio[: len(counts)] if self.ratio is not None else None,
                            self.finite[:P], offsets)
+
+    def replay_head(self) -> None:
+        """The last :meth:`run_head`'s positions again, over the block states of the body run since (queued rounds:
+        :mod:`.spec_rounds`)."""
+        self.replay(self._head_key)
 
     def run(self, slots: list[int], ctx: list[torch.Tensor], bonus: list[int] | None) -> DraftOutput | None:
         """Body, then the full-width head (``None`` when context only)."""

@@ -66,7 +66,7 @@ from .requests import EngineOutput, Request, RequestHandle, RequestRejected, Ste
 from .round_ngrams import PROBE_LAG, apply_prompt_ngrams, round_candidates, wide_capacity
 from .sampled_rows import RoundRandom, sample_drafts, sample_round
 from .sampling import SamplingParams
-from .spec_rounds import SpecRounds
+from .spec_rounds import SpecRounds, raw_greedy
 from .stats import EngineStats, PhaseTimer
 from .target import PackedLayout, check_target_supported, leading_rows, make_target_cache, target_forward
 
@@ -157,8 +157,9 @@ class Engine:
         self.plain = PlainDecoder(self.graphs, self.cache, self.lifecycle, self.stats, self.timer, drafter, self.draft_graphs,
                                   self.prompt_ngrams if self._ngram_event is not None else None, self._ngram_event)
         self.spec = (SpecRounds(self.graphs, self.cache, self.draft_graphs, drafter, self.lifecycle, self.stats, self.planner,
-                                config.spec_rounds)
-                     if config.spec_rounds > 1 and layout == "fixed" and self.draft_graphs is not None else None)
+                                config.spec_rounds)  # CUDA graphs' static path, the drafter's own drafts
+                     if config.spec_rounds > 1 and layout == "fixed" and self.draft_graphs is not None
+                     and self.draft_source.own_drafts else None)
         self._ids = itertools.count()
         self._graph_accept = False  # this round accepts inside the target's replay (_accepts_in_graph)
         if round_cost is None or isinstance(round_cost, str):  # "measured", or the default: cost_cache says
@@ -308,8 +309,8 @@ class Engine:
         if steps:
             return self._plain_steps(running, steps)
         self.plain.forget()  # this round's body stores the features plain steps kept
-        rounds = self._spec_rounds(running)
-        if rounds > 1:
+        rounds = self.spec.rounds_for(running, self.on_round is not None) if self.spec is not None else 0
+        if rounds > 1:  # fixed rounds queued behind one read (spec_rounds)
             for _ in range(rounds):
                 self._announce(len(running) * self.block_size, 0, len(running))
             self.spec.run(running, rounds)
@@ -350,20 +351,12 @@ class Engine:
 
     def _greedy_steps(self, running) -> int:
         """Plain greedy steps before the next read (0: a normal round), until the longest request ends or a slot fills."""
-        if self.graphs is None or not running or self._queue or not all(r.params.greedy and r.params.raw_rows for r in running):
+        if self.graphs is None or not running or self._queue or not raw_greedy(running):
             return 0
         most = min(self.decode_steps, self.cache.max_len - max(self.cache.length(r.slot) for r in running))
         if self.drafter is not None:
             return self.planner.plain_stretch(running, most, sink=self.on_round is not None)
         return min(most, max(r.remaining for r in running))
-
-    def _spec_rounds(self, running) -> int:
-        """Rounds to queue behind one read (:mod:`.spec_rounds`; 0: a normal round): ``fixed`` rounds of greedy requests
-        that nothing reads but the acceptance, nothing waiting."""
-        if (self.spec is None or self._queue or self.on_round is not None or not self.draft_source.own_drafts
-                or not all(r.params.greedy and r.params.raw_rows for r in running)):
-            return 0
-        return self.spec.rounds_for(running)
 
     def _plain_steps(self, running, steps: int) -> bool:
         """``steps`` plain greedy steps of ``running`` behind one read (:class:`.decode_steps.PlainDecoder`)."""
@@ -399,7 +392,7 @@ class Engine:
         (no penalty, grammar or logprobs; no round sink)."""
         return (self.graphs is not None and not admitted and bool(running) and self.on_round is None
                 and drafts.sampled is None
-                and all(r.params.greedy and r.params.raw_rows for r in running))
+                and raw_greedy(running))
 
     def _read_and_chain(self, packed: torch.Tensor, running, admitted, drafts: RoundDrafts, accepted, next_tokens) -> list[int]:
         """The round's one device read. When the round verified drafts (any layout) and admitted nothing, the next

@@ -464,13 +464,13 @@ class DecodeGraphs(GraphRunner):
         logits = self.logits[:T].to(torch.float32, copy=True)
         return logits, (self.hidden[:T].clone() if self.hidden is not None else None)
 
-    def move_verify(self, tokens: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> None:
-        """Point the inputs :meth:`prepare` laid out for ``n = len(starts)`` requests of ``q`` tokens each (``tokens
-        [n, q]``, device) at new tokens and prefix lengths ``starts`` (device; slot rows ``slots``): the next verify of
+    def move_verify(self, tokens: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> None:
+        """Point the inputs :meth:`prepare` laid out for ``len(starts)`` requests at new ``tokens`` and ``positions``
+        (device, packed as laid out) and prefix lengths ``starts`` (device; slot rows ``slots``): the next verify of
         queued rounds (:mod:`.spec_rounds`), nothing read back."""
-        n, q = tokens.shape
-        self.inputs[0, : n * q].copy_(tokens.flatten())
-        self.inputs[1, : n * q].copy_((starts[:, None] + torch.arange(q, device=starts.device)).flatten())
+        T = tokens.shape[0]
+        self.inputs[0, :T].copy_(tokens)
+        self.inputs[1, :T].copy_(positions)
         self.attention.start.index_copy_(0, slots, starts.to(self.attention.start.dtype))
 
     def verdict_rows(self, num_tokens: int) -> torch.Tensor:

@@ -18,11 +18,17 @@ import numpy as np
 import torch
 
 from ..speculation.hooks import hooks_for
-from .graphs import pick_bucket, to_device
+from .graphs import to_device
 from .lifecycle import NON_FINITE
 from .target import PackedLayout, leading_rows
 
-__all__ = ["SpecRounds"]
+__all__ = ["SpecRounds", "raw_greedy"]
+
+
+def raw_greedy(running) -> bool:
+    """Every request greedy, with nothing that changes or reads its rows but the acceptance (no penalty, grammar or
+    logprobs): what greedy acceptance inside a graph replay and queued steps need."""
+    return all(r.params.greedy and r.params.raw_rows for r in running)
 
 
 class SpecRounds:
@@ -44,10 +50,12 @@ class SpecRounds:
         self.lifecycle, self.stats, self.planner, self.rounds = lifecycle, stats, planner, rounds
         self.block = draft_graphs.B
 
-    def rounds_for(self, running) -> int:
-        """How many rounds to queue for ``running`` (0 or 1: a normal round): while every request's caches have room
+    def rounds_for(self, running, sink: bool = False) -> int:
+        """How many rounds to queue for ``running`` (0 or 1: a normal round): none while a request waits for a slot,
+        one is not :func:`raw_greedy` or a round ``sink`` reads the rounds; else while every request's caches have room
         for them, a chained body fits, and the request with the most tokens left cannot be done before them."""
-        if self.rounds < 2 or not running or self.draft_graphs.chain_bucket(len(running)) is None:
+        if (self.rounds < 2 or not running or sink or self.lifecycle.queue or not raw_greedy(running)
+                or self.draft_graphs.chain_bucket(len(running)) is None):
             return 0
         B, dg = self.block, self.draft_graphs
         pending = [0 if r.pending_ctx is None else r.pending_ctx.shape[0] for r in running]
@@ -69,27 +77,28 @@ class SpecRounds:
             for r in running:
                 r.pending_ctx = None
             dg.run_head([W] * n)
-            starts_host = np.array([self.cache.length(s) for s in slots], dtype=np.int64)
             layout = PackedLayout.from_cache(self.cache, slots, [B] * n)
+            starts_host = np.asarray(layout.prefix_lens, dtype=np.int64)
             bucket = graphs.prepare([t for r in running for t in [r.bonus] + [0] * W], layout) + ("accept",)
             graphs.verify_len[:n].fill_(W)
             chain = dg.chain_bucket(n)
             dg.lay_chain(slots, np.full(n, B, dtype=np.int64), starts_host, chain)
-            head = ("head", pick_bucket(dg.pos_buckets, n * W))
             # one queued host-to-device copy (a plain one would wait for the chained body still running)
             starts, slot_rows, bonus = to_device(torch.from_numpy(np.stack(
                 [starts_host, np.asarray(slots), np.asarray([r.bonus for r in running])])), device)
-            bins = graphs.requests
+            cols, bins = torch.arange(B, device=device), graphs.requests
             width = 4 * bins + T
             out = torch.empty(rounds, width, dtype=torch.long, device=device)
             for k in range(rounds):
                 if k:
-                    dg.replay(head)  # the drafts of the body the last round chained
-                graphs.move_verify(torch.cat([bonus[:, None], dg.tokens[: n * W].view(n, W)], dim=1), starts, slot_rows)
+                    dg.replay_head()  # the drafts of the body the last round chained
+                positions = (starts[:, None] + cols).flatten()  # the verify's rows, then the next body's context
+                graphs.move_verify(torch.cat([bonus[:, None], dg.tokens[: n * W].view(n, W)], dim=1).flatten(), positions,
+                                   starts, slot_rows)
                 graphs.replay(bucket)
                 out[k].copy_(graphs.verdict_rows(T))
                 accepted, bonus = out[k, :n], out[k, bins : bins + n]
-                dg.move_chain(starts, B)
+                dg.move_chain(positions, starts)
                 dg.replay_chain(chain, accepted, bonus)
                 starts = starts + accepted + 1
             host = out.tolist()  # the rounds' one device read
