@@ -120,3 +120,10 @@ def test_generate_refuses_spec_rounds_that_cannot_apply(ref, kwargs, message):
     target, drafter, prompts = ref
     with pytest.raises(ValueError, match=message):
         target.generate(torch.tensor([prompts[0]]), assistant_model=drafter, do_sample=False, max_new_tokens=8, **kwargs)
+
+
+@pytest.mark.parametrize("policy", ["cost", "adaptive"])
+def test_an_engine_refuses_spec_rounds_for_rounds_that_are_not_fixed(ref, policy):
+    target, drafter, _ = ref
+    with pytest.raises(ValueError, match="length_policy='fixed'"):
+        Engine(target, drafter, length_policy=policy, max_slots=1, max_len=64, cuda_graphs=True, spec_rounds=4)

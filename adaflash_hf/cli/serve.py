@@ -112,6 +112,11 @@ def _check_models(args) -> bool:
     need_drafter = not args.plain
     if args.plain and (args.drafter or args.length_policy):
         raise UsageError("--plain serves the target alone", "leave out --drafter / --length-policy, or --plain")
+    if args.spec_rounds > 1 and args.length_policy != "fixed":
+        raise UsageError(f"--spec-rounds {args.spec_rounds} queues fixed rounds", "add --length-policy fixed, or leave "
+                         "--spec-rounds out")
+    if args.spec_rounds > 1 and args.online:
+        raise UsageError("--spec-rounds queues rounds the online adapter would not see", "leave --spec-rounds out")
     if args.target and need_drafter and not args.drafter:
         raise UsageError("no drafter given", "pass --drafter PATH_OR_HUB_ID, or --plain to serve the target alone")
     if args.target:

@@ -156,10 +156,12 @@ class Engine:
                              and self.prompt_ngrams.enabled and config.draft_replay is None else None)
         self.plain = PlainDecoder(self.graphs, self.cache, self.lifecycle, self.stats, self.timer, drafter, self.draft_graphs,
                                   self.prompt_ngrams if self._ngram_event is not None else None, self._ngram_event)
+        if config.spec_rounds > 1 and layout != "fixed":
+            raise ValueError(f"spec_rounds={config.spec_rounds} queues fixed rounds: length_policy='fixed' (this "
+                             f"engine's rounds are {layout!r})")
         self.spec = (SpecRounds(self.graphs, self.cache, self.draft_graphs, drafter, self.lifecycle, self.stats, self.planner,
                                 config.spec_rounds)  # CUDA graphs' static path, the drafter's own drafts
-                     if config.spec_rounds > 1 and layout == "fixed" and self.draft_graphs is not None
-                     and self.draft_source.own_drafts else None)
+                     if config.spec_rounds > 1 and self.draft_graphs is not None and self.draft_source.own_drafts else None)
         self._ids = itertools.count()
         self._graph_accept = False  # this round accepts inside the target's replay (_accepts_in_graph)
         if round_cost is None or isinstance(round_cost, str):  # "measured", or the default: cost_cache says
