@@ -125,3 +125,48 @@ def test_a_run_stopped_during_its_traffic_keeps_its_start(tmp_path):
     assert [v["version"] for v in result["versions"]] == [0] and result["newest"] is None
     assert result["versions"][0]["tau"] >= 1.0 and result["versions"][0]["identical"]
     assert "Traffic not finished" in (out / "protocol.md").read_text()
+
+
+@pytest.mark.parametrize("parallel, alive_at_last_start", [(4, 3), (1, 0)])
+def test_drafters_train_side_by_side(tmp_path, monkeypatch, parallel, alive_at_last_start):
+    """--parallel 4 starts the twin and the three leave-out drafters together (each sees the others running when it
+    starts); the control, --parallel 1, starts each after the one before it ended."""
+    leave_out = _module("leave_out")
+    started: list[subprocess.Popen] = []
+    alive: list[int] = []
+
+    def start(cmd, log):
+        alive.append(sum(p.poll() is None for p in started))
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.0)"]))
+        return started[-1]
+
+    monkeypatch.setattr(leave_out, "_start", start)
+    monkeypatch.setattr(leave_out, "_run", lambda cmd, log, timeout: (0, 0.0))  # the regeneration
+    a = leave_out.parse_args(["--out", str(tmp_path), "--parallel", str(parallel), "--minutes", "0.01"])
+    record = leave_out.build(a)
+    assert list(record["drafters"]) == ["twin", "no-math", "no-code", "no-chat"]
+    assert all(d["status"] == "ok" and d["side_by_side"] == parallel for d in record["drafters"].values())
+    assert alive[-1] == alive_at_last_start and len(started) == 4
+
+
+def test_a_later_call_adds_seeds_and_keeps_the_measured_twin(tmp_path):
+    """--first-seed 1 plans seeds 1.. only and no twin already measured in --out, and its table still has seed 0 from
+    the earlier call; the control, a first call, plans the twin and seed 0."""
+    recovery = _module("recovery")
+    drafters = tmp_path / "drafters"
+    for name in ("twin", "no-math"):
+        (drafters / name).mkdir(parents=True)
+        (drafters / name / "config.json").write_text("{}")
+    out = tmp_path / "recovery"
+    argv = ["--drafters", str(drafters), "--out", str(out), "--families", "math", "--methods", "opd", "--seeds", "2"]
+    first = [name for wave in recovery.plan(recovery.parse_args(argv)) for name, _ in wave]
+    assert first == ["math-twin", "math-opd-s0", "math-opd-s1"]
+    _write_run(out, "math-twin", [3.0], [0])
+    _write_run(out, "math-opd-s0", [2.0, 2.5], [0, 128])
+    later = recovery.parse_args([*argv, "--first-seed", "1"])
+    assert [name for wave in recovery.plan(later) for name, _ in wave] == ["math-opd-s1"]
+    rows = {r["run"]: r for r in recovery.summarise(later, {"math-opd-s1": 0})["runs"]}
+    assert rows["math-opd-s0"]["R"] == pytest.approx(0.5) and rows["math-opd-s0"]["status"] == "an earlier call"
+    assert rows["math-opd-s1"]["status"] == 0
+    with pytest.raises(SystemExit):
+        recovery.parse_args([*argv, "--first-seed", "2"])

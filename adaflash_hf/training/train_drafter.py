@@ -541,8 +541,11 @@ def run(r: DrafterRecipe) -> int:
     timings["train_s"] = round(time.time() - t, 1)
     step_samples = r.batch_size * r.grad_accum * processes
     timings["train_samples_per_s"] = round(trainer.state.global_step * step_samples / max(timings["train_s"], 1e-9), 2)
+    if device.type == "cuda":  # what a run needs beside others on one card
+        timings["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     print(f"[train_drafter] trained {trainer.state.global_step} steps of {step_samples} samples in {timings['train_s']}s "
-          f"(final train loss {result.training_loss:.4f})", flush=True)
+          f"(final train loss {result.training_loss:.4f}"
+          + (f", peak {timings['peak_memory_gb']} GB" if "peak_memory_gb" in timings else "") + ")", flush=True)
     if not main_process:  # the main process evaluates and writes everything
         return 0
     eval_samples = _eval_samples(r, target, tok, timings) if r.eval_per_domain > 0 else []

@@ -3,9 +3,10 @@
 # the drafters, ~7 MB each, come back from call 1 but do not fit beside the checkout in a second call's carry):
 #   bash examples/online_protocol/gpu.sh drafters [leave_out.py flags]   # call 1: regeneration, twin, no-FAMILY each
 #   bash examples/online_protocol/gpu.sh recovery [recovery.py flags]    # call 2: the protocol on call 1's drafters
-# Each driver's --budget-s bounds its command (in a 600 s call: drafters --leave-out math,code --budget-s 550;
-# the three families need a longer call or a third one). In call 2 every run's slice of the
-# budget is its whole wall clock: it measures its start drafter before any traffic, stops the traffic in time for its
+# Each driver's --budget-s bounds its command. In a 600 s call: drafters --parallel 4 --minutes 6 --budget-s 540
+# (the twin and no-math, no-code, no-chat side by side), then recovery --seeds 1 --parallel 6 --budget-s 540 (seed 0
+# of every family and method, the twins beside them); a later call adds seeds: recovery --first-seed 1 --seeds 3.
+# In call 2 every run's slice of the budget is its whole wall clock: it measures its start drafter before any traffic, stops the traffic in time for its
 # newest version's measurement (timed from the start's), so a run cut by its slice still reports tau at the start.
 # Carried beside the checkout: .slimwhl (transformers), .whl (the server's wheels, for the device's CPython 3.12:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl fastapi \
@@ -19,7 +20,7 @@
 set -uo pipefail
 STAGE=${1:?usage: gpu.sh drafters|recovery|all [driver flags]}; shift
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; W=${WORK:-/tmp/adaflash_leave_out}; SITE=${SITE:-/tmp/site}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE \
   ${WHEELS:-.slimwhl}/*.whl ${SERVE_WHEELS:-.whl}/*.whl || exit 1
 export PYTHONPATH=$SITE
@@ -38,7 +39,7 @@ drafters() {
   for d in $W/drafters/*/; do tar cf "$OUT/drafter_$(basename $d).tar" -C $W/drafters $(basename $d); done  # ~7 MB each
 }
 recovery() {
-  rm -rf $W/recovery
+  [[ " $* " == *" --first-seed "* ]] || rm -rf $W/recovery  # --first-seed adds seeds to an earlier call's runs
   python3 examples/online_protocol/recovery.py --drafters $W/drafters --out $W/recovery "$@" 2>&1 | tee "$OUT/recovery.log"
   [[ -d $W/recovery ]] && tar cf "$OUT/recovery.tar" --exclude='versions' -C $W recovery
 }

@@ -76,6 +76,7 @@ class Recipe:
 SMOKE = Recipe(num_prompts=16, prompts_per_sample=1, max_new_tokens=12, gen_batch_size=16, num_layers=2,
                target_layer_ids="1,4", batch_size=4, max_length=256, num_workers=0, minutes=0.1, eval_per_domain=1)
 OVERHEAD_S = 40  # a drafter's start, held-out regeneration, evaluation and saving beside its --minutes (~25 s on a GPU)
+GROUP_OVERHEAD_S = 10  # each drafter trained side by side adds to the others' start and evaluation
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -89,16 +90,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=None, help=f"prompts regenerated ({Recipe.num_prompts})")
     p.add_argument("--batch-size", type=int, default=None, help=f"({Recipe.batch_size})")
     p.add_argument("--budget-s", type=float, default=900, help="the whole command's wall clock")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="drafters trained side by side on the device, each for --minutes (same budget and contention for "
+                        "each: the steps each took are in the table)")
+    p.add_argument("--num-workers", type=int, default=None, help=f"data loader workers per drafter ({Recipe.num_workers})")
     p.add_argument("--regen-limit", type=float, default=120, help="seconds the regeneration may take")
     p.add_argument("--smoke", action="store_true", help="toy scale on the CPU (a 2-layer drafter, 16 prompts)")
     a = p.parse_args(argv)
     a.leave_out = [f.strip() for f in a.leave_out.split(",") if f.strip()]
     wrong = [f for f in a.leave_out if f not in TRAIN_DOMAINS]
+    if a.parallel < 1:
+        p.error(f"--parallel must be at least 1, got {a.parallel}")
     if wrong or not a.leave_out:
         p.error(f"--leave-out takes families of {', '.join(TRAIN_DOMAINS)}, got {','.join(wrong) or 'none'}")
     base = SMOKE if a.smoke else Recipe()
-    changes = {k: v for k, v in (("minutes", a.minutes), ("num_prompts", a.num_prompts), ("batch_size", a.batch_size))
-               if v is not None}
+    given = {"minutes": a.minutes, "num_prompts": a.num_prompts, "batch_size": a.batch_size, "num_workers": a.num_workers}
+    changes = {k: v for k, v in given.items() if v is not None}
     a.recipe = Recipe(**{**asdict(base), **changes})
     if a.smoke:
         a.device = "cpu"
@@ -115,15 +122,28 @@ def drafters(leave_out: list[str]) -> dict[str, list[str]]:
     return {"twin": list(TRAIN_DOMAINS), **{f"no-{f}": [d for d in TRAIN_DOMAINS if d != f] for f in leave_out}}
 
 
+def _start(cmd: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+
+
+def _wait(procs: dict[str, subprocess.Popen], deadline: float) -> dict[str, tuple[int | None, float]]:
+    """Wait for every process, killing those still running at ``deadline``; {name: (exit status or None, seconds)}."""
+    t, done = time.monotonic(), {}
+    for name, proc in procs.items():
+        try:
+            rc = proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = None
+        done[name] = (rc, round(time.monotonic() - t, 1))
+    return done
+
+
 def _run(cmd: list[str], log: Path, timeout: float) -> tuple[int | None, float]:
     """Run ``cmd`` with its output in ``log``, killed after ``timeout`` seconds; (exit status or None, seconds)."""
-    t = time.monotonic()
-    with open(log, "w") as f:
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=max(timeout, 1.0)).returncode
-        except subprocess.TimeoutExpired:
-            rc = None
-    return rc, round(time.monotonic() - t, 1)
+    return _wait({"": _start(cmd, log)}, time.monotonic() + max(timeout, 1.0))[""]
 
 
 def _summary(folder: Path) -> dict:
@@ -132,6 +152,7 @@ def _summary(folder: Path) -> dict:
         return {}
     s = json.loads(path.read_text())
     return {"steps": s.get("steps"), "train_s": s.get("timings", {}).get("train_s"),
+            "peak_memory_gb": s.get("timings", {}).get("peak_memory_gb"),
             "samples": s.get("regeneration", {}).get("per_domain"),
             "accept_proxy": {d: v["accept_len"] for d, v in (s.get("eval_accept_proxy") or {}).items()}}
 
@@ -152,32 +173,36 @@ def build(a) -> dict:
     print(f"[leave_out] regeneration: exit {rc} in {secs} s", flush=True)
     if rc != 0:
         return record
-    for name, families in drafters(a.leave_out).items():
-        need = r.minutes * 60 + OVERHEAD_S
+    names = list(drafters(a.leave_out).items())
+    for group in (names[i : i + a.parallel] for i in range(0, len(names), a.parallel)):
+        need = r.minutes * 60 + OVERHEAD_S + GROUP_OVERHEAD_S * (len(group) - 1)
         left = deadline - time.monotonic()
         if left < need:
-            record["drafters"][name] = {"families": families, "status": f"skipped: {left:.0f} s left, {need:.0f} needed"}
-            print(f"[leave_out] {name}: skipped ({left:.0f} s left of the budget, {need:.0f} s needed)", flush=True)
+            for name, families in group:
+                record["drafters"][name] = {"families": families, "status": f"skipped: {left:.0f} s left, {need:.0f} needed"}
+                print(f"[leave_out] {name}: skipped ({left:.0f} s left of the budget, {need:.0f} s needed)", flush=True)
             continue
-        folder = out / "drafters" / name
-        rc, secs = _run([*td, "--out", str(folder), *regen, "--train-domains", ",".join(families), *r.train_flags()],
-                        out / "logs" / f"{name}.log", left)
-        info = {"families": families, "status": "ok" if rc == 0 else f"exit {rc}", "s": secs, **_summary(folder)}
-        record["drafters"][name] = info
-        print(f"[leave_out] {name} ({','.join(families)}): {info['status']} in {secs} s, {info.get('steps')} steps, "
-              f"acceptance proxy {info.get('accept_proxy')}", flush=True)
+        procs = {name: _start([*td, "--out", str(out / "drafters" / name), *regen, "--train-domains", ",".join(families),
+                               *r.train_flags()], out / "logs" / f"{name}.log") for name, families in group}
+        for name, (rc, secs) in _wait(procs, deadline).items():
+            families = dict(group)[name]
+            info = {"families": families, "status": "ok" if rc == 0 else f"exit {rc}", "s": secs,
+                    "side_by_side": len(group), **_summary(out / "drafters" / name)}
+            record["drafters"][name] = info
+            print(f"[leave_out] {name} ({','.join(families)}): {info['status']} in {secs} s, {info.get('steps')} steps, "
+                  f"acceptance proxy {info.get('accept_proxy')}", flush=True)
     record["total_s"] = round(time.monotonic() - t0, 1)
     return record
 
 
 def table(record: dict) -> str:
     """The drafters' table: steps, training seconds, held-out acceptance proxy per family."""
-    lines = ["| drafter | trained on | status | steps | train s | " + " | ".join(f"proxy {d}" for d in TRAIN_DOMAINS) + " |",
-             "|---|---|---|---|---|" + "---|" * len(TRAIN_DOMAINS)]
+    lines = ["| drafter | trained on | status | side by side | steps | train s | peak GB | "
+             + " | ".join(f"proxy {d}" for d in TRAIN_DOMAINS) + " |", "|---|---|---|---|---|---|---|" + "---|" * len(TRAIN_DOMAINS)]
     for name, d in record["drafters"].items():
         proxy = d.get("accept_proxy") or {}
-        lines.append(f"| {name} | {','.join(d['families'])} | {d['status']} | {d.get('steps', '-')} | "
-                     f"{d.get('train_s', '-')} | " + " | ".join(f"{proxy[f]:.3f}" if f in proxy else "-"
+        lines.append(f"| {name} | {','.join(d['families'])} | {d['status']} | {d.get('side_by_side', '-')} | "
+                     f"{d.get('steps', '-')} | {d.get('train_s', '-')} | {d.get('peak_memory_gb') or '-'} | " + " | ".join(f"{proxy[f]:.3f}" if f in proxy else "-"
                                                                for f in TRAIN_DOMAINS) + " |")
     return "\n".join(lines) + "\n"
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -57,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--families", default="math,code,chat", help="families left out (leave_out.py's --leave-out)")
     p.add_argument("--methods", default="opd,osd")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (0: the split's file order)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="run seeds K..N-1 only: a later call adds seeds to the same --out, whose runs of seeds 0..K-1 "
+                        "and measured twins it keeps (the table covers seeds 0..N-1)")
     p.add_argument("--requests", type=int, default=2000, help="requests per run (the stream)")
     p.add_argument("--test", type=int, default=64, help="held-out prompts")
     p.add_argument("--skip", type=int, default=0, help="held-out prompts start after this many (a validation slice)")
@@ -80,8 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                if not (Path(a.drafters) / n / "config.json").is_file()]
     if missing:  # before any work: a fresh machine has not got the drafters of the call that trained them
         p.error(f"no drafter in {', '.join(missing)}: run leave_out.py first (on the same machine)")
-    if set(a.methods) - {"opd", "osd"} or a.seeds < 1:
-        p.error("--methods takes opd and osd; --seeds at least 1")
+    if set(a.methods) - {"opd", "osd"} or a.seeds < 1 or not 0 <= a.first_seed < a.seeds:
+        p.error("--methods takes opd and osd; --seeds at least 1; --first-seed in 0..seeds-1")
     return a
 
 
@@ -97,13 +101,15 @@ def _run_args(a, family: str, method: str, seed: int, drafter: Path, out: Path) 
 
 
 def plan(a) -> list[list[tuple[str, list[str]]]]:
-    """Waves of (run name, run.py arguments): the references first (no traffic: quick), then one wave per seed."""
+    """Waves of (run name, run.py arguments): the references first (no traffic: quick; one an earlier call measured
+    into --out is kept), then one wave per seed from --first-seed."""
     d, out = Path(a.drafters), Path(a.out)
     refs = [(f"{f}-twin", _run_args(a, f, "off", 0, d / "twin", out / f"{f}-twin")) for f in a.families]
     refs += [(f"{f}-offline", _run_args(a, f, "off", 0, out / "offline" / f, out / f"{f}-offline"))
              for f in a.families if a.offline_ft_minutes > 0]
+    refs = [r for r in refs if _load(out, r[0]) is None]
     seeds = [[(f"{f}-{m}-s{s}", _run_args(a, f, m, s, d / f"no-{f}", out / f"{f}-{m}-s{s}"))
-              for f in a.families for m in a.methods] for s in range(a.seeds)]
+              for f in a.families for m in a.methods] for s in range(a.first_seed, a.seeds)]
     return [refs, *seeds]
 
 
@@ -158,6 +164,7 @@ def run_all(a, runs: list[tuple[str, list[str]]], deadline: float) -> dict[str, 
             if stop_at - time.monotonic() < MIN_RUN_S:
                 status[name] = "not started: budget"
                 continue
+            shutil.rmtree(Path(a.out) / name, ignore_errors=True)  # nothing of an earlier run of this name is counted
             running[name] = (_launch(a, name, args, stop_at - time.monotonic()), stop_at)
         for name, (proc, stop_at) in list(running.items()):
             late = time.monotonic() > stop_at + GRACE_S
@@ -204,7 +211,9 @@ def summarise(a, status: dict) -> dict:
             for s in range(a.seeds):
                 name = f"{f}-{m}-s{s}"
                 run = _load(out, name)
-                row = {"run": name, "family": f, "method": m, "seed": s, "status": status.get(name), "tau_in_domain": tau_in}
+                earlier = "an earlier call" if s < getattr(a, "first_seed", 0) else None
+                row = {"run": name, "family": f, "method": m, "seed": s, "status": status.get(name, earlier),
+                       "tau_in_domain": tau_in}
                 if run:
                     row.update(_measured(run, tau_in))
                     if offline:
