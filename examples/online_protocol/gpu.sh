@@ -12,7 +12,8 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl fastapi \
 #     starlette pydantic pydantic_core annotated_types annotated_doc typing_extensions typing_inspection uvicorn h11 \
 #     click anyio sniffio idna opentelemetry-api importlib_metadata zipp prometheus_client)
-# and .evaldata/data.tar.gz (the shared data). Call 1 also checks that the server imports, so call 2 cannot fail on it.
+# and .evaldata/data.tar.gz with the training splits (`python examples/reference_pair/make_devdata.py --data
+# ../shared/data --out .evaldata`, 11 MB; an --eval-only one has no gsm8k/train.jsonl). Call 1 also checks that the server imports, so call 2 cannot fail on it.
 #   bash examples/online_protocol/gpu.sh all                             # both in one call, smaller (MINUTES, SEEDS)
 # Outputs in $OUT: leave_out.tar (table, json, logs) and drafter_NAME.tar (weights, bf16), or recovery.tar (table,
 # json, plot, every run's protocol.json and logs; no weights), the driver's log and gpu_usage.csv.
@@ -24,7 +25,8 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=e
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE \
   ${WHEELS:-.slimwhl}/*.whl ${SERVE_WHEELS:-.whl}/*.whl || exit 1
 export PYTHONPATH=$SITE
-mkdir -p .evaldata/x && { [[ -d .evaldata/x/data ]] || tar xzf .evaldata/data.tar.gz -C .evaldata/x; } || exit 1
+# unpacked again each call: a warm machine keeps an earlier call's .evaldata/x, perhaps of an --eval-only bundle
+rm -rf .evaldata/x && mkdir -p .evaldata/x && tar xzf .evaldata/data.tar.gz -C .evaldata/x || exit 1
 export ADAFLASH_DATA="$PWD/.evaldata/x/data"
 python3 -m pip install -q --no-build-isolation --no-deps -e . > /dev/null || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
