@@ -14,7 +14,7 @@
 #     click anyio sniffio idna opentelemetry-api importlib_metadata zipp prometheus_client)
 # and .evaldata/data.tar.gz with the training splits (`python examples/reference_pair/make_devdata.py --data
 # ../shared/data --out .evaldata`, 11 MB; an --eval-only one has no gsm8k/train.jsonl). Call 1 also checks that the server imports, so call 2 cannot fail on it.
-#   bash examples/online_protocol/gpu.sh all                             # both in one call, smaller (MINUTES, SEEDS)
+#   bash examples/online_protocol/gpu.sh all [recovery.py flags]         # both in one call, smaller (MINUTES, SEEDS, ...)
 # Outputs in $OUT: leave_out.tar (table, json, logs) and drafter_NAME.tar (weights, bf16), or recovery.tar (table,
 # json, plot, every run's protocol.json and logs; no weights), the driver's log and gpu_usage.csv.
 # CPU smoke of both drivers: python examples/online_protocol/leave_out.py --smoke ... / recovery.py --smoke ...
@@ -48,8 +48,10 @@ recovery() {
 case $STAGE in
   drafters) drafters "$@" ;;
   recovery) recovery "$@" ;;
-  # one call for both, at a smaller scale (if the two calls cannot share a machine)
-  all) drafters --minutes ${MINUTES:-0.4} --budget-s ${DRAFTERS_S:-290}; recovery --seeds ${SEEDS:-1} --budget-s ${RECOVERY_S:-230} ;;
+  # one call for both, at a smaller scale (if the two calls cannot share a machine); the environment sizes it
+  all) drafters --parallel ${PARALLEL:-4} --minutes ${MINUTES:-2.5} --budget-s ${DRAFTERS_S:-290} --num-workers 2
+       recovery --families ${FAMILIES:-math,code,chat} --seeds ${SEEDS:-1} --parallel ${RUNS:-6} \
+         --budget-s ${RECOVERY_S:-250} "$@" ;;
   *) echo "unknown stage $STAGE (drafters, recovery or all)"; exit 2 ;;
 esac
 ls -la "$OUT"
