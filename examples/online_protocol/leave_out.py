@@ -8,7 +8,8 @@ with one recipe and one training budget.
 Each drafter is `python -m adaflash_hf.training.train_drafter` on the shared regeneration (`--regen-cache`), its
 families picked by `--train-domains`: `twin` learns from every family, `no-math` from all but math, and so on; every
 other setting (the other families' samples, architecture, learning rate, batch, --minutes of training wall clock) is
-the same. They train one after another, so each has the device to itself for its budget. Every drafter also reports
+the same. They train one after another, each with the device to itself for its budget, or --parallel N at a time
+(N side by side, each for its whole budget: their steps and peak memory are in the table). Every drafter also reports
 the held-out acceptance proxy per family (`train_summary.json`): the gap a left-out family opens shows there first.
 
 Writes OUT/drafters/NAME (bf16 weights; NAME: twin, no-math, ...), OUT/logs/NAME.log (and regen.log),
