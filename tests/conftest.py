@@ -107,16 +107,13 @@ for path, out in zip(sys.argv[1::2], sys.argv[2::2]):
 """
 
 
-def load_with_remote_code(folders: dict, tmp_path) -> dict[str, tuple[str, dict]]:
-    """Load a copy of each folder of `folders` (name -> folder) with `AutoModel.from_pretrained(trust_remote_code=True)`
-    in ONE fresh, offline interpreter run from `tmp_path`, where adaflash_hf cannot be imported. Returns, by
-    name, its line of stdout and its tensors: the state dict plus `__hidden__`, the block states of a call
-    with `torch.manual_seed(0)`, context `randn(1, 5, K*H)`, noise `randn(1, block_size, H)`."""
+def remote_code_job(folders: dict, tmp_path):
+    """The run of `load_with_remote_code` as a job of tests/script_runner.py (nothing preloaded: a fresh interpreter,
+    as `python -c`, started in `tmp_path` with the script there): `(jobs, env, outs)`, `outs` the tensor file of each
+    name."""
     import shutil
-    import subprocess
-    import sys
 
-    from safetensors.torch import load_file
+    from script_runner import Job
 
     argv, outs = [], {}
     for name, folder in folders.items():
@@ -124,28 +121,59 @@ def load_with_remote_code(folders: dict, tmp_path) -> dict[str, tuple[str, dict]
         shutil.copytree(folder, copy)
         argv += [str(copy), str(outs[name])]
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", PYTHONPATH="", OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-c", REMOTE_CODE_SCRIPT, *argv], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
+    (tmp_path / "remote_code_load.py").write_text(REMOTE_CODE_SCRIPT)
+    return [Job("remote_code", [tmp_path / "remote_code_load.py", *argv], cwd=tmp_path, timeout=180.0)], env, outs
+
+
+def remote_code_loads_of(result, outs: dict) -> dict[str, tuple[str, dict]]:
+    """What `load_with_remote_code` returns, from its job's result."""
+    from safetensors.torch import load_file
+
+    assert result.returncode == 0, f"(timed out: {result.timed_out})\n{result.stderr[-3000:]}"
     lines = {line.split(" ", 1)[0]: line for line in result.stdout.splitlines()}
     loads = {name: (lines[str(out)], load_file(str(out))) for name, out in outs.items()}
     assert all("transformers_modules" in line for line, _ in loads.values())
     return loads
 
 
-@pytest.fixture(scope="session")
-def remote_code_loads(tmp_path_factory):
+def load_with_remote_code(folders: dict, tmp_path) -> dict[str, tuple[str, dict]]:
+    """Load a copy of each folder of `folders` (name -> folder) with `AutoModel.from_pretrained(trust_remote_code=True)`
+    in ONE fresh, offline interpreter run from `tmp_path`, where adaflash_hf cannot be imported. Returns, by
+    name, its line of stdout and its tensors: the state dict plus `__hidden__`, the block states of a call
+    with `torch.manual_seed(0)`, context `randn(1, 5, K*H)`, noise `randn(1, block_size, H)`."""
+    from script_runner import run_scripts
+
+    jobs, env, outs = remote_code_job(folders, tmp_path)
+    return remote_code_loads_of(run_scripts(jobs, env, preload=(), workdir=tmp_path / "logs")["remote_code"], outs)
+
+
+def remote_code_folders(root):
     """`distinct_pair()`'s drafter saved by `save_pretrained` ("saved") and exported by
-    `export_dflash(dtype=None, remote_code=True)` ("exported"), both loaded by `load_with_remote_code`
-    in one fresh interpreter (one interpreter start instead of two): `drafter`, `folders`, `loads`."""
+    `export_dflash(dtype=None, remote_code=True)` ("exported") under `root`: `(drafter, folders)`."""
     from adaflash_hf import export_dflash
 
-    root = tmp_path_factory.mktemp("remote_code")
     _, drafter = distinct_pair()
     folders = {"saved": root / "saved", "exported": root / "exported"}
     drafter.save_pretrained(folders["saved"])
     export_dflash(drafter, str(folders["exported"]), dtype=None, remote_code=True)
-    return {"drafter": drafter, "folders": folders, "loads": load_with_remote_code(folders, root)}
+    return drafter, folders
+
+
+@pytest.fixture(scope="session")
+def remote_code_loads(tmp_path_factory):
+    """`remote_code_folders`' two folders, both loaded by `load_with_remote_code` in one fresh interpreter (one
+    interpreter start instead of two): `drafter`, `folders`, `loads`. pytest_collection_finish started that run in
+    the background (behind the others); run here when it did not."""
+    from script_runner import BACKGROUND
+
+    running = BACKGROUND.get("remote_code")
+    if running is None:
+        root = tmp_path_factory.mktemp("remote_code")
+        drafter, folders = remote_code_folders(root)
+        return {"drafter": drafter, "folders": folders, "loads": load_with_remote_code(folders, root)}
+    made = running.context
+    loads = remote_code_loads_of(running.wait()["remote_code"], made["outs"])
+    return {"drafter": made["drafter"], "folders": made["folders"], "loads": loads}
 
 
 def build_drafter(target, num_layers: int = 2, block_size: int = 8, seed: int = 0, mask_token_id=None, **kw):
@@ -301,10 +329,11 @@ _os.environ.setdefault("ADAFLASH_DATA", str(FIXTURE_DATA))
 _BACKGROUND_ROOTS: list = []  # temporary folders of the background runs, removed when the session ends
 
 
-# Subprocess-heavy runs (the example smokes, then the fresh checkout's commands) start in the background as
-# soon as the selected tests are known: on the CI's two cores they run beside this process's in-process
-# tests, one job at a time, instead of after them. The fixtures of tests/test_examples.py and
-# tests/test_fresh_checkout.py wait for them (or start them themselves when this did not).
+# Subprocess-heavy runs start in the background as soon as the selected tests are known: on the CI's two cores they
+# run beside this process's in-process tests, one job at a time, instead of after them, in the order of the first
+# test that waits for each: the example smokes, the remote-code load (tests/test_export.py, test_formats.py), the
+# fresh checkout's commands, and the runs of the modules whose tests take the `background` fixture. Those tests'
+# fixtures wait for them (or start them themselves when this did not).
 def pytest_collection_finish(session):
     import tempfile
 
@@ -312,20 +341,72 @@ def pytest_collection_finish(session):
 
     if session.config.option.collectonly or hasattr(session.config, "workerinput"):
         return  # nothing to run; or an xdist worker, which may not run these tests: their fixtures start them
-    smokes = [item for item in session.items if getattr(item, "originalname", "") == "test_example_smoke"]
+    items = session.items
+    plans = []  # (index of the first test waiting for it, name, start(after run) -> its run)
+
+    def first(wanted) -> int | None:
+        return next((i for i, item in enumerate(items) if wanted(item)), None)
+
+    def root(prefix: str) -> _Path:
+        path = _Path(tempfile.mkdtemp(prefix=prefix))
+        _BACKGROUND_ROOTS.append(path)
+        return path
+
+    smokes = [item for item in items if getattr(item, "originalname", "") == "test_example_smoke"]
     if smokes:
-        root = _Path(tempfile.mkdtemp(prefix="adaflash_smokes_"))
-        _BACKGROUND_ROOTS.append(root)
-        jobs, env = smokes[0].module.smoke_jobs({item.callspec.params["script"] for item in smokes}, root)
-        BACKGROUND["examples"] = start_scripts(jobs, env, workdir=root / "logs", parallel=1)
-    fresh = [item for item in session.items if getattr(getattr(item, "module", None), "__name__", "").endswith("test_fresh_checkout")]
-    if fresh and fresh[0].module.can_checkout():  # the copy's commands, once the smokes are done
-        root = _Path(tempfile.mkdtemp(prefix="adaflash_fresh_"))
-        _BACKGROUND_ROOTS.append(root)
-        module = fresh[0].module
-        dest, env = module.make_checkout(root)
-        BACKGROUND["fresh_checkout"] = start_scripts(module.fresh_jobs(dest), env, workdir=root / "runner", parallel=1,
-                                                     after=BACKGROUND.get("examples"), context={"checkout": (dest, env)})
+        def start_smokes(after):
+            folder = root("adaflash_smokes_")
+            jobs, env = smokes[0].module.smoke_jobs({item.callspec.params["script"] for item in smokes}, folder)
+            return start_scripts(jobs, env, workdir=folder / "logs", parallel=1, after=after)
+
+        plans.append((items.index(smokes[0]), "examples", start_smokes))
+    at = first(lambda item: "remote_code_loads" in getattr(item, "fixturenames", ()))
+    if at is not None:
+        def start_remote_code(after):
+            folder = root("adaflash_remote_code_")
+            with torch.random.fork_rng():  # the tests' global generator left as it was
+                drafter, folders = remote_code_folders(folder)
+            jobs, env, outs = remote_code_job(folders, folder)
+            return start_scripts(jobs, env, preload=(), workdir=folder / "logs", after=after,
+                                 context={"drafter": drafter, "folders": folders, "outs": outs})
+
+        plans.append((at, "remote_code", start_remote_code))
+    at = first(lambda item: getattr(getattr(item, "module", None), "__name__", "").endswith("test_fresh_checkout"))
+    if at is not None and items[at].module.can_checkout():  # the copy's commands
+        def start_fresh(after, module=items[at].module):
+            dest, env = module.make_checkout(root("adaflash_fresh_"))
+            return start_scripts(module.fresh_jobs(dest), env, workdir=dest.parent / "runner", parallel=1, after=after,
+                                 context={"checkout": (dest, env)})
+
+        plans.append((at, "fresh_checkout", start_fresh))
+    for module in dict.fromkeys(item.module for item in items if "background" in getattr(item, "fixturenames", ())):
+        def start_module(after, module=module):
+            folder = root("adaflash_background_")
+            jobs, env, preload = module.background_run(folder)
+            return start_scripts(jobs, env, preload=preload, workdir=folder / "logs", parallel=1, after=after)
+
+        at = first(lambda item, module=module: getattr(item, "module", None) is module
+                   and "background" in getattr(item, "fixturenames", ()))
+        plans.append((at, module.__name__, start_module))
+    after = None
+    for _, name, start in sorted(plans, key=lambda plan: plan[0]):
+        after = BACKGROUND[name] = start(after)
+
+
+@pytest.fixture(scope="module")
+def background(request, tmp_path_factory):
+    """The results (by job name, tests/script_runner.py) of the runs the test module's `background_run(root)` returns
+    as `(jobs, env, preload)`: runs that need nothing from this process, so they go on the second core while the
+    in-process tests run. pytest_collection_finish started them behind the example smokes and the fresh checkout's
+    commands; started here when it did not (then two at a time, pytest waiting)."""
+    from script_runner import BACKGROUND, start_scripts
+
+    running = BACKGROUND.get(request.module.__name__)
+    if running is None:
+        root = tmp_path_factory.mktemp("background")
+        jobs, env, preload = request.module.background_run(root)
+        running = start_scripts(jobs, env, preload=preload, workdir=root / "logs", parallel=2)
+    return running.wait()
 
 
 def pytest_sessionfinish(session):

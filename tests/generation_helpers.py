@@ -6,6 +6,8 @@ Kept apart from `conftest.py` so the generation tests do not depend on fixtures 
 from __future__ import annotations
 
 import contextlib
+import copy
+import weakref
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -211,6 +213,19 @@ def plain_greedy_ids(target, prompt: list[int], n: int) -> list[int]:
     """The `n` tokens plain greedy `generate` appends to `prompt` (the engine's reference)."""
     out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
     return out[0, len(prompt):].tolist()
+
+
+_ONCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: value}
+
+
+def once_per_model(model, key, compute):
+    """``compute()`` the first time it is asked for this ``model`` object and ``key``, a copy of that value after
+    (forgotten with the model): the plain greedy references of a module-scoped model that no test changes (the
+    reference pair), computed once per prompt and length instead of once per test or parameter."""
+    cache = _ONCE.setdefault(model, {})
+    if key not in cache:
+        cache[key] = compute()
+    return copy.deepcopy(cache[key])
 
 
 def prefilled_cache(target, prompts: list[list[int]], num_slots: int, max_len: int):

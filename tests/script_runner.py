@@ -131,6 +131,8 @@ class Result:
     stderr: str
     timed_out: bool = False
     seconds: float = field(default=0.0)
+    argv: list[str] = field(default_factory=list)  # the job's, as run (str)
+    cwd: str = ""
 
 
 class Running:
@@ -150,7 +152,8 @@ class Running:
         done = json.loads(Path(self.spec["results"]).read_text())
         return {
             j["name"]: Result(stdout=Path(j["stdout"]).read_text(errors="replace"),
-                              stderr=Path(j["stderr"]).read_text(errors="replace"), **done[j["name"]])
+                              stderr=Path(j["stderr"]).read_text(errors="replace"), argv=j["argv"], cwd=j["cwd"],
+                              **done[j["name"]])
             for j in self.spec["jobs"]
         }
 

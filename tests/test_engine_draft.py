@@ -18,7 +18,7 @@ from adaflash_hf.engine.kernels.attention import BLOCK
 from adaflash_hf.engine.drafter import DraftGraphs, append_context
 from adaflash_hf.engine.graphs import pick_bucket
 
-from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids
+from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, once_per_model, plain_greedy_ids
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
@@ -483,14 +483,20 @@ def test_chained_body_is_not_taken_for_other_context(pair):
         assert sum(runner.replays.values()) == sum(before.values()) + 1 and runner._chained is None
 
 
+@pytest.fixture(scope="module")
+def reference_pair():
+    """The reference pair, loaded once for the engines of this module's tests (an engine leaves it as it found it)."""
+    from adaflash_hf import load_reference_pair
+
+    return load_reference_pair()
+
+
 @pytest.mark.parametrize("mode,policy", [("fixed", "cost"), ("packed", "cost"), ("packed", "adaptive"), ("rectangular", "cost")])
-def test_engine_chains_the_next_body_and_equals_plain_greedy(mode, policy):
+def test_engine_chains_the_next_body_and_equals_plain_greedy(reference_pair, mode, policy):
     """On the static path, an engine queues each round's next body before the read and takes it (every layout that
     drafts: the packed verify segments are the next body's context as the fixed blocks are): the rounds accept
     exactly what they accept without chaining (same drafts), outputs equal plain greedy decoding."""
-    from adaflash_hf import load_reference_pair
-
-    target, drafter, tok = load_reference_pair()
+    target, drafter, tok = reference_pair
     prompts = [tok(p)["input_ids"] for p in ("Question: Tom has 3 apples and buys 5 more. How many", "def add(a, b):")]
     runs = []
     for chain in (True, False):
@@ -500,8 +506,9 @@ def test_engine_chains_the_next_body_and_equals_plain_greedy(mode, policy):
         outs = engine.generate(prompts, max_new_tokens=40)
         runs.append((engine.forward_tokens, [o.token_ids for o in outs], engine.draft_graphs.replays))
     (tokens_c, outs_c, replays_c), (tokens_p, outs_p, _) = runs
-    plain = [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=40, eos_token_id=None)[0, len(p):].tolist()
-             for p in prompts]  # the engine stops at max_new_tokens only
+    plain = [once_per_model(target, ("plain, no eos", tuple(p), 40), lambda p=p: target.generate(
+        torch.tensor([p]), do_sample=False, max_new_tokens=40, eos_token_id=None)[0, len(p):].tolist())
+             for p in prompts]  # the engine stops at max_new_tokens only; computed once for the module's target
     assert outs_c == outs_p == plain
     assert tokens_c == tokens_p and len(tokens_c) < 2 * 40  # same rounds: the drafts were the same
     taken = sum(v for k, v in replays_c.items() if k[0] == "chain")

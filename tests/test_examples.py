@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -79,18 +77,24 @@ def test_example_smoke(script, smokes):
     assert "Traceback" not in proc.stderr
 
 
-def test_plot_online_methods_draws_one_panel_per_dataset(tmp_path):
-    """The comparison plot of BENCHMARKS section 3, from committed online runs."""
+PLOT = EXAMPLES / "reference_pair" / "plot_online_methods.py"
+
+
+def background_run(root: Path):
+    """The plot script's two runs (tests/conftest.py's `background` fixture), each a fresh interpreter, on the second
+    core while the in-process tests run: from committed online runs, and with no run given (a usage error)."""
     logs = Path(__file__).resolve().parents[1] / "docs" / "logs"
-    out = tmp_path / "cmp.png"
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "reference_pair" / "plot_online_methods.py"), str(out),
-         f"opd token={logs / 'online_gpu_v4_gsm8k_opd_token'}:opd", f"v4={logs / 'online_gpu_v4_gsm8k'}",
-         f"v4={logs / 'online_gpu_v4_codealpaca'}:osd"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    runs = [f"opd token={logs / 'online_gpu_v4_gsm8k_opd_token'}:opd", f"v4={logs / 'online_gpu_v4_gsm8k'}",
+            f"v4={logs / 'online_gpu_v4_codealpaca'}:osd"]
+    return [Job("plot", [PLOT, root / "cmp.png", *runs], cwd=root, timeout=120.0),
+            Job("plot_bad", [PLOT, root / "cmp.png"], cwd=root, timeout=60.0)], dict(os.environ), ()
+
+
+def test_plot_online_methods_draws_one_panel_per_dataset(background):
+    """The comparison plot of BENCHMARKS section 3, from committed online runs."""
+    proc = background["plot"]
     assert proc.returncode == 0, proc.stderr
+    out = Path(proc.argv[1])
     assert out.read_bytes()[:4] == b"\x89PNG" and f"wrote {out}" in proc.stdout
-    bad = subprocess.run([sys.executable, str(EXAMPLES / "reference_pair" / "plot_online_methods.py"), str(out)],
-                         capture_output=True, text=True, timeout=60)
+    bad = background["plot_bad"]
     assert bad.returncode != 0 and "LABEL=RUN_DIR" in bad.stderr

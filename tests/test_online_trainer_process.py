@@ -17,6 +17,25 @@ from generation_helpers import make_target
 from online_helpers import fresh_drafter, greedy, pair, prompts, real_requests, real_rounds, same, snapshot  # noqa: F401 (pair: a fixture)
 
 
+@pytest.fixture(params=["forkserver"])
+def start_method(request, monkeypatch):
+    """How the trainer's child starts. The product spawns it (a fresh interpreter that imports torch, transformers and
+    adaflash_hf: about 5 s of each test on two cores). ``forkserver`` forks it from one server process of this session
+    that imported adaflash_hf.online.trainer_process once: the same ``Process`` object, pickled the same way (the models
+    as shared-memory handles, the config, the pipe), the same ``_child_main``, the same exit codes; only the imports are
+    not paid again. One case of ``test_a_child_process_trains_the_weights_a_thread_does`` runs on the product's spawn
+    itself (and tests/test_serve_online.py's real server spawns its child)."""
+    import adaflash_hf.online.trainer_process as tp
+
+    assert request.param in ("forkserver", "spawn")
+    if request.param == "forkserver":
+        ctx = tp.mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["adaflash_hf.online.trainer_process"])
+        real = tp.mp.get_context
+        monkeypatch.setattr(tp.mp, "get_context", lambda method=None: ctx if method == "spawn" else real(method))
+    return request.param
+
+
 def _wait(condition, timeout=60.0):
     end = time.monotonic() + timeout
     while not condition():
@@ -37,8 +56,9 @@ def _trained(target, trainer: str, samples, **settings):
         adapter.close()
 
 
-@pytest.mark.parametrize("method,unit", [("opd", "request"), ("osd", "request"), ("opd", "round")])
-def test_a_child_process_trains_the_weights_a_thread_does(pair, method, unit):
+@pytest.mark.parametrize("method,unit,start_method", [("opd", "request", "spawn"), ("osd", "request", "forkserver"),
+                                                     ("opd", "round", "forkserver")], indirect=["start_method"])
+def test_a_child_process_trains_the_weights_a_thread_does(pair, method, unit, start_method):
     samples = real_requests(pair, fresh_drafter(pair)) if unit == "request" else real_rounds(pair, fresh_drafter(pair))
     settings = dict(method=method, sample_unit=unit) | ({"served_anchors": True} if unit == "request" else {})
     by_thread, stats_t = _trained(pair, "thread", samples, **settings)
@@ -52,7 +72,7 @@ def test_a_child_process_trains_the_weights_a_thread_does(pair, method, unit):
     assert torch.equal(greedy(pair, ids, mask, assistant_model=by_child), greedy(pair, ids, mask))
 
 
-def test_closing_mid_update_stops_the_child_and_keeps_the_serving_weights(pair):
+def test_closing_mid_update_stops_the_child_and_keeps_the_serving_weights(pair, start_method):
     d = fresh_drafter(pair)
     reqs = real_requests(pair, d)
     good = snapshot(d)
@@ -67,7 +87,7 @@ def test_closing_mid_update_stops_the_child_and_keeps_the_serving_weights(pair):
     assert adapter.stats["updates"] == 0 and adapter.stats["failures"] == 0 and same(good, snapshot(d))
 
 
-def test_a_child_that_dies_fails_its_update_and_the_next_update_starts_another(pair):
+def test_a_child_that_dies_fails_its_update_and_the_next_update_starts_another(pair, start_method):
     d = fresh_drafter(pair)
     reqs = real_requests(pair, d)
     good = snapshot(d)
@@ -91,7 +111,7 @@ def test_a_child_that_dies_fails_its_update_and_the_next_update_starts_another(p
     assert adapter.trainer.process is None
 
 
-def test_a_child_that_cannot_start_fails_the_update_and_the_next_one_retries(pair, monkeypatch):
+def test_a_child_that_cannot_start_fails_the_update_and_the_next_one_retries(pair, monkeypatch, start_method):
     import adaflash_hf.online.trainer_process as tp
 
     d = fresh_drafter(pair)
@@ -141,7 +161,7 @@ def _after_a_rollback(target, trainer: str) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("child_rebuilds", [True, False])
-def test_after_a_rollback_the_child_trains_from_the_restored_weights(pair, monkeypatch, child_rebuilds):
+def test_after_a_rollback_the_child_trains_from_the_restored_weights(pair, monkeypatch, child_rebuilds, start_method):
     """A rollback resets the shadow: the child must rebuild its own from the restored serving weights, not go on from
     the undone ones. The control keeps the child's stale shadow and must come out different from the thread."""
     import adaflash_hf.online.trainer_process as tp

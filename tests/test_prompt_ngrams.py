@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from adaflash_hf.speculation.prompt_ngrams import NgramIndex, PromptNgrams, agree_wide, agree_with_drafts
+from generation_helpers import once_per_model
 
 
 @pytest.mark.parametrize(
@@ -157,8 +158,14 @@ def prompt_ids(reference_pair):
 
 
 def _plain(target, ids, n):
-    with torch.inference_mode():
-        return target.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids) :].tolist()
+    """Plain greedy decoding of ``ids``: once per prompt and length for the module's reference target (which no test
+    changes), shared by the tests and parameters that compare against it."""
+
+    def compute():
+        with torch.inference_mode():
+            return target.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids) :].tolist()
+
+    return once_per_model(target, ("plain", tuple(ids), n), compute)
 
 
 @pytest.mark.parametrize("policy", ["fixed", "cost"])

@@ -3,8 +3,9 @@ port of 127.0.0.1, one for the whole module, always stopped) driven by the offic
 top_logprobs (completions and chat, streamed and not), echo with max_tokens 0, prompt lists, presence / frequency
 penalties, response_format, tools with tool_choice and a refused field, each against plain `generate` of the reference
 target or the request's own contract; speculation stays on (the server's /metrics counts accepted drafts). Then
-lm-evaluation-harness' own `local-completions` and `local-chat-completions` models against the same server, compared
-with its `hf` model on the plain target (examples/lm_eval/compare.py on four problems of each local task)."""
+lm-evaluation-harness' own `local-completions` and `local-chat-completions` models against a server started the same
+way, compared with its `hf` model on the plain target (examples/lm_eval/compare.py on four problems of each local
+task; run on the second core while the in-process tests run: tests/conftest.py's `background`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import json
 import os
 import runpy
 import subprocess
-import sys
 from pathlib import Path
 
 import openai
@@ -23,6 +23,7 @@ from adaflash_hf import load_reference_pair
 
 from reference_server import (TIME, TOL, WEATHER, accepted_drafts, check_chat_logprobs, check_completion_logprobs,
                               plain)
+from script_runner import Job
 
 COMPARE = Path(__file__).resolve().parents[1] / "examples" / "lm_eval" / "compare.py"
 MODEL = "adaflash-reference"
@@ -170,17 +171,45 @@ def test_a_field_the_server_cannot_honour_is_a_400_naming_it(srv, kind, field, v
     assert create(model=MODEL, max_tokens=2, **prompt).choices  # control: the same request without it is answered
 
 
-def test_lm_evaluation_harness_against_the_server_matches_its_hf_model(srv):
-    """lm-eval's `local-completions` (gsm8k generate-until, MathQA loglikelihood through echo + logprobs in batches)
-    and `local-chat-completions` (gsm8k with the chat template) against the server, and its `hf` model on the plain
-    reference target: the same answers and scores, loglikelihoods within 1e-4. One lm-eval process for every task."""
+# The lm-eval job: a server started as `srv` starts one (stopped after 15 minutes should its job die first, its stderr
+# kept), then examples/lm_eval/compare.py against it, both in the job's process tree.
+LM_EVAL_JOB = """
+import runpy, sys
+compare = runpy.run_path(sys.argv[1])
+code = 1
+try:
+    proc, url = compare["start_server"](max_len=1024, stderr=open("serve.log", "w"), lifetime=900)
+    try:
+        code = compare["main"](["--url", url, *sys.argv[2:]])
+    finally:
+        proc.terminate()
+        proc.wait(30)
+finally:
+    if code != 0:
+        print("the server's stderr ends:\\n" + open("serve.log", errors="replace").read()[-2000:], file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def background_run(root: Path):
+    """The lm-eval comparison (tests/conftest.py's `background` fixture), on the second core while the in-process
+    tests run, against a server of its own: the same `adaflash serve --reference --max-len 1024 --max-slots 8` as
+    `srv`. One lm-eval process for every task."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(COMPARE), "--url", srv["url"], "--gsm8k", "4", "--mathqa", "4",
-                           "--max-gen-toks", "32"], capture_output=True, text=True, env=env, timeout=300)
+    (root / "lm_eval_job.py").write_text(LM_EVAL_JOB)
+    argv = [root / "lm_eval_job.py", COMPARE, "--gsm8k", "4", "--mathqa", "4", "--max-gen-toks", "32"]
+    return [Job("lm_eval", argv, cwd=root / "lm_eval", timeout=360.0)], env, ()
+
+
+def test_lm_evaluation_harness_against_the_server_matches_its_hf_model(background):
+    """lm-eval's `local-completions` (gsm8k generate-until, MathQA loglikelihood through echo + logprobs in batches)
+    and `local-chat-completions` (gsm8k with the chat template) against an `adaflash serve --reference` process, and
+    its `hf` model on the plain reference target: the same answers and scores, loglikelihoods within 1e-4."""
+    proc = background["lm_eval"]
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0 and lines[-1:] == ["all equal: True"], (
-        f"{proc.stdout}\n{proc.stderr[-4000:]}\nthe server's stderr ends:\n{srv['log'].read_text()[-2000:]}")
+        f"(timed out: {proc.timed_out})\n{proc.stdout}\n{proc.stderr[-6000:]}")
     for name in ("gsm8k local-completions: answers equal 4/4", "gsm8k local-chat-completions: answers equal 4/4",
                  "mathqa local-completions: max |loglikelihood diff|"):
         assert any(line.startswith(name) and line.endswith("-> equal") for line in lines), proc.stdout

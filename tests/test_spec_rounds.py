@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from adaflash_hf.engine import Engine
+from generation_helpers import once_per_model
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,9 @@ def ref():
 
 
 def plain(target, prompt, n):
-    return target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, eos_token_id=None)[0, len(prompt):].tolist()
+    """Plain greedy decoding: once per prompt and length for the module's reference target (no test changes it)."""
+    return once_per_model(target, ("plain, no eos", tuple(prompt), n), lambda: target.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=n, eos_token_id=None)[0, len(prompt):].tolist())
 
 
 def run(target, drafter, prompts, news, spec_rounds):

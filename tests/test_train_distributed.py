@@ -139,8 +139,11 @@ def test_two_processes_take_the_steps_of_one_with_gradient_accumulation(made, tm
     reports = tmp_path / "reports"
     reports.mkdir()
     ddp = dataclasses.replace(recipe, out=str(tmp_path / "runs" / "ddp"))
+    # forkserver: the two processes are forked from a server that imported adaflash_hf once (as spawn, each is handed
+    # the pickled recipe and rebuilt from the same preparation data; only the imports are not paid again per process)
+    mp.set_forkserver_preload(["adaflash_hf.training.train_drafter"])
     mp.start_processes(_rank, args=(_free_port(), ddp, str(tmp_path / "runs"), str(reports)), nprocs=WORLD,
-                       start_method="spawn")  # fmt: skip
+                       start_method="forkserver")  # fmt: skip
     ranks = [torch.load(reports / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
     one: dict = {}
