@@ -163,6 +163,8 @@ def test_a_later_call_adds_seeds_and_keeps_the_measured_twin(tmp_path):
     assert first == ["math-twin", "math-opd-s0", "math-opd-s1"]
     _write_run(out, "math-twin", [3.0], [0])
     _write_run(out, "math-opd-s0", [2.0, 2.5], [0, 128])
+    again = [name for wave in recovery.plan(recovery.parse_args(argv)) for name, _ in wave]
+    assert again == first  # a first call again measures its own twin (its drafters may be new)
     later = recovery.parse_args([*argv, "--first-seed", "1"])
     assert [name for wave in recovery.plan(later) for name, _ in wave] == ["math-opd-s1"]
     rows = {r["run"]: r for r in recovery.summarise(later, {"math-opd-s1": 0})["runs"]}

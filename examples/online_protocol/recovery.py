@@ -101,13 +101,14 @@ def _run_args(a, family: str, method: str, seed: int, drafter: Path, out: Path) 
 
 
 def plan(a) -> list[list[tuple[str, list[str]]]]:
-    """Waves of (run name, run.py arguments): the references first (no traffic: quick; one an earlier call measured
-    into --out is kept), then one wave per seed from --first-seed."""
+    """Waves of (run name, run.py arguments): the references first (no traffic: quick; with --first-seed, one an
+    earlier call measured into --out is kept), then one wave per seed from --first-seed."""
     d, out = Path(a.drafters), Path(a.out)
     refs = [(f"{f}-twin", _run_args(a, f, "off", 0, d / "twin", out / f"{f}-twin")) for f in a.families]
     refs += [(f"{f}-offline", _run_args(a, f, "off", 0, out / "offline" / f, out / f"{f}-offline"))
              for f in a.families if a.offline_ft_minutes > 0]
-    refs = [r for r in refs if _load(out, r[0]) is None]
+    if a.first_seed > 0:  # adding seeds: the references measured by the call that ran seed 0 stand
+        refs = [r for r in refs if _load(out, r[0]) is None]
     seeds = [[(f"{f}-{m}-s{s}", _run_args(a, f, m, s, d / f"no-{f}", out / f"{f}-{m}-s{s}"))
               for f in a.families for m in a.methods] for s in range(a.first_seed, a.seeds)]
     return [refs, *seeds]
