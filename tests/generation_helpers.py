@@ -209,10 +209,18 @@ def engine_prompts(lengths: list[int], seed: int, vocab: int = 126) -> list[list
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def plain_greedy_ids(target, prompt: list[int], n: int) -> list[int]:
-    """The `n` tokens plain greedy `generate` appends to `prompt` (the engine's reference)."""
-    out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
+def plain_greedy_ids(target, prompt: list[int], n: int, **kw) -> list[int]:
+    """The `n` tokens plain greedy `generate` appends to `prompt` (the engine's reference); `kw`: more of
+    `generate`'s arguments (`eos_token_id=None`: no stop)."""
+    with torch.inference_mode():
+        out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, **kw)
     return out[0, len(prompt):].tolist()
+
+
+def plain_greedy_once(target, prompt: list[int], n: int, **kw) -> list[int]:
+    """:func:`plain_greedy_ids` computed once per prompt, length and arguments for a module-scoped ``target`` that no
+    test changes (the reference pair): :func:`once_per_model`."""
+    return once_per_model(target, (tuple(prompt), n, tuple(sorted(kw.items()))), lambda: plain_greedy_ids(target, prompt, n, **kw))
 
 
 _ONCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: value}

@@ -18,7 +18,7 @@ from adaflash_hf.engine.kernels.attention import BLOCK
 from adaflash_hf.engine.drafter import DraftGraphs, append_context
 from adaflash_hf.engine.graphs import pick_bucket
 
-from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, once_per_model, plain_greedy_ids
+from generation_helpers import engine_prompts, force_length_head, make_drafter, make_target, plain_greedy_ids, plain_greedy_once
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
@@ -506,9 +506,8 @@ def test_engine_chains_the_next_body_and_equals_plain_greedy(reference_pair, mod
         outs = engine.generate(prompts, max_new_tokens=40)
         runs.append((engine.forward_tokens, [o.token_ids for o in outs], engine.draft_graphs.replays))
     (tokens_c, outs_c, replays_c), (tokens_p, outs_p, _) = runs
-    plain = [once_per_model(target, ("plain, no eos", tuple(p), 40), lambda p=p: target.generate(
-        torch.tensor([p]), do_sample=False, max_new_tokens=40, eos_token_id=None)[0, len(p):].tolist())
-             for p in prompts]  # the engine stops at max_new_tokens only; computed once for the module's target
+    # the engine stops at max_new_tokens only; computed once for the module's target
+    plain = [plain_greedy_once(target, p, 40, eos_token_id=None) for p in prompts]
     assert outs_c == outs_p == plain
     assert tokens_c == tokens_p and len(tokens_c) < 2 * 40  # same rounds: the drafts were the same
     taken = sum(v for k, v in replays_c.items() if k[0] == "chain")

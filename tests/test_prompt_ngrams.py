@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from adaflash_hf.speculation.prompt_ngrams import NgramIndex, PromptNgrams, agree_wide, agree_with_drafts
-from generation_helpers import once_per_model
+from generation_helpers import plain_greedy_once
 
 
 @pytest.mark.parametrize(
@@ -157,22 +157,11 @@ def prompt_ids(reference_pair):
     return [tok(p).input_ids for p in _PROMPTS]
 
 
-def _plain(target, ids, n):
-    """Plain greedy decoding of ``ids``: once per prompt and length for the module's reference target (which no test
-    changes), shared by the tests and parameters that compare against it."""
-
-    def compute():
-        with torch.inference_mode():
-            return target.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids) :].tolist()
-
-    return once_per_model(target, ("plain", tuple(ids), n), compute)
-
-
 @pytest.mark.parametrize("policy", ["fixed", "cost"])
 def test_generate_with_the_rule_equals_plain(reference_pair, prompt_ids, policy):
     target, drafter, tok = reference_pair
     n = 24
-    plain = [_plain(target, ids, n) for ids in prompt_ids]
+    plain = [plain_greedy_once(target, ids, n) for ids in prompt_ids]
     batch = tok(_PROMPTS, return_tensors="pt", padding=True, padding_side="left")
     with torch.inference_mode():
         out, stats = target.generate(**batch, assistant_model=drafter, max_new_tokens=n, do_sample=False,
@@ -202,7 +191,7 @@ def test_generate_with_wide_candidates_equals_plain(reference_pair, rows, policy
     round included: the next rounds draft from it); the default is the control."""
     target, drafter, tok = reference_pair
     n, prompts = 48, [_LONG_PROMPTS[r] for r in rows]
-    plain = [_plain(target, tok(p).input_ids, n) for p in prompts]
+    plain = [plain_greedy_once(target, tok(p).input_ids, n) for p in prompts]
     batch = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
     stats = {}
     for width in (31, None):
@@ -236,7 +225,7 @@ def test_engine_wide_candidates_equal_plain(reference_pair, cuda_graphs):
 
     target, drafter, tok = reference_pair
     prompts = [tok(p).input_ids for p in _LONG_PROMPTS[1:]]
-    plain = [_plain(target, ids, 40) for ids in prompts]
+    plain = [plain_greedy_once(target, ids, 40) for ids in prompts]
     for width in (31, None):
         engine = Engine(target, drafter, length_policy="fixed", max_slots=4, max_len=256, cuda_graphs=cuda_graphs,
                         prompt_ngrams=PromptNgrams(max_width=width))
@@ -256,7 +245,7 @@ def test_engine_with_the_rule_equals_plain(reference_pair, prompt_ids, cuda_grap
 
     target, drafter, _ = reference_pair
     n = 24
-    plain = [_plain(target, ids, n) for ids in prompt_ids]
+    plain = [plain_greedy_once(target, ids, n) for ids in prompt_ids]
     used = {}
     for ngrams in (4, 0):
         engine = Engine(target, drafter, length_policy=policy, max_slots=2, max_len=256, token_budget=256,

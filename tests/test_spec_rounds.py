@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from adaflash_hf.engine import Engine
-from generation_helpers import once_per_model
+from generation_helpers import plain_greedy_once
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +22,8 @@ def ref():
 
 
 def plain(target, prompt, n):
-    """Plain greedy decoding: once per prompt and length for the module's reference target (no test changes it)."""
-    return once_per_model(target, ("plain, no eos", tuple(prompt), n), lambda: target.generate(
-        torch.tensor([prompt]), do_sample=False, max_new_tokens=n, eos_token_id=None)[0, len(prompt):].tolist())
+    """Plain greedy decoding without a stop (the module's reference target: no test changes it)."""
+    return plain_greedy_once(target, prompt, n, eos_token_id=None)
 
 
 def run(target, drafter, prompts, news, spec_rounds):
