@@ -11,6 +11,8 @@ one draw and one acceptance call for every sampled row, whatever the mix of samp
 
 from __future__ import annotations
 
+import functools
+
 import math
 
 import pytest
@@ -161,8 +163,12 @@ class PoisonedEngine(Engine):
     victim: int | None = None
     phase: str | None = None
 
-    def _target_forward(self, segs, layout, num_prefill, verify_inputs):
-        logits, hidden = super()._target_forward(segs, layout, num_prefill, verify_inputs)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.forward = functools.partial(self._poisoned_forward, self.forward)  # the round's target forward
+
+    def _poisoned_forward(self, forward, segs, layout, num_prefill, verify_inputs, **kw):
+        logits, hidden = forward(segs, layout, num_prefill, verify_inputs, **kw)
         slot = next((r.slot for r in self._running if r.id == self.victim), None)
         start = 0
         for j, (s, toks) in enumerate(segs):

@@ -29,13 +29,13 @@ def kernel(name, ts, dur, corr):
 
 
 def two_rounds():
-    """Each round (100 us): a graph replay under engine.py's _target_forward > graphs.py's replay (2 kernels, 30 us),
+    """Each round (100 us): a graph replay under target.py's RoundForward.__call__ > graphs.py's replay (2 kernels, 30 us),
     then an eager kernel under engine.py's _accept (5 us) that the device waits 20 us for."""
     ev = []
     for r, t0 in enumerate((0, 1000)):
         ev += [{"cat": "user_annotation", "name": "round", "ts": t0, "dur": 100},
                py("engine.py(10): _step", t0 + 1, 98),
-               py("engine.py(20): _target_forward", t0 + 2, 20), py("graphs.py(30): replay", t0 + 3, 10),
+               py("target.py(20): __call__", t0 + 2, 20), py("graphs.py(30): replay", t0 + 3, 10),
                launch("cudaGraphLaunch", t0 + 5, 10 * r + 1),
                py("engine.py(40): _accept", t0 + 50, 10), launch("cudaLaunchKernel", t0 + 55, 10 * r + 2),
                kernel("gemm", t0 + 10, 20, 10 * r + 1), kernel("norm", t0 + 30, 10, 10 * r + 1),
@@ -47,7 +47,7 @@ def two_rounds():
 def test_sites_device_time_and_waits():
     a = rk.analyse(two_rounds())
     sites = {s["site"]: s for s in a["sites"]}
-    graph, eager = sites["engine.py:_target_forward > graphs.py:replay"], sites["engine.py:_step > engine.py:_accept"]
+    graph, eager = sites["target.py:__call__ > graphs.py:replay"], sites["engine.py:_step > engine.py:_accept"]
     assert (graph["launches"], graph["kernels"], graph["device_ms"]) == (1, 2, pytest.approx(0.030))
     assert (eager["launches"], eager["kernels"], eager["device_ms"]) == (1, 1, pytest.approx(0.005))
     assert eager["waited_for_ms"] == pytest.approx(0.020) and graph["waited_for_ms"] == 0

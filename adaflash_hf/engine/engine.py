@@ -11,7 +11,7 @@ One :meth:`Engine.step` is one round for every running request:
 2. admit: queued requests whose prompt fits what is left of the token budget, up to the EMA estimate of how many fit
    (:class:`AdmissionController`, :meth:`.lifecycle.Lifecycle.admit`);
 3. one packed target forward over the new prompts (prefill) and every running request's bonus + drafts (verify),
-   through the slotted KV cache (:func:`target_forward`);
+   through the slotted KV cache (:class:`~.target.RoundForward`);
 4. accept (greedy or speculative sampling on processed distributions; a request's penalties and grammar change its
    rows first: :mod:`.processed_rows`, :mod:`.grammar`), commit token by token (:mod:`.lifecycle`).
 
@@ -68,7 +68,7 @@ from .sampled_rows import RoundRandom, sample_drafts, sample_round
 from .sampling import SamplingParams
 from .spec_rounds import SpecRounds, raw_greedy
 from .stats import EngineStats, PhaseTimer
-from .target import PackedLayout, check_target_supported, leading_rows, make_target_cache, target_forward
+from .target import PackedLayout, RoundForward, check_target_supported, leading_rows, make_target_cache
 
 __all__ = ["Engine", "EngineConfig", "EngineOutput", "RequestHandle", "RequestRejected", "StepInfo"]
 
@@ -91,7 +91,8 @@ class Engine:
             ``Engine(t, d, EngineConfig.of(None, max_slots=8))``: the same config, built the one way).
 
     Its parts, each built alone from what it is handed: the :attr:`planner` (verify lengths), the :attr:`lifecycle`
-    (queue, running requests, commit / finish / fail / cancel), :attr:`plain` (queued plain greedy steps,
+    (queue, running requests, commit / finish / fail / cancel), :attr:`forward` (the round's target forward,
+    :class:`~.target.RoundForward`), :attr:`plain` (queued plain greedy steps,
     :mod:`.decode_steps`), the caches and graphs, the counters (:attr:`stats`) and the phase timer profiling switches
     (:attr:`timer`); a :class:`.round_drafts.DraftSource` (``draft_replay``) may stand in for the drafter's ratios and
     drafts. :meth:`_step` is the round that composes them.
@@ -223,6 +224,7 @@ class Engine:
                               RuntimeWarning, stacklevel=3)
         elif self.drafter is not None:
             self.dcache = make_drafter_cache(self.drafter, max_slots, max_len)
+        self.forward = RoundForward(self.target, self.cache, self.graphs, self.hidden_layers, self.fused, self.device)
 
     # ------------------------------------------------------------------ API
     def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams | None = None,
@@ -333,7 +335,7 @@ class Engine:
         verify_inputs = drafts.verify_inputs([r.params.greedy for r in running], len(admitted), self.device)
         self._graph_accept = self._accepts_in_graph(admitted, running, drafts)
         mark("host")
-        logits, hidden = self._target_forward(segs, layout, len(admitted), verify_inputs)
+        logits, hidden = self.forward(segs, layout, len(admitted), verify_inputs, accept=self._graph_accept)
         drafted = verify_inputs[1] if verify_inputs is not None else None
         penalize_round(logits, len(admitted), running, drafts.q_lens, drafted)  # before anything reads the rows
         constrain_round(logits, admitted, running, drafts.q_lens, drafted)
@@ -516,39 +518,6 @@ class Engine:
         res = accept_block(draft_dev, dl_dev, top[vidx], [sampled] if sampled is not None else [])
         vlogits = logits[vidx].float() if self.on_round is not None else None
         return first, res.num_accepted, res.next_tokens, bad, dl_dev, vlogits
-
-    def _target_forward(self, segs, layout: PackedLayout, num_prefill: int, verify_inputs):
-        """Logits of each prefill's last token, then of every verify token; hidden states of every
-        token, in ``layout``'s packed order; the drafts are copied into the verify segments on the device
-        (``verify_inputs``' fill). One eager packed forward, or (CUDA graphs on) an eager
-        prefill forward plus the graph-replayed decode forward (distinct slots: order is free).
-        With graphs, a decode-only round returns views of the static buffers in the model dtype
-        (read before the next replay: the drafter consumes the features at the start of the next round).
-        With ``_graph_accept`` (this round's :meth:`_accepts_in_graph`) the replay accepts greedily too."""
-        offs = layout.offsets
-        dec_start = offs[num_prefill]
-        if self.graphs is None or num_prefill == len(segs):
-            logits_index = [offs[j + 1] - 1 for j in range(num_prefill)] + list(range(dec_start, layout.num_tokens))
-            tokens = torch.tensor([t for _, toks in segs for t in toks], dtype=torch.long, device=self.device)
-            if verify_inputs is not None:
-                dst, drafted = verify_inputs[3]
-                tokens.index_copy_(0, dst + dec_start, drafted)
-            return target_forward(self.target, self.cache, tokens, layout.token_slots(self.device),
-                                  layout.positions(self.device), layout, self.hidden_layers,
-                                  torch.tensor(logits_index, device=self.device), self.fused)
-        pre_layout, dec_layout = layout.split(num_prefill)
-        logits, hidden = self.graphs.run([t for _, toks in segs[num_prefill:] for t in toks], dec_layout, copy=False,
-                                         fill=verify_inputs[3] if verify_inputs is not None else None,
-                                         accept=verify_inputs[2] if self._graph_accept else None)
-        if num_prefill:
-            tokens = torch.tensor([t for _, toks in segs[:num_prefill] for t in toks], dtype=torch.long, device=self.device)
-            last = torch.tensor([offs[j + 1] - 1 for j in range(num_prefill)], device=self.device)
-            pre_logits, pre_hidden = target_forward(self.target, self.cache, tokens, pre_layout.token_slots(self.device),
-                                                    pre_layout.positions(self.device), pre_layout, self.hidden_layers, last,
-                                                    self.fused)
-            logits = torch.cat([pre_logits, logits.float()])
-            hidden = torch.cat([pre_hidden, hidden]) if hidden is not None else None
-        return logits, hidden
 
     def _propose(self, running):
         """One drafter forward for all running requests: drafts ``[n, B-1]`` and ``finite [n]`` (device), the

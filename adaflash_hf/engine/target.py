@@ -29,7 +29,7 @@ from .kernels.fused import FusedTarget
 from .kv_cache import SlotKVCache
 
 __all__ = ["PackedLayout", "check_target_supported", "decoder_forward", "fused_layers", "leading_rows",
-           "make_target_cache", "packed_attention", "repeat", "segments", "target_forward"]
+           "make_target_cache", "packed_attention", "repeat", "RoundForward", "segments", "target_forward"]
 
 SUPPORTED = ("qwen3", "llama")
 
@@ -294,3 +294,54 @@ def target_forward(model, cache: SlotKVCache, tokens: torch.Tensor, slots: torch
 
     logits, hidden = decoder_forward(model, tokens, positions, attend, hidden_layers, logits_index, fused)
     return logits.float(), hidden
+
+
+@dataclass
+class RoundForward:
+    """A round's target forward over the engine's slotted cache: the new prompts (prefill) and every running request's
+    bonus + drafts (verify), packed. One eager :func:`target_forward` (no ``graphs``, or a prefill-only round), or an
+    eager prefill forward beside the ``graphs``' decode replay (:class:`~.graphs.DecodeGraphs`; distinct slots: order
+    is free).
+
+    Example:
+        >>> forward = RoundForward(target, cache, graphs, [1, 3], fused=None, device=torch.device("cuda"))  # doctest: +SKIP
+        >>> logits, hidden = forward(segs, layout, num_prefill=1, verify_inputs=None)  # doctest: +SKIP
+    """
+
+    target: torch.nn.Module
+    cache: SlotKVCache
+    graphs: object | None  # a DecodeGraphs (CUDA graphs on) or None: everything eager
+    hidden_layers: list[int] | None
+    fused: FusedTarget | None
+    device: torch.device
+
+    def __call__(self, segs, layout: PackedLayout, num_prefill: int, verify_inputs, accept: bool = False):
+        """Logits of each prefill's last token, then of every verify token; hidden states of every token, in
+        ``layout``'s packed order. ``segs``: ``(slot, tokens)`` per segment, prefills first; ``verify_inputs``'
+        fill copies the drafts into the verify segments on the device. With graphs, a decode-only round returns views
+        of the static buffers in the model dtype (read them before the next replay: the drafter consumes the features
+        at the start of the next round); ``accept``: the replay accepts greedily too (``verify_inputs``' acceptance
+        inputs)."""
+        offs, device = layout.offsets, self.device
+        dec_start = offs[num_prefill]
+        if self.graphs is None or num_prefill == len(segs):
+            logits_index = [offs[j + 1] - 1 for j in range(num_prefill)] + list(range(dec_start, layout.num_tokens))
+            tokens = torch.tensor([t for _, toks in segs for t in toks], dtype=torch.long, device=device)
+            if verify_inputs is not None:
+                dst, drafted = verify_inputs[3]
+                tokens.index_copy_(0, dst + dec_start, drafted)
+            return target_forward(self.target, self.cache, tokens, layout.token_slots(device), layout.positions(device),
+                                  layout, self.hidden_layers, torch.tensor(logits_index, device=device), self.fused)
+        pre_layout, dec_layout = layout.split(num_prefill)
+        logits, hidden = self.graphs.run([t for _, toks in segs[num_prefill:] for t in toks], dec_layout, copy=False,
+                                         fill=verify_inputs[3] if verify_inputs is not None else None,
+                                         accept=verify_inputs[2] if accept else None)
+        if num_prefill:
+            tokens = torch.tensor([t for _, toks in segs[:num_prefill] for t in toks], dtype=torch.long, device=device)
+            last = torch.tensor([offs[j + 1] - 1 for j in range(num_prefill)], device=device)
+            pre_logits, pre_hidden = target_forward(self.target, self.cache, tokens, pre_layout.token_slots(device),
+                                                    pre_layout.positions(device), pre_layout, self.hidden_layers, last,
+                                                    self.fused)
+            logits = torch.cat([pre_logits, logits.float()])
+            hidden = torch.cat([pre_hidden, hidden]) if hidden is not None else None
+        return logits, hidden
