@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import weakref
 
 import torch
@@ -262,3 +263,9 @@ def delay_drafting_rounds(engine, seconds: float) -> None:
         return real(admitted, running, drafts, *rest)
 
     engine._commit_round = slow
+
+
+def wrap_round_forward(engine, wrapper) -> None:
+    """Route ``engine``'s round target forward (:class:`adaflash_hf.engine.target.RoundForward`) through
+    ``wrapper(forward, segs, layout, num_prefill, verify_inputs, **kw)``, which calls ``forward`` itself (or not)."""
+    engine.forward = functools.partial(wrapper, engine.forward)

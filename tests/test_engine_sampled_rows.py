@@ -11,8 +11,6 @@ one draw and one acceptance call for every sampled row, whatever the mix of samp
 
 from __future__ import annotations
 
-import functools
-
 import math
 
 import pytest
@@ -28,7 +26,7 @@ from adaflash_hf.engine.sampling import RowSampling, SamplingParams, position_ke
 from adaflash_hf.speculation import verify as verify_mod
 from adaflash_hf.speculation.acceptance import AcceptResult
 
-from generation_helpers import FlatDrafter, engine_prompts, make_drafter, make_target, plain_greedy_ids
+from generation_helpers import FlatDrafter, engine_prompts, make_drafter, make_target, plain_greedy_ids, wrap_round_forward
 
 
 def _warped(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -165,7 +163,7 @@ class PoisonedEngine(Engine):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.forward = functools.partial(self._poisoned_forward, self.forward)  # the round's target forward
+        wrap_round_forward(self, self._poisoned_forward)
 
     def _poisoned_forward(self, forward, segs, layout, num_prefill, verify_inputs, **kw):
         logits, hidden = forward(segs, layout, num_prefill, verify_inputs, **kw)

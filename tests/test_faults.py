@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from conftest import build_word_tokenizer
+from generation_helpers import wrap_round_forward
 
 from adaflash_hf.engine import Engine, layout_args
 from adaflash_hf.engine.lifecycle import NON_FINITE
@@ -143,8 +144,12 @@ class NaNPrefillEngine(Engine):
 
     poison = True
 
-    def _target_forward(self, segs, layout, num_prefill, verify_inputs):
-        logits, hidden = super()._target_forward(segs, layout, num_prefill, verify_inputs)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        wrap_round_forward(self, self._poisoned)
+
+    def _poisoned(self, forward, segs, layout, num_prefill, verify_inputs, **kw):
+        logits, hidden = forward(segs, layout, num_prefill, verify_inputs, **kw)
         if self.poison and num_prefill:
             logits, self.poison = logits.clone(), False
             logits[0] = float("nan")
@@ -211,11 +216,15 @@ class FailingEngine(Engine):
 
     fail_on, calls = 2, 0
 
-    def _target_forward(self, segs, layout, num_prefill, verify_inputs):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        wrap_round_forward(self, self._failing)
+
+    def _failing(self, forward, *args, **kw):
         self.calls += 1
         if self.calls == self.fail_on:
             raise RuntimeError("CUDA out of memory (injected)")
-        return super()._target_forward(segs, layout, num_prefill, verify_inputs)
+        return forward(*args, **kw)
 
 
 @pytest.mark.parametrize("mode", ["packed", "off"])
