@@ -296,7 +296,7 @@ def target_forward(model, cache: SlotKVCache, tokens: torch.Tensor, slots: torch
     return logits.float(), hidden
 
 
-@dataclass
+@dataclass(eq=False)  # holds modules and caches: compared by identity
 class RoundForward:
     """A round's target forward over the engine's slotted cache: the new prompts (prefill) and every running request's
     bonus + drafts (verify), packed. One eager :func:`target_forward` (no ``graphs``, or a prefill-only round), or an
