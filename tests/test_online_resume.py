@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from generation_helpers import make_drafter
-from online_helpers import same, snapshot
-from test_faults_online import _adapter, _names, _serves_exactly, setup  # noqa: F401 - setup: a fixture
+from online_helpers import pair, round_adapter, same, serves_exactly, snapshot, tiny_rounds, version_names  # noqa: F401 (pair, tiny_rounds: fixtures)
 
 from adaflash_hf.online import VersionPublisher, list_versions
 
@@ -54,11 +53,11 @@ def _three_versions(target, out: Path) -> list:
     ({3: "truncated", 2: "nan"}, 1),
     ({3: "nan", 2: "truncated", 1: "truncated"}, 0),  # nothing good: the given weights stay
 ])  # fmt: skip
-def test_resume_serves_the_newest_version_that_checks_out(setup, tmp_path, damage, expect):
+def test_resume_serves_the_newest_version_that_checks_out(tiny_rounds, tmp_path, damage, expect):
     from adaflash_hf.online.resume import resume_drafter
     from adaflash_hf.online.versions import verify_version
 
-    target = setup[0]
+    target = tiny_rounds[0]
     snaps = _three_versions(target, tmp_path)
     assert all(verify_version(p) is None for _, p in list_versions(tmp_path))
     for n, how in damage.items():
@@ -73,39 +72,39 @@ def test_resume_serves_the_newest_version_that_checks_out(setup, tmp_path, damag
     assert same(snaps[expect - 1] if expect else start, snapshot(d))
 
 
-def test_an_adapter_resumes_numbers_on_and_keeps_the_version_it_serves(setup, tmp_path):
+def test_an_adapter_resumes_numbers_on_and_keeps_the_version_it_serves(tiny_rounds, tmp_path):
     """resume=True: the newest good version serves (v00003 damaged: v00002), stats and the next version say so,
     and pruning to one version keeps the one serving until a newer one serves; answers stay plain greedy."""
-    target, rounds = setup
+    target, rounds = tiny_rounds
     snaps = _three_versions(target, tmp_path)
     _spoil_weights(tmp_path / "v00003", "truncated")
-    adapter = _adapter(target, output_dir=str(tmp_path), keep_versions=1, resume=True)
+    adapter = round_adapter(target, output_dir=str(tmp_path), keep_versions=1, resume=True)
     try:
         stats = adapter.stats
         assert (stats["served_version"], stats["resumed_from"], stats["versions_rejected"]) == (2, 2, 1)
-        assert same(snaps[1], snapshot(adapter.drafter)) and _serves_exactly(adapter, target)
+        assert same(snaps[1], snapshot(adapter.drafter)) and serves_exactly(adapter.drafter, target)
         adapter.publisher.store.prune()  # the window of one keeps LATEST (v00003) and the version serving
-        assert _names(tmp_path) == ["v00002", "v00003"]
+        assert version_names(tmp_path) == ["v00002", "v00003"]
         adapter.on_round(rounds[0])
         adapter.on_round(rounds[1])
         assert adapter.flush(30)
         meta = json.loads((tmp_path / "v00004" / "adaflash_version.json").read_text())
         assert meta["base_version"] == 2 and adapter.stats["served_version"] == 4
-        assert _names(tmp_path) == ["v00004"] and _serves_exactly(adapter, target)  # v00002 serves no more
+        assert version_names(tmp_path) == ["v00004"] and serves_exactly(adapter.drafter, target)  # v00002 serves no more
     finally:
         adapter.close(timeout=10)
-    fresh = _adapter(target, output_dir=str(tmp_path))  # resume off (the default): the given weights serve
+    fresh = round_adapter(target, output_dir=str(tmp_path))  # resume off (the default): the given weights serve
     try:
         assert fresh.stats["served_version"] == 0 and fresh.stats["resumed_from"] == 0
     finally:
         fresh.close(timeout=10)
 
 
-def test_non_finite_weights_are_never_swapped_in(setup):
+def test_non_finite_weights_are_never_swapped_in(tiny_rounds):
     from adaflash_hf.online import NonFiniteLossError
 
-    target, _ = setup
-    adapter = _adapter(target)
+    target, _ = tiny_rounds
+    adapter = round_adapter(target)
     try:
         before = snapshot(adapter.drafter)
         state = {k: v.clone() for k, v in adapter.drafter.state_dict().items()}
