@@ -142,16 +142,10 @@ def equivalence(target, drafter, prompts, *, slots: int, max_len: int, budget: i
 
 # ----------------------------------------------------------------------------- b: 8B-shape cost
 def cost_8b(device, smoke: bool, quick: bool):
-    from adaflash_hf.engine import Engine
-    from adaflash_hf.engine.graphs import DecodeGraphs
     from adaflash_hf.engine.kernels.fused import FusedTarget
-    from adaflash_hf.engine.target import PackedLayout, make_target_cache
-    from adaflash_hf.engine.kernels.attention import BLOCK
 
     rep = {}
     ctx = 64 if smoke else 1024
-    requests = [1, 2, 4] if smoke else [1, 16, 32, 64, 128]
-    tokens_each = [1, 2, 4] if smoke else [1, 2, 4, 8, 16]
     iters = 3 if (smoke or quick) else 6
     log("b: building the 8B-shaped model")
     t = time.perf_counter()
@@ -163,23 +157,37 @@ def cost_8b(device, smoke: bool, quick: bool):
     weight_bytes = params - embed.numel() * embed.element_size()  # the embedding is looked up, not read
     rep.update(ctx=ctx, param_bytes=params, weight_bytes_per_token=weight_bytes, build_s=build_s,
                param_dtype=str(embed.dtype))
+    rep.update(bandwidth_floor(device, smoke, weight_bytes))
+    new = 16 if smoke else (48 if quick else 96)
+    decode = batch1_decode(device, ctx, new, embed.shape[0])
+    plain_decode_8b(rep, model, device, ctx, new, iters, decode)
+    fused, _ = FusedTarget.build(model)
+    rep["slot_rows"] = [slot_rows_cost(model, fused, device, ctx, S, iters) for S in ([1, 4] if smoke else [1, 16, 128])]
+    rep.update(forward_cost_table(model, fused, device, smoke, ctx, iters))
+    del model
+    free_memory()
+    return rep
 
+
+def bandwidth_floor(device, smoke: bool, weight_bytes: int) -> dict:
+    """The device's copy bandwidth (read + write, 2 GiB of bf16) and the batch-1 floor it sets: weight bytes over it."""
     n = (1 << 22) if smoke else (1 << 30)  # elements (bf16): 2 GiB
     src, dst = torch.empty(n, dtype=torch.bfloat16, device=device), torch.empty(n, dtype=torch.bfloat16, device=device)
     ms = time_ms(lambda: dst.copy_(src), device, iters=5)
-    rep["copy_bandwidth_TBps"] = 2 * n * 2 / (ms * 1e-3) / 1e12  # read + write
-    rep["floor_ms_per_token"] = weight_bytes / (rep["copy_bandwidth_TBps"] * 1e12) * 1e3
-    rep["floor_tok_per_s"] = 1e3 / rep["floor_ms_per_token"]
+    out = {"copy_bandwidth_TBps": 2 * n * 2 / (ms * 1e-3) / 1e12}
+    out["floor_ms_per_token"] = weight_bytes / (out["copy_bandwidth_TBps"] * 1e12) * 1e3
+    out["floor_tok_per_s"] = 1e3 / out["floor_ms_per_token"]
     del src, dst
-    log(f"b: copy bandwidth {rep['copy_bandwidth_TBps']:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB, "
-        f"batch-1 floor {rep['floor_ms_per_token']:.2f} ms/token ({rep['floor_tok_per_s']:.0f} tok/s)")
+    log(f"b: copy bandwidth {out['copy_bandwidth_TBps']:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB, "
+        f"batch-1 floor {out['floor_ms_per_token']:.2f} ms/token ({out['floor_tok_per_s']:.0f} tok/s)")
+    return out
 
-    new = 16 if smoke else (48 if quick else 96)
-    vocab = embed.shape[0]
 
+def batch1_decode(device, ctx: int, new: int, vocab: int):
+    """``decode(eng, seed)``: batch-1 plain decoding of ``new`` tokens after a ~ctx-token prompt, (tokens timed,
+    seconds). A first request of the same length captures every decode bucket it meets (untimed); the second is
+    timed."""
     def decode(eng, seed):
-        """Batch-1 plain decoding of ``new`` tokens after a ~ctx-token prompt: (tokens timed, seconds). A first
-        request of the same length captures every decode bucket it meets (untimed); the second is timed."""
         for s in (seed + 1000, seed):
             h = eng.submit(torch.randint(0, vocab, (ctx - 8,), generator=torch.Generator().manual_seed(s)).tolist(), new)
             eng.step()  # prefill (eager) + first token
@@ -190,7 +198,14 @@ def cost_8b(device, smoke: bool, quick: bool):
             sync(device)
         return len(h.token_ids) - done0, time.perf_counter() - t
 
-    # The same decode through the HF modules (fused_kernels=False, one step per replay): the old path.
+    return decode
+
+
+def plain_decode_8b(rep: dict, model, device, ctx: int, new: int, iters: int, decode) -> None:
+    """Plain decoding in the engine at batch 1, context ~ctx: through the HF modules (one step per replay: the old
+    path), then the fused layers with 1, 8 (the default) and 16 greedy steps per replay; into ``rep``."""
+    from adaflash_hf.engine import Engine
+
     try:
         eng = Engine(model, None, max_slots=1, max_len=ctx + new + 8, token_budget=ctx + 8,
                      cuda_graphs=True, fused_kernels=False, decode_steps=1)
@@ -202,9 +217,6 @@ def cost_8b(device, smoke: bool, quick: bool):
     except Exception:  # noqa: BLE001
         rep["off_batch1_modules"] = {"error": traceback.format_exc()}
         log("b: off batch-1 (modules) FAILED\n" + rep["off_batch1_modules"]["error"])
-
-    # Plain decoding in the engine at batch 1, context ~ctx: one step per replay, then the default
-    # (several greedy steps per replay); the fused layers' one-row kernels as measured at build.
     for k in (1, 8, 16):
         key = "off_batch1" if k == 8 else f"off_batch1_steps_{k}"
         try:
@@ -212,73 +224,100 @@ def cost_8b(device, smoke: bool, quick: bool):
             eng = Engine(model, None, max_slots=1, max_len=ctx + new + 8, token_budget=ctx + 8,
                          cuda_graphs=True, decode_steps=k)
             rep["fuse_s"], rep["fusion_note"] = time.perf_counter() - t, eng.fusion_note
-            if eng.fused is not None:
-                rep.update(row_kernels=eng.fused.row_kernels, block_kernels=eng.fused.block_kernels,
-                           triton_tiles={f"{r} x{n}": list(t) for (r, n), t in eng.fused.triton_configs.items()},
-                           row_timings_ms=eng.fused.row_timings, row_note=eng.fused.row_note,
-                           elementwise=eng.fused.elementwise, elementwise_note=eng.fused.elementwise_note)
-            log(f"b: engine built in {rep['fuse_s']:.1f}s, fused layers: {eng.fused is not None} {eng.fusion_note}; "
-                f"one-row kernels {rep.get('row_kernels')}, 16-row kernels {rep.get('block_kernels')}, Triton tiles "
-                f"{rep.get('triton_tiles')} {rep.get('row_note', '')}; elementwise kernels: {rep.get('elementwise')} "
-                f"{rep.get('elementwise_note', '')}; ms per layer {rep.get('row_timings_ms')}")
-            steps, dt = decode(eng, 0)
-            bucket = max(eng.graphs.replays, key=eng.graphs.replays.get)  # the most replayed decode bucket
-
-            def replay_steps(g=eng.graphs, graph=eng.graphs.graphs.get(bucket), state=eng.graphs._input_state()):
-                g._restore_inputs(state)  # a greedy step graph advances its own inputs (run_greedy's prepare resets them)
-                g.step_index.zero_()
-                for _ in range(k):
-                    graph.replay()
-
-            replay_ms = time_ms(replay_steps, device, iters) / k if eng.graphs.use_graphs else None
-            r = rep[key] = {"fused": eng.fused is not None, "decode_steps": k, "tok_per_s": steps / dt,
-                            "ms_per_token": 1e3 * dt / steps, "graph_replay_ms_per_token": replay_ms, "steps_timed": steps,
-                            "context": ctx, "of_floor": (steps / dt) / rep["floor_tok_per_s"]}
-            log(f"b: off, batch 1, decode_steps={k}: {steps / dt:.1f} tok/s ({1e3 * dt / steps:.2f} ms/token; graph alone "
-                f"{replay_ms if replay_ms is None else round(replay_ms, 2)} ms/token; floor {rep['floor_ms_per_token']:.2f} ms)")
-            try:  # the same decode with profile=True: where a step's time goes
-                h2 = eng.submit(torch.randint(0, vocab, (ctx - 8,), generator=torch.Generator().manual_seed(1)).tolist(), new)
-                eng.step()  # prefill
-                r["phases"] = ph = phase_breakdown(eng, lambda: h2.result())
-                log(f"b: off, batch 1, decode_steps={k}, per token: {fmt_phases(ph)}")
-                if k == 8:
-                    kp = r["kernel_profile"] = kernel_profile(lambda: eng.graphs._forward(*bucket[:3]), device)
-                    if kp:
-                        log(f"b: off decode forward (eager, flex), {kp['kernels'] / len(model.model.layers):.0f} kernels per layer: "
-                            + fmt_kernels(kp, 10))
-            except Exception:  # noqa: BLE001
-                r["phases_error"] = traceback.format_exc()
-                log("b: off batch-1 breakdown FAILED\n" + r["phases_error"])
+            _record_fusion(rep, eng)
+            rep[key] = _decode_steps_row(rep, eng, model, device, ctx, new, iters, k, decode)
             del eng
             free_memory()
         except Exception:  # noqa: BLE001
             rep[key] = {"error": traceback.format_exc()}
             log(f"b: off batch-1 decode_steps={k} FAILED\n" + rep[key]["error"])
 
-    # Batch-1 decode forward against the number of cache slot rows (attention and its query scatter run over
-    # every slot row, used or not): the cost of a large max_slots at low load.
-    fused, _ = FusedTarget.build(model)
-    rep["slot_rows"] = []
-    for S in ([1, 4] if smoke else [1, 16, 128]):
-        row = {"slots": S}
-        try:
-            c1 = make_target_cache(model, S, ctx + 8, spare_slots=1, len_multiple=BLOCK)
-            g1 = DecodeGraphs(model, c1, None, max_tokens=1, max_q=1, fused=fused)
-            s1 = c1.alloc()
-            c1.advance(s1, ctx)
-            b1 = g1.prepare([1], PackedLayout.from_cache(c1, [s1], [1]))
-            g1.replay(b1)
-            sync(device)
-            row["ms"] = time_ms((lambda: g1.graphs[b1].replay()) if g1.use_graphs else (lambda: g1.replay(b1)), device, iters)
-            log(f"b: batch-1 decode forward with {S:4d} slots: {row['ms']:.2f} ms")
-            del g1, c1
-            free_memory()
-        except Exception:  # noqa: BLE001
-            row["error"] = traceback.format_exc()
-            log(f"b: slot rows {S} FAILED\n{row['error']}")
-        rep["slot_rows"].append(row)
 
-    # The forward-cost table through one DecodeGraphs: slots filled to ctx (values do not matter for timing).
+def _record_fusion(rep: dict, eng) -> None:
+    """The kernels the fused layers chose at build and their timings, into ``rep``, and logged."""
+    if eng.fused is not None:
+        rep.update(row_kernels=eng.fused.row_kernels, block_kernels=eng.fused.block_kernels,
+                   triton_tiles={f"{r} x{n}": list(t) for (r, n), t in eng.fused.triton_configs.items()},
+                   row_timings_ms=eng.fused.row_timings, row_note=eng.fused.row_note,
+                   elementwise=eng.fused.elementwise, elementwise_note=eng.fused.elementwise_note)
+    log(f"b: engine built in {rep['fuse_s']:.1f}s, fused layers: {eng.fused is not None} {eng.fusion_note}; "
+        f"one-row kernels {rep.get('row_kernels')}, 16-row kernels {rep.get('block_kernels')}, Triton tiles "
+        f"{rep.get('triton_tiles')} {rep.get('row_note', '')}; elementwise kernels: {rep.get('elementwise')} "
+        f"{rep.get('elementwise_note', '')}; ms per layer {rep.get('row_timings_ms')}")
+
+
+def _decode_steps_row(rep: dict, eng, model, device, ctx: int, new: int, iters: int, k: int, decode) -> dict:
+    """One ``decode_steps=k`` engine's batch-1 row: tok/s, the graph replay alone, and (profiled) where a step's time
+    goes; at k=8 the kernels of one decode forward."""
+    steps, dt = decode(eng, 0)
+    bucket = max(eng.graphs.replays, key=eng.graphs.replays.get)  # the most replayed decode bucket
+
+    def replay_steps(g=eng.graphs, graph=eng.graphs.graphs.get(bucket), state=eng.graphs._input_state()):
+        g._restore_inputs(state)  # a greedy step graph advances its own inputs (run_greedy's prepare resets them)
+        g.step_index.zero_()
+        for _ in range(k):
+            graph.replay()
+
+    replay_ms = time_ms(replay_steps, device, iters) / k if eng.graphs.use_graphs else None
+    r = {"fused": eng.fused is not None, "decode_steps": k, "tok_per_s": steps / dt,
+         "ms_per_token": 1e3 * dt / steps, "graph_replay_ms_per_token": replay_ms, "steps_timed": steps,
+         "context": ctx, "of_floor": (steps / dt) / rep["floor_tok_per_s"]}
+    log(f"b: off, batch 1, decode_steps={k}: {steps / dt:.1f} tok/s ({1e3 * dt / steps:.2f} ms/token; graph alone "
+        f"{replay_ms if replay_ms is None else round(replay_ms, 2)} ms/token; floor {rep['floor_ms_per_token']:.2f} ms)")
+    try:  # the same decode with profile=True: where a step's time goes
+        vocab = model.get_input_embeddings().weight.shape[0]
+        h2 = eng.submit(torch.randint(0, vocab, (ctx - 8,), generator=torch.Generator().manual_seed(1)).tolist(), new)
+        eng.step()  # prefill
+        r["phases"] = ph = phase_breakdown(eng, lambda: h2.result())
+        log(f"b: off, batch 1, decode_steps={k}, per token: {fmt_phases(ph)}")
+        if k == 8:
+            kp = r["kernel_profile"] = kernel_profile(lambda: eng.graphs._forward(*bucket[:3]), device)
+            if kp:
+                log(f"b: off decode forward (eager, flex), {kp['kernels'] / len(model.model.layers):.0f} kernels per layer: "
+                    + fmt_kernels(kp, 10))
+    except Exception:  # noqa: BLE001
+        r["phases_error"] = traceback.format_exc()
+        log("b: off batch-1 breakdown FAILED\n" + r["phases_error"])
+    return r
+
+
+def slot_rows_cost(model, fused, device, ctx: int, S: int, iters: int) -> dict:
+    """Batch-1 decode forward with ``S`` cache slot rows (attention and its query scatter run over every slot row, used
+    or not): the cost of a large max_slots at low load."""
+    from adaflash_hf.engine.graphs import DecodeGraphs
+    from adaflash_hf.engine.kernels.attention import BLOCK
+    from adaflash_hf.engine.target import PackedLayout, make_target_cache
+
+    row = {"slots": S}
+    try:
+        c1 = make_target_cache(model, S, ctx + 8, spare_slots=1, len_multiple=BLOCK)
+        g1 = DecodeGraphs(model, c1, None, max_tokens=1, max_q=1, fused=fused)
+        s1 = c1.alloc()
+        c1.advance(s1, ctx)
+        b1 = g1.prepare([1], PackedLayout.from_cache(c1, [s1], [1]))
+        g1.replay(b1)
+        sync(device)
+        row["ms"] = time_ms((lambda: g1.graphs[b1].replay()) if g1.use_graphs else (lambda: g1.replay(b1)), device, iters)
+        log(f"b: batch-1 decode forward with {S:4d} slots: {row['ms']:.2f} ms")
+        del g1, c1
+        free_memory()
+    except Exception:  # noqa: BLE001
+        row["error"] = traceback.format_exc()
+        log(f"b: slot rows {S} FAILED\n{row['error']}")
+    return row
+
+
+def forward_cost_table(model, fused, device, smoke: bool, ctx: int, iters: int) -> dict:
+    """The forward-cost table through one DecodeGraphs, slots filled to ctx (values do not matter for timing): ms per
+    graph replay by requests x tokens each, kernel profiles of the batch-1 rows, and the 16-token / 1-token verify
+    ratio at batch 1."""
+    from adaflash_hf.engine.graphs import DecodeGraphs
+    from adaflash_hf.engine.kernels.attention import BLOCK
+    from adaflash_hf.engine.target import PackedLayout, make_target_cache
+
+    requests = [1, 2, 4] if smoke else [1, 16, 32, 64, 128]
+    tokens_each = [1, 2, 4] if smoke else [1, 2, 4, 8, 16]
+    vocab = model.get_input_embeddings().weight.shape[0]
     slots = max(requests)
     cache = make_target_cache(model, slots, ctx + max(tokens_each), spare_slots=1, len_multiple=BLOCK)
     graphs = DecodeGraphs(model, cache, None, max_tokens=slots * max(tokens_each), max_q=max(tokens_each), fused=fused)
@@ -291,7 +330,7 @@ def cost_8b(device, smoke: bool, quick: bool):
             row = {"requests": R, "tokens_each": q}
             try:
                 lay = PackedLayout.from_cache(cache, used[:R], [q] * R)
-                bucket = graphs.prepare(torch.randint(0, embed.shape[0], (R * q,), generator=g).tolist(), lay)
+                bucket = graphs.prepare(torch.randint(0, vocab, (R * q,), generator=g).tolist(), lay)
                 t = time.perf_counter()
                 graphs.replay(bucket)  # first use: captures (and compiles flex for a new q bucket)
                 sync(device)
@@ -310,17 +349,16 @@ def cost_8b(device, smoke: bool, quick: bool):
                 row["error"] = traceback.format_exc()
                 log(f"b: R={R} q={q} FAILED\n{row['error']}")
             table.append(row)
-    rep["table"] = table
-    rep["attention_backend"], rep["attention_note"] = graphs.attention.backend, graphs.attention_note
-    rep["capture_s_total"] = graphs.capture_seconds
+    out = {"table": table, "attention_backend": graphs.attention.backend, "attention_note": graphs.attention_note,
+           "capture_s_total": graphs.capture_seconds}
     cost = {(r["requests"], r["tokens_each"]): r["ms"] for r in table if "ms" in r}
     if (1, max(tokens_each)) in cost and (1, 1) in cost:
-        rep["verify_q"] = max(tokens_each)
-        rep["verify_over_decode_batch1"] = cost[(1, max(tokens_each))] / cost[(1, 1)]
-        log(f"b: batch 1, {max(tokens_each)}-token verify / 1-token forward = {rep['verify_over_decode_batch1']:.2f}")
-    del graphs, cache, model
+        out["verify_q"] = max(tokens_each)
+        out["verify_over_decode_batch1"] = cost[(1, max(tokens_each))] / cost[(1, 1)]
+        log(f"b: batch 1, {max(tokens_each)}-token verify / 1-token forward = {out['verify_over_decode_batch1']:.2f}")
+    del graphs, cache
     free_memory()
-    return rep
+    return out
 
 
 # ----------------------------------------------------------------------------- d: measured throughput
