@@ -484,7 +484,7 @@ def projection(cost_rep: dict, measured: list, drafter_layers: int, target_layer
             "drafter_layers": drafter_layers, "target_layers": target_layers, "rows": rows}
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="engine_gpu_check_out", help="output directory (JSON + markdown)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, every section")
@@ -499,97 +499,106 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=400.0, help="skip what would start after this many seconds")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip (a_tiny,b_8b,a_ref,d,c)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    smoke = args.smoke
-    device = args.device or ("cpu" if smoke else ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.float32 if smoke else getattr(torch, args.dtype)
-    check_dtype = torch.float32 if smoke else getattr(torch, args.check_dtype)
-    concurrency = [1, 2, 4] if smoke else [int(c) for c in args.concurrency.split(",")]
-    modes = args.modes.split(",")
-    max_new = args.max_new_tokens or (8 if smoke else (48 if args.quick else 96))
-    skip = set(filter(None, args.skip.split(",")))
-    deadline = T0 + args.budget_s
-    res = {"meta": {"device": device, "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "",
-                    "torch": torch.__version__, "smoke": smoke, "quick": args.quick, "dtype": str(dtype),
-                    "check_dtype": str(check_dtype), "concurrency": concurrency, "max_new_tokens": max_new}}
 
-    def save():
-        res["meta"]["total_s"] = time.perf_counter() - T0
-        (out_dir / "engine_gpu_check.json").write_text(json.dumps(res, indent=1, default=str))
-        (out_dir / "engine_gpu_check.md").write_text(markdown(res))
+class Check:
+    """One run of the sections (module doc) under ``args``: each section in its own try/except, the JSON and the
+    markdown rewritten after every one of them into ``args.out``."""
 
-    def section(name, fn):
-        if name in skip:
+    def __init__(self, args: argparse.Namespace):
+        self.args, smoke = args, args.smoke
+        self.out_dir = Path(args.out)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.device = args.device or ("cpu" if smoke else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = torch.float32 if smoke else getattr(torch, args.dtype)
+        self.check_dtype = torch.float32 if smoke else getattr(torch, args.check_dtype)
+        self.concurrency = [1, 2, 4] if smoke else [int(c) for c in args.concurrency.split(",")]
+        self.max_new = args.max_new_tokens or (8 if smoke else (48 if args.quick else 96))
+        self.skip = set(filter(None, args.skip.split(",")))
+        self.deadline = T0 + args.budget_s
+        self.res = {"meta": {"device": self.device, "smoke": smoke, "quick": args.quick, "dtype": str(self.dtype),
+                             "gpu": torch.cuda.get_device_name() if self.device.startswith("cuda") else "",
+                             "torch": torch.__version__, "check_dtype": str(self.check_dtype),
+                             "concurrency": self.concurrency, "max_new_tokens": self.max_new}}
+
+    def save(self) -> None:
+        self.res["meta"]["total_s"] = time.perf_counter() - T0
+        (self.out_dir / "engine_gpu_check.json").write_text(json.dumps(self.res, indent=1, default=str))
+        (self.out_dir / "engine_gpu_check.md").write_text(markdown(self.res))
+
+    def section(self, name: str, fn) -> None:
+        if name in self.skip:
             return
-        if time.perf_counter() > deadline:
-            res[name] = {"error": f"skipped: past --budget-s {args.budget_s}"}
+        if time.perf_counter() > self.deadline:
+            self.res[name] = {"error": f"skipped: past --budget-s {self.args.budget_s}"}
             log(f"{name}: skipped (time budget)")
-            save()
+            self.save()
             return
         log(f"== section {name}")
         try:
-            res[name] = fn()
+            self.res[name] = fn()
         except Exception:  # noqa: BLE001 - record and go on: one failure must not lose the other sections
-            res[name] = {"error": traceback.format_exc()}
-            log(f"{name} FAILED\n{res[name]['error']}")
+            self.res[name] = {"error": traceback.format_exc()}
+            log(f"{name} FAILED\n{self.res[name]['error']}")
         free_memory()
-        save()
+        self.save()
 
-    pair_slots = max(concurrency)
+    def pair(self, dt, n):
+        if self.args.smoke and self.args.tiny:
+            target, drafter, prompts, eos = tiny_pair(self.device, dt, hidden=64, head_dim=16)
+            return target, drafter, prompts, eos, "tiny random pair (--tiny)"
+        return reference_pair(self.device, dt, self.args.dataset, n)
 
-    def a_tiny():
+    def a_tiny(self):
         # head_dim 32: flex's Triton kernels need head_dim >= 16 (the CPU tests' models use 8 and SDPA)
-        target, drafter, prompts, _ = tiny_pair(device, torch.float32, hidden=128, head_dim=32)
-        rep = equivalence(target, drafter, prompts, slots=pair_slots, max_len=256, budget=1024, max_new=24, tol=1e-3)
+        target, drafter, prompts, _ = tiny_pair(self.device, torch.float32, hidden=128, head_dim=32)
+        rep = equivalence(target, drafter, prompts, slots=max(self.concurrency), max_len=256, budget=1024, max_new=24,
+                          tol=1e-3)
         return {"model": "tiny random Qwen3 (3 layers, hidden 128)", "dtype": "float32", **rep}
 
-    def pair(dt, n):
-        if smoke and args.tiny:
-            target, drafter, prompts, eos = tiny_pair(device, dt, hidden=64, head_dim=16)
-            return target, drafter, prompts, eos, "tiny random pair (--tiny)"
-        return reference_pair(device, dt, args.dataset, n)
-
-    def a_ref():
-        target, drafter, prompts, _, source = pair(check_dtype, 8)
-        tol = 1e-3 if check_dtype == torch.float32 else 3e-2
-        rep = equivalence(target, drafter, prompts, slots=pair_slots, max_len=1024 if not smoke else 512,
+    def a_ref(self):
+        target, drafter, prompts, _, source = self.pair(self.check_dtype, 8)
+        tol = 1e-3 if self.check_dtype == torch.float32 else 3e-2
+        smoke = self.args.smoke
+        rep = equivalence(target, drafter, prompts, slots=max(self.concurrency), max_len=1024 if not smoke else 512,
                           budget=4096, max_new=32 if not smoke else 8, tol=tol)
         return {"model": "reference pair" if "tiny" not in source else source, "prompts": source,
-                "dtype": str(check_dtype), **rep}
+                "dtype": str(self.check_dtype), **rep}
 
-    def d():
-        n = 4 if smoke else (64 if args.quick else 128)
-        target, drafter, prompts, eos, source = pair(dtype, n)
-        res["meta"]["prompts_d"] = source
+    def d(self):
+        smoke, quick = self.args.smoke, self.args.quick
+        target, drafter, prompts, eos, source = self.pair(self.dtype, 4 if smoke else (64 if quick else 128))
+        self.res["meta"]["prompts_d"] = source
         longest = max(len(p) for p in prompts)
-        max_len = longest + max_new + 8
-        budget = max(4096, longest + pair_slots * drafter.config.block_size)
-        rows = throughput(target, drafter, prompts, eos, concurrency=concurrency, modes=modes, max_new=max_new,
-                          max_len=max_len, budget=budget, deadline=deadline + 60, reps=2 if (smoke or args.quick) else 3)
-        return rows
+        budget = max(4096, longest + max(self.concurrency) * drafter.config.block_size)
+        return throughput(target, drafter, prompts, eos, concurrency=self.concurrency, modes=self.args.modes.split(","),
+                          max_new=self.max_new, max_len=longest + self.max_new + 8, budget=budget,
+                          deadline=self.deadline + 60, reps=2 if (smoke or quick) else 3)
 
-    def c():
-        if "table" not in res.get("b_8b", {}):
+    def c(self):
+        if "table" not in self.res.get("b_8b", {}):
             raise RuntimeError("section b_8b has no cost table")
-        if not isinstance(res.get("d"), list):
+        if not isinstance(self.res.get("d"), list):
             raise RuntimeError("section d recorded no traces")
         # The 8B target's DFlash drafter has 5 layers of the target's shape (SPEC section 6).
-        return projection(res["b_8b"], res["d"], drafter_layers=5, target_layers=36)
+        return projection(self.res["b_8b"], self.res["d"], drafter_layers=5, target_layers=36)
 
-    section("a_tiny", a_tiny)
-    section("b_8b", lambda: cost_8b(device, smoke, args.quick))
-    section("a_ref", a_ref)
-    section("d", d)
-    section("c", c)
-    save()
+
+def main(argv=None):
+    run = Check(parse_args(argv))
+    run.section("a_tiny", run.a_tiny)
+    run.section("b_8b", lambda: cost_8b(run.device, run.args.smoke, run.args.quick))
+    run.section("a_ref", run.a_ref)
+    run.section("d", run.d)
+    run.section("c", run.c)
+    run.save()
+    res = run.res
     errs = [k for k, v in res.items() if isinstance(v, dict) and "error" in v]
     bad = [k for k in ("a_tiny", "a_ref") if isinstance(res.get(k), dict) and res[k].get("ok") is False]
     exact = all(e["graph_equals_hf_greedy"] == e["prompts"] for k in ("a_tiny", "a_ref")
                 for e in res.get(k, {}).get("engine", {}).values())
-    log(f"done: errors in {errs or 'no section'}; equivalence failures in {bad or 'none'}; wrote {out_dir}")
+    log(f"done: errors in {errs or 'no section'}; equivalence failures in {bad or 'none'}; wrote {run.out_dir}")
     print("correctness:", "all exact" if exact and not bad and not errs else "MISMATCHES or errors (see the report)")
     return 1 if errs or bad else 0
 
