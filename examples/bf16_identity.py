@@ -43,7 +43,6 @@ import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -52,9 +51,8 @@ import torch
 # sample, without minutes of Hub retries first (export HF_HUB_OFFLINE=0 to allow the Hub).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import first_diff, free_memory, log, qwen3_8b_shape  # noqa: E402
+from gpu_common import Sections, first_diff, free_memory, log, qwen3_8b_shape  # noqa: E402
 
-T0 = time.perf_counter()
 NEAR_TIE_ULPS = 4  # a top-2 margin below this many bf16 ulps counts as a near-tie
 
 
@@ -342,32 +340,11 @@ def main(argv=None):
     skip = set(filter(None, args.skip.split(",")))
     if smoke and not args.smoke_all:  # the quick smoke: tiny b8 and the float32 control
         skip |= {"ref", "b8_fp32"}
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    res = {"meta": {"device": device, "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "",
-                    "torch": torch.__version__, "smoke": smoke, "n": n, "max_new_tokens": max_new, "modes": modes,
-                    "near_tie_ulps": NEAR_TIE_ULPS}}
-
-    def save():
-        res["meta"]["total_s"] = time.perf_counter() - T0
-        (out_dir / "bf16_identity.json").write_text(json.dumps(res, indent=1, default=str))
-        (out_dir / "bf16_identity.md").write_text(markdown(res))
-
-    def section(name, fn):
-        if name in skip:
-            return
-        if time.perf_counter() - T0 > args.budget_s:
-            res[name] = {"error": f"skipped: past the {args.budget_s:.0f}s budget"}
-            log(f"{name}: skipped (budget)")
-            return save()
-        log(f"== {name}")
-        try:
-            res[name] = fn()
-        except Exception as exc:  # noqa: BLE001 - record it, run the next section
-            res[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-            log(f"{name}: {res[name]['error']}")
-        free_memory()
-        save()
+    meta = {"device": device, "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "",
+            "torch": torch.__version__, "smoke": smoke, "n": n, "max_new_tokens": max_new, "modes": modes,
+            "near_tie_ulps": NEAR_TIE_ULPS}
+    run = Sections(args.out, "bf16_identity", markdown, meta, skip, args.budget_s)
+    section, res = run.section, run.results
 
     def b8():
         target, drafter = pair_8b(device, smoke)
@@ -401,7 +378,6 @@ def main(argv=None):
             del target, drafter
 
     section("b8_fp32", b8_fp32)
-    save()
     print(markdown(res))
     control = res.get("fp32", {}).get("comparisons")
     if control:

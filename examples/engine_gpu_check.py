@@ -41,12 +41,10 @@ SDPA, so every section runs end to end at tiny sizes.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
@@ -54,7 +52,7 @@ from adaflash_hf.speculation.rounds import mean_tokens_per_round
 
 from engine_gpu_report import markdown  # noqa: E402
 from gpu_common import (  # noqa: E402
-    T0, first_diff, fmt_kernels, fmt_phases, free_memory, greedy_refs, kernel_profile, log, phase_breakdown,
+    T0, Sections, first_diff, fmt_kernels, fmt_phases, free_memory, greedy_refs, kernel_profile, log, phase_breakdown,
     qwen3_8b_shape, reference_pair, sync, time_ms, tiny_pair,
 )
 
@@ -503,46 +501,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class Check:
-    """One run of the sections (module doc) under ``args``: each section in its own try/except, the JSON and the
-    markdown rewritten after every one of them into ``args.out``."""
+    """The sections (module doc) under ``args``, run through :class:`gpu_common.Sections` (each in its own try/except,
+    the JSON and the markdown rewritten after every one of them into ``args.out``)."""
 
     def __init__(self, args: argparse.Namespace):
         self.args, smoke = args, args.smoke
-        self.out_dir = Path(args.out)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.device = args.device or ("cpu" if smoke else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = torch.float32 if smoke else getattr(torch, args.dtype)
         self.check_dtype = torch.float32 if smoke else getattr(torch, args.check_dtype)
         self.concurrency = [1, 2, 4] if smoke else [int(c) for c in args.concurrency.split(",")]
         self.max_new = args.max_new_tokens or (8 if smoke else (48 if args.quick else 96))
-        self.skip = set(filter(None, args.skip.split(",")))
         self.deadline = T0 + args.budget_s
-        self.res = {"meta": {"device": self.device, "smoke": smoke, "quick": args.quick, "dtype": str(self.dtype),
-                             "gpu": torch.cuda.get_device_name() if self.device.startswith("cuda") else "",
-                             "torch": torch.__version__, "check_dtype": str(self.check_dtype),
-                             "concurrency": self.concurrency, "max_new_tokens": self.max_new}}
-
-    def save(self) -> None:
-        self.res["meta"]["total_s"] = time.perf_counter() - T0
-        (self.out_dir / "engine_gpu_check.json").write_text(json.dumps(self.res, indent=1, default=str))
-        (self.out_dir / "engine_gpu_check.md").write_text(markdown(self.res))
-
-    def section(self, name: str, fn) -> None:
-        if name in self.skip:
-            return
-        if time.perf_counter() > self.deadline:
-            self.res[name] = {"error": f"skipped: past --budget-s {self.args.budget_s}"}
-            log(f"{name}: skipped (time budget)")
-            self.save()
-            return
-        log(f"== section {name}")
-        try:
-            self.res[name] = fn()
-        except Exception:  # noqa: BLE001 - record and go on: one failure must not lose the other sections
-            self.res[name] = {"error": traceback.format_exc()}
-            log(f"{name} FAILED\n{self.res[name]['error']}")
-        free_memory()
-        self.save()
+        meta = {"device": self.device, "smoke": smoke, "quick": args.quick, "dtype": str(self.dtype),
+                "gpu": torch.cuda.get_device_name() if self.device.startswith("cuda") else "",
+                "torch": torch.__version__, "check_dtype": str(self.check_dtype),
+                "concurrency": self.concurrency, "max_new_tokens": self.max_new}
+        self.sections = Sections(args.out, "engine_gpu_check", markdown, meta, filter(None, args.skip.split(",")),
+                                 args.budget_s)
+        self.res = self.sections.results
 
     def pair(self, dt, n):
         if self.args.smoke and self.args.tiny:
@@ -587,18 +563,18 @@ class Check:
 
 def main(argv=None):
     run = Check(parse_args(argv))
-    run.section("a_tiny", run.a_tiny)
-    run.section("b_8b", lambda: cost_8b(run.device, run.args.smoke, run.args.quick))
-    run.section("a_ref", run.a_ref)
-    run.section("d", run.d)
-    run.section("c", run.c)
-    run.save()
+    section = run.sections.section
+    section("a_tiny", run.a_tiny)
+    section("b_8b", lambda: cost_8b(run.device, run.args.smoke, run.args.quick))
+    section("a_ref", run.a_ref)
+    section("d", run.d)
+    section("c", run.c)
     res = run.res
     errs = [k for k, v in res.items() if isinstance(v, dict) and "error" in v]
     bad = [k for k in ("a_tiny", "a_ref") if isinstance(res.get(k), dict) and res[k].get("ok") is False]
     exact = all(e["graph_equals_hf_greedy"] == e["prompts"] for k in ("a_tiny", "a_ref")
                 for e in res.get(k, {}).get("engine", {}).values())
-    log(f"done: errors in {errs or 'no section'}; equivalence failures in {bad or 'none'}; wrote {run.out_dir}")
+    log(f"done: errors in {errs or 'no section'}; equivalence failures in {bad or 'none'}; wrote {run.args.out}")
     print("correctness:", "all exact" if exact and not bad and not errs else "MISMATCHES or errors (see the report)")
     return 1 if errs or bad else 0
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import statistics
 import time
+import traceback
 
 import torch
 
@@ -36,6 +37,48 @@ def write_report(out, stem: str, res: dict, lines: list[str]) -> None:
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+class Sections:
+    """The sections of a GPU check, run one after another into one report (``out_dir/stem.json`` and ``stem.md``,
+    ``markdown(results)``), both rewritten after every section: a section is skipped by name (``skip``) or once
+    ``budget_s`` has passed since the script started (recorded as an error), and one that raises is recorded
+    (``{"error": "Type: message", "traceback": ...}``) while the next still runs. ``results["meta"]`` is ``meta``.
+
+    Example:
+        >>> run = Sections(Path("out"), "check", markdown, {"device": "cuda"}, skip={"b"}, budget_s=400)  # doctest: +SKIP
+        >>> run.section("a", lambda: {"ok": True})  # doctest: +SKIP
+    """
+
+    def __init__(self, out_dir, stem: str, markdown, meta: dict, skip=(), budget_s: float = float("inf")):
+        from pathlib import Path
+
+        self.out_dir, self.stem, self.markdown = Path(out_dir), stem, markdown
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.skip, self.budget_s = set(skip), budget_s
+        self.results = {"meta": meta}
+
+    def save(self) -> None:
+        self.results["meta"]["total_s"] = time.perf_counter() - T0
+        (self.out_dir / f"{self.stem}.json").write_text(json.dumps(self.results, indent=1, default=str))
+        (self.out_dir / f"{self.stem}.md").write_text(self.markdown(self.results))
+
+    def section(self, name: str, fn) -> None:
+        """Run ``fn()`` as section ``name`` (its result, or its error, under that key), then save."""
+        if name in self.skip:
+            return
+        if time.perf_counter() - T0 > self.budget_s:
+            self.results[name] = {"error": f"skipped: past the {self.budget_s:.0f} s budget"}
+            log(f"{name}: skipped (budget)")
+        else:
+            log(f"== section {name}")
+            try:
+                self.results[name] = fn()
+            except Exception as exc:  # noqa: BLE001 - record it and run the next section
+                self.results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+                log(f"{name} FAILED\n{self.results[name]['traceback']}")
+            free_memory()
+        self.save()
 
 
 def log(msg: str) -> None:
