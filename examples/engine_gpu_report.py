@@ -19,11 +19,16 @@ def markdown(res: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _error_block(sec: dict) -> list[str]:
+    """A failed section's traceback (its error where none was kept), the last 2000 characters, as a code block."""
+    return ["```", sec.get("traceback", sec["error"])[-2000:], "```", ""]
+
+
 def _equivalence(key: str, sec: dict) -> list[str]:
     """Sections a_tiny and a_ref: graph replay against the eager forward, bucket by bucket and end to end."""
     out = [f"## {key}: graph replay vs eager ({sec.get('model', '')}, {sec.get('dtype', '')})", ""]
     if "error" in sec:
-        out += ["```", sec.get("traceback", sec["error"])[-2000:], "```", ""]
+        out += _error_block(sec)
         return out
     out += [f"attention: {sec.get('attention_backend')} {sec.get('attention_note', '')}", "",
             "| bucket (tokens, q) | q_lens | logits rel err | hidden rel err | argmax agree | ok |", "|---|---|---|---|---|---|"]
@@ -41,7 +46,7 @@ def _cost_8b(b: dict) -> list[str]:
     """Section b: the 8B shape's bandwidth floor, batch-1 plain decoding and its forward-cost table."""
     out = ["## b: Qwen3-8B shape, random bf16 weights", ""]
     if "error" in b and "table" not in b:
-        out += ["```", b.get("traceback", b["error"])[-2000:], "```", ""]
+        out += _error_block(b)
     else:
         out.append(f"copy bandwidth {b['copy_bandwidth_TBps']:.2f} TB/s; weights read per token "
                    f"{b['weight_bytes_per_token'] / 1e9:.2f} GB; batch-1 floor {b['floor_ms_per_token']:.2f} ms/token "
@@ -92,7 +97,7 @@ def _throughput(d) -> list[str]:
     """Section d: the reference pair's measured throughput by concurrency and mode, and the profiled breakdown."""
     out = ["## d: measured throughput, reference pair, real prompts", ""]
     if isinstance(d, dict) and "error" in d:
-        out += ["```", d.get("traceback", d["error"])[-2000:], "```", ""]
+        out += _error_block(d)
     else:
         out += ["| concurrency | mode | tok/s (median) | timed runs | tau | mean verify len | steps | capture s |",
                 "|---|---|---|---|---|---|---|---|"]
@@ -122,7 +127,7 @@ def _projection(c: dict) -> list[str]:
     """Section c: the 8B-scale PROJECTION (labelled as such: not a measurement)."""
     out = ["## c: PROJECTION at 8B scale (not a measurement)", ""]
     if "error" in c:
-        out += ["```", c.get("traceback", c["error"])[-2000:], "```", ""]
+        out += _error_block(c)
     else:
         out += [c["label"] + ".", "", "| concurrency | mode | tau | verify len | target ms | drafter ms (est) | tok/s | vs off |",
                 "|---|---|---|---|---|---|---|---|"]

@@ -12,6 +12,7 @@ import shutil
 import statistics
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -30,8 +31,6 @@ FALLBACK_QUESTIONS = [  # used only if the shared gsm8k data is not reachable
 
 def write_report(out, stem: str, res: dict, lines: list[str]) -> None:
     """A probe's results into ``out``: ``stem.json`` (``res``) and ``stem.md`` (``lines``), also printed."""
-    from pathlib import Path
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
@@ -51,8 +50,6 @@ class Sections:
     """
 
     def __init__(self, out_dir, stem: str, markdown, meta: dict, skip=(), budget_s: float = float("inf")):
-        from pathlib import Path
-
         self.out_dir, self.stem, self.markdown = Path(out_dir), stem, markdown
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.skip, self.budget_s = set(skip), budget_s
